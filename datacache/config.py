@@ -1,0 +1,344 @@
+"""Settings: defaults, one TOML file, ``DATACACHE_*`` variables and flags, merged once.
+
+The result is a frozen `Settings`. The environment mapping is a parameter so
+tests pass their own. Storage options (endpoints, credentials) are kept out of
+every ``repr`` and message.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from datacache.errors import ConfigError
+from datacache.tiers import RetryPolicy, redact_url, split_scheme
+from datacache.units import parse_bandwidth, parse_size
+
+__all__ = [
+    "POLICIES",
+    "DatasetConfig",
+    "Settings",
+    "dataset_id_for",
+    "default_cache_dir",
+    "default_config_path",
+    "load_settings",
+    "resolve_dataset",
+]
+
+POLICIES = ("auto", "lru", "nothrash", "belady")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path:
+    """The per-user cache directory: ``$XDG_CACHE_HOME/datacache`` or ``~/.cache/datacache``."""
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
+    return Path(base).expanduser() / "datacache"
+
+
+def default_config_path(env: Mapping[str, str]) -> Path:
+    """The per-user config file: ``$XDG_CONFIG_HOME/datacache/config.toml``."""
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or Path.home()) / ".config")
+    return Path(base).expanduser() / "datacache" / "config.toml"
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """One dataset: where it lives, how to reach it, how to keep it cached."""
+
+    name: str
+    url: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    policy: str = "auto"
+    pinned: bool = False
+    format: str | None = None
+
+    @property
+    def id(self) -> str:
+        """The directory name of this dataset in every tier."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"DatasetConfig(name={self.name!r}, url={redact_url(self.url)!r}, policy={self.policy!r})"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable, resolved. Build it with `load_settings`."""
+
+    local_dir: Path
+    local_capacity: int | None = None
+    shared_dir: Path | None = None
+    shared_capacity: int | None = None
+    concurrency: int = 8
+    part_size: int = 8 << 20
+    memory_budget: int = 256 << 20
+    bandwidth_limit: float | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    lease_seconds: float = 30.0
+    verify_on_read: bool = True
+    default_policy: str = "auto"
+    socket_path: Path | None = None
+    metrics_address: str = "127.0.0.1:9464"
+    storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
+    datasets: Mapping[str, DatasetConfig] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    @property
+    def daemon_socket(self) -> Path:
+        """The daemon's Unix socket: configured, else ``<local_dir>/daemon.sock``."""
+        return self.socket_path or self.local_dir / "daemon.sock"
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        """Return a copy with ``changes`` applied (flags given on the command line)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# key -> (section in the TOML file, parser)
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{what}: expected a positive integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{what}: expected a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return number
+
+
+def _positive_size(value: Any, what: str) -> int:
+    size = parse_size(value, what=what)
+    if size <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return size
+
+
+def _path(value: Any, what: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what}: expected a path, got {value!r}")
+    return Path(value).expanduser().absolute()
+
+
+def _boolean(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{what}: expected true or false, got {value!r}")
+
+
+def _policy(value: Any, what: str) -> str:
+    if value not in POLICIES:
+        raise ConfigError(f"{what}: unknown eviction policy {value!r} (choose from {', '.join(POLICIES)})")
+    return str(value)
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{what}: expected a number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{what}: expected a number of seconds, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return number
+
+
+def _address(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value):
+        raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
+    return value
+
+
+_SETTINGS: dict[str, tuple[str, Any]] = {
+    "local_dir": ("cache", _path),
+    "local_capacity": ("cache", _positive_size),
+    "shared_dir": ("cache", _path),
+    "shared_capacity": ("cache", _positive_size),
+    "concurrency": ("staging", _positive_int),
+    "part_size": ("staging", _positive_size),
+    "memory_budget": ("staging", _positive_size),
+    "bandwidth_limit": ("staging", lambda v, w: parse_bandwidth(v, what=w)),
+    "max_attempts": ("staging", _positive_int),
+    "lease_seconds": ("staging", _seconds),
+    "verify_on_read": ("staging", _boolean),
+    "default_policy": ("staging", _policy),
+    "socket": ("daemon", _path),
+    "metrics_address": ("daemon", _address),
+}
+_SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
+_DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
+FORMATS = ("tar", "parquet", "zarr", "files")
+
+
+def _suggest(word: str, choices: list[str] | set[str]) -> str:
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
+
+
+def _dataset_from_table(name: str, table: Any, where: str) -> DatasetConfig:
+    if not _NAME.match(name):
+        raise ConfigError(f"{where}: dataset name {name!r} must be letters, digits, '.', '_' or '-'")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [datasets.{name}] must be a table")
+    for key in table:
+        if key not in _DATASET_KEYS:
+            raise ConfigError(f"{where}: unknown key 'datasets.{name}.{key}'{_suggest(key, _DATASET_KEYS)}")
+    url = table.get("url")
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{where}: [datasets.{name}] needs a url")
+    options = table.get("storage_options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}: datasets.{name}.storage_options must be a table")
+    fmt = table.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise ConfigError(f"{where}: datasets.{name}.format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    return DatasetConfig(
+        name=name,
+        url=url,
+        storage_options=options,
+        policy=_policy(table.get("policy", "auto"), f"datasets.{name}.policy"),
+        pinned=_boolean(table.get("pin", False), f"datasets.{name}.pin"),
+        format=fmt,
+    )
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None,
+    *,
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge defaults, the config file, ``DATACACHE_*`` variables and ``overrides``, in that order.
+
+    Parameters
+    ----------
+    env
+        The environment to read; ``os.environ`` when omitted.
+    config_path
+        The TOML file; else ``DATACACHE_CONFIG``; else the per-user config file if it exists.
+    overrides
+        Values from command-line flags, by setting name (``local_dir``, ``concurrency``, ...).
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    datasets: dict[str, DatasetConfig] = {}
+    storage_options: dict[str, dict[str, Any]] = {}
+
+    explicit = config_path or env.get("DATACACHE_CONFIG")
+    path = Path(explicit).expanduser() if explicit else default_config_path(env)
+    if explicit and not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (from {'--config' if config_path else 'DATACACHE_CONFIG'})")
+    loaded_from: Path | None = None
+    if path.is_file():
+        loaded_from = path
+        document = _read_toml(path)
+        for section, table in document.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"config file {path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
+            if not isinstance(table, dict):
+                raise ConfigError(f"config file {path}: [{section}] must be a table")
+            if section == "datasets":
+                for name, entry in table.items():
+                    datasets[name] = _dataset_from_table(name, entry, f"config file {path}")
+                continue
+            if section == "storage_options":
+                for scheme, options in table.items():
+                    if not isinstance(options, dict):
+                        raise ConfigError(f"config file {path}: [storage_options.{scheme}] must be a table")
+                    storage_options[scheme] = options
+                continue
+            allowed = {key for key, (sec, _) in _SETTINGS.items() if sec == section}
+            for key, value in table.items():
+                if key not in allowed:
+                    raise ConfigError(
+                        f"config file {path}: unknown key '{section}.{key}'{_suggest(key, allowed)}"
+                    )
+                values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
+
+    known_env = {f"DATACACHE_{key.upper()}": key for key in _SETTINGS}
+    known_env.update({"DATACACHE_CONFIG": "", "DATACACHE_LOG": "", "DATACACHE_LOG_FORMAT": ""})
+    for name, value in env.items():
+        if not name.startswith("DATACACHE_"):
+            continue
+        key = known_env.get(name)
+        if key is None:
+            raise ConfigError(f"unknown environment variable {name}{_suggest(name, set(known_env))}")
+        if key:
+            values[key] = _SETTINGS[key][1](value, name)
+
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in _SETTINGS:
+            raise ConfigError(f"unknown setting {key!r}{_suggest(key, set(_SETTINGS))}")
+        values[key] = _SETTINGS[key][1](value, f"--{key.replace('_', '-')}")
+
+    retry = RetryPolicy(max_attempts=values.pop("max_attempts", RetryPolicy().max_attempts))
+    socket = values.pop("socket", None)
+    local_dir = values.pop("local_dir", None) or default_cache_dir(env).absolute()
+    return Settings(
+        local_dir=local_dir,
+        retry=retry,
+        socket_path=socket,
+        storage_options=storage_options,
+        datasets=datasets,
+        config_path=loaded_from,
+        **values,
+    )
+
+
+def dataset_id_for(url: str) -> str:
+    """A stable, filesystem-safe id for an unnamed dataset URL: ``<last-part>-<hash8>``."""
+    normalized = url.rstrip("/")
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", normalized.rsplit("/", 1)[-1]).strip(".-") or "dataset"
+    digest = hashlib.sha256(redact_url(normalized).encode()).hexdigest()[:8]
+    return f"{tail[:60]}-{digest}"
+
+
+def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None) -> DatasetConfig:
+    """Return the dataset ``spec`` names: a configured name, or a URL or local path."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("expected a dataset: a URL (s3://bucket/prefix), a local path, or a configured name")
+    if spec in settings.datasets:
+        dataset = settings.datasets[spec]
+        if dataset.policy == "auto" and settings.default_policy != "auto":
+            dataset = replace(dataset, policy=settings.default_policy)
+    else:
+        scheme, _ = split_scheme(spec)
+        looks_like_path = "://" in spec or spec.startswith(("/", ".", "~")) or os.path.exists(spec)
+        if not looks_like_path:
+            known = ", ".join(sorted(settings.datasets)) or "none configured"
+            raise ConfigError(
+                f"unknown dataset {spec!r}: not a URL, not an existing path, and not a name in the config (known: {known})"
+            )
+        url = spec
+        if scheme == "file" and "://" not in spec:
+            url = str(Path(spec).expanduser().absolute())
+        dataset = DatasetConfig(
+            name=dataset_id_for(url),
+            url=url,
+            storage_options=dict(settings.storage_options.get(scheme, {})),
+            policy=settings.default_policy,
+        )
+    if policy is not None:
+        dataset = replace(dataset, policy=_policy(policy, "--policy"))
+    return dataset

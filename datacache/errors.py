@@ -1,0 +1,75 @@
+"""The exceptions datacache raises, rooted in builtins so callers can catch either.
+
+Every error carries a one-line message that names what is wrong (a dataset, a
+shard, a setting) and never a credential.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumMismatchError",
+    "ConfigError",
+    "DatacacheError",
+    "DaemonUnavailableError",
+    "InvalidKeyError",
+    "OriginChangedError",
+    "OriginError",
+    "OriginPermissionError",
+    "ShardNotFoundError",
+    "ShardReadError",
+    "TierFullError",
+    "TransientOriginError",
+    "UnsupportedURLError",
+]
+
+
+class DatacacheError(Exception):
+    """Base of every error datacache raises on purpose."""
+
+
+class ConfigError(DatacacheError, ValueError):
+    """A setting, config file, flag or argument is invalid."""
+
+
+class UnsupportedURLError(ConfigError):
+    """A URL names a scheme no installed backend handles."""
+
+
+class InvalidKeyError(DatacacheError, ValueError):
+    """A key or member name would escape its directory, or is otherwise unusable."""
+
+
+class ShardNotFoundError(DatacacheError, FileNotFoundError):
+    """A shard, object, bucket or prefix does not exist where it was looked for."""
+
+
+class OriginError(DatacacheError, OSError):
+    """The origin (object storage) failed a request in a way retries do not fix."""
+
+
+class OriginPermissionError(OriginError, PermissionError):
+    """The origin refused access: missing or wrong credentials, or a denied request."""
+
+
+class TransientOriginError(OriginError):
+    """A request failed in a way a retry may fix (throttling, 5xx, reset connection)."""
+
+
+class OriginChangedError(DatacacheError):
+    """An origin object no longer matches the manifest snapshot that asked for it."""
+
+
+class ChecksumMismatchError(DatacacheError):
+    """Bytes read did not match the size or checksum the manifest records."""
+
+
+class ShardReadError(DatacacheError):
+    """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
+
+
+class TierFullError(DatacacheError, OSError):
+    """A tier cannot take a shard: its capacity is too small or the disk is full."""
+
+
+class DaemonUnavailableError(DatacacheError, ConnectionError):
+    """The per-node daemon is not reachable over its socket."""

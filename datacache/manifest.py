@@ -1,0 +1,328 @@
+"""Dataset manifests: the snapshot of a dataset's shards that every epoch reads from.
+
+A manifest lists each shard's key (relative to the dataset URL), size, origin
+version (ETag or mtime) and, where known, checksum and sample count. It is
+taken by listing the origin once and persisted, so later runs, ranks and
+workers reuse it without listing the bucket again. A dataset written by
+``datacache shard`` carries its own manifest (``datacache-manifest.json``) with
+checksums and sample counts, which is used as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from datacache.config import DatasetConfig
+from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
+from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers._files import atomic_write
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Manifest",
+    "ManifestStore",
+    "Shard",
+    "ShardFormat",
+    "detect_format",
+    "take_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "datacache-manifest.json"
+"""The file ``datacache shard`` writes at the root of its output."""
+
+_FORMAT_VERSION = 1
+
+
+class ShardFormat(StrEnum):
+    """How the samples of a dataset are laid out in its files."""
+
+    TAR = "tar"
+    PARQUET = "parquet"
+    ZARR = "zarr"
+    FILES = "files"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One file of a dataset, as the manifest snapshot recorded it."""
+
+    key: str
+    size: int
+    version: str | None = None
+    checksum: str | None = None
+    samples: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"key": self.key, "size": self.size}
+        for name in ("version", "checksum", "samples"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Shard:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a shard entry must be an object")
+        key = data.get("key")
+        size = data.get("size")
+        if not isinstance(key, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(f"{where}: a shard entry needs a string key and a non-negative integer size")
+        validate_key(key)
+        version = data.get("version")
+        checksum = data.get("checksum")
+        samples = data.get("samples")
+        if version is not None and not isinstance(version, str):
+            raise ConfigError(f"{where}: shard {key!r}: version must be a string")
+        if checksum is not None and not (isinstance(checksum, str) and checksum.startswith("xxh3_64:")):
+            raise ConfigError(f"{where}: shard {key!r}: checksum must look like 'xxh3_64:<hex>'")
+        if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
+            raise ConfigError(f"{where}: shard {key!r}: samples must be a non-negative integer")
+        return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A dataset's shards at one moment; an epoch reads one manifest, never two."""
+
+    dataset: str
+    url: str
+    format: ShardFormat
+    shards: tuple[Shard, ...]
+    created: float = field(default_factory=time.time)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def snapshot(self) -> str:
+        """A digest of every shard's key, size and version: equal snapshots, equal data."""
+        digest = hashlib.sha256()
+        for shard in self.shards:
+            digest.update(f"{shard.key}\0{shard.size}\0{shard.version}\n".encode())
+        return digest.hexdigest()[:16]
+
+    @cached_property
+    def _by_key(self) -> dict[str, Shard]:
+        return {shard.key: shard for shard in self.shards}
+
+    def shard(self, key: str) -> Shard:
+        """Return the shard ``key``; raise `ShardNotFoundError` naming the dataset if absent."""
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise ShardNotFoundError(f"dataset {self.dataset}: no shard {key!r} in its manifest") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(shard.size for shard in self.shards)
+
+    @property
+    def total_samples(self) -> int | None:
+        """Sum of the sample counts, or ``None`` if any shard's count is unknown."""
+        counts = [shard.samples for shard in self.shards]
+        if any(count is None for count in counts):
+            return None
+        return sum(count for count in counts if count is not None)
+
+    def select(self, spec: str | None) -> list[Shard]:
+        """Return the shards a ``--shards`` spec names: ``"0:10"`` (indexes), ``"a.tar,b.tar"`` (keys) or all."""
+        if not spec:
+            return list(self.shards)
+        if ":" in spec and all(part.strip().lstrip("-").isdigit() or not part.strip() for part in spec.split(":")):
+            parts = [int(p) if p.strip() else None for p in spec.split(":")]
+            if len(parts) > 3:
+                raise ConfigError(f"--shards {spec!r}: expected START:STOP[:STEP]")
+            return list(self.shards[slice(*parts)])
+        selected = []
+        for key in (k.strip() for k in spec.split(",")):
+            if key:
+                selected.append(self.shard(key))
+        return selected
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": _FORMAT_VERSION,
+            "dataset": self.dataset,
+            "url": redact_url(self.url),
+            "format": self.format.value,
+            "created": self.created,
+            "snapshot": self.snapshot,
+            "extra": dict(self.extra),
+            "shards": [shard.to_json() for shard in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Manifest:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a manifest must be a JSON object")
+        if data.get("format_version") != _FORMAT_VERSION:
+            raise ConfigError(f"{where}: unsupported manifest format_version {data.get('format_version')!r}")
+        try:
+            fmt = ShardFormat(data.get("format"))
+        except ValueError:
+            raise ConfigError(f"{where}: unknown format {data.get('format')!r}") from None
+        shards = data.get("shards")
+        if not isinstance(shards, list):
+            raise ConfigError(f"{where}: 'shards' must be a list")
+        extra = data.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{where}: 'extra' must be an object")
+        parsed = tuple(Shard.from_json(entry, where) for entry in shards)
+        if len({s.key for s in parsed}) != len(parsed):
+            raise ConfigError(f"{where}: duplicate shard keys")
+        created = data.get("created", 0.0)
+        return cls(
+            dataset=str(data.get("dataset", "")),
+            url=str(data.get("url", "")),
+            format=fmt,
+            shards=parsed,
+            created=float(created) if isinstance(created, int | float) else 0.0,
+            extra=extra,
+        )
+
+
+_ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+
+
+def detect_format(keys: Iterable[str]) -> ShardFormat:
+    """Guess a dataset's format from its keys: tar shards, Parquet, a Zarr store, or plain files."""
+    keys = list(keys)
+    names = {key.rsplit("/", 1)[-1] for key in keys}
+    if names & {"zarr.json", ".zarray"}:
+        return ShardFormat.ZARR
+    if any(key.endswith(".tar") for key in keys):
+        return ShardFormat.TAR
+    if any(key.endswith(".parquet") for key in keys):
+        return ShardFormat.PARQUET
+    return ShardFormat.FILES
+
+
+def _shard_keys_for(fmt: ShardFormat, infos: list[ObjectInfo]) -> list[ObjectInfo]:
+    if fmt is ShardFormat.TAR:
+        return [info for info in infos if info.key.endswith(".tar")]
+    if fmt is ShardFormat.PARQUET:
+        return [info for info in infos if info.key.endswith(".parquet")]
+    return infos
+
+
+async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
+    """List ``origin`` once and return the dataset's manifest.
+
+    If the origin holds a ``datacache-manifest.json`` (written by ``datacache
+    shard``) it is used, after checking that every shard it names exists with
+    the recorded size. Raises `ShardNotFoundError` for a missing or empty
+    bucket or prefix.
+    """
+    started = time.monotonic()
+    infos = [info async for info in origin.list()]
+    if not infos:
+        raise ShardNotFoundError(f"dataset {dataset.name}: nothing found at {origin.url} (missing bucket or prefix?)")
+    by_key = {info.key: info for info in infos}
+    if MANIFEST_NAME in by_key:
+        raw = await origin.get(MANIFEST_NAME)
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{origin.url}/{MANIFEST_NAME}: not valid JSON ({exc})") from None
+        written = Manifest.from_json(document, f"{origin.url}/{MANIFEST_NAME}")
+        shards = []
+        for shard in written.shards:
+            found = by_key.get(shard.key)
+            if found is None or found.size != shard.size:
+                raise ShardNotFoundError(
+                    f"dataset {dataset.name}: {MANIFEST_NAME} names {shard.key!r} "
+                    f"({shard.size} bytes) but the origin {'lacks it' if found is None else f'has {found.size} bytes'}"
+                )
+            shards.append(Shard(shard.key, shard.size, found.version, shard.checksum, shard.samples))
+        manifest = Manifest(
+            dataset=dataset.id, url=dataset.url, format=written.format, shards=tuple(shards), extra=written.extra
+        )
+    else:
+        fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
+        chosen = _shard_keys_for(fmt, infos)
+        if not chosen:
+            raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
+        manifest = Manifest(
+            dataset=dataset.id,
+            url=dataset.url,
+            format=fmt,
+            shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
+        )
+    logger.info(
+        "listed %s: %d shards, %d bytes, format %s, in %.2fs",
+        origin.url,
+        len(manifest.shards),
+        manifest.total_bytes,
+        manifest.format.value,
+        time.monotonic() - started,
+    )
+    return manifest
+
+
+class ManifestStore:
+    """Persisted manifests, one JSON file per dataset in each given directory.
+
+    The first directory is the node's (local tier); a second one on the shared
+    tier lets other nodes reuse a manifest without listing the origin.
+    """
+
+    def __init__(self, *directories: Path) -> None:
+        if not directories:
+            raise ValueError("ManifestStore needs at least one directory")
+        self._directories = directories
+
+    def _path(self, directory: Path, dataset_id: str) -> Path:
+        validate_key(dataset_id)
+        return directory / f"{dataset_id}.json"
+
+    def _load_sync(self, dataset_id: str) -> Manifest | None:
+        for directory in self._directories:
+            path = self._path(directory, dataset_id)
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            try:
+                return Manifest.from_json(json.loads(raw), str(path))
+            except (ValueError, DatacacheError) as exc:
+                logger.warning("ignoring unreadable manifest %s: %s", path, exc)
+        return None
+
+    async def load(self, dataset_id: str) -> Manifest | None:
+        """Return the persisted manifest of ``dataset_id``, or ``None``."""
+        return await asyncio.to_thread(self._load_sync, dataset_id)
+
+    async def save(self, manifest: Manifest) -> None:
+        """Persist ``manifest`` atomically in every directory."""
+        encoded = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield encoded
+
+        for directory in self._directories:
+            try:
+                await atomic_write(self._path(directory, manifest.dataset), body(), durable=False)
+            except OSError as exc:
+                logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
+
+    async def delete(self, dataset_id: str) -> None:
+        for directory in self._directories:
+            try:
+                await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
+            except FileNotFoundError:
+                pass

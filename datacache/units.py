@@ -1,0 +1,80 @@
+"""Byte sizes and bandwidths as people write them ("256MB", "1.5GiB", "1GB/s")."""
+
+from __future__ import annotations
+
+import re
+
+from datacache.errors import ConfigError
+
+__all__ = ["format_bytes", "format_rate", "parse_bandwidth", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "p": 10**15,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int | float, *, what: str = "size") -> int:
+    """Return a byte count from ``value``: an int, or a string such as ``"256MB"``.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000 and binary units (KiB,
+    MiB, GiB, TiB) powers of 1024, as disks and S3 consoles report them.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as '256MB', got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(f"{what}: must not be negative, got {value!r}")
+        return int(value)
+    match = _SIZE.match(value)
+    if match is None:
+        raise ConfigError(f"{what}: expected a size such as '256MB' or '1.5GiB', got {value!r}")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ConfigError(f"{what}: unknown unit {unit!r} in {value!r} (use kB, MB, GB, TB or KiB, MiB, GiB, TiB)")
+    return int(float(number) * factor)
+
+
+def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> float:
+    """Return bytes per second from ``value``: a number, or a string such as ``"1GB/s"``."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower().endswith("/s"):
+            text = text[:-2]
+        elif text.lower().endswith("ps"):
+            text = text[:-2]
+        return float(parse_size(text, what=what))
+    if isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{what}: expected a rate such as '1GB/s', got {value!r}")
+    return float(value)
+
+
+def format_bytes(n: float) -> str:
+    """Format a byte count with a decimal unit, e.g. ``1.23 GB``."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """Format a bandwidth, e.g. ``480.1 MB/s``."""
+    return f"{bytes_per_second / 1e6:.1f} MB/s"

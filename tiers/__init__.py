@@ -1,0 +1,125 @@
+"""Storage tiers: one small async protocol and its implementations.
+
+`open_origin` turns a URL into the tier that reads it. Schemes resolve through
+a lazy registry (import strings, each with an install hint) and then through
+the ``datacache.tiers`` entry-point group, so a third party can add a backend
+without touching this table. Anything fsspec itself knows is accepted too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+from datacache.errors import ConfigError, UnsupportedURLError
+from datacache.tiers._directory import DirectoryTier
+from datacache.tiers._files import redact_url
+from datacache.tiers._retry import RetryPolicy, translate_error
+from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+from datacache.tiers.local import LocalTier
+from datacache.tiers.memory import MemoryTier
+from datacache.tiers.object import ObjectTier
+from datacache.tiers.shared import SharedTier
+
+__all__ = [
+    "ByteRange",
+    "DirectoryTier",
+    "LocalTier",
+    "MemoryTier",
+    "ObjectInfo",
+    "ObjectTier",
+    "RetryPolicy",
+    "SharedTier",
+    "Tier",
+    "TierStats",
+    "TierUsage",
+    "known_schemes",
+    "open_origin",
+    "redact_url",
+    "split_scheme",
+    "translate_error",
+    "validate_key",
+]
+
+_OBJECT_TIER = "datacache.tiers.object:ObjectTier"
+
+# scheme -> (tier import string, module the backend needs, install hint)
+_REGISTRY: dict[str, tuple[str, str | None, str]] = {
+    "s3": (_OBJECT_TIER, "s3fs", "pip install s3fs"),
+    "s3a": (_OBJECT_TIER, "s3fs", "pip install s3fs"),
+    "gs": (_OBJECT_TIER, "gcsfs", "pip install 'datacache[gcs]'"),
+    "gcs": (_OBJECT_TIER, "gcsfs", "pip install 'datacache[gcs]'"),
+    "az": (_OBJECT_TIER, "adlfs", "pip install 'datacache[azure]'"),
+    "abfs": (_OBJECT_TIER, "adlfs", "pip install 'datacache[azure]'"),
+    "abfss": (_OBJECT_TIER, "adlfs", "pip install 'datacache[azure]'"),
+    "file": (_OBJECT_TIER, None, ""),
+    "local": (_OBJECT_TIER, None, ""),
+    "memory": (_OBJECT_TIER, None, ""),
+    "http": (_OBJECT_TIER, "aiohttp", "pip install aiohttp"),
+    "https": (_OBJECT_TIER, "aiohttp", "pip install aiohttp"),
+}
+
+
+def split_scheme(url: str) -> tuple[str, str]:
+    """Return ``(scheme, rest)``; a plain path has the scheme ``"file"``."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return "file", url
+
+
+def known_schemes() -> list[str]:
+    """Every scheme `open_origin` accepts without fsspec's generic fallback."""
+    schemes = set(_REGISTRY)
+    schemes.update(ep.name for ep in entry_points(group="datacache.tiers"))
+    return sorted(schemes)
+
+
+def _load(import_string: str) -> Any:
+    module_name, _, attribute = import_string.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def open_origin(
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    writable: bool = False,
+) -> Tier:
+    """Return the tier that reads ``url``: a bucket prefix, a directory, any fsspec URL.
+
+    Raises `UnsupportedURLError` naming the scheme when no backend handles it,
+    with the command that installs one when the backend is known but missing.
+    """
+    if not url or not isinstance(url, str):
+        raise ConfigError(f"expected a dataset URL, got {url!r}")
+    scheme, rest = split_scheme(url)
+    if not rest.strip("/"):
+        raise ConfigError(f"URL {redact_url(url)!r} names no bucket or path")
+    entry = _REGISTRY.get(scheme)
+    if entry is None:
+        for ep in entry_points(group="datacache.tiers"):
+            if ep.name == scheme:
+                tier_class = ep.load()
+                tier: Tier = tier_class(url, storage_options=storage_options, retry=retry, writable=writable)
+                return tier
+        from fsspec.registry import known_implementations
+
+        if scheme not in known_implementations:
+            raise UnsupportedURLError(
+                f"unsupported URL scheme {scheme!r} in {redact_url(url)!r} "
+                f"(supported: {', '.join(s + '://' for s in known_schemes())}, or a local path)"
+            )
+        entry = (_OBJECT_TIER, None, known_implementations[scheme].get("err", ""))
+    import_string, needs, hint = entry
+    if needs is not None:
+        try:
+            importlib.import_module(needs)
+        except ImportError:
+            raise UnsupportedURLError(f"{scheme}:// needs the {needs} package: {hint}") from None
+    tier_class = _load(import_string)
+    tier = tier_class(url, storage_options=storage_options, retry=retry, writable=writable)
+    return tier

@@ -1,0 +1,403 @@
+"""`ObjectTier`: any fsspec URL (s3:// first; file://, memory://, gs://, ...) as a tier.
+
+The origin of every dataset is an `ObjectTier`. It is read-only unless made
+writable (``datacache shard`` writes its output through one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError
+from datacache.tiers._files import redact_url
+from datacache.tiers._retry import RetryPolicy, call_with_retry
+from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+
+__all__ = ["ObjectTier"]
+
+T = TypeVar("T")
+
+_MULTIPART_MIN = 5 << 20
+
+
+class ObjectTier(Tier):
+    """A prefix in an object store or any fsspec filesystem.
+
+    Parameters
+    ----------
+    url
+        Root of the tier, e.g. ``s3://bucket/datasets/imagenet``. Keys are relative to it.
+    storage_options
+        Passed to the fsspec filesystem (endpoint, credentials, ...). Never logged.
+    retry
+        How transient errors are retried.
+    writable
+        Allow `put` and `delete`.
+    part_size
+        Size of the parts of a multipart upload.
+    """
+
+    kind = "object"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        writable: bool = False,
+        part_size: int = 16 << 20,
+    ) -> None:
+        import fsspec.core
+
+        protocol, _ = fsspec.core.split_protocol(url)
+        self._protocol = protocol or "file"
+        try:
+            self._fs_class = fsspec.get_filesystem_class(self._protocol)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"cannot open {redact_url(url)}: {exc}") from None
+        self._raw_url = url
+        self._root = str(self._fs_class._strip_protocol(url)).rstrip("/")
+        self._storage_options = dict(storage_options or {})
+        self._retry = retry or RetryPolicy()
+        self._writable = writable
+        self._part_size = max(part_size, _MULTIPART_MIN)
+        self._counters = {"bytes_read": 0, "bytes_written": 0, "requests": 0, "retries": 0, "errors": 0}
+        self._fs: Any = None
+        self._fs_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- pickling: configuration only ---------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"] = None
+        state["_fs_loop"] = None
+        state["_counters"] = dict.fromkeys(self._counters, 0)
+        return state
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return redact_url(self._raw_url.rstrip("/"))
+
+    @property
+    def protocol(self) -> str:
+        """The fsspec protocol, e.g. ``"s3"``."""
+        return self._protocol
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    @property
+    def is_s3(self) -> bool:
+        """Whether requests go to an S3-protocol server (enables conditional GETs)."""
+        return self._protocol in ("s3", "s3a")
+
+    @property
+    def has_local_paths(self) -> bool:
+        return self._protocol in ("file", "local")
+
+    def stats(self) -> TierStats:
+        return TierStats(**self._counters)
+
+    # -- the filesystem, created lazily in the running loop ------------------------------
+
+    async def _filesystem(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._fs is not None and self._fs_loop is loop:
+            return self._fs
+        options = dict(self._storage_options)
+        if self.is_s3:
+            # Retries happen in one place (call_with_retry), not three layers deep.
+            config = dict(options.pop("config_kwargs", None) or {})
+            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", 10)
+            config.setdefault("read_timeout", 60)
+            options["config_kwargs"] = config
+        if getattr(self._fs_class, "async_impl", False):
+            fs = self._fs_class(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
+            if self.is_s3:
+                fs.retries = 1
+                await call_with_retry(fs.set_session, where=self.url, policy=self._retry)
+        else:
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            sync_fs = self._fs_class(skip_instance_cache=True, **options)
+            fs = AsyncFileSystemWrapper(sync_fs, asynchronous=True)
+        self._fs, self._fs_loop = fs, loop
+        return fs
+
+    async def close(self) -> None:
+        fs, self._fs, self._fs_loop = self._fs, None, None
+        s3 = getattr(fs, "_s3", None) if fs is not None else None
+        if s3 is not None:
+            await s3.__aexit__(None, None, None)
+
+    def _path(self, key: str) -> str:
+        validate_key(key)
+        return f"{self._root}/{key}" if self._root else key
+
+    def _key_of(self, path: str) -> str:
+        prefix = self._root + "/" if self._root else ""
+        path = path.rstrip("/")
+        return path[len(prefix) :] if path.startswith(prefix) else path
+
+    async def _call(self, where: str, operation: Callable[[], Awaitable[T]]) -> T:
+        def count_retry(_: Exception) -> None:
+            self._counters["retries"] += 1
+
+        self._counters["requests"] += 1
+        try:
+            return await call_with_retry(operation, where=where, policy=self._retry, on_retry=count_retry)
+        except Exception:
+            self._counters["errors"] += 1
+            raise
+
+    @staticmethod
+    def _version(info: Mapping[str, Any]) -> str | None:
+        etag = info.get("ETag") or info.get("etag")
+        if etag:
+            return str(etag).strip('"')
+        mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if isinstance(mtime, datetime):
+            mtime = mtime.timestamp()
+        if mtime is None:
+            return None
+        return f"{int(float(mtime) * 1e9)}:{int(info.get('size') or 0)}"
+
+    def _info_to_object(self, key: str, info: Mapping[str, Any]) -> ObjectInfo:
+        return ObjectInfo(key=key, size=int(info.get("size") or info.get("Size") or 0), version=self._version(info))
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        fs = await self._filesystem()
+
+        async def info() -> Any:
+            return await fs._info(path)
+
+        try:
+            details = await self._call(f"{self.url}/{key}", info)
+        except ShardNotFoundError:
+            return None
+        if details.get("type") == "directory":
+            return None
+        return self._info_to_object(key, details)
+
+    async def get(
+        self, key: str, byte_range: ByteRange | None = None, *, version: str | None = None
+    ) -> bytes:
+        path = self._path(key)
+        fs = await self._filesystem()
+        where = f"{self.url}/{key}"
+        span = byte_range or ByteRange()
+
+        if self.is_s3:
+            bucket, object_key, _ = fs.split_path(path)
+            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": object_key}
+            if span.start or span.end is not None:
+                end = "" if span.end is None else str(span.end - 1)
+                if span.end is not None and span.end == span.start:
+                    return b""
+                kwargs["Range"] = f"bytes={span.start}-{end}"
+            if version is not None:
+                kwargs["IfMatch"] = f'"{version}"'
+
+            async def get_object() -> bytes:
+                response = await fs._call_s3("get_object", **kwargs)
+                body = response["Body"]
+                try:
+                    data: bytes = await body.read()
+                finally:
+                    body.close()
+                expected = response.get("ContentLength")
+                if expected is not None and len(data) != int(expected):
+                    raise ConnectionResetError(f"short body: {len(data)} of {expected} bytes")
+                return data
+
+            data = await self._call(where, get_object)
+        else:
+            if version is not None:
+                current = await self.stat(key)
+                if current is None:
+                    raise ShardNotFoundError(f"{where}: not found at the origin")
+                if current.version != version:
+                    raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+
+            async def cat() -> bytes:
+                result: bytes = await fs._cat_file(path, start=span.start or None, end=span.end)
+                return result
+
+            data = await self._call(where, cat)
+        if span.end is not None and len(data) > span.end - span.start:
+            data = data[: span.end - span.start]
+        self._counters["bytes_read"] += len(data)
+        return data
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        fs = await self._filesystem()
+        base = self._root
+
+        async def find() -> Any:
+            try:
+                return await fs._find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        found = await self._call(self.url, find)
+        for path in sorted(found):
+            details = found[path]
+            if details.get("type") == "directory":
+                continue
+            key = self._key_of(path)
+            if not key.startswith(prefix) or key == "":
+                continue
+            yield self._info_to_object(key, details)
+
+    async def put(
+        self,
+        key: str,
+        chunks: AsyncIterable[bytes | memoryview],
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ObjectInfo:
+        if not self._writable:
+            raise PermissionError(f"{self.url} is read-only")
+        path = self._path(key)
+        fs = await self._filesystem()
+        where = f"{self.url}/{key}"
+        if self.has_local_paths:
+            from datacache.tiers._files import atomic_write
+
+            size = await atomic_write(path, chunks)
+        elif self.is_s3:
+            size = await self._multipart_upload(fs, path, chunks, where, metadata)
+        else:
+            # Other backends: spool to a local temporary file so memory stays bounded.
+            size = await self._spooled_upload(fs, path, chunks, where)
+        self._counters["bytes_written"] += size
+        info = await self.stat(key)
+        return info or ObjectInfo(key=key, size=size)
+
+    async def _multipart_upload(
+        self,
+        fs: Any,
+        path: str,
+        chunks: AsyncIterable[bytes | memoryview],
+        where: str,
+        metadata: Mapping[str, str] | None,
+    ) -> int:
+        bucket, object_key, _ = fs.split_path(path)
+        extra = {"Metadata": dict(metadata)} if metadata else {}
+        buffer = bytearray()
+        size = 0
+        upload_id: str | None = None
+        parts: list[dict[str, Any]] = []
+
+        async def send_part(data: bytes) -> None:
+            number = len(parts) + 1
+
+            async def upload() -> Any:
+                return await fs._call_s3(
+                    "upload_part", Bucket=bucket, Key=object_key, UploadId=upload_id, PartNumber=number, Body=data
+                )
+
+            response = await self._call(where, upload)
+            parts.append({"PartNumber": number, "ETag": response["ETag"]})
+
+        try:
+            async for chunk in chunks:
+                buffer += chunk
+                size += len(chunk)
+                while len(buffer) >= self._part_size:
+                    if upload_id is None:
+
+                        async def create() -> Any:
+                            return await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=object_key, **extra)
+
+                        upload_id = (await self._call(where, create))["UploadId"]
+                    part, buffer = bytes(buffer[: self._part_size]), buffer[self._part_size :]
+                    await send_part(part)
+            if upload_id is None:
+                body = bytes(buffer)
+
+                async def put_object() -> Any:
+                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra)
+
+                await self._call(where, put_object)
+                return size
+            if buffer:
+                await send_part(bytes(buffer))
+
+            async def complete() -> Any:
+                return await fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=object_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+
+            await self._call(where, complete)
+            return size
+        except BaseException:
+            if upload_id is not None:
+                abort_id = upload_id
+
+                async def abort() -> Any:
+                    return await fs._call_s3(
+                        "abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=abort_id
+                    )
+
+                await asyncio.shield(self._call(where, abort))
+            raise
+
+    async def _spooled_upload(
+        self, fs: Any, path: str, chunks: AsyncIterable[bytes | memoryview], where: str
+    ) -> int:
+        fd, spool = tempfile.mkstemp(prefix="datacache-upload-")
+        try:
+            size = 0
+            with os.fdopen(fd, "wb") as out:
+                async for chunk in chunks:
+                    await asyncio.to_thread(out.write, chunk)
+                    size += len(chunk)
+
+            async def upload() -> Any:
+                return await fs._put_file(spool, path)
+
+            await self._call(where, upload)
+            return size
+        finally:
+            os.unlink(spool)
+
+    async def delete(self, key: str) -> bool:
+        if not self._writable:
+            raise PermissionError(f"{self.url} is read-only")
+        path = self._path(key)
+        fs = await self._filesystem()
+
+        async def remove() -> Any:
+            return await fs._rm_file(path)
+
+        try:
+            await self._call(f"{self.url}/{key}", remove)
+        except ShardNotFoundError:
+            return False
+        return True
+
+    async def usage(self) -> TierUsage:
+        used = 0
+        count = 0
+        async for info in self.list():
+            used += info.size
+            count += 1
+        return TierUsage(used_bytes=used, object_count=count, capacity_bytes=None, device_free_bytes=None)
