@@ -249,6 +249,11 @@ class Stager:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["settings"], reconcile=state["reconcile"])  # type: ignore[misc]
 
+    @property
+    def mode(self) -> str:
+        """This stager runs in the reader's own process."""
+        return "embedded"
+
     # -- listeners and stats --------------------------------------------------------------
 
     def add_listener(self, listener: Callable[[StagingEvent], None]) -> None:
@@ -361,8 +366,12 @@ class Stager:
         origin = self._origin_for(config)
         manifest = None if refresh else await self.manifests.load(config.id)
         if manifest is None:
-            manifest = await take_manifest(config, origin)
-            await self.manifests.save(manifest)
+            # One process per node lists the origin; the others wait and read what it saved.
+            async with self._node_lock("manifests", config.id).hold():
+                manifest = None if refresh else await self.manifests.load(config.id)
+                if manifest is None:
+                    manifest = await take_manifest(config, origin)
+                    await self.manifests.save(manifest)
         await self.catalog.record_dataset(
             config.id,
             url=config.url,
@@ -375,7 +384,7 @@ class Stager:
         )
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
-    def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
         """Tell eviction the order in which the dataset's shards will be read next (Belady)."""
         order: dict[str, int] = {}
         for position, key in enumerate(keys):
@@ -418,14 +427,11 @@ class Stager:
         job = self._submit(handle, shard, tier, priority)
         return await asyncio.shield(job.future)
 
-    def prefetch(self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH) -> None:
-        """Queue ``keys`` for staging to the local tier, the first ones soonest.
-
-        Returns at once; must be called from the stager's event loop after one
-        awaited call (``open``) has set it up.
-        """
-        if self._loop is None:
-            raise DatacacheError("open a dataset with this stager before prefetching")
+    async def prefetch(
+        self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
+    ) -> None:
+        """Queue ``keys`` for staging to the local tier, the first ones soonest; return at once."""
+        await self._ready()
         for position, key in enumerate(keys):
             shard = handle.manifest.shard(key)
             job = self._submit(handle, shard, LOCAL, priority + position * 1e-6)

@@ -1,0 +1,242 @@
+"""WebDataset-style tar shards: header scanning, sample grouping, and the shard index.
+
+A WebDataset sample is the run of consecutive members whose names share a key
+(``cat/0001.jpg`` and ``cat/0001.json`` form sample ``cat/0001`` with fields
+``jpg`` and ``json``), exactly as the ``webdataset`` library groups them.
+
+`scan_tar` reads headers straight from a buffer already in memory (no system
+call per member), checks each header's checksum, and understands ustar
+prefixes, GNU long names and pax ``path``/``size`` records. The index
+``datacache shard`` writes next to each shard (``<shard>.idx.json``) holds the
+same spans, so a reader can fetch one sample by a ranged read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from datacache.errors import ShardReadError
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "SampleSpan",
+    "TarMember",
+    "group_samples",
+    "index_from_json",
+    "index_to_json",
+    "scan_tar",
+    "split_key",
+]
+
+INDEX_SUFFIX = ".idx.json"
+_BLOCK = 512
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META = re.compile(r"__[^/]*__($|/)")
+_REGULAR = (b"0", b"\x00", b"7")
+
+
+@dataclass(frozen=True, slots=True)
+class TarMember:
+    """A regular file in a tar: its name, and where its bytes lie in the tar."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpan:
+    """One sample: its key and, per field (extension), the byte span of its data."""
+
+    key: str
+    fields: tuple[tuple[str, int, int], ...]
+
+    @property
+    def start(self) -> int:
+        return min(offset for _, offset, _ in self.fields)
+
+    @property
+    def end(self) -> int:
+        return max(offset + size for _, offset, size in self.fields)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size in self.fields)
+
+
+def split_key(name: str) -> tuple[str, str] | None:
+    """Split ``name`` into (key, extension) as webdataset does; ``None`` if it has no extension."""
+    match = _KEY_EXT.match(name)
+    if match is None:
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+def _octal(field: bytes | memoryview, where: str) -> int:
+    raw = bytes(field)
+    if raw and raw[0] & 0x80:  # GNU base-256 for sizes over 8 GiB
+        value = int.from_bytes(raw[1:], "big")
+        return value
+    text = raw.split(b"\x00", 1)[0].strip()
+    if not text:
+        return 0
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ShardReadError(f"{where}: corrupt tar header (bad number {text[:16]!r})") from None
+
+
+def _pax_records(data: bytes, where: str) -> dict[str, str]:
+    records: dict[str, str] = {}
+    position = 0
+    while position < len(data):
+        space = data.find(b" ", position)
+        if space < 0:
+            break
+        try:
+            length = int(data[position:space])
+        except ValueError:
+            raise ShardReadError(f"{where}: corrupt pax header") from None
+        if length <= 0:
+            raise ShardReadError(f"{where}: corrupt pax header")
+        record = data[space + 1 : position + length - 1]
+        keyword, _, value = record.partition(b"=")
+        records[keyword.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
+        position += length
+    return records
+
+
+def scan_tar(buffer: bytes | bytearray | memoryview, *, where: str = "tar") -> list[TarMember]:
+    """Return the regular files of the tar in ``buffer``, in order.
+
+    Raises `ShardReadError` naming ``where`` for a truncated tar, a header
+    whose checksum is wrong, or a member that runs past the end.
+    """
+    view = memoryview(buffer).cast("B") if not isinstance(buffer, bytes) else memoryview(buffer)
+    total = len(view)
+    members: list[TarMember] = []
+    position = 0
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    ended = False
+    while position + _BLOCK <= total:
+        header = view[position : position + _BLOCK]
+        if not any(header):  # an end-of-archive block
+            ended = True
+            break
+        stored = _octal(header[148:156], where)
+        computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+        if stored != computed:
+            raise ShardReadError(f"{where}: corrupt tar header at byte {position} (checksum mismatch)")
+        size = _octal(header[124:136], where)
+        typeflag = bytes(header[156:157])
+        data_start = position + _BLOCK
+        data_end = data_start + size
+        if data_end > total:
+            raise ShardReadError(f"{where}: truncated tar: a member at byte {position} runs past the end ({total} bytes)")
+        position = data_start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+        if typeflag == b"L":  # GNU long name for the next member
+            long_name = bytes(view[data_start:data_end]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+            continue
+        if typeflag == b"x":
+            pax = _pax_records(bytes(view[data_start:data_end]), where)
+            continue
+        if typeflag in (b"g", b"K"):
+            continue
+        if "size" in pax:
+            try:
+                size = int(pax["size"])
+            except ValueError:
+                raise ShardReadError(f"{where}: corrupt pax size") from None
+            data_end = data_start + size
+            if data_end > total:
+                raise ShardReadError(f"{where}: truncated tar: a member at byte {data_start} runs past the end")
+            position = data_start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+        if long_name is not None:
+            name = long_name
+        elif "path" in pax:
+            name = pax["path"]
+        else:
+            name = bytes(header[0:100]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+            if bytes(header[257:262]) == b"ustar":
+                prefix = bytes(header[345:500]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+                if prefix:
+                    name = f"{prefix}/{name}"
+        long_name = None
+        pax = {}
+        if typeflag in _REGULAR:
+            members.append(TarMember(name, data_start, size))
+    if not ended and position < total:
+        raise ShardReadError(f"{where}: truncated tar: {total - position} stray bytes at the end")
+    if not ended and position == 0 and total:
+        raise ShardReadError(f"{where}: not a tar file")
+    return members
+
+
+def group_samples(members: Iterable[TarMember]) -> list[SampleSpan]:
+    """Group consecutive members sharing a key into samples, as webdataset does.
+
+    Members without an extension and webdataset's ``__meta__`` members are
+    skipped; a field repeated within one sample is an error.
+    """
+    samples: list[SampleSpan] = []
+    key: str | None = None
+    fields: list[tuple[str, int, int]] = []
+    for member in members:
+        if _META.match(member.name) or (
+            "/" not in member.name and member.name.startswith("__") and member.name.endswith("__")
+        ):
+            continue
+        split = split_key(member.name)
+        if split is None:
+            continue
+        member_key, extension = split
+        if member_key != key:
+            if key is not None and fields:
+                samples.append(SampleSpan(key, tuple(fields)))
+            key, fields = member_key, []
+        if any(existing == extension for existing, _, _ in fields):
+            raise ShardReadError(f"duplicate field {extension!r} in sample {member_key!r}")
+        fields.append((extension, member.offset, member.size))
+    if key is not None and fields:
+        samples.append(SampleSpan(key, tuple(fields)))
+    return samples
+
+
+def index_to_json(samples: Sequence[SampleSpan], *, shard_size: int) -> bytes:
+    """Encode a shard's sample spans as the ``.idx.json`` document."""
+    document = {
+        "format_version": 1,
+        "size": shard_size,
+        "samples": [[span.key, [list(field) for field in span.fields]] for span in samples],
+    }
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def index_from_json(raw: bytes, *, where: str) -> tuple[int, list[SampleSpan]]:
+    """Decode an ``.idx.json`` document; return (shard size, sample spans)."""
+    try:
+        document: Any = json.loads(raw)
+    except ValueError as exc:
+        raise ShardReadError(f"{where}: index is not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or document.get("format_version") != 1:
+        raise ShardReadError(f"{where}: not a datacache shard index")
+    size = document.get("size")
+    entries = document.get("samples")
+    if not isinstance(size, int) or not isinstance(entries, list):
+        raise ShardReadError(f"{where}: index lacks size or samples")
+    samples: list[SampleSpan] = []
+    for entry in entries:
+        try:
+            key, fields = entry
+            parsed = tuple((str(ext), int(offset), int(length)) for ext, offset, length in fields)
+        except (TypeError, ValueError):
+            raise ShardReadError(f"{where}: malformed sample entry") from None
+        if not isinstance(key, str) or any(o < 0 or n < 0 or o + n > size for _, o, n in parsed):
+            raise ShardReadError(f"{where}: sample {key!r} lies outside the shard")
+        samples.append(SampleSpan(key, parsed))
+    return size, samples
