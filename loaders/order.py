@@ -1,0 +1,189 @@
+"""The order of an epoch, and who reads what: pure arithmetic on sample ids (numpy, no torch).
+
+**The global order** of an epoch depends only on ``(seed, epoch)``: the shards
+are shuffled, their samples laid end to end, and the samples shuffled within
+consecutive windows of ``window`` samples (a bounded shuffle, so that reads
+stay local to a few shards at a time).
+
+**Dealing** hands that sequence to ``R`` ranks in blocks of ``window``
+positions, round robin (rank ``r`` reads blocks ``r, r+R, ...``), so that each
+rank reads whole windows and a shard is read by one or two ranks, not all of
+them. The last partial round is dealt one sample at a time, so rank streams
+differ in length by at most one; they are then made equal by repeating a
+rank's first samples (``drop_last=False``) or by dropping its last one
+(``drop_last=True``). Within a rank, the stream is cut into chunks of
+``chunk`` samples (the DataLoader's batch size) dealt round robin to the
+workers, which is the order in which the DataLoader hands their batches back.
+
+**Resuming** records, per layout, how far each worker got (`Cursor`). The
+samples a layout consumed are computed exactly from it, removed from the
+sequence, and the rest is dealt again, to the same or to a different number
+of ranks and workers: no sample is repeated or skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Cursor",
+    "Layout",
+    "consumed_mask",
+    "epoch_order",
+    "equalize",
+    "produced_from_consumed",
+    "rank_positions",
+    "remaining_sequence",
+    "worker_positions",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Who this reader is: rank of ``world_size``, worker of ``num_workers``, reading in chunks."""
+
+    world_size: int = 1
+    rank: int = 0
+    num_workers: int = 1
+    worker: int = 0
+    chunk: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"invalid rank {self.rank} of world size {self.world_size}")
+        if self.num_workers < 1 or not 0 <= self.worker < self.num_workers:
+            raise ValueError(f"invalid worker {self.worker} of {self.num_workers}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be positive, got {self.chunk}")
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """How far one layout got: samples produced by each worker (the same on every rank)."""
+
+    world_size: int
+    num_workers: int
+    chunk: int
+    produced: tuple[int, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "chunk": self.chunk,
+            "produced": list(self.produced),
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Cursor:
+        if not isinstance(data, dict):
+            raise ValueError("a cursor must be an object")
+        try:
+            world = int(data["world_size"])
+            workers = int(data["num_workers"])
+            chunk = int(data["chunk"])
+            produced = tuple(int(n) for n in data["produced"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("a cursor needs world_size, num_workers, chunk and produced") from None
+        if world < 1 or workers < 1 or chunk < 1 or len(produced) != workers or min(produced) < 0:
+            raise ValueError("a cursor's numbers are out of range")
+        return cls(world, workers, chunk, produced)
+
+
+def epoch_order(
+    counts: Sequence[int] | npt.NDArray[np.int64], *, seed: int, epoch: int, shuffle: bool, window: int
+) -> IntArray:
+    """Return every sample id of the dataset in this epoch's order.
+
+    Sample ids number the samples shard by shard in manifest order. The order
+    is a function of ``(seed, epoch)`` (and the dataset), nothing else.
+    """
+    sizes = np.asarray(counts, dtype=np.int64)
+    total = int(sizes.sum())
+    if not shuffle:
+        return np.arange(total, dtype=np.int64)
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch, 0x44435348])
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    shard_order = rng.permutation(len(sizes))
+    ordered_sizes = sizes[shard_order]
+    # ids = concatenation of ranges [starts[s], starts[s] + sizes[s]) in shard order
+    offsets = np.repeat(starts[shard_order] - np.concatenate(([0], np.cumsum(ordered_sizes)[:-1])), ordered_sizes)
+    ids = np.arange(total, dtype=np.int64) + offsets
+    if window > 1 and total > 1:
+        keys = rng.random(total)
+        windows = np.arange(total, dtype=np.int64) // window
+        ids = ids[np.lexsort((keys, windows))]
+    return ids
+
+
+def rank_positions(total: int, world_size: int, rank: int, block: int) -> IntArray:
+    """Positions of a sequence of ``total`` that rank ``rank`` reads, in order (before equalizing)."""
+    round_size = world_size * block
+    head = total // round_size * round_size
+    blocks = np.arange(rank, head // block, world_size, dtype=np.int64)
+    full = (blocks[:, None] * block + np.arange(block, dtype=np.int64)[None, :]).reshape(-1)
+    tail = np.arange(head + rank, total, world_size, dtype=np.int64)
+    return np.concatenate((full, tail))
+
+
+def equalize(positions: IntArray, total: int, world_size: int, *, drop_last: bool) -> tuple[IntArray, int]:
+    """Cut or pad a rank's positions to the common length; return them and how many are repeats."""
+    if drop_last:
+        return positions[: total // world_size], 0
+    target = -(-total // world_size)
+    missing = target - len(positions)
+    if missing <= 0:
+        return positions, 0
+    source = positions if len(positions) else np.arange(min(total, target), dtype=np.int64)
+    if len(source) == 0:
+        return positions, 0
+    repeats = np.resize(source, missing)
+    return np.concatenate((positions, repeats)), missing
+
+
+def worker_positions(rank_stream: IntArray, num_workers: int, worker: int, chunk: int) -> IntArray:
+    """The part of a rank's stream one worker reads: chunks ``worker, worker+W, ...`` of ``chunk`` samples."""
+    if num_workers == 1:
+        return rank_stream
+    chunk_of = np.arange(len(rank_stream), dtype=np.int64) // chunk
+    return rank_stream[chunk_of % num_workers == worker]
+
+
+def produced_from_consumed(consumed: int, num_workers: int, chunk: int) -> tuple[int, ...]:
+    """Per-worker samples produced when the DataLoader has handed out ``consumed`` samples of a rank.
+
+    Exact when ``chunk`` is the DataLoader's batch size: it takes batches from
+    the workers round robin, and every batch is one chunk.
+    """
+    full_chunks, partial = divmod(consumed, chunk)
+    produced = []
+    for worker in range(num_workers):
+        chunks = full_chunks // num_workers + (1 if worker < full_chunks % num_workers else 0)
+        extra = partial if worker == full_chunks % num_workers else 0
+        produced.append(chunks * chunk + extra)
+    return tuple(produced)
+
+
+def consumed_mask(total: int, cursor: Cursor, block: int) -> npt.NDArray[np.bool_]:
+    """Which positions of a sequence of ``total`` the layout in ``cursor`` consumed (on every rank)."""
+    mask = np.zeros(total, dtype=np.bool_)
+    for rank in range(cursor.world_size):
+        stream = rank_positions(total, cursor.world_size, rank, block)
+        for worker in range(cursor.num_workers):
+            mine = worker_positions(stream, cursor.num_workers, worker, cursor.chunk)
+            mask[mine[: cursor.produced[worker]]] = True
+    return mask
+
+
+def remaining_sequence(order: IntArray, cursors: Sequence[Cursor], block: int) -> IntArray:
+    """The epoch's order with what each earlier layout consumed removed, in order."""
+    sequence = order
+    for cursor in cursors:
+        sequence = sequence[~consumed_mask(len(sequence), cursor, block)]
+    return sequence

@@ -1,0 +1,167 @@
+"""What a loader delivered and where its time went, gathered across worker processes.
+
+Each reader (a DataLoader worker, or the main process when there are none)
+owns one row of a small shared-memory table created with the dataset, so the
+main process can report for all of them without any message passing. The
+same table carries the epoch from the main process to persistent workers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+__all__ = ["MAX_READERS", "Counter", "LoaderStats", "StatsTable"]
+
+MAX_READERS = 256
+
+
+class Counter(IntEnum):
+    """Columns of a reader's row."""
+
+    ACTIVE = 0
+    SAMPLES = 1
+    BYTES = 2
+    STARTED = 3  # wall clock when the reader started its epoch
+    UPDATED = 4  # wall clock of the last update
+    WAIT = 5  # seconds blocked waiting for shards not yet local
+    WAIT_ORIGIN = 6
+    WAIT_SHARED = 7
+    READ = 8  # seconds opening and verifying local shards
+    DECODE = 9
+    UNITS_LOCAL = 10
+    UNITS_SHARED = 11
+    UNITS_ORIGIN = 12
+    PADDED = 13
+    SKIPPED_SHARDS = 14
+    SKIPPED_SAMPLES = 15
+    DEPTH = 16
+    NUM_WORKERS = 17
+    CONSUMER_WAIT = 18  # measured in the consumer's process (num_workers=0, or `timed`)
+    CONSUMER_TIME = 19
+    CORRUPT = 20
+    STAGING_RATE = 21  # bytes/s the stager delivered to this reader, as measured
+    TOTAL = 22  # samples this reader will deliver in the epoch
+    WIDTH = 24
+
+
+_EPOCH_ROW = MAX_READERS  # the control row: column 0 holds the epoch set by the main process
+_CONSUMER_ROW = MAX_READERS + 1  # the consumer's waits, measured by CachedIterableDataset.timed
+
+
+class StatsTable:
+    """The shared table: one row per reader and a control row."""
+
+    def __init__(self) -> None:
+        self.table = torch.zeros((MAX_READERS + 2, Counter.WIDTH), dtype=torch.float64)
+        self.table.share_memory_()
+
+    def row(self, reader: int) -> torch.Tensor:
+        if not 0 <= reader < MAX_READERS:
+            raise ValueError(f"reader {reader} out of range (at most {MAX_READERS} workers)")
+        return self.table[reader]
+
+    def consumer_row(self) -> torch.Tensor:
+        return self.table[_CONSUMER_ROW]
+
+    def reset(self) -> None:
+        self.table[:MAX_READERS].zero_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self.table[_EPOCH_ROW, 0].item())
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.table[_EPOCH_ROW, 0] = float(value)
+
+    def snapshot(self) -> torch.Tensor:
+        return self.table[:MAX_READERS].clone()
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """What `CachedIterableDataset.stats` reports for this rank.
+
+    ``stall_fraction`` is the share of the consumer's time spent waiting for
+    data when it was measured (no worker processes, or iterating through
+    ``timed``); ``reader_wait_fraction`` is the share of the readers' time
+    spent blocked on shards that were not yet local.
+    """
+
+    mode: str
+    epoch: int
+    samples: int
+    bytes: int
+    seconds: float
+    bytes_per_second: float
+    samples_per_second: float
+    stall_fraction: float | None
+    reader_wait_fraction: float
+    hit_ratio: dict[str, float] = field(default_factory=dict)
+    prefetch_depth: int = 0
+    padded_samples: int = 0
+    skipped_shards: int = 0
+    skipped_samples: int = 0
+    corrupt_copies: int = 0
+    readers: int = 0
+    target_bandwidth: float | None = None
+    meets_target: bool | None = None
+    limiting_stage: str | None = None
+
+    @classmethod
+    def from_table(
+        cls,
+        rows: torch.Tensor,
+        consumer: torch.Tensor,
+        *,
+        mode: str,
+        epoch: int,
+        target: float | None,
+        limiting: str | None,
+    ) -> LoaderStats:
+        active = rows[rows[:, Counter.ACTIVE] > 0]
+        now = time.time()
+        if active.shape[0] == 0:
+            return cls(mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0, target_bandwidth=target)
+        samples = int(active[:, Counter.SAMPLES].sum().item())
+        nbytes = int(active[:, Counter.BYTES].sum().item())
+        started = float(active[:, Counter.STARTED].min().item())
+        ended = float(active[:, Counter.UPDATED].max().item())
+        seconds = max((ended if ended > started else now) - started, 1e-9)
+        reader_time = float((active[:, Counter.UPDATED] - active[:, Counter.STARTED]).clamp(min=1e-9).sum().item())
+        wait = float(active[:, Counter.WAIT].sum().item())
+        units = {
+            "local": float(active[:, Counter.UNITS_LOCAL].sum().item()),
+            "shared": float(active[:, Counter.UNITS_SHARED].sum().item()),
+            "origin": float(active[:, Counter.UNITS_ORIGIN].sum().item()),
+        }
+        opened = sum(units.values())
+        consumer_time = float(active[:, Counter.CONSUMER_TIME].sum().item() + consumer[Counter.CONSUMER_TIME].item())
+        consumer_wait = float(active[:, Counter.CONSUMER_WAIT].sum().item() + consumer[Counter.CONSUMER_WAIT].item())
+        stall = consumer_wait / consumer_time if consumer_time > 0 else None
+        rate = nbytes / seconds
+        return cls(
+            mode=mode,
+            epoch=epoch,
+            samples=samples,
+            bytes=nbytes,
+            seconds=seconds,
+            bytes_per_second=rate,
+            samples_per_second=samples / seconds,
+            stall_fraction=stall,
+            reader_wait_fraction=min(1.0, wait / reader_time) if reader_time > 0 else 0.0,
+            hit_ratio={tier: (count / opened if opened else 0.0) for tier, count in units.items()},
+            prefetch_depth=int(active[:, Counter.DEPTH].max().item()),
+            padded_samples=int(active[:, Counter.PADDED].sum().item()),
+            skipped_shards=int(active[:, Counter.SKIPPED_SHARDS].sum().item()),
+            skipped_samples=int(active[:, Counter.SKIPPED_SAMPLES].sum().item()),
+            corrupt_copies=int(active[:, Counter.CORRUPT].sum().item()),
+            readers=int(active.shape[0]),
+            target_bandwidth=target,
+            meets_target=None if target is None or samples == 0 else rate >= target,
+            limiting_stage=limiting,
+        )
