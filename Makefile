@@ -11,7 +11,7 @@ CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --quiet --disable-pip-version-check --progress-bar off
 
-.PHONY: all demo test test-faults lint typecheck bench bench-quick install clean
+.PHONY: all demo test test-faults lint layout typecheck bench bench-quick install clean
 
 all: test
 
@@ -28,12 +28,24 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m datacache.demo
 
-lint: $(STAMP)
-	$(BIN)/ruff check datacache tiers loaders tests benchmarks
-	$(BIN)/lint-imports
+# mypy and import-linter find packages by walking folders, and know nothing of
+# pyproject's package-dir mapping (tiers/ -> datacache.tiers, loaders/ ->
+# datacache.loaders). They check a tree of links laid out as installed.
+LAYOUT := build/layout
 
-typecheck: $(STAMP)
-	$(BIN)/mypy
+layout:
+	rm -rf $(LAYOUT) && mkdir -p $(LAYOUT)
+	cp -as $(CURDIR)/datacache $(LAYOUT)/datacache
+	cp -as $(CURDIR)/tiers $(LAYOUT)/datacache/tiers
+	cp -as $(CURDIR)/loaders $(LAYOUT)/datacache/loaders
+	find $(LAYOUT) -name __pycache__ -prune -exec rm -rf {} +
+
+lint: $(STAMP) layout
+	$(BIN)/ruff check datacache tiers loaders tests benchmarks
+	cd $(LAYOUT) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/pyproject.toml
+
+typecheck: $(STAMP) layout
+	cd $(LAYOUT) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p datacache
 
 test: lint typecheck
 	$(BIN)/python -m pytest -m "not faults" -q

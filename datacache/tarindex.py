@@ -117,6 +117,15 @@ def scan_tar(buffer: bytes | bytearray | memoryview, *, where: str = "tar") -> l
     whose checksum is wrong, or a member that runs past the end.
     """
     view = memoryview(buffer).cast("B") if not isinstance(buffer, bytes) else memoryview(buffer)
+    try:
+        return _scan(view, where)
+    finally:
+        # Release the export at once, even when an exception keeps this frame alive:
+        # the caller may need to unmap the buffer.
+        view.release()
+
+
+def _scan(view: memoryview, where: str) -> list[TarMember]:
     total = len(view)
     members: list[TarMember] = []
     position = 0
@@ -124,7 +133,7 @@ def scan_tar(buffer: bytes | bytearray | memoryview, *, where: str = "tar") -> l
     pax: dict[str, str] = {}
     ended = False
     while position + _BLOCK <= total:
-        header = view[position : position + _BLOCK]
+        header = bytes(view[position : position + _BLOCK])
         if not any(header):  # an end-of-archive block
             ended = True
             break

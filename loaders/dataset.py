@@ -11,9 +11,12 @@ shard before serving a sample from it, and records what it delivered.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -53,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 _STATE_VERSION = 1
+_READER_THREADS = 2
+"""Threads that read and pack batches ahead in the consumer's process (batch mode, no workers)."""
 _ITERATOR_MARK = "datacache_iterator"
 
 
@@ -358,12 +363,18 @@ class CachedIterableDataset(IterableDataset[Any]):
     def timed(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader`` while measuring how long the consumer waits for each batch.
 
-        The result is the ``stall_fraction`` of `stats`. Without worker
+        The result is the ``stall_fraction`` of `stats` (the first batch, which
+        waits for the workers to start, is not counted). Without worker
         processes it is measured anyway.
         """
         row = self._table.consumer_row().numpy()
         row[:] = 0
         iterator = iter(loader)
+        try:
+            # The first batch waits for workers to start: start-up, not a stall.
+            yield next(iterator)
+        except StopIteration:
+            return
         last = time.perf_counter()
         while True:
             asked = time.perf_counter()
@@ -475,8 +486,13 @@ class _EpochIterator:
         self._last_yield = time.perf_counter()
         self._staged_bytes = 0.0
         self._staging_seconds = 0.0
-        self._skip_to(0)
+        self._lock = threading.Lock()
+        self._unit_locks: dict[int, threading.Lock] = {}
+        self._threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict[int, concurrent.futures.Future[tuple[Any, int, int] | None]] = {}
         self._future_told = False
+        self._skip_to(0)
 
     # -- Stateful ---------------------------------------------------------------------------
 
@@ -515,6 +531,7 @@ class _EpochIterator:
         self._skip_to(int(state["produced"]))
 
     def _skip_to(self, produced: int) -> None:
+        self._drain()
         self.produced = min(produced, len(self._ids))
         for reader in self._readers.values():
             reader.close()
@@ -560,21 +577,62 @@ class _EpochIterator:
             return self._decode(sample, reader)
 
     def _next_batch(self, size: int) -> Any:
-        if self.produced >= len(self._ids):
-            self._finish()
-            raise StopIteration
+        while True:
+            if self.produced >= len(self._ids):
+                self._finish()
+                raise StopIteration
+            begin = self.produced
+            if self._threads:
+                self._schedule(size)
+                built = self._pending.pop(begin).result()
+            else:
+                built = self._build_batch(begin, size)
+            stop = min(begin + size, len(self._ids))
+            self.produced = stop
+            for position in range(begin, stop):
+                self._release_after(position)
+            if built is not None:
+                batch, nbytes, count = built
+                self._account(nbytes, count)
+                return batch
+
+    def _schedule(self, size: int) -> None:
+        """Keep the reader threads busy on the next few batches, in order."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="datacache-reader")
         begin = self.produced
-        stop = min(self.produced + size, len(self._ids))
+        for _ in range(self._threads + 1):
+            if begin >= len(self._ids):
+                break
+            if begin not in self._pending:
+                self._pending[begin] = self._pool.submit(self._build_batch, begin, size)
+            begin += size
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.cancel()
+        for future in pending.values():
+            if not future.cancelled():
+                with contextlib.suppress(Exception):
+                    future.result()
+
+    def _build_batch(self, begin: int, size: int) -> tuple[Any, int, int] | None:
+        """Read and pack the batch of positions ``[begin, begin + size)``; None if all were skipped.
+
+        Runs on reader threads (file reads, hashing and copies release the GIL)
+        or inline. Batch ``n`` is packed into ring slot ``n % slots``: a slot is
+        rewritten only after the consumer has taken two later batches.
+        """
+        stop = min(begin + size, len(self._ids))
         raw: list[list[tuple[str, memoryview]]] = []
         decoded: list[Any] = []
-        readers: list[UnitReader] = []
         zarr_rows: list[tuple[UnitReader, int]] = []
-        while self.produced < stop:
-            position = self.produced
+        skipped = 0
+        for position in range(begin, stop):
             reader = self._reader_at(position)
-            self.produced += 1
             if reader is None:
-                self._row[Counter.SKIPPED_SAMPLES] += 1
+                skipped += 1
                 continue
             local = int(self._local[position])
             if self.dataset.decode == "auto" and reader.packable:
@@ -582,37 +640,30 @@ class _EpochIterator:
             elif self.dataset.decode == "auto" and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
             else:
-                sample = reader.sample(local)
-                decoded.append(self._decode(sample, reader))
-            readers.append(reader)
-        nbytes = 0
+                decoded.append(self._decode(reader.sample(local), reader))
+        if skipped:
+            with self._lock:
+                self._row[Counter.SKIPPED_SAMPLES] += skipped
         if raw:
-            if self._ring is None:
-                self._ring = BufferRing(4, shared=not self._in_consumer)
-            batch = pack_fields(raw, self._ring)
-            nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
-            count = len(raw)
+            with self._lock:
+                if self._ring is None:
+                    slots = self._threads + 3 if self._threads else 4
+                    self._ring = BufferRing(slots, shared=not self._in_consumer)
+            batch = pack_fields(raw, self._ring, slot=begin // size)
             del raw  # the views pin the mapped shards; drop them before any is unmapped
-        elif zarr_rows:
-            batch = _stack_zarr(zarr_rows)
             nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
-            count = len(zarr_rows)
-        elif decoded:
+            return batch, nbytes, len(batch["__key__"])
+        if zarr_rows:
+            batch = _stack_zarr(zarr_rows)
+            return batch, sum(v.nbytes for k, v in batch.items() if k != "__key__"), len(zarr_rows)
+        if decoded:
             if self._format is ShardFormat.PARQUET and self.dataset.decode == "auto":
                 import pyarrow as pa
 
-                batch = pa.RecordBatch.from_pylist(decoded)
-                nbytes = batch.nbytes
-            else:
-                batch = torch.utils.data.default_collate(decoded)
-            count = len(decoded)
-        else:
-            return self._next_batch(size)
-        readers.clear()
-        self._account(nbytes, count)
-        for position in range(begin, stop):
-            self._release_after(position)
-        return batch
+                record_batch = pa.RecordBatch.from_pylist(decoded)
+                return record_batch, record_batch.nbytes, len(decoded)
+            return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
+        return None
 
     def _decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
         decode = self.dataset.decode
@@ -631,6 +682,10 @@ class _EpochIterator:
             self._row[Counter.DECODE] += time.perf_counter() - started
 
     def _account(self, nbytes: int, samples: int) -> None:
+        with self._lock:
+            self._account_locked(nbytes, samples)
+
+    def _account_locked(self, nbytes: int, samples: int) -> None:
         row = self._row
         row[Counter.SAMPLES] += samples
         row[Counter.BYTES] += nbytes
@@ -652,10 +707,19 @@ class _EpochIterator:
         )
 
     def _finish(self) -> None:
+        self._drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
         self._row[Counter.UPDATED] = time.time()
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _release_after(self, position: int) -> None:
         unit = int(self._unit_of[position])
@@ -671,20 +735,29 @@ class _EpochIterator:
         reader = self._readers.get(unit)
         if reader is not None:
             return reader
-        if unit in self._skipped_units:
-            return None
-        self._advance_prefetch(unit)
-        try:
-            reader = self._open(unit)
-        except (ShardReadError, ChecksumMismatchError) as exc:
-            if self.dataset.on_error != "skip":
-                raise
-            logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
-            self._skipped_units.add(unit)
-            self._row[Counter.SKIPPED_SHARDS] += 1
-            return None
-        self._readers[unit] = reader
-        return reader
+        with self._lock:
+            if unit in self._skipped_units:
+                return None
+            unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
+            self._advance_prefetch(unit)
+        with unit_lock:  # one thread opens a unit; the others wait for it
+            reader = self._readers.get(unit)
+            if reader is not None:
+                return reader
+            if unit in self._skipped_units:
+                return None
+            try:
+                reader = self._open(unit)
+            except (ShardReadError, ChecksumMismatchError) as exc:
+                if self.dataset.on_error != "skip":
+                    raise
+                logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
+                with self._lock:
+                    self._skipped_units.add(unit)
+                    self._row[Counter.SKIPPED_SHARDS] += 1
+                return None
+            self._readers[unit] = reader
+            return reader
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._unit_sequence
@@ -781,6 +854,10 @@ async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[st
         return await access.ensure(handle, key)
 
     return list(await asyncio.gather(*(one(key) for key in keys)))
+
+
+def _payload_bytes(sample: Any) -> int:
+    return sample_bytes(sample) if isinstance(sample, Mapping) else 0
 
 
 def sample_bytes(sample: Mapping[str, Any]) -> int:

@@ -16,6 +16,7 @@ longer. ``pin_memory=True`` copies each batch at once and is always safe.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,24 @@ import numpy as np
 import torch
 
 __all__ = ["BufferRing", "PackedBytes", "pack_fields"]
+
+
+# Storages of worker ring slots seen by this process, kept mapped: torch maps a
+# storage received from another process anew unless it is still alive here, and
+# a fresh mapping costs a page fault per 4 KiB on first touch. Bounded, so slots
+# of finished workers are let go.
+_RECEIVED_SLOTS: OrderedDict[int, torch.UntypedStorage] = OrderedDict()
+_RECEIVED_LIMIT = 64
+
+
+def _received(data: torch.Tensor, offsets: torch.Tensor) -> PackedBytes:
+    storage = data.untyped_storage()
+    key = storage.data_ptr()
+    _RECEIVED_SLOTS[key] = storage
+    _RECEIVED_SLOTS.move_to_end(key)
+    while len(_RECEIVED_SLOTS) > _RECEIVED_LIMIT:
+        _RECEIVED_SLOTS.popitem(last=False)
+    return PackedBytes(data, offsets)
 
 
 @dataclass
@@ -38,6 +57,9 @@ class PackedBytes:
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
+
+    def __reduce__(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+        return _received, (self.data, self.offsets)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not -len(self) <= index < len(self):
@@ -81,10 +103,15 @@ class BufferRing:
         self._shared = shared
         self._next = 0
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """The next slot, at least ``nbytes`` long (grown by half again when too small)."""
-        index = self._next
-        self._next = (self._next + 1) % len(self._buffers)
+    def take(self, nbytes: int, slot: int | None = None) -> torch.Tensor:
+        """Slot ``slot`` (modulo the count; the next in turn if None), at least ``nbytes`` long.
+
+        A slot too small is replaced by one half again as large as asked.
+        """
+        if slot is None:
+            slot = self._next
+            self._next = (self._next + 1) % len(self._buffers)
+        index = slot % len(self._buffers)
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes + nbytes // 2, 1 << 20)
@@ -95,7 +122,9 @@ class BufferRing:
         return buffer
 
 
-def pack_fields(samples: Sequence[Sequence[tuple[str, memoryview]]], ring: BufferRing) -> dict[str, Any]:
+def pack_fields(
+    samples: Sequence[Sequence[tuple[str, memoryview]]], ring: BufferRing, *, slot: int | None = None
+) -> dict[str, Any]:
     """Pack raw sample fields into one ring slot; return ``{"__key__": [...], field: PackedBytes}``.
 
     A field missing from some samples is packed as an empty value for them.
@@ -116,15 +145,20 @@ def pack_fields(samples: Sequence[Sequence[tuple[str, memoryview]]], ring: Buffe
             else:
                 lengths[column[name], j] = view.nbytes
     totals = lengths.sum(axis=1)
-    slot = ring.take(int(totals.sum()))
-    target = slot.numpy()
+    # Offsets live in the slot too (8-byte aligned, after the data): one shared
+    # storage per batch, so nothing new is allocated in shared memory per batch.
+    data_bytes = int(totals.sum())
+    offsets_at = -(-data_bytes // 8) * 8
+    buffer = ring.take(offsets_at + 8 * len(names) * (count + 1), slot)
+    target = buffer.numpy()
+    all_offsets = buffer[offsets_at : offsets_at + 8 * len(names) * (count + 1)].view(torch.int64).view(len(names), count + 1)
+    offsets_np = all_offsets.numpy()
     batch: dict[str, Any] = {"__key__": keys}
     start = 0
-    for name, row in zip(names, range(len(names))):
-        offsets = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(lengths[row], out=offsets[1:])
-        offsets += start
-        batch[name] = PackedBytes(slot[start : start + int(totals[row])], torch.from_numpy(offsets - start))
+    for row, name in enumerate(names):
+        offsets_np[row, 0] = 0
+        np.cumsum(lengths[row], out=offsets_np[row, 1:])
+        batch[name] = PackedBytes(buffer[start : start + int(totals[row])], all_offsets[row])
         start += int(totals[row])
     positions = {name: int(batch[name].data.storage_offset()) for name in names}
     for j, fields in enumerate(samples):
