@@ -78,7 +78,7 @@ async def warm(settings: Settings, origin: Path) -> None:
         for attempt in ("first", "second"):
             moved = {"origin->shared": 0, "shared->local": 0}
 
-            def listen(event: StagingEvent) -> None:
+            def listen(event: StagingEvent, moved: dict[str, int] = moved) -> None:
                 if event.kind == "bytes":
                     moved["origin->shared" if event.tier == "shared" else "shared->local"] += event.size
 
@@ -87,11 +87,12 @@ async def warm(settings: Settings, origin: Path) -> None:
             stager.remove_listener(listen)
             if not report.complete:
                 raise SystemExit(f"demo: warm incomplete: {report.failures[:3]}")
+            rate = report.bytes_requested / report.seconds if report.bytes_transferred else 0.0
             sys.stdout.write(
                 f"  {attempt} warm: {report.shards_resident}/{report.shards_requested} shards resident "
                 f"({format_bytes(report.bytes_requested)}); moved {format_bytes(moved['origin->shared'])} "
                 f"origin->shared and {format_bytes(moved['shared->local'])} shared->local in {report.seconds:.2f}s"
-                + (f" ({format_rate(report.bytes_requested / report.seconds)} end to end)" if report.bytes_transferred else "")
+                + (f" ({format_rate(rate)} end to end)" if rate else "")
                 + "\n"
             )
 
@@ -131,7 +132,7 @@ def train(settings: Settings, origin: Path, *, steps: int, batch_size: int, work
         labels = torch.tensor([int(x) for x in batch["cls"].tolist()])
         loss = torch.nn.functional.cross_entropy(model(inputs), labels)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(loss.item())
         samples += len(labels)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(warm(settings, origin))
     sys.stdout.write("3. train a tiny model through a DataLoader over the cache:\n")
     train(settings, origin, steps=args.steps, batch_size=32, workers=args.workers, target=args.target)
-    sys.stdout.write("done. Try: datacache ls --local-dir " + str(root / "local") + f" --shared-dir {root / 'shared'}\n")
+    sys.stdout.write(f"done. Try: datacache ls --local-dir {root / 'local'} --shared-dir {root / 'shared'}\n")
     return 0
 
 

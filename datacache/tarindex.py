@@ -146,7 +146,9 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
         data_start = position + _BLOCK
         data_end = data_start + size
         if data_end > total:
-            raise ShardReadError(f"{where}: truncated tar: a member at byte {position} runs past the end ({total} bytes)")
+            raise ShardReadError(
+                f"{where}: truncated tar: a member at byte {position} runs past the end ({total} bytes)"
+            )
         position = data_start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
         if typeflag == b"L":  # GNU long name for the next member
             long_name = bytes(view[data_start:data_end]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")

@@ -11,6 +11,7 @@ shard before serving a sample from it, and records what it delivered.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -24,16 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
-
-from datacache._sync import LoopThread
-from datacache.access import ShardAccess, open_access
-from datacache.config import DatasetConfig, Settings, load_settings
-from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
-from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, Location
-from datacache.units import parse_bandwidth
-
 from datacache.loaders.order import (
     Cursor,
     Layout,
@@ -49,6 +40,15 @@ from datacache.loaders.plan import load_or_build_plan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitPlan, UnitReader, hash_buffer, map_file, open_unit_reader
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
+from torch.utils.data import IterableDataset, get_worker_info
+
+from datacache._sync import LoopThread
+from datacache.access import ShardAccess, open_access
+from datacache.config import DatasetConfig, Settings, load_settings
+from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
+from datacache.manifest import ShardFormat
+from datacache.stager import DatasetHandle, Location
+from datacache.units import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
@@ -213,9 +213,9 @@ class CachedIterableDataset(IterableDataset[Any]):
             runtime.close()
 
     def _rank_world(self) -> tuple[int, int]:
-        if get_worker_info() is not None and self._layout_hint is not None:
-            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-                return self._layout_hint
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if get_worker_info() is not None and self._layout_hint is not None and not distributed:
+            return self._layout_hint
         return _rank_and_world()
 
     # -- the epoch ------------------------------------------------------------------------
@@ -239,8 +239,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)
         if self.batch_size:
-            return -(-per_rank // self.batch_size)
-        return per_rank
+            return max(0, -(-per_rank // self.batch_size))
+        return max(0, per_rank)
 
     def __iter__(self) -> Iterator[Any]:
         runtime = self._prepare()
@@ -273,7 +273,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             where the main process cannot see their progress; with
             ``num_workers=0`` it is tracked automatically.
         """
-        rank, world = self._rank_world()
+        _, world = self._rank_world()
         chunk = self.batch_size or 1
         if get_worker_info() is not None:
             return {"version": _STATE_VERSION, "epoch": self._epoch}
@@ -291,7 +291,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
-        return self._state(self._cursors + (cursor,))
+        return self._state((*self._cursors, cursor))
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._prepare()
@@ -331,7 +331,9 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"unsupported state version {version!r}")
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
             if name in state and state[name] != getattr(self, name):
-                raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"the saved state used {name}={state[name]!r}, this dataset has {getattr(self, name)!r}"
+                )
         if "snapshot" in state:
             runtime = self._prepare()
             if state["snapshot"] != runtime.handle.manifest.snapshot:
@@ -414,7 +416,7 @@ def _state_from_iterators(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         "version": _STATE_VERSION,
         "epoch": int(first["epoch"]),
         "seed": first["seed"],
-        "cursors": list(first["cursors"]) + [cursor.to_json()],
+        "cursors": [*first["cursors"], cursor.to_json()],
     }
 
 
@@ -449,7 +451,8 @@ class _EpochIterator:
         natural = len(own)
         positions, _ = equalize(own, total, layout.world_size, drop_last=dataset.drop_last)
         padded = np.arange(len(positions)) >= natural
-        mine = worker_positions(np.arange(len(positions), dtype=np.int64), layout.num_workers, layout.worker, layout.chunk)
+        indexes = np.arange(len(positions), dtype=np.int64)
+        mine = worker_positions(indexes, layout.num_workers, layout.worker, layout.chunk)
         self._ids = sequence[positions[mine]]
         self._padded = int(padded[mine].sum())
         starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
@@ -784,10 +787,7 @@ class _EpochIterator:
         where = f"{self._where}: shard {unit.label!r}"
         for attempt in range(2):
             started = time.perf_counter()
-            locations = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
-            tier = "local" if all(loc.tier == "local" for loc in locations) else (
-                "origin" if any(loc.tier == "origin" for loc in locations) else "shared"
-            )
+            locations, tier = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
             waited = time.perf_counter() - started
             buffers: dict[str, Any] = {}
             try:
@@ -831,29 +831,42 @@ class _EpochIterator:
         if location.path is None:
             return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
         buffer = map_file(location.path)
+        problem = None
         if len(buffer) != location.shard.size:
+            problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
+        elif (
+            runtime.settings.verify_on_read
+            and location.checksum is not None
+            and hash_buffer(buffer) != location.checksum
+        ):
+            problem = f"the copy on the {location.tier} tier does not match its checksum"
+        if problem is not None:
             if hasattr(buffer, "close"):
                 buffer.close()
-            raise ChecksumMismatchError(f"{where}: {len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}")
-        if runtime.settings.verify_on_read and location.checksum is not None:
-            if hash_buffer(buffer) != location.checksum:
-                if hasattr(buffer, "close"):
-                    buffer.close()
-                raise ChecksumMismatchError(f"{where}: the copy on the {location.tier} tier does not match its checksum")
+            raise ChecksumMismatchError(f"{where}: {problem}")
         return buffer
 
 
-async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> list[Location]:
-    """Where each key can be read now: local, else shared (copy continues), else staged now."""
-    import asyncio
+async def _locate_all(
+    access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]
+) -> tuple[list[Location], str]:
+    """Where each key can be read: local, else shared (its local copy goes on), else staged now.
+
+    Also returns the slowest tier the unit was found on when asked for:
+    ``"origin"`` means the reader had to wait for a transfer.
+    """
+    found: list[str] = []
 
     async def one(key: str) -> Location:
         location = await access.locate(handle, key)
-        if location.tier == "local" or location.tier == "shared":
+        found.append(location.tier)
+        if location.tier in ("local", "shared"):
             return location
         return await access.ensure(handle, key)
 
-    return list(await asyncio.gather(*(one(key) for key in keys)))
+    locations = list(await asyncio.gather(*(one(key) for key in keys)))
+    tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
+    return locations, tier
 
 
 def _payload_bytes(sample: Any) -> int:

@@ -152,7 +152,8 @@ def worker_positions(rank_stream: IntArray, num_workers: int, worker: int, chunk
     if num_workers == 1:
         return rank_stream
     chunk_of = np.arange(len(rank_stream), dtype=np.int64) // chunk
-    return rank_stream[chunk_of % num_workers == worker]
+    mine: IntArray = rank_stream[chunk_of % num_workers == worker]
+    return mine
 
 
 def produced_from_consumed(consumed: int, num_workers: int, chunk: int) -> tuple[int, ...]:
@@ -185,5 +186,5 @@ def remaining_sequence(order: IntArray, cursors: Sequence[Cursor], block: int) -
     """The epoch's order with what each earlier layout consumed removed, in order."""
     sequence = order
     for cursor in cursors:
-        sequence = sequence[~consumed_mask(len(sequence), cursor, block)]
+        sequence = np.asarray(sequence[~consumed_mask(len(sequence), cursor, block)], dtype=np.int64)
     return sequence

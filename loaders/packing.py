@@ -117,7 +117,7 @@ class BufferRing:
             size = max(nbytes + nbytes // 2, 1 << 20)
             buffer = torch.empty(size, dtype=torch.uint8)
             if self._shared:
-                buffer.share_memory_()
+                buffer.share_memory_()  # type: ignore[no-untyped-call]
             self._buffers[index] = buffer
         return buffer
 
@@ -151,7 +151,8 @@ def pack_fields(
     offsets_at = -(-data_bytes // 8) * 8
     buffer = ring.take(offsets_at + 8 * len(names) * (count + 1), slot)
     target = buffer.numpy()
-    all_offsets = buffer[offsets_at : offsets_at + 8 * len(names) * (count + 1)].view(torch.int64).view(len(names), count + 1)
+    offsets_end = offsets_at + 8 * len(names) * (count + 1)
+    all_offsets = buffer[offsets_at:offsets_end].view(torch.int64).view(len(names), count + 1)
     offsets_np = all_offsets.numpy()
     batch: dict[str, Any] = {"__key__": keys}
     start = 0
@@ -161,7 +162,7 @@ def pack_fields(
         batch[name] = PackedBytes(buffer[start : start + int(totals[row])], all_offsets[row])
         start += int(totals[row])
     positions = {name: int(batch[name].data.storage_offset()) for name in names}
-    for j, fields in enumerate(samples):
+    for fields in samples:
         for name, view in fields:
             if name == "__key__":
                 continue

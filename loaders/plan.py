@@ -17,6 +17,10 @@ import logging
 import time
 from typing import Any
 
+from datacache.loaders.readers import Unit, UnitPlan, map_file, zarr_plan
+from datacache.tiers import ByteRange
+from datacache.tiers._files import atomic_write
+
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ShardReadError
@@ -24,10 +28,6 @@ from datacache.locks import NodeLock
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle
 from datacache.tarindex import group_samples, scan_tar
-from datacache.tiers import ByteRange
-from datacache.tiers._files import atomic_write
-
-from datacache.loaders.readers import Unit, UnitPlan, map_file, zarr_plan
 
 __all__ = ["load_or_build_plan"]
 
@@ -61,9 +61,11 @@ async def _tar_samples(access: ShardAccess, handle: DatasetHandle, key: str) -> 
     location = await access.ensure(handle, key)
     if location.path is not None:
         buffer = await asyncio.to_thread(map_file, location.path)
+        view = memoryview(buffer)
         try:
-            return len(group_samples(await asyncio.to_thread(scan_tar, buffer, where=where)))
+            return len(group_samples(await asyncio.to_thread(scan_tar, view, where=where)))
         finally:
+            view.release()
             if hasattr(buffer, "close"):
                 buffer.close()
     data = await access.read(handle, key)
@@ -102,7 +104,9 @@ async def _build(access: ShardAccess, handle: DatasetHandle, *, concurrency: int
 
         for key, samples in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
             known[key] = samples
-        logger.info("dataset %s: counted samples of %d shards in %.1fs", handle.id, len(missing), time.monotonic() - started)
+        logger.info(
+            "dataset %s: counted samples of %d shards in %.1fs", handle.id, len(missing), time.monotonic() - started
+        )
     return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {})
 
 

@@ -321,10 +321,7 @@ def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> Unit
         needed = list(metadata_keys)
         for prefix, info in arrays.items():
             base = f"{prefix}/" if prefix else ""
-            if info["kind"] == "default":
-                lead = f"{base}c{info['separator']}{row}"
-            else:
-                lead = f"{base}{row}"
+            lead = f"{base}c{info['separator']}{row}" if info["kind"] == "default" else f"{base}{row}"
             sep = info["separator"]
             for key in keys:
                 if key == lead or key.startswith(lead + sep):

@@ -57,7 +57,7 @@ class StatsTable:
 
     def __init__(self) -> None:
         self.table = torch.zeros((MAX_READERS + 2, Counter.WIDTH), dtype=torch.float64)
-        self.table.share_memory_()
+        self.table.share_memory_()  # type: ignore[no-untyped-call]
 
     def row(self, reader: int) -> torch.Tensor:
         if not 0 <= reader < MAX_READERS:

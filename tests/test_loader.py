@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
+import json
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from datacache.loaders import CachedIterableDataset, PackedBytes, basic_decoders
+from datacache.loaders.order import epoch_order
+from datacache.manifest import MANIFEST_NAME
 from torch.utils.data import DataLoader
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from datacache.config import Settings
 from datacache.errors import ConfigError, DatacacheError, ShardReadError
-from datacache.loaders import CachedIterableDataset, PackedBytes, basic_decoders
-from datacache.loaders.order import epoch_order
 
 
 def payload(index: int) -> bytes:
@@ -28,8 +29,14 @@ def payload(index: int) -> bytes:
     return (seed * (1 + index % 23))[: 200 + (index * 37) % 900]
 
 
-def write_wds(directory: Path, samples: int, per_shard: int) -> dict[str, dict[str, bytes]]:
-    """Shards written by webdataset's own ShardWriter; returns key -> fields."""
+def write_wds(
+    directory: Path, samples: int, per_shard: int, *, with_counts: bool = False
+) -> dict[str, dict[str, bytes]]:
+    """Shards written by webdataset's own ShardWriter; returns key -> fields.
+
+    With ``with_counts``, also the manifest `datacache shard` writes (sizes and
+    sample counts), so readers start without a counting pass.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     expected: dict[str, dict[str, bytes]] = {}
     with wds.ShardWriter(str(directory / "train-%04d.tar"), maxcount=per_shard, verbose=0) as writer:
@@ -38,6 +45,14 @@ def write_wds(directory: Path, samples: int, per_shard: int) -> dict[str, dict[s
             fields = {"bin": payload(i), "cls": str(i % 10).encode()}
             writer.write({"__key__": key, **fields})
             expected[key] = fields
+    if with_counts:
+        shards = sorted(directory.glob("*.tar"))
+        entries = [
+            {"key": p.name, "size": p.stat().st_size, "samples": min(per_shard, samples - i * per_shard)}
+            for i, p in enumerate(shards)
+        ]
+        document = {"format_version": 1, "dataset": "t", "url": "", "format": "tar", "shards": entries}
+        (directory / MANIFEST_NAME).write_text(json.dumps(document))
     return expected
 
 
@@ -326,7 +341,7 @@ def test_parquet_rows_and_record_batches(tmp_path: Path, settings: Settings) -> 
     batches = CachedIterableDataset(str(origin), config=settings, batch_size=64)
     collected = [b for b in DataLoader(batches, batch_size=None, num_workers=2)]
     assert all(isinstance(b, pa.RecordBatch) for b in collected)
-    assert sorted(sum((b.column("id").to_pylist() for b in collected), [])) == list(range(230))
+    assert sorted(i for b in collected for i in b.column("id").to_pylist()) == list(range(230))
 
 
 def test_zarr_rows_along_the_first_axis(tmp_path: Path, settings: Settings) -> None:
@@ -428,3 +443,30 @@ def test_epoch_order_is_a_permutation() -> None:
     order = epoch_order(counts, seed=1, epoch=0, shuffle=True, window=4)
     assert sorted(order.tolist()) == list(range(25))
     assert epoch_order(counts, seed=1, epoch=0, shuffle=True, window=4).tolist() == order.tolist()
+
+
+def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
+    tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from datacache.config import load_settings
+    from datacache.loaders import prefetch
+
+    monkeypatch.setattr(prefetch, "_INTERVAL", 0.1)
+    origin = tmp_path / "slow"
+    write_wds(origin, samples=60, per_shard=4, with_counts=True)
+    throttled = load_settings(
+        cache_env,
+        overrides={"local_dir": str(tmp_path / "local"), "bandwidth_limit": "60kB/s", "concurrency": 1},
+    )
+    dataset = CachedIterableDataset(str(origin), config=throttled, target_bandwidth="1GB/s", shuffle=False)
+    with caplog.at_level("WARNING", logger="datacache.loaders.prefetch"):
+        count = sum(1 for _ in dataset)
+    assert count == 60
+    stats = dataset.stats()
+    assert stats.meets_target is False
+    assert stats.target_bandwidth == 1e9
+    assert stats.limiting_stage == "origin"
+    assert stats.hit_ratio["origin"] > 0.5
+    assert stats.prefetch_depth > 4, "prefetch must widen when the target is missed"
+    warnings = [r for r in caplog.records if "limiting stage is origin" in r.getMessage()]
+    assert len(warnings) == 1, "one warning, not a flood"
