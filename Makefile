@@ -42,7 +42,7 @@ layout:
 
 lint: $(STAMP) layout
 	$(BIN)/ruff check datacache tiers loaders tests benchmarks
-	cd $(LAYOUT) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/pyproject.toml
+	cd $(LAYOUT) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports $(CURDIR)/pyproject.toml
 
 typecheck: $(STAMP) layout
 	cd $(LAYOUT) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p datacache

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from typing import IO, Any
 
@@ -44,10 +46,16 @@ class Progress:
         self._started = time.monotonic()
         self._last_render = 0.0
         self._meter = RateMeter(window=5.0)
+        self._item_meter = RateMeter(window=5.0)
         self._bar: Any = None
         if mode == "bar":
             from tqdm import tqdm
 
+            # A terminal that reports no size (a fresh pty, some CI runners) would get
+            # a zero-width, invisible bar: give it a fixed width instead.
+            columns = 0
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                columns = os.get_terminal_size(stream.fileno()).columns
             self._bar = tqdm(
                 total=total_bytes,
                 unit="B",
@@ -55,7 +63,9 @@ class Progress:
                 unit_divisor=1000,
                 desc=what,
                 file=stream,
-                dynamic_ncols=True,
+                dynamic_ncols=columns > 0,
+                ncols=None if columns > 0 else 100,
+                nrows=None if columns > 0 else 20,
                 smoothing=0.1,
             )
 
@@ -68,15 +78,34 @@ class Progress:
             self._bar.update(amount)
         self._maybe_render()
 
-    def item_done(self, size: int, *, transferred: int) -> None:
-        """One item finished; ``size - transferred`` of its bytes were already in place."""
-        self.done_items += 1
+    def item_done(self, size: int, *, transferred: int, items: int = 1) -> None:
+        """``items`` finished; ``size - transferred`` of their bytes were already in place."""
+        self.done_items += items
+        if transferred:
+            self._item_meter.add(items)
         already = max(0, size - transferred)
         self.done_bytes += already
         if self._bar is not None:
             if already:
                 self._bar.update(already)
-            self._bar.set_postfix_str(f"{self.done_items}/{self.total_items} {self._item_name}", refresh=False)
+            self._bar.set_postfix_str(
+                f"{self.done_items}/{self.total_items} {self._item_name}, "
+                f"{self._item_meter.rate():.0f} {self._item_name}/s",
+                refresh=False,
+            )
+        self._maybe_render()
+
+    def advance_to(self, *, done_items: int, done_bytes: int, moved_bytes: int) -> None:
+        """Jump to totals reported by someone else (the daemon doing the work)."""
+        delta = max(0, moved_bytes - self.moved_bytes)
+        if delta:
+            self.moved_bytes = moved_bytes
+            self._meter.add(delta)
+        if self._bar is not None:
+            self._bar.update(max(0, done_bytes - self.done_bytes))
+            self._bar.set_postfix_str(f"{done_items}/{self.total_items} {self._item_name}", refresh=False)
+        self.done_items = done_items
+        self.done_bytes = done_bytes
         self._maybe_render()
 
     def snapshot(self) -> dict[str, Any]:
@@ -93,6 +122,7 @@ class Progress:
             "bytes_total": self.total_bytes,
             "bytes_transferred": self.moved_bytes,
             "rate_bytes_per_s": round(rate, 1),
+            f"{self._item_name}_per_s": round(self._item_meter.rate(), 1),
             "eta_s": round(eta, 1) if eta is not None else None,
             "elapsed_s": round(elapsed, 3),
         }
@@ -110,7 +140,8 @@ class Progress:
             self._stream.write(
                 f"{self.what}: {self.done_items}/{self.total_items} {self._item_name}, "
                 f"{format_bytes(self.done_bytes)}/{format_bytes(self.total_bytes)}, "
-                f"{format_rate(snap['rate_bytes_per_s'])}{eta}\n"
+                f"{format_rate(snap['rate_bytes_per_s'])}{eta}, "
+                f"{snap[f'{self._item_name}_per_s']:.0f} {self._item_name}/s\n"
             )
         self._stream.flush()
 

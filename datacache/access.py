@@ -9,14 +9,28 @@ of the node shares one cache and one transfer per shard.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
+from datacache.errors import DaemonUnavailableError
 from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location, Stager
 from datacache.tiers import ByteRange
 
-__all__ = ["ShardAccess", "open_access"]
+__all__ = [
+    "EMBEDDED_FALLBACK",
+    "FailoverAccess",
+    "ShardAccess",
+    "ThroughputReporter",
+    "open_access",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ShardAccess(Protocol):
@@ -24,7 +38,7 @@ class ShardAccess(Protocol):
 
     @property
     def mode(self) -> str:
-        """``"embedded"`` (an in-process stager) or ``"daemon"``."""
+        """``"embedded"``, ``"daemon"``, or ``"embedded (daemon unavailable)"`` during a failover."""
         ...
 
     async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
@@ -32,7 +46,12 @@ class ShardAccess(Protocol):
         ...
 
     async def ensure(
-        self, handle: DatasetHandle, key: str, *, tier: str = "local", priority: float = PRIORITY_URGENT
+        self,
+        handle: DatasetHandle,
+        key: str,
+        *,
+        tier: str = "local",
+        priority: float = PRIORITY_URGENT,
     ) -> Location:
         """Make a shard resident (on the local tier by default) and say where it is."""
         ...
@@ -51,7 +70,9 @@ class ShardAccess(Protocol):
         """Where a shard can be read now, moving nothing."""
         ...
 
-    async def read(self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None) -> bytes:
+    async def read(
+        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None
+    ) -> bytes:
         """A shard's bytes (or a range) from the fastest tier holding it."""
         ...
 
@@ -64,6 +85,198 @@ class ShardAccess(Protocol):
         ...
 
 
+@runtime_checkable
+class ThroughputReporter(Protocol):
+    """An access that passes a reader's bandwidth and stall fraction on to the daemon's metrics."""
+
+    async def report(
+        self,
+        *,
+        delivered_bytes_per_s: float,
+        stall_fraction: float,
+        delivered_bytes: int = 0,
+        dataset: str | None = None,
+    ) -> None:
+        """Report what this reader delivered, and the fraction of time training waited for data."""
+        ...
+
+
+EMBEDDED_FALLBACK = "embedded (daemon unavailable)"
+
+
+class FailoverAccess:
+    """The daemon first; an in-process `Stager` while it is unreachable; then the daemon again.
+
+    Every verb goes to ``primary`` (a `DaemonClient`) unless it was found
+    unreachable less than ``retry_interval`` seconds ago. A verb that fails
+    with `DaemonUnavailableError` (refused connection, daemon killed during
+    the request, daemon shutting down) is answered by the fallback stager,
+    created on first need, so a reader goes on through a daemon restart
+    without losing or repeating a shard. Handles from either side work with
+    both: a handle names its dataset, manifest snapshot and origin.
+
+    Parameters
+    ----------
+    primary
+        The client of the node's daemon.
+    settings
+        Settings for the fallback stager (the same cache directories).
+    retry_interval
+        Seconds between attempts to reach the daemon again once it failed.
+    """
+
+    def __init__(
+        self, primary: DaemonClient, settings: Settings, *, retry_interval: float = 3.0
+    ) -> None:
+        self.primary = primary
+        self.settings = settings
+        self.retry_interval = retry_interval
+        self._fallback: Stager | None = None
+        self._down_until: float | None = None
+        self._down = False
+        self._orders: dict[str, tuple[DatasetHandle, list[str]]] = {}
+        self.failovers = 0
+        self.reconnects = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "primary": self.primary,
+            "settings": self.settings,
+            "retry_interval": self.retry_interval,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["primary"], state["settings"], retry_interval=state["retry_interval"])  # type: ignore[misc]
+
+    @property
+    def mode(self) -> str:
+        """``"daemon"``, or ``"embedded (daemon unavailable)"`` while the fallback answers."""
+        return EMBEDDED_FALLBACK if self._down else "daemon"
+
+    def _fallback_stager(self) -> Stager:
+        if self._fallback is None:
+            # The daemon (or its successor) reconciles the catalog; readers never do.
+            self._fallback = Stager(self.settings, reconcile=False)
+        return self._fallback
+
+    async def _route(self, call: Callable[[ShardAccess], Awaitable[T]]) -> T:
+        if not self._down or (
+            self._down_until is not None and time.monotonic() >= self._down_until
+        ):
+            try:
+                result = await call(self.primary)
+            except DaemonUnavailableError as exc:
+                if not self._down:
+                    self.failovers += 1
+                    logger.warning(
+                        "%s; reading through this process's own stager until it is back", exc
+                    )
+                self._down = True
+                self._down_until = time.monotonic() + self.retry_interval
+            else:
+                if self._down:
+                    self._down = False
+                    self._down_until = None
+                    self.reconnects += 1
+                    logger.warning(
+                        "reconnected to the datacache daemon on %s", self.primary.socket_path
+                    )
+                    await self._replay_orders(self.primary)
+                return result
+        fallback = self._fallback_stager()
+        return await call(fallback)
+
+    async def _replay_orders(self, access: ShardAccess) -> None:
+        for handle, keys in list(self._orders.values()):
+            try:
+                await access.set_future_order(handle, keys)
+            except DaemonUnavailableError:
+                return
+
+    async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
+        return await self._route(lambda access: access.open(dataset, refresh=refresh))
+
+    async def ensure(
+        self,
+        handle: DatasetHandle,
+        key: str,
+        *,
+        tier: str = "local",
+        priority: float = PRIORITY_URGENT,
+    ) -> Location:
+        return await self._route(
+            lambda access: access.ensure(handle, key, tier=tier, priority=priority)
+        )
+
+    async def prefetch(
+        self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
+    ) -> None:
+        await self._route(lambda access: access.prefetch(handle, keys, priority=priority))
+
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
+        order = list(keys)
+        self._orders[handle.id] = (handle, order)
+        was_down = self._down
+        await self._route(lambda access: access.set_future_order(handle, order))
+        if self._down and not was_down:
+            await self._fallback_stager().set_future_order(handle, order)
+
+    async def locate(self, handle: DatasetHandle, key: str) -> Location:
+        return await self._route(lambda access: access.locate(handle, key))
+
+    async def read(
+        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None
+    ) -> bytes:
+        return await self._route(lambda access: access.read(handle, key, byte_range))
+
+    async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
+        await self._route(lambda access: access.report_corrupt(handle, location))
+
+    async def report(
+        self,
+        *,
+        delivered_bytes_per_s: float,
+        stall_fraction: float,
+        delivered_bytes: int = 0,
+        dataset: str | None = None,
+    ) -> None:
+        """Pass a reader's throughput to the daemon's metrics (dropped while it is unreachable)."""
+        if self._down:
+            return
+        try:
+            await self.primary.report(
+                delivered_bytes_per_s=delivered_bytes_per_s,
+                stall_fraction=stall_fraction,
+                delivered_bytes=delivered_bytes,
+                dataset=dataset,
+            )
+        except DaemonUnavailableError:
+            logger.debug("the daemon is unreachable: throughput report dropped")
+
+    async def close(self) -> None:
+        await self.primary.close()
+        if self._fallback is not None:
+            fallback, self._fallback = self._fallback, None
+            await fallback.close()
+
+
 async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAccess:
-    """Return the way this process should reach shards (an in-process `Stager` for now)."""
+    """Return the way this process should reach shards.
+
+    If the node's daemon answers on ``settings.daemon_socket``, a
+    `FailoverAccess` over a `DaemonClient` (every process of the node shares
+    the daemon's cache; if the daemon goes away, this process goes on with its
+    own stager and returns to the daemon when it is back). Otherwise an
+    in-process `Stager` (``reconcile`` repairs what killed processes left).
+    """
+    socket_path = settings.daemon_socket
+    if socket_path.exists():
+        client = DaemonClient(settings)
+        try:
+            await client.health()
+        except DaemonUnavailableError as exc:
+            await client.close()
+            logger.info("%s; using an in-process stager", exc)
+        else:
+            return FailoverAccess(client, settings)
     return Stager(settings, reconcile=reconcile)

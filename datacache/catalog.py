@@ -131,6 +131,26 @@ def _owner_alive(owner: str | None) -> bool:
     return True
 
 
+def _initialise(connection: sqlite3.Connection) -> None:
+    """Switch to WAL and create the tables, however many processes open the file at once.
+
+    Changing the journal mode takes an exclusive lock that SQLite's busy
+    handler does not wait for, so first openers can collide: retry briefly.
+    """
+    for attempt in range(100):
+        try:
+            if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+            connection.executescript(_SCHEMA)
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            time.sleep(min(0.5, 0.005 * (attempt + 1)))
+    raise sqlite3.OperationalError("the catalog stayed locked while opening it")
+
+
 def _entry(row: Sequence[Any]) -> CatalogEntry:
     return CatalogEntry(
         dataset=row[0],
@@ -174,11 +194,8 @@ class Catalog:
         if self._connection is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
             connection.execute("PRAGMA busy_timeout=60000")
-            with contextlib.suppress(sqlite3.OperationalError):
-                connection.executescript(_SCHEMA)
+            _initialise(connection)
             self._connection = connection
         return self._connection
 
@@ -196,19 +213,23 @@ class Catalog:
         connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
         try:
             connection.execute("PRAGMA busy_timeout=60000")
-            connection.executescript(_SCHEMA)
+            _initialise(connection)
             return function(connection)
         finally:
             connection.close()
 
     async def close(self) -> None:
-        if self._executor is not None:
+        if self._executor is not None and self._pid == os.getpid():
 
             def shut(connection: sqlite3.Connection) -> None:
                 connection.close()
 
             if self._connection is not None:
-                await self._run(shut)
+                try:
+                    await self._run(shut)
+                except RuntimeError:
+                    # At interpreter exit the executor refuses work; its thread is idle.
+                    self._connection.close()
             self._executor.shutdown(wait=False)
         self._executor = None
         self._connection = None
@@ -328,9 +349,13 @@ class Catalog:
                 existing = c.execute(
                     "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
                 ).fetchone()
-                if existing is not None and existing[0] == ShardState.STAGING and existing[1] != owner:
-                    if _owner_alive(existing[1]):
-                        return Reservation(False, reason=f"being staged by {existing[1]}")
+                if (
+                    existing is not None
+                    and existing[0] == ShardState.STAGING
+                    and existing[1] != owner
+                    and _owner_alive(existing[1])
+                ):
+                    return Reservation(False, reason=f"being staged by {existing[1]}")
                 used = c.execute(
                     "SELECT coalesce(sum(size), 0) FROM shards WHERE state != ? AND NOT (dataset=? AND key=?)",
                     (ShardState.EVICTING.value, dataset, key),

@@ -20,8 +20,9 @@ from typing import Any
 from datacache import __version__
 from datacache._logging import configure_logging
 from datacache._progress import Progress
-from datacache.config import Settings, load_settings, resolve_dataset
-from datacache.errors import ConfigError, DatacacheError
+from datacache.client import DaemonClient
+from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -38,7 +39,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cache settings (override the config file and DATACACHE_* variables)")
-    group.add_argument("--config", metavar="FILE", help="TOML config file (default: DATACACHE_CONFIG or ~/.config/datacache/config.toml)")
+    group.add_argument(
+        "--config", metavar="FILE", help="TOML config file (default: DATACACHE_CONFIG, else the user's config dir)"
+    )
     group.add_argument("--local-dir", metavar="DIR", help="local tier directory (DATACACHE_LOCAL_DIR)")
     group.add_argument("--local-capacity", metavar="SIZE", help="local tier capacity, e.g. 500GB")
     group.add_argument("--shared-dir", metavar="DIR", help="shared tier directory on the cluster filesystem")
@@ -76,6 +79,13 @@ async def _warm(args: argparse.Namespace) -> int:
     dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
     if args.tier == SHARED and settings.shared_dir is None:
         raise ConfigError("--tier shared needs a shared tier (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)")
+    if not args.no_daemon:
+        client = await _daemon_client(settings)
+        if client is not None:
+            try:
+                return await _warm_through(client, args, dataset)
+            finally:
+                await client.close()
     out = sys.stdout
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
@@ -115,6 +125,66 @@ async def _warm(args: argparse.Namespace) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await ticking
             progress.close()
+    _print_warm_report(report, redact_url(dataset.url), args.json)
+    return 0 if report.complete else 1
+
+
+async def _daemon_client(settings: Settings) -> DaemonClient | None:
+    """A client of the node's daemon if one answers on its socket, else None (work in-process)."""
+    if not settings.daemon_socket.exists():
+        return None
+    client = DaemonClient(settings)
+    try:
+        await client.health()
+    except DaemonUnavailableError as exc:
+        await client.close()
+        logger.info("%s; working in this process", exc)
+        return None
+    return client
+
+
+async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig) -> int:
+    """Have the node's daemon warm the dataset (one transfer per shard for every process of the node)."""
+    progress: Progress | None = None
+    done: dict[str, Any] = {}
+    try:
+        async for event in client.warm(
+            dataset, tier=args.tier, shards=args.shards, verify=args.verify, refresh=args.refresh
+        ):
+            kind = event.get("event")
+            if kind == "start":
+                progress = Progress(
+                    what=f"warm {dataset.name} (daemon)",
+                    total_items=int(event.get("shards", 0)),
+                    total_bytes=int(event.get("bytes", 0)),
+                    mode=_progress_mode(args),
+                    stream=sys.stderr if not args.json else sys.stdout,
+                )
+            elif kind == "progress" and progress is not None:
+                progress.advance_to(
+                    done_items=int(event.get("shards_done", 0)),
+                    done_bytes=int(event.get("bytes_done", 0)),
+                    moved_bytes=int(event.get("bytes_transferred", 0)),
+                )
+            elif kind == "done":
+                done = event
+    finally:
+        if progress is not None:
+            progress.close()
+    if not done:
+        raise DaemonUnavailableError("the daemon ended the warm without a summary")
+    report = WarmReport(
+        dataset=str(done.get("dataset", dataset.id)),
+        tier=str(done.get("tier", args.tier)),
+        shards_requested=int(done.get("shards_requested", 0)),
+        shards_resident=int(done.get("shards_resident", 0)),
+        bytes_requested=int(done.get("bytes_requested", 0)),
+        bytes_transferred=int(done.get("bytes_transferred", 0)),
+        shards_transferred=int(done.get("shards_transferred", 0)),
+        shards_verified=int(done.get("shards_verified", 0)),
+        seconds=float(done.get("seconds", 0.0)),
+        failures=tuple((str(f.get("shard", "")), str(f.get("error", ""))) for f in done.get("failures", [])),
+    )
     _print_warm_report(report, redact_url(dataset.url), args.json)
     return 0 if report.complete else 1
 
@@ -175,7 +245,7 @@ async def _ls(args: argparse.Namespace) -> int:
         await stager.reconcile()
         records = await stager.catalog.datasets()
         entries = await stager.catalog.entries()
-        rows = []
+        rows: list[dict[str, Any]] = []
         for record in records:
             local = [e for e in entries if e.dataset == record.id and e.state == "resident"]
             shared_count = shared_bytes = 0
@@ -278,6 +348,23 @@ async def _status(args: argparse.Namespace) -> int:
 
 async def _evict(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    client = None if args.forget else await _daemon_client(settings)
+    if client is not None:
+        # The daemon owns the node's cache: let it evict, so its state stays true.
+        try:
+            dataset_id = args.dataset if "://" not in args.dataset and "/" not in args.dataset else None
+            if dataset_id is None or dataset_id in settings.datasets:
+                dataset_id = resolve_dataset(args.dataset, settings).id
+            keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
+            tiers = (LOCAL, SHARED) if args.tier == "all" else (args.tier,)
+            count = size = 0
+            for tier in tiers:
+                c, s = await client.evict(dataset_id, keys, tier=tier)
+                count, size = count + c, size + s
+        finally:
+            await client.close()
+        sys.stdout.write(f"evicted {count} shards ({format_bytes(size)}) of {dataset_id} from {args.tier} (daemon)\n")
+        return 0
     async with Stager(settings) as stager:
         records = {record.id: record for record in await stager.catalog.datasets()}
         if args.dataset in records:
@@ -303,6 +390,160 @@ async def _evict(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- shard ------------------------------------------------------------------------------------
+
+
+def _endpoint_for(spec: str, settings: Settings, *, source: bool) -> Any:
+    from datacache.shard import Endpoint
+    from datacache.tiers import split_scheme
+
+    if source and spec in settings.datasets:
+        dataset = settings.datasets[spec]
+        return Endpoint(dataset.url, dict(dataset.storage_options))
+    scheme, _ = split_scheme(spec)
+    url = spec if "://" in spec else os.path.abspath(os.path.expanduser(spec))
+    return Endpoint(url, dict(settings.storage_options.get(scheme, {})))
+
+
+async def _shard(args: argparse.Namespace) -> int:
+    from datacache.shard import ShardOptions, ShardPlan, shard_dataset
+    from datacache.units import parse_size
+
+    settings = _settings(args)
+    options = ShardOptions(
+        shard_size=parse_size(args.shard_size, what="--shard-size"),
+        chunk_size=parse_size(args.chunk_size, what="--chunk-size"),
+        group_by=args.group_by,
+        label=args.label,
+        prefix=args.prefix,
+        workers=args.workers,
+        concurrency=args.concurrency,
+    )
+    if args.scheduler and args.engine == "local":
+        raise ConfigError("--scheduler needs --engine dask or --engine ray")
+    source = _endpoint_for(args.src, settings, source=True)
+    dest = _endpoint_for(args.dst, settings, source=False)
+    out = sys.stdout
+
+    def progress(plan: ShardPlan) -> Progress:
+        return Progress(
+            what=f"shard {redact_url(source.url)}",
+            total_items=plan.objects,
+            total_bytes=plan.input_bytes,
+            mode=_progress_mode(args),
+            stream=sys.stderr if not args.json else out,
+            item_name="objects",
+        )
+
+    report = await shard_dataset(
+        source,
+        dest,
+        options,
+        engine=args.engine,
+        scheduler=args.scheduler,
+        source_format=args.format,
+        progress=progress,
+    )
+    if args.json:
+        out.write(json.dumps(report.to_json()) + "\n")
+        return 0
+    skipped = f"; skipped {report.skipped} objects without an extension" if report.skipped else ""
+    out.write(
+        f"shard {report.source} -> {report.dest}: {report.units} {report.kind} shards "
+        f"({report.written} written, {report.kept} kept after verifying), {report.samples} samples from "
+        f"{report.objects} objects, {format_bytes(report.output_bytes)}, {report.seconds:.1f}s "
+        f"({report.objects_per_second:.0f} objects/s, {format_rate(report.bytes_per_second)}){skipped}\n"
+    )
+    return 0
+
+
+# -- serve, bench, plan -----------------------------------------------------------------------
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from datacache.daemon import DaemonOptions, serve
+    from datacache.units import parse_bandwidth
+
+    # A daemon logs each event at info level: one line each, JSON with --log-json.
+    configure_logging(
+        max(1, args.verbose),
+        json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
+    )
+    settings = _settings(
+        args,
+        socket=args.socket,
+        metrics_address=args.metrics_address,
+        concurrency=args.concurrency,
+        bandwidth_limit=args.bandwidth,
+    )
+    if args.prefetch_slots is not None and args.prefetch_slots < 1:
+        raise ConfigError(f"--prefetch-slots: must be at least 1, got {args.prefetch_slots}")
+    if args.drain_timeout <= 0:
+        raise ConfigError(f"--drain-timeout: must be positive, got {args.drain_timeout}")
+    prefetch_bandwidth = None
+    if args.prefetch_bandwidth:
+        prefetch_bandwidth = parse_bandwidth(args.prefetch_bandwidth, what="--prefetch-bandwidth")
+    options = DaemonOptions(
+        prefetch_slots=args.prefetch_slots,
+        prefetch_bandwidth=prefetch_bandwidth,
+        drain_timeout=args.drain_timeout,
+        allow_uids=frozenset(args.allow_uid or ()),
+        allow_gids=frozenset(args.allow_gid or ()),
+        allow_datasets=tuple(args.allow_dataset or ()),
+    )
+    return await serve(settings, options)
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from datacache.bench import TIERS, format_bench, run_bench
+    from datacache.units import parse_bandwidth, parse_size
+
+    settings = _settings(args)
+    dataset = resolve_dataset(args.dataset, settings) if args.dataset else None
+    tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip()) if args.tiers else TIERS
+    report = await run_bench(
+        settings,
+        dataset,
+        gpus=args.gpus,
+        per_gpu=parse_bandwidth(args.per_gpu, what="--per-gpu"),
+        readers=args.readers,
+        seconds=args.seconds,
+        sample_bytes=parse_size(args.sample, what="--sample"),
+        stage=not args.no_stage,
+        tiers=tiers,
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+    else:
+        sys.stdout.write(format_bench(report))
+    return 0 if report.ok else 1
+
+
+async def _plan(args: argparse.Namespace) -> int:
+    from datacache.bench import format_plan, plan_tiers
+    from datacache.units import parse_bandwidth, parse_size
+
+    local_capacity = origin_bandwidth = None
+    if args.local_capacity:
+        local_capacity = parse_size(args.local_capacity, what="--local-capacity")
+    if args.origin_bandwidth:
+        origin_bandwidth = parse_bandwidth(args.origin_bandwidth, what="--origin-bandwidth")
+    plan = plan_tiers(
+        gpus=args.gpus,
+        per_gpu=parse_bandwidth(args.per_gpu, what="--per-gpu"),
+        dataset_bytes=parse_size(args.dataset, what="--dataset"),
+        epochs=args.epochs,
+        nodes=args.nodes,
+        local_capacity=local_capacity,
+        origin_bandwidth=origin_bandwidth,
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
+    else:
+        sys.stdout.write(format_plan(plan))
+    return 0
+
+
 # -- the parser -------------------------------------------------------------------------------
 
 
@@ -319,9 +560,14 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
-    warm.add_argument("--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset")
+    warm.add_argument(
+        "--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset"
+    )
     warm.add_argument("--json", action="store_true", help="machine-readable progress and summary, one JSON per line")
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
+    warm.add_argument(
+        "--no-daemon", action="store_true", help="stage in this process even if the node's daemon is running"
+    )
     _add_settings_flags(warm)
     warm.set_defaults(run=_warm)
 
@@ -342,6 +588,88 @@ def _parser() -> argparse.ArgumentParser:
     evict.add_argument("--forget", action="store_true", help="also forget the dataset and its saved manifest")
     _add_settings_flags(evict)
     evict.set_defaults(run=_evict)
+
+    shard = commands.add_parser(
+        "shard", help="pack a tree of small files into tar shards with an index (or re-chunk Parquet/Zarr)"
+    )
+    shard.add_argument("src", help="the tree to pack: any fsspec URL (s3://bucket/raw/, /path) or a configured name")
+    shard.add_argument("dst", help="where the shards, their indexes and datacache-manifest.json go (any fsspec URL)")
+    shard.add_argument("--shard-size", metavar="SIZE", default="256MB", help="target shard size (default 256MB)")
+    shard.add_argument("--group-by", metavar="REGEX", help="regex whose first group is a file's sample key "
+                       "(default: the path up to the first dot of the file name, as webdataset)")
+    shard.add_argument("--label", metavar="REGEX", help="regex whose first group in a sample's path is its class, "
+                       "stored as an index in a 'cls' field (e.g. '^([^/]+)/')")
+    shard.add_argument("--workers", metavar="N", type=int, default=4, help="shards packed at once (default 4)")
+    shard.add_argument("--concurrency", metavar="N", type=int, default=16,
+                       help="GETs in flight per worker (default 16)")
+    shard.add_argument("--engine", choices=("local", "dask", "ray"), default="local",
+                       help="where shards are packed: this process, a Dask or a Ray cluster (default local)")
+    shard.add_argument("--scheduler", metavar="ADDRESS",
+                       help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
+    shard.add_argument("--format", choices=("auto", "files", "parquet", "zarr"), default="auto",
+                       help="what SRC holds: small files (to tar shards), Parquet or a Zarr array (to re-chunk)")
+    shard.add_argument("--chunk-size", metavar="SIZE", default="32MB",
+                       help="Parquet row group / Zarr chunk target, uncompressed (default 32MB)")
+    shard.add_argument("--prefix", default="shard", help="shard names: PREFIX-000000.tar (default shard)")
+    shard.add_argument("--json", action="store_true", help="machine-readable progress and summary, one JSON per line")
+    shard.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
+    _add_settings_flags(shard)
+    shard.set_defaults(run=_shard)
+
+    serve = commands.add_parser(
+        "serve", help="run the per-node daemon: one cache and stager for every process of the node"
+    )
+    add = serve.add_argument
+    add("--socket", metavar="PATH", help="the Unix socket (default LOCAL_DIR/daemon.sock)")
+    add("--metrics-address", metavar="HOST:PORT",
+        help="where /metrics, /healthz and /readyz listen (default 127.0.0.1:9464)")
+    add("--concurrency", metavar="N", help="transfers at once (default 8)")
+    add("--bandwidth", metavar="LIMIT", help="cap all origin reads, e.g. 2GB/s")
+    add("--prefetch-slots", metavar="N", type=int,
+        help="transfers prefetching may hold at once (default: 3/4 of --concurrency)")
+    add("--prefetch-bandwidth", metavar="LIMIT", help="cap prefetch and warm traffic, e.g. 1GB/s")
+    add("--drain-timeout", metavar="SECONDS", type=float, default=10.0,
+        help="on SIGTERM, time running transfers get to finish (default 10)")
+    add("--allow-uid", metavar="UID", type=int, action="append",
+        help="also accept clients with this uid (root and the daemon's uid always are)")
+    add("--allow-gid", metavar="GID", type=int, action="append",
+        help="also accept clients with this gid (the daemon's gid always is)")
+    add("--allow-dataset", metavar="PREFIX", action="append",
+        help="open only configured datasets and URLs starting with PREFIX (repeatable)")
+    _add_settings_flags(serve)
+    serve.set_defaults(run=_serve)
+
+    bench = commands.add_parser(
+        "bench", help="measure this node's read bandwidth per tier against a target (exit 1: short)"
+    )
+    add = bench.add_argument
+    add("dataset", nargs="?",
+        help="a URL or configured name (without one: disk tiers only, on temporary files)")
+    add("--gpus", metavar="N", type=int, required=True, help="GPUs on this node")
+    add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
+    add("--readers", metavar="N", type=int, help="parallel readers per tier (default max(4, GPUs))")
+    add("--seconds", metavar="S", type=float, default=10.0, help="time per tier (default 10)")
+    add("--sample", metavar="SIZE", default="2GB", help="bytes read per tier at most (default 2GB)")
+    add("--tiers", metavar="LIST", help="which tiers: origin,shared,local (default all)")
+    add("--no-stage", action="store_true",
+        help="read only what is cached (default: stage the sample onto each tier first)")
+    add("--json", action="store_true")
+    _add_settings_flags(bench)
+    bench.set_defaults(run=_bench)
+
+    plan = commands.add_parser("plan", help="size the tiers for a job on paper")
+    add = plan.add_argument
+    add("--gpus", metavar="N", type=int, required=True, help="GPUs per node")
+    add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
+    add("--dataset", metavar="SIZE", required=True, help="dataset size, e.g. 12TB")
+    add("--epochs", metavar="E", type=int, default=1)
+    add("--nodes", metavar="K", type=int, default=1)
+    add("--local-capacity", metavar="SIZE", help="NVMe per node the cache may use")
+    add("--origin-bandwidth", metavar="BW", help="what the origin delivers (times the warm-up)")
+    add("--json", action="store_true")
+    add("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
+    add("--log-json", action="store_true", help=argparse.SUPPRESS)
+    plan.set_defaults(run=_plan)
 
     return parser
 

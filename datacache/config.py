@@ -246,7 +246,8 @@ def load_settings(
     explicit = config_path or env.get("DATACACHE_CONFIG")
     path = Path(explicit).expanduser() if explicit else default_config_path(env)
     if explicit and not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (from {'--config' if config_path else 'DATACACHE_CONFIG'})")
+        source = "--config" if config_path else "DATACACHE_CONFIG"
+        raise ConfigError(f"config file {path} does not exist (from {source})")
     loaded_from: Path | None = None
     if path.is_file():
         loaded_from = path
@@ -308,9 +309,9 @@ def load_settings(
 
 def dataset_id_for(url: str) -> str:
     """A stable, filesystem-safe id for an unnamed dataset URL: ``<last-part>-<hash8>``."""
-    normalized = url.rstrip("/")
+    normalized = redact_url(url).rstrip("/")  # the id names directories: never a credential
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", normalized.rsplit("/", 1)[-1]).strip(".-") or "dataset"
-    digest = hashlib.sha256(redact_url(normalized).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(normalized.encode()).hexdigest()[:8]
     return f"{tail[:60]}-{digest}"
 
 
@@ -328,7 +329,8 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
         if not looks_like_path:
             known = ", ".join(sorted(settings.datasets)) or "none configured"
             raise ConfigError(
-                f"unknown dataset {spec!r}: not a URL, not an existing path, and not a name in the config (known: {known})"
+                f"unknown dataset {spec!r}: not a URL, not an existing path, "
+                f"and not a name in the config (known: {known})"
             )
         url = spec
         if scheme == "file" and "://" not in spec:

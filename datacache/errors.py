@@ -9,8 +9,8 @@ from __future__ import annotations
 __all__ = [
     "ChecksumMismatchError",
     "ConfigError",
-    "DatacacheError",
     "DaemonUnavailableError",
+    "DatacacheError",
     "InvalidKeyError",
     "OriginChangedError",
     "OriginError",

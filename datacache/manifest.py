@@ -11,6 +11,7 @@ checksums and sample counts, which is used as is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from datacache.config import DatasetConfig
-from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
+from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
 from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
 from datacache.tiers._files import atomic_write
 
@@ -173,7 +174,7 @@ class Manifest:
         if data.get("format_version") != _FORMAT_VERSION:
             raise ConfigError(f"{where}: unsupported manifest format_version {data.get('format_version')!r}")
         try:
-            fmt = ShardFormat(data.get("format"))
+            fmt = ShardFormat(str(data.get("format")))
         except ValueError:
             raise ConfigError(f"{where}: unknown format {data.get('format')!r}") from None
         shards = data.get("shards")
@@ -231,7 +232,10 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     started = time.monotonic()
     infos = [info async for info in origin.list()]
     if not infos:
-        raise ShardNotFoundError(f"dataset {dataset.name}: nothing found at {origin.url} (missing bucket or prefix?)")
+        raise ShardNotFoundError(
+            f"dataset {dataset.name}: no objects under {origin.url} "
+            "(the prefix or directory is empty or does not exist)"
+        )
     by_key = {info.key: info for info in infos}
     if MANIFEST_NAME in by_key:
         raw = await origin.get(MANIFEST_NAME)
@@ -257,6 +261,12 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
         chosen = _shard_keys_for(fmt, infos)
         if not chosen:
             raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
+        for info in chosen:
+            # Object stores allow keys such as "a/../../x" or "a//b"; none may become a path.
+            try:
+                validate_key(info.key)
+            except InvalidKeyError as exc:
+                raise InvalidKeyError(f"dataset {dataset.name}: refusing to cache {origin.url}: object {exc}") from None
         manifest = Manifest(
             dataset=dataset.id,
             url=dataset.url,
@@ -322,7 +332,5 @@ class ManifestStore:
 
     async def delete(self, dataset_id: str) -> None:
         for directory in self._directories:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
-            except FileNotFoundError:
-                pass

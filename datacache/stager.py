@@ -35,14 +35,13 @@ from datacache.errors import (
     ChecksumMismatchError,
     ConfigError,
     DatacacheError,
-    OriginChangedError,
-    ShardNotFoundError,
     TierFullError,
 )
 from datacache.eviction import Candidate, choose_victims
 from datacache.locks import LeaseLock, NodeLock, lock_name
 from datacache.manifest import Manifest, ManifestStore, Shard, take_manifest
-from datacache.tiers import ByteRange, LocalTier, ObjectInfo, SharedTier, Tier, open_origin
+from datacache.tiers import ByteRange, LocalTier, ObjectInfo, SharedTier, Tier, open_origin, redact_url
+from datacache.tiers._files import remove_abandoned_partials
 from datacache.units import format_bytes
 
 __all__ = [
@@ -134,6 +133,7 @@ class StagerStats:
     bytes_to_shared: int = 0
     bytes_to_local: int = 0
     shards_staged: int = 0
+    shards_to_shared: int = 0
     hits: Mapping[str, int] = field(default_factory=dict)
     misses: int = 0
     bypassed: int = 0
@@ -218,6 +218,8 @@ class Stager:
         self._queue: asyncio.PriorityQueue[tuple[float, int, _Job]] | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._shared_flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
+        self._shared_room: asyncio.Lock | None = None
+        self._shared_reserved: dict[tuple[str, str], int] = {}
         self._memory: asyncio.Semaphore | None = None
         self._throttle: TokenBucket | None = None
         self._lock_waiters: concurrent.futures.ThreadPoolExecutor | None = None
@@ -230,6 +232,7 @@ class Stager:
                 "bytes_to_shared",
                 "bytes_to_local",
                 "shards_staged",
+                "shards_to_shared",
                 "misses",
                 "bypassed",
                 "evictions",
@@ -295,6 +298,7 @@ class Stager:
             self._queue = asyncio.PriorityQueue()
             budget = max(1, self.settings.memory_budget // self.settings.part_size)
             self._memory = asyncio.Semaphore(budget)
+            self._shared_room = asyncio.Lock()
             if self.settings.bandwidth_limit:
                 self._throttle = TokenBucket(self.settings.bandwidth_limit)
             self._lock_waiters = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="datacache-lock")
@@ -374,7 +378,7 @@ class Stager:
                     await self.manifests.save(manifest)
         await self.catalog.record_dataset(
             config.id,
-            url=config.url,
+            url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
             policy=config.policy,
             pinned=config.pinned,
             snapshot=manifest.snapshot,
@@ -444,26 +448,39 @@ class Stager:
         known, its checksum.
         """
         await self._ready()
+        data, location, problem = await self._read_once(handle, key, byte_range)
+        if problem and location.tier != ORIGIN:
+            # A bad cached copy is dropped and never served: read it again from below.
+            await self.report_corrupt(handle, location)
+            data, location, problem = await self._read_once(handle, key, byte_range)
+        if problem:
+            self._counters["checksum_failures"] += 1
+            raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} from the {location.tier}: {problem}")
+        return data
+
+    async def _read_once(
+        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None
+    ) -> tuple[bytes, Location, str]:
+        """Read from the fastest tier; return the bytes, where from, and what is wrong with them."""
         shard = handle.manifest.shard(key)
         location = await self.locate(handle, key)
         if location.path is not None:
-            tier: Tier = self.local if location.tier == LOCAL else self.shared  # type: ignore[assignment]
+            tier: Tier | None = self.local if location.tier == LOCAL else self.shared
+            if tier is None:
+                raise DatacacheError(f"no {location.tier} tier is configured")
             data = await tier.get(handle.tier_key(key), byte_range)
         else:
             data = await handle.origin.get(key, byte_range, version=shard.version)
             self._counters["bytes_from_origin"] += len(data)
         if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
             if len(data) != shard.size:
-                raise ChecksumMismatchError(
-                    f"dataset {handle.id}: shard {key!r} read {len(data)} bytes, the manifest says {shard.size}"
-                )
+                return data, location, f"read {len(data)} bytes, the manifest says {shard.size}"
             if location.checksum is not None:
                 hasher = new_hasher()
                 hasher.update(data)
                 if checksum_of(hasher) != location.checksum:
-                    self._counters["checksum_failures"] += 1
-                    raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} does not match its checksum")
-        return data
+                    return data, location, "does not match its checksum"
+        return data, location, ""
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         """Say where shard ``key`` can be read right now, without moving anything."""
@@ -504,9 +521,21 @@ class Stager:
         """
         await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
+        target = self.local if tier == LOCAL else self.shared
+        capacity = target.capacity if target is not None else None
+        too_big = [shard for shard in chosen if capacity is not None and shard.size > capacity]
+        if too_big and capacity is not None:
+            # Nothing could ever succeed for these: say so once, before moving a byte.
+            largest = max(too_big, key=lambda shard: shard.size)
+            raise TierFullError(
+                f"dataset {handle.id}: the {tier} tier's capacity ({format_bytes(capacity)}) is smaller than "
+                f"{len(too_big)} of the requested shards "
+                f"(the largest, {largest.key!r}, is {format_bytes(largest.size)})"
+            )
         started = time.monotonic()
         before = self._counters["bytes_to_local" if tier == LOCAL else "bytes_to_shared"]
-        staged_before = self._counters["shards_staged"]
+        staged_counter = "shards_staged" if tier == LOCAL else "shards_to_shared"
+        staged_before = self._counters[staged_counter]
         verified = 0
         failures: list[tuple[str, str]] = []
         if verify:
@@ -519,15 +548,24 @@ class Stager:
             for index, shard in enumerate(chosen)
         ]
         resident = 0
+        placed: list[Shard] = []
         for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
             if isinstance(outcome, BaseException):
                 if isinstance(outcome, asyncio.CancelledError):
                     raise outcome
                 failures.append((shard.key, str(outcome)))
             elif outcome.tier == tier:
-                resident += 1
+                placed.append(shard)
             else:
                 failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(shard, tier)}"))
+        # Honest to the end: a shard staged early may have been evicted by a later one.
+        for shard in placed:
+            if await self._is_resident(handle, shard, tier):
+                resident += 1
+            else:
+                failures.append(
+                    (shard.key, f"evicted from the {tier} tier during the warm-up: {self._bypass_reason(shard, tier)}")
+                )
         transferred = self._counters["bytes_to_local" if tier == LOCAL else "bytes_to_shared"] - before
         return WarmReport(
             dataset=handle.id,
@@ -536,11 +574,19 @@ class Stager:
             shards_resident=resident,
             bytes_requested=sum(shard.size for shard in chosen),
             bytes_transferred=transferred,
-            shards_transferred=self._counters["shards_staged"] - staged_before,
+            shards_transferred=self._counters[staged_counter] - staged_before,
             shards_verified=verified,
             seconds=time.monotonic() - started,
             failures=tuple(failures),
         )
+
+    async def _is_resident(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
+        if tier == LOCAL:
+            return await self._local_hit(handle, shard, touch=False) is not None
+        if self.shared is None:
+            return False
+        info = await self.shared.stat(handle.tier_key(shard.key))
+        return info is not None and self._shared_copy_matches(info, shard)
 
     def _bypass_reason(self, shard: Shard, tier: str) -> str:
         tier_object = self.local if tier == LOCAL else self.shared
@@ -714,7 +760,9 @@ class Stager:
                     info, checksum = await self._copy(
                         handle, shard, source, source_key, self.local, tier_key, expected, source_name
                     )
-                await self.catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
+                await self.catalog.commit(
+                    handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum
+                )
             except BaseException as exc:
                 await asyncio.shield(self.catalog.abandon(handle.id, shard.key, self._owner))
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -810,14 +858,17 @@ class Stager:
             return shared.path(tier_key), info.metadata["checksum"]
         lock = LeaseLock(shared.lock_dir / lock_name(handle.id, shard.key), lease_seconds=self.settings.lease_seconds)
         async with lock.hold():
+            if lock.took_over:
+                # Only the lock's holder writes this key: a dead holder's temporary file is garbage.
+                await shared.remove_partials_of(tier_key)
             info = await shared.stat(tier_key)
             if info is not None and self._shared_copy_matches(info, shard):
                 self._hits[SHARED] += 1
                 return shared.path(tier_key), info.metadata["checksum"]
             await self._make_room_shared(handle, shard)
             started = time.monotonic()
-            expected = shard.checksum or await self._known_checksum(handle, shard)
             try:
+                expected = shard.checksum or await self._known_checksum(handle, shard)
                 info, checksum = await self._copy(
                     handle, shard, handle.origin, shard.key, shared, tier_key, expected, ORIGIN
                 )
@@ -827,7 +878,11 @@ class Stager:
                         f"dataset {handle.id}: no space on the shared tier for shard {shard.key!r} ({exc.strerror})"
                     ) from exc
                 raise
+            finally:
+                # Written (and now counted by the tier's usage) or abandoned.
+                self._shared_reserved.pop((handle.id, shard.key), None)
             self._counters["bytes_to_shared"] += info.size
+            self._counters["shards_to_shared"] += 1
             if self.shared is not None:
                 self._emit(
                     StagingEvent("staged", handle.id, shard.key, SHARED, ORIGIN, info.size, time.monotonic() - started)
@@ -843,25 +898,33 @@ class Stager:
                 f"dataset {handle.id}: shard {shard.key!r} ({format_bytes(shard.size)}) is larger than "
                 f"the shared tier's capacity ({format_bytes(shared.capacity)})"
             )
-        usage = await shared.usage()
-        need = usage.used_bytes + shard.size - shared.capacity
-        if need <= 0:
-            return
-        residents = await asyncio.to_thread(_shared_candidates, shared)
-        pinned = {record.id for record in await self.catalog.datasets() if record.pinned}
-        candidates = [
-            Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
-            for c in residents
-            if not (c.dataset == handle.id and c.key == shard.key)
-        ]
-        victims = self._choose(handle)(Candidate(handle.id, shard.key, shard.size, time.time()), candidates, need)
-        if victims is None:
-            raise TierFullError(
-                f"dataset {handle.id}: the shared tier is full and its eviction policy keeps what it holds"
-            )
-        for victim in victims:
-            await shared.delete(f"{victim.dataset}/{victim.key}")
-            self._emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
+        if self._shared_room is None:
+            raise DatacacheError("the stager is not running")
+        # One decision at a time, counting the transfers this process has in flight:
+        # otherwise concurrent transfers all see the same free space and overfill the tier.
+        async with self._shared_room:
+            usage = await shared.usage()
+            reserved = sum(self._shared_reserved.values())
+            need = usage.used_bytes + reserved + shard.size - shared.capacity
+            if need > 0:
+                residents = await asyncio.to_thread(_shared_candidates, shared)
+                pinned = {record.id for record in await self.catalog.datasets() if record.pinned}
+                candidates = [
+                    Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
+                    for c in residents
+                    if not (c.dataset == handle.id and c.key == shard.key)
+                ]
+                victims = self._choose(handle)(
+                    Candidate(handle.id, shard.key, shard.size, time.time()), candidates, need
+                )
+                if victims is None:
+                    raise TierFullError(
+                        f"dataset {handle.id}: the shared tier is full and its eviction policy keeps what it holds"
+                    )
+                for victim in victims:
+                    await shared.delete(f"{victim.dataset}/{victim.key}")
+                    self._emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
+            self._shared_reserved[(handle.id, shard.key)] = shard.size
 
     # -- one transfer ---------------------------------------------------------------------
 
@@ -996,7 +1059,13 @@ class Stager:
                 if size != entry.size:
                     await self.catalog.remove(entry.dataset, entry.key)
                     counts["missing_files"] += 1
-            counts["partials"] = await self.local.remove_abandoned_partials()
+            # On the node's own disk the writer's flock is authoritative: no grace period.
+            counts["partials"] = await self.local.remove_abandoned_partials(min_age=0)
+            # Manifests are written atomically too; a killed save leaves its temporary file.
+            for directory, min_age in self._manifest_dirs():
+                if directory.exists():
+                    removed = await asyncio.to_thread(remove_abandoned_partials, directory, min_age=min_age)
+                    counts["partials"] += len(removed)
             async for info in self.local.list():
                 dataset, _, key = info.key.partition("/")
                 if (dataset, key) in known or not key:
@@ -1010,6 +1079,13 @@ class Stager:
         if any(counts.values()):
             logger.info("reconciled the local tier: %s", counts)
         return counts
+
+    def _manifest_dirs(self) -> list[tuple[Path, float]]:
+        """The manifest directories, each with the grace period its partial files get."""
+        found = [(self.settings.local_dir / "manifests", 0.0)]
+        if self.settings.shared_dir is not None:
+            found.append((self.settings.shared_dir / "manifests", 30.0))
+        return found
 
     async def _adopt(self, dataset: str, key: str, info: ObjectInfo) -> bool:
         full = await self.local.stat(f"{dataset}/{key}")

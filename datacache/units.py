@@ -56,9 +56,7 @@ def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> flo
     """Return bytes per second from ``value``: a number, or a string such as ``"1GB/s"``."""
     if isinstance(value, str):
         text = value.strip()
-        if text.lower().endswith("/s"):
-            text = text[:-2]
-        elif text.lower().endswith("ps"):
+        if text.lower().endswith("/s") or text.lower().endswith("ps"):
             text = text[:-2]
         return float(parse_size(text, what=what))
     if isinstance(value, bool) or value < 0:

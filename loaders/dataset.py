@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,12 +38,20 @@ from datacache.loaders.order import (
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.plan import load_or_build_plan
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitPlan, UnitReader, hash_buffer, map_file, open_unit_reader
-from datacache.loaders.stats import Counter, LoaderStats, StatsTable
+from datacache.loaders.readers import (
+    SpanCache,
+    TarReader,
+    UnitPlan,
+    UnitReader,
+    hash_buffer,
+    map_file,
+    open_unit_reader,
+)
+from datacache.loaders.stats import Counter, LoaderStats, StatsTable, mode_code
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
-from datacache.access import ShardAccess, open_access
+from datacache.access import ShardAccess, ThroughputReporter, open_access
 from datacache.config import DatasetConfig, Settings, load_settings
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
@@ -56,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 _STATE_VERSION = 1
+_REPORT_INTERVAL = 5.0
+"""Seconds between throughput reports to the daemon."""
 _READER_THREADS = 2
 """Threads that read and pack batches ahead in the consumer's process (batch mode, no workers)."""
 _ITERATOR_MARK = "datacache_iterator"
@@ -72,6 +82,8 @@ class _Runtime:
     handle: DatasetHandle
     plan: UnitPlan
     closed: bool = False
+    spans: SpanCache = field(default_factory=SpanCache)
+    """Tar indexes scanned in this process: later epochs reuse them instead of scanning again."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -485,6 +497,8 @@ class _EpochIterator:
         self._row[Counter.NUM_WORKERS] = layout.num_workers
         self._row[Counter.PADDED] = self._padded
         self._row[Counter.TOTAL] = len(self._ids)
+        self._row[Counter.MODE] = mode_code(runtime.access.mode)
+        self._reported_at = time.monotonic()
         self._in_consumer = get_worker_info() is None
         self._last_yield = time.perf_counter()
         self._staged_bytes = 0.0
@@ -694,6 +708,10 @@ class _EpochIterator:
         row[Counter.BYTES] += nbytes
         row[Counter.UPDATED] = time.time()
         row[Counter.DEPTH] = self.controller.depth
+        now = time.monotonic()
+        if now - self._reported_at >= _REPORT_INTERVAL:
+            self._reported_at = now
+            self._report()
         if not self.controller.due():
             return
         self.controller.observe(
@@ -709,7 +727,29 @@ class _EpochIterator:
             },
         )
 
+    def _report(self) -> None:
+        """Tell the daemon (if one serves this reader) what it delivered, for its metrics."""
+        access = self.runtime.access
+        row = self._row
+        row[Counter.MODE] = mode_code(access.mode)
+        if not isinstance(access, ThroughputReporter):
+            return
+        elapsed = max(float(row[Counter.UPDATED] - row[Counter.STARTED]), 1e-9)
+        if self._in_consumer and row[Counter.CONSUMER_TIME] > 0:
+            stall = float(row[Counter.CONSUMER_WAIT] / row[Counter.CONSUMER_TIME])
+        else:
+            stall = min(1.0, float(row[Counter.WAIT]) / elapsed)
+        self.runtime.loop.submit(
+            access.report(
+                delivered_bytes_per_s=float(row[Counter.BYTES]) / elapsed,
+                stall_fraction=stall,
+                delivered_bytes=int(row[Counter.BYTES]),
+                dataset=self.runtime.handle.id,
+            )
+        )
+
     def _finish(self) -> None:
+        self._report()
         self._drain()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -795,7 +835,14 @@ class _EpochIterator:
                 for location in locations:
                     buffers[location.shard.key] = self._load(location, where)
                 read_seconds = time.perf_counter() - read_started
-                reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra)
+                index_key = None
+                identity = (locations[0].checksum or locations[0].shard.version) if len(locations) == 1 else None
+                if self._format is ShardFormat.TAR and identity is not None:
+                    index_key = (locations[0].shard.key, locations[0].shard.size, identity)
+                known = runtime.spans.get(index_key) if index_key is not None else None
+                reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra, spans=known)
+                if index_key is not None and known is None and isinstance(reader, TarReader):
+                    runtime.spans.put(index_key, reader.spans)
             except ChecksumMismatchError as exc:
                 for buffer in buffers.values():
                     if hasattr(buffer, "close"):

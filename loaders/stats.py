@@ -14,7 +14,7 @@ from enum import IntEnum
 
 import torch
 
-__all__ = ["MAX_READERS", "Counter", "LoaderStats", "StatsTable"]
+__all__ = ["MAX_READERS", "MODES", "Counter", "LoaderStats", "StatsTable", "mode_code"]
 
 MAX_READERS = 256
 
@@ -45,11 +45,21 @@ class Counter(IntEnum):
     CORRUPT = 20
     STAGING_RATE = 21  # bytes/s the stager delivered to this reader, as measured
     TOTAL = 22  # samples this reader will deliver in the epoch
+    MODE = 23  # how this reader reaches the cache: see MODES
     WIDTH = 24
+
+
+MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
+"""Values of the MODE column, by index."""
 
 
 _EPOCH_ROW = MAX_READERS  # the control row: column 0 holds the epoch set by the main process
 _CONSUMER_ROW = MAX_READERS + 1  # the consumer's waits, measured by CachedIterableDataset.timed
+
+
+def mode_code(mode: str) -> int:
+    """The MODE column's value for an access mode."""
+    return MODES.index(mode) if mode in MODES else 0
 
 
 class StatsTable:
@@ -127,6 +137,11 @@ class LoaderStats:
         now = time.time()
         if active.shape[0] == 0:
             return cls(mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0, target_bandwidth=target)
+        codes = {int(code) for code in active[:, Counter.MODE].tolist() if code}
+        if codes:
+            # What the readers themselves used: with worker processes the main
+            # process never opens the cache itself.
+            mode = " + ".join(MODES[code] for code in sorted(codes))
         samples = int(active[:, Counter.SAMPLES].sum().item())
         nbytes = int(active[:, Counter.BYTES].sum().item())
         started = float(active[:, Counter.STARTED].min().item())

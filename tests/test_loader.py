@@ -15,12 +15,12 @@ import torch
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, PackedBytes, basic_decoders
 from datacache.loaders.order import epoch_order
-from datacache.manifest import MANIFEST_NAME
 from torch.utils.data import DataLoader
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from datacache.config import Settings
 from datacache.errors import ConfigError, DatacacheError, ShardReadError
+from datacache.manifest import MANIFEST_NAME
 
 
 def payload(index: int) -> bytes:
@@ -448,8 +448,9 @@ def test_epoch_order_is_a_permutation() -> None:
 def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
     tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from datacache.config import load_settings
     from datacache.loaders import prefetch
+
+    from datacache.config import load_settings
 
     monkeypatch.setattr(prefetch, "_INTERVAL", 0.1)
     origin = tmp_path / "slow"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from datacache.loaders import CachedIterableDataset
+from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings
-from datacache.loaders import CachedIterableDataset
-from test_loader import keys_of, write_wds
 
 
 def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob: bytes, out: str) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
-from datacache.errors import ConfigError, UnsupportedURLError
 from datacache.tiers._directory import DirectoryTier
 from datacache.tiers._files import redact_url
 from datacache.tiers._retry import RetryPolicy, translate_error
@@ -22,6 +21,8 @@ from datacache.tiers.local import LocalTier
 from datacache.tiers.memory import MemoryTier
 from datacache.tiers.object import ObjectTier
 from datacache.tiers.shared import SharedTier
+
+from datacache.errors import ConfigError, UnsupportedURLError
 
 __all__ = [
     "ByteRange",
@@ -62,6 +63,10 @@ _REGISTRY: dict[str, tuple[str, str | None, str]] = {
 }
 
 
+# Object stores whose bucket names cannot contain "@": a "user:secret@" there is a mistake.
+_NO_USERINFO = frozenset({"s3", "s3a", "gs", "gcs"})
+
+
 def split_scheme(url: str) -> tuple[str, str]:
     """Return ``(scheme, rest)``; a plain path has the scheme ``"file"``."""
     if "://" in url:
@@ -99,6 +104,11 @@ def open_origin(
     scheme, rest = split_scheme(url)
     if not rest.strip("/"):
         raise ConfigError(f"URL {redact_url(url)!r} names no bucket or path")
+    if scheme in _NO_USERINFO and "@" in rest.split("/", 1)[0]:
+        raise ConfigError(
+            f"{scheme}:// URLs cannot carry credentials ({redact_url(url)!r}): use the backend's usual "
+            "variables (AWS_ACCESS_KEY_ID, ...), a profile, or storage options in the config file"
+        )
     entry = _REGISTRY.get(scheme)
     if entry is None:
         for ep in entry_points(group="datacache.tiers"):

@@ -18,9 +18,10 @@ import stat as stat_module
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 
-from datacache.errors import InvalidKeyError, OriginChangedError, ShardNotFoundError
 from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+
+from datacache.errors import InvalidKeyError, OriginChangedError, ShardNotFoundError
 
 __all__ = ["DirectoryTier"]
 
@@ -257,6 +258,27 @@ class DirectoryTier(Tier):
 
     async def usage(self) -> TierUsage:
         return await asyncio.to_thread(self._usage_sync)
+
+    async def remove_partials_of(self, key: str) -> int:
+        """Delete the temporary files of writes to ``key`` (its writer is known to be dead)."""
+
+        def remove() -> int:
+            target = self.path(key)
+            removed = 0
+            for base, name in ((target.parent, target.name), (self._meta_path(key).parent, target.name + ".json")):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    for candidate in base.iterdir():
+                        if (
+                            candidate.name.startswith(f".{name}.")
+                            and PARTIAL_NAME.match(candidate.name)
+                            and candidate.name.count(".") == name.count(".") + 3
+                        ):
+                            with contextlib.suppress(FileNotFoundError):
+                                candidate.unlink()
+                                removed += 1
+            return removed
+
+        return await asyncio.to_thread(remove)
 
     async def remove_abandoned_partials(self, *, min_age: float = 30.0) -> int:
         """Delete temporary files left by killed writers; return how many."""

@@ -46,10 +46,22 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+class _CleanedUnderfoot(FileExistsError):
+    """A cleaner removed a new temporary file between its creation and its lock."""
+
+
 def _create_exclusive(path: str, flags: int) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    # Held until the file is closed: a cleaner that can take this lock knows the writer is gone.
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        # Held until the file is closed: a cleaner that can take this lock knows the
+        # writer is gone. Between the open and the lock a cleaner may take it first
+        # and unlink the file; waiting for its lock and then finding no link tells.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink == 0:
+            raise _CleanedUnderfoot(path)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -57,7 +69,10 @@ def remove_abandoned_partials(root: Path, *, min_age: float = 30.0) -> list[Path
     """Delete the temporary files of writers that died; return what was removed.
 
     A partial is abandoned when no process holds its lock and it has not been
-    written for ``min_age`` seconds, so a live writer's file is never touched.
+    written for ``min_age`` seconds. On a local disk the lock alone is
+    authoritative (``min_age=0`` is safe: a writer whose new file is removed
+    before it locks it notices and starts over); on a shared filesystem, where
+    ``flock`` may only see this node, ``min_age`` protects other nodes' writers.
     """
     removed: list[Path] = []
     now = time.time()
@@ -102,7 +117,16 @@ async def atomic_write(
     temporary = partial_name(target)
     size = 0
     try:
-        async with aiofiles.open(temporary, "xb", buffering=0, opener=_create_exclusive) as out:
+        for _ in range(3):
+            try:
+                out = await aiofiles.open(temporary, "xb", buffering=0, opener=_create_exclusive)
+            except _CleanedUnderfoot:
+                temporary = partial_name(target)
+            else:
+                break
+        else:
+            raise OSError(f"could not create a temporary file beside {target}")
+        try:
             async for chunk in chunks:
                 view = memoryview(chunk)
                 while view:
@@ -111,6 +135,8 @@ async def atomic_write(
                     size += written
             if durable:
                 await asyncio.to_thread(os.fsync, out.fileno())
+        finally:
+            await out.close()
         await asyncio.to_thread(os.replace, temporary, target)
         if durable:
             await asyncio.to_thread(fsync_directory, target.parent)

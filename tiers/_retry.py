@@ -23,7 +23,7 @@ from datacache.errors import (
     TransientOriginError,
 )
 
-__all__ = ["RetryPolicy", "call_with_retry", "translate_error"]
+__all__ = ["RetryPolicy", "call_with_retry", "error_code", "translate_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,22 @@ def _s3_code(exc: BaseException) -> str | None:
     return str(status) if status else None
 
 
+def _bucket_of(where: str) -> str:
+    if "://" not in where:
+        return "the bucket "
+    bucket = where.split("://", 1)[1].split("/", 1)[0]
+    return f"the bucket {bucket!r} " if bucket else "the bucket "
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The first S3 error code (or HTTP status) in ``exc``'s chain of causes, if any."""
+    for err in _chain(exc):
+        code = _s3_code(err)
+        if code is not None:
+            return code
+    return None
+
+
 def translate_error(exc: BaseException, where: str) -> DatacacheError:
     """Return the datacache error that ``exc`` (raised while accessing ``where``) means."""
     import botocore.exceptions as boto
@@ -110,11 +126,16 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
     except ImportError:  # pragma: no cover - aiohttp comes with s3fs
         aiohttp = None  # type: ignore[assignment]
 
-    for err in _chain(exc):
+    chain = _chain(exc)
+    # The error code, wherever it sits in the chain (s3fs wraps a ClientError in an
+    # OSError), says more than the wrapper's type does.
+    for err in chain:
         if isinstance(err, DatacacheError):
             return err
         code = _s3_code(err)
         if code is not None:
+            if code == "NoSuchBucket":
+                return ShardNotFoundError(f"{where}: {_bucket_of(where)}does not exist (NoSuchBucket)")
             if code in _NOT_FOUND_CODES:
                 return ShardNotFoundError(f"{where}: not found at the origin ({code})")
             if code in _PERMISSION_CODES:
@@ -124,6 +145,7 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
             if code in _TRANSIENT_CODES:
                 return TransientOriginError(f"{where}: transient origin error ({code})")
             return OriginError(f"{where}: origin error ({code})")
+    for err in chain:
         if isinstance(err, boto.NoCredentialsError | boto.PartialCredentialsError):
             return OriginPermissionError(
                 f"{where}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from datacache.errors import InvalidKeyError, ShardNotFoundError
 from datacache.tiers._files import PARTIAL_NAME
+
+from datacache.errors import InvalidKeyError, ShardNotFoundError
 
 __all__ = [
     "ByteRange",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from datacache.errors import OriginChangedError, ShardNotFoundError
+
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierUsage, validate_key
+
+from datacache.errors import OriginChangedError, ShardNotFoundError
 
 __all__ = ["MemoryTier"]
 
@@ -18,10 +21,11 @@ class MemoryTier(Tier):
         self._objects: dict[str, tuple[bytes, str, dict[str, str]]] = {}
         self._capacity = capacity
         self._next_version = 0
+        self._name = uuid.uuid4().hex[:12]  # stable across pickling, unlike id()
 
     @property
     def url(self) -> str:
-        return f"memory-tier://{id(self):x}"
+        return f"memory-tier://{self._name}"
 
     @property
     def capacity(self) -> int | None:

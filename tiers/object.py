@@ -13,10 +13,11 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, M
 from datetime import datetime
 from typing import Any, TypeVar
 
-from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError
 from datacache.tiers._files import redact_url
-from datacache.tiers._retry import RetryPolicy, call_with_retry
+from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+
+from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError
 
 __all__ = ["ObjectTier"]
 
@@ -121,6 +122,9 @@ class ObjectTier(Tier):
             config.setdefault("connect_timeout", 10)
             config.setdefault("read_timeout", 60)
             options["config_kwargs"] = config
+            # A cached listing would answer stat with an old size and ETag after a write,
+            # and a manifest must be a fresh snapshot: never reuse listings.
+            options.setdefault("use_listings_cache", False)
         if getattr(self._fs_class, "async_impl", False):
             fs = self._fs_class(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
             if self.is_s3:
@@ -212,7 +216,12 @@ class ObjectTier(Tier):
                 kwargs["IfMatch"] = f'"{version}"'
 
             async def get_object() -> bytes:
-                response = await fs._call_s3("get_object", **kwargs)
+                try:
+                    response = await fs._call_s3("get_object", **kwargs)
+                except Exception as exc:
+                    if "Range" in kwargs and error_code(exc) in ("InvalidRange", "416"):
+                        return b""  # a range starting at or past the end: no bytes, as for files
+                    raise
                 body = response["Body"]
                 try:
                     data: bytes = await body.read()
@@ -249,7 +258,9 @@ class ObjectTier(Tier):
         async def find() -> Any:
             try:
                 return await fs._find(base, detail=True)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if error_code(exc) == "NoSuchBucket":
+                    raise  # a missing bucket is an error; a missing prefix is just empty
                 return {}
 
         found = await self._call(self.url, find)
@@ -384,6 +395,8 @@ class ObjectTier(Tier):
             raise PermissionError(f"{self.url} is read-only")
         path = self._path(key)
         fs = await self._filesystem()
+        if self.is_s3 and await self.stat(key) is None:
+            return False  # S3 answers a DELETE of a missing key with success
 
         async def remove() -> Any:
             return await fs._rm_file(path)

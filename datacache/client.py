@@ -1,0 +1,476 @@
+"""`DaemonClient`: the `ShardAccess` verbs answered by the node's daemon over its Unix socket.
+
+Every process of a node that uses a client shares the daemon's single cache:
+one transfer per shard from the origin, one copy on the local disk. The client
+reads resident shards straight from the files the daemon names, and reads
+from the origin itself when a shard is not cached (so a reader never waits
+on the daemon to move bytes it only reads once).
+
+The client holds configuration only; its HTTP session is created lazily in
+the process and event loop that use it and is never pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from datacache._protocol import (
+    API,
+    UnknownDatasetError,
+    config_to_wire,
+    exception_from_wire,
+)
+from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.errors import ChecksumMismatchError, DaemonUnavailableError, DatacacheError
+from datacache.manifest import Manifest
+from datacache.stager import (
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    DatasetHandle,
+    Location,
+    checksum_of,
+    new_hasher,
+)
+from datacache.tiers import ByteRange, Tier, open_origin
+
+__all__ = ["DaemonClient"]
+
+logger = logging.getLogger(__name__)
+
+_BASE = "http://datacache"  # the host is ignored on a Unix socket
+
+
+class DaemonClient:
+    """Reach shards through the node's daemon (``datacache serve``).
+
+    Parameters
+    ----------
+    settings
+        This process's settings: the socket path, and what it needs to open
+        a dataset's origin itself (for reads of shards not cached).
+    client_name
+        How this client appears in the daemon's metrics (default ``host:pid``).
+    connect_timeout
+        Seconds to wait for the socket to accept a connection.
+    request_timeout
+        Seconds to wait for a reply to anything but ``ensure`` and ``warm``
+        (those wait for transfers and are bounded by the daemon).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        client_name: str | None = None,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 120.0,
+    ) -> None:
+        self.settings = settings
+        self.socket_path = settings.daemon_socket
+        self.client_name = client_name
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._pid = os.getpid()
+        self._manifests: dict[tuple[str, str], Manifest] = {}
+        self._origins: dict[str, Tier] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "client_name": self.client_name,
+            "connect_timeout": self.connect_timeout,
+            "request_timeout": self.request_timeout,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["settings"],
+            client_name=state["client_name"],
+            connect_timeout=state["connect_timeout"],
+            request_timeout=state["request_timeout"],
+        )
+
+    def __repr__(self) -> str:
+        return f"DaemonClient(socket={str(self.socket_path)!r})"
+
+    @property
+    def mode(self) -> str:
+        """The daemon answers this client's requests."""
+        return "daemon"
+
+    # -- transport ------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._session
+        if session is not None and (self._session_loop is not loop or self._pid != os.getpid()):
+            # Bound to another loop or to the parent process: let it go without touching it.
+            session.detach()
+            session = None
+        if session is None or session.closed:
+            # One connection per request: nothing to go stale when the daemon restarts.
+            connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
+            session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                headers={"X-Datacache-Client": self._name()},
+            )
+            self._session, self._session_loop, self._pid = session, loop, os.getpid()
+        return session
+
+    def _name(self) -> str:
+        return self.client_name or f"{socket.gethostname()}:{os.getpid()}"
+
+    def _unavailable(self, exc: BaseException) -> DaemonUnavailableError:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        return DaemonUnavailableError(
+            f"the datacache daemon on {self.socket_path} is unreachable ({reason})"
+        )
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        within: float | None = None,
+    ) -> dict[str, Any]:
+        session = self._http()
+        limit = aiohttp.ClientTimeout(total=within, sock_connect=self.connect_timeout)
+        try:
+            async with session.request(method, _BASE + path, json=body, timeout=limit) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        except TimeoutError as exc:
+            raise DaemonUnavailableError(
+                f"the datacache daemon on {self.socket_path} did not answer {path} within {within}s"
+            ) from exc
+        return self._decode(status, raw, path)
+
+    @staticmethod
+    def _decode(status: int, raw: bytes, path: str) -> dict[str, Any]:
+        try:
+            document = json.loads(raw) if raw else {}
+        except ValueError:
+            document = None
+        if not isinstance(document, dict):
+            raise DatacacheError(f"daemon: unexpected reply to {path} (HTTP {status})")
+        if status >= 400:
+            error = document.get("error")
+            if isinstance(error, dict):
+                raise exception_from_wire(str(error.get("code", "")), str(error.get("message", "")))
+            raise DatacacheError(f"daemon: HTTP {status} for {path}")
+        return document
+
+    async def _call_for(
+        self, handle: DatasetHandle, verb: str, body: dict[str, Any], **kw: Any
+    ) -> dict[str, Any]:
+        """A request about ``handle``; if the daemon restarted and forgot it, open it again once."""
+        body = {"dataset": handle.id, "snapshot": handle.manifest.snapshot, **body}
+        try:
+            return await self._call("POST", f"{API}/{verb}", body, **kw)
+        except UnknownDatasetError:
+            await self._open_remote(handle.config, snapshot=handle.manifest.snapshot)
+            return await self._call("POST", f"{API}/{verb}", body, **kw)
+
+    # -- the ShardAccess verbs ------------------------------------------------------------
+
+    async def health(self, *, within: float = 2.0) -> dict[str, Any]:
+        """The daemon's ``/healthz`` reply; raise `DaemonUnavailableError` if it does not answer."""
+        return await self._call("GET", "/healthz", within=within)
+
+    async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
+        """Open ``dataset`` in the daemon and return a handle on the snapshot it serves."""
+        config = (
+            dataset
+            if isinstance(dataset, DatasetConfig)
+            else resolve_dataset(dataset, self.settings)
+        )
+        reply = await self._open_remote(config, refresh=refresh)
+        manifest = await self._manifest(reply)
+        origin = self._origins.get(config.id)
+        if origin is None:
+            # Reads of shards not cached go to the origin directly, and a failing-over
+            # reader's own stager fetches through it.
+            origin = open_origin(config.url, storage_options=config.storage_options, retry=self.settings.retry)
+            self._origins[config.id] = origin
+        return DatasetHandle(config=config, manifest=manifest, origin=origin)
+
+    async def _open_remote(
+        self, config: DatasetConfig, *, refresh: bool = False, snapshot: str | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"dataset": config_to_wire(config), "refresh": refresh}
+        if snapshot is not None:
+            body["snapshot"] = snapshot
+        reply = await self._call("POST", f"{API}/open", body)
+        if reply.get("dataset_id") != config.id:
+            raise DatacacheError(
+                f"daemon: opened dataset {reply.get('dataset_id')!r}, not {config.id!r}"
+            )
+        return reply
+
+    async def _manifest(self, reply: dict[str, Any]) -> Manifest:
+        dataset, snapshot, path = (
+            reply.get("dataset_id"),
+            reply.get("snapshot"),
+            reply.get("manifest_path"),
+        )
+        if (
+            not isinstance(dataset, str)
+            or not isinstance(snapshot, str)
+            or not isinstance(path, str)
+        ):
+            raise DatacacheError(
+                "daemon: the open reply lacks dataset_id, snapshot or manifest_path"
+            )
+        cached = self._manifests.get((dataset, snapshot))
+        if cached is not None:
+            return cached
+        try:
+            raw = await asyncio.to_thread(Path(path).read_bytes)
+        except OSError as exc:
+            raise DatacacheError(
+                f"cannot read the manifest {path} the daemon wrote ({exc.strerror}); "
+                "mount the cache directory at the same path as in the daemon's container"
+            ) from None
+        try:
+            manifest = Manifest.from_json(json.loads(raw), path)
+        except ValueError as exc:
+            raise DatacacheError(
+                f"the manifest {path} the daemon wrote is unreadable: {exc}"
+            ) from None
+        if manifest.snapshot != snapshot:
+            raise DatacacheError(
+                f"the manifest {path} holds snapshot {manifest.snapshot}, not {snapshot}"
+            )
+        self._manifests[(dataset, snapshot)] = manifest
+        return manifest
+
+    def _location(self, handle: DatasetHandle, reply: dict[str, Any]) -> Location:
+        key, tier = reply.get("key"), reply.get("tier")
+        if not isinstance(key, str) or tier not in ("local", "shared", "origin"):
+            raise DatacacheError("daemon: a location reply lacks its key or tier")
+        path = reply.get("path")
+        checksum = reply.get("checksum")
+        return Location(
+            tier=str(tier),
+            path=Path(path) if isinstance(path, str) else None,
+            shard=handle.manifest.shard(key),
+            checksum=checksum if isinstance(checksum, str) else None,
+        )
+
+    async def ensure(
+        self,
+        handle: DatasetHandle,
+        key: str,
+        *,
+        tier: str = "local",
+        priority: float = PRIORITY_URGENT,
+    ) -> Location:
+        """Have the daemon make shard ``key`` resident and say where it is."""
+        reply = await self._call_for(
+            handle, "ensure", {"key": key, "tier": tier, "priority": priority}
+        )
+        return self._location(handle, reply)
+
+    async def prefetch(
+        self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
+    ) -> None:
+        """Queue ``keys`` in the daemon's prefetch backlog, the first ones soonest."""
+        if keys:
+            await self._call_for(
+                handle,
+                "prefetch",
+                {"keys": list(keys), "priority": priority},
+                within=self.request_timeout,
+            )
+
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
+        """Tell the daemon's eviction the order in which shards will be read next."""
+        await self._call_for(
+            handle, "future_order", {"keys": list(keys)}, within=self.request_timeout
+        )
+
+    async def locate(self, handle: DatasetHandle, key: str) -> Location:
+        """Where shard ``key`` can be read now, moving nothing."""
+        return self._location(
+            handle,
+            await self._call_for(handle, "locate", {"key": key}, within=self.request_timeout),
+        )
+
+    async def read(
+        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None
+    ) -> bytes:
+        """Read a shard (or a range) from the fastest tier holding it; whole reads are verified."""
+        shard = handle.manifest.shard(key)
+        location = await self.locate(handle, key)
+        data: bytes | None = None
+        if location.path is not None:
+            try:
+                data = await asyncio.to_thread(_read_file, location.path, byte_range)
+            except FileNotFoundError:
+                location = Location("origin", None, shard, location.checksum)  # evicted meanwhile
+        if data is None:
+            data = await handle.origin.get(key, byte_range, version=shard.version)
+        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
+            if len(data) != shard.size:
+                raise ChecksumMismatchError(
+                    f"dataset {handle.id}: shard {key!r} read {len(data)} bytes, "
+                    f"the manifest says {shard.size}"
+                )
+            if location.checksum is not None:
+                hasher = new_hasher()
+                hasher.update(data)
+                if checksum_of(hasher) != location.checksum:
+                    raise ChecksumMismatchError(
+                        f"dataset {handle.id}: shard {key!r} does not match its checksum"
+                    )
+        return data
+
+    async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
+        """Tell the daemon a copy's bytes were wrong, so it drops it and stages it again."""
+        if location.tier in ("local", "shared"):
+            await self._call_for(
+                handle,
+                "report_corrupt",
+                {"key": location.shard.key, "tier": location.tier},
+                within=self.request_timeout,
+            )
+
+    async def close(self) -> None:
+        """Close this process's session with the daemon and the origins it opened."""
+        origins, self._origins = list(self._origins.values()), {}
+        for origin in origins:
+            try:
+                await origin.close()
+            except Exception as exc:  # closing must not fail a reader's shutdown
+                logger.debug("closing an origin failed: %s", exc)
+        session, self._session = self._session, None
+        if session is None:
+            return
+        if self._session_loop is asyncio.get_running_loop() and self._pid == os.getpid():
+            await session.close()
+        else:
+            session.detach()
+
+    # -- beyond ShardAccess: the daemon's own verbs ---------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """The daemon's status: tiers, queue, datasets, clients (never a credential)."""
+        return await self._call("GET", f"{API}/status", within=self.request_timeout)
+
+    async def report(
+        self,
+        *,
+        delivered_bytes_per_s: float,
+        stall_fraction: float,
+        delivered_bytes: int = 0,
+        dataset: str | None = None,
+    ) -> None:
+        """Report what this client delivered to training and the fraction of time it stalled."""
+        body: dict[str, Any] = {
+            "client": self._name(),
+            "delivered_bytes_per_s": delivered_bytes_per_s,
+            "stall_fraction": stall_fraction,
+            "delivered_bytes": delivered_bytes,
+        }
+        if dataset is not None:
+            body["dataset"] = dataset
+        await self._call("POST", f"{API}/report", body, within=self.request_timeout)
+
+    async def evict(
+        self, dataset: str, keys: Sequence[str] | None = None, *, tier: str = "local"
+    ) -> tuple[int, int]:
+        """Evict a dataset's shards (all, or ``keys``) from ``tier``; return (shards, bytes)."""
+        body: dict[str, Any] = {"dataset": dataset, "tier": tier}
+        if keys is not None:
+            body["keys"] = list(keys)
+        reply = await self._call("POST", f"{API}/evict", body, within=self.request_timeout)
+        return int(reply.get("shards", 0)), int(reply.get("bytes", 0))
+
+    async def pin(self, dataset_id: str) -> None:
+        """Keep a dataset's shards out of eviction."""
+        await self._call("POST", f"{API}/pin", {"dataset": dataset_id}, within=self.request_timeout)
+
+    async def unpin(self, dataset_id: str) -> None:
+        """Let eviction choose a dataset's shards again."""
+        await self._call(
+            "POST", f"{API}/unpin", {"dataset": dataset_id}, within=self.request_timeout
+        )
+
+    async def warm(
+        self,
+        dataset: DatasetConfig | str,
+        *,
+        tier: str = "local",
+        shards: str | None = None,
+        verify: bool = False,
+        refresh: bool = False,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Have the daemon stage a dataset; yield progress lines, the last ``{"event": "done"}``."""
+        config = (
+            dataset
+            if isinstance(dataset, DatasetConfig)
+            else resolve_dataset(dataset, self.settings)
+        )
+        body = {
+            "dataset": config_to_wire(config),
+            "tier": tier,
+            "shards": shards,
+            "verify": verify,
+            "refresh": refresh,
+        }
+        session = self._http()
+        try:
+            async with session.post(f"{_BASE}{API}/warm", json=body) as response:
+                if response.status >= 400:
+                    self._decode(response.status, await response.read(), f"{API}/warm")
+                async for line in response.content:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise DatacacheError("daemon: unexpected warm progress line")
+                    if event.get("event") == "error":
+                        raise exception_from_wire(
+                            str(event.get("code", "")), str(event.get("message", ""))
+                        )
+                    yield event
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+
+
+def _read_file(path: Path, byte_range: ByteRange | None) -> bytes:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        size = os.fstat(fd).st_size
+        start = byte_range.start if byte_range is not None else 0
+        length = byte_range.length(size) if byte_range is not None else size
+        chunks: list[bytes] = []
+        while length > 0:
+            chunk = os.pread(fd, min(length, 64 << 20), start)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            start += len(chunk)
+            length -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -1,0 +1,264 @@
+"""Settings: defaults per user, one TOML file, DATACACHE_* variables and flags, merged once."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from datacache.config import (
+    DatasetConfig,
+    Settings,
+    dataset_id_for,
+    default_cache_dir,
+    load_settings,
+    resolve_dataset,
+)
+from datacache.errors import ConfigError
+from datacache.units import format_bytes, format_rate, parse_bandwidth, parse_size
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_per_user(cache_env: dict[str, str], tmp_path: Path) -> None:
+    settings = load_settings(cache_env)
+    assert settings.local_dir == Path(cache_env["XDG_CACHE_HOME"]) / "datacache"
+    assert settings.shared_dir is None
+    assert settings.local_capacity is None
+    assert settings.config_path is None
+    env = {"HOME": str(tmp_path / "someone")}
+    assert default_cache_dir(env) == tmp_path / "someone" / ".cache" / "datacache"
+    assert not str(load_settings(env).local_dir).startswith("/tmp/datacache")
+
+
+def test_the_per_user_config_file_is_read(cache_env: dict[str, str]) -> None:
+    path = Path(cache_env["XDG_CONFIG_HOME"]) / "datacache" / "config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text("[staging]\nconcurrency = 3\n")
+    settings = load_settings(cache_env)
+    assert settings.concurrency == 3
+    assert settings.config_path == path
+
+
+def test_full_config_file(cache_env: dict[str, str], tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        f"""
+[cache]
+local_dir = "{tmp_path / "nvme"}"
+local_capacity = "2GB"
+shared_dir = "{tmp_path / "lustre"}"
+shared_capacity = "1.5TiB"
+
+[staging]
+concurrency = 4
+part_size = "4MiB"
+bandwidth_limit = "100MB/s"
+max_attempts = 3
+lease_seconds = 12.5
+default_policy = "lru"
+
+[storage_options.s3]
+endpoint_url = "http://127.0.0.1:9000"
+
+[datasets.imagenet]
+url = "s3://bucket/imagenet/"
+policy = "nothrash"
+pin = true
+storage_options = {{ anon = true }}
+""",
+    )
+    settings = load_settings(cache_env, config_path=path)
+    assert settings.local_dir == tmp_path / "nvme"
+    assert settings.local_capacity == 2 * 10**9
+    assert settings.shared_dir == tmp_path / "lustre"
+    assert settings.shared_capacity == int(1.5 * 2**40)
+    assert settings.concurrency == 4
+    assert settings.part_size == 4 * 2**20
+    assert settings.bandwidth_limit == 100e6
+    assert settings.retry.max_attempts == 3
+    assert settings.lease_seconds == 12.5
+    assert settings.default_policy == "lru"
+    assert settings.storage_options["s3"]["endpoint_url"] == "http://127.0.0.1:9000"
+    imagenet = settings.datasets["imagenet"]
+    assert imagenet.url == "s3://bucket/imagenet/"
+    assert imagenet.policy == "nothrash"
+    assert imagenet.pinned is True
+    assert imagenet.storage_options == {"anon": True}
+    assert settings.config_path == path
+    assert pickle.loads(pickle.dumps(settings)) == settings
+
+
+def test_precedence_file_then_environment_then_flags(
+    cache_env: dict[str, str], tmp_path: Path
+) -> None:
+    path = write_config(
+        tmp_path, "[staging]\nconcurrency = 4\npart_size = '1MB'\n[cache]\nlocal_capacity = '1GB'\n"
+    )
+    env = {
+        **cache_env,
+        "DATACACHE_CONCURRENCY": "6",
+        "DATACACHE_PART_SIZE": "2MB",
+        "DATACACHE_CONFIG": str(path),
+    }
+    settings = load_settings(env, overrides={"concurrency": "9"})
+    assert settings.concurrency == 9  # flag beats environment
+    assert settings.part_size == 2 * 10**6  # environment beats file
+    assert settings.local_capacity == 10**9  # file beats default
+    assert settings.with_overrides(concurrency=2, local_capacity=None).local_capacity == 10**9
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "[cache]\nlocal_capacty = '1GB'\n",
+            "unknown key 'cache.local_capacty' (did you mean 'local_capacity'?)",
+        ),
+        ("[stagign]\nconcurrency = 2\n", "unknown section [stagign] (did you mean 'staging'?)"),
+        ("[staging]\nconcurency = 2\n", "did you mean 'concurrency'?"),
+        ("[cache]\nlocal_capacity = '10XB'\n", "unknown unit 'XB'"),
+        ("[cache]\nlocal_capacity = 0\n", "must be positive"),
+        ("[staging]\nconcurrency = -1\n", "must be positive"),
+        ("[staging]\nconcurrency = 'many'\n", "expected a positive integer"),
+        ("[staging]\ndefault_policy = 'fifo'\n", "unknown eviction policy 'fifo'"),
+        (
+            "[datasets.x]\nurl = 's3://b/x'\npolicyy = 'lru'\n",
+            "unknown key 'datasets.x.policyy' (did you mean 'policy'?)",
+        ),
+        ("[datasets.x]\nformat = 'tar'\n", "needs a url"),
+        ("[datasets.x]\nurl = 's3://b/x'\nformat = 'csv'\n", "unknown format 'csv'"),
+        ("[datasets.'../evil']\nurl = 's3://b/x'\n", "dataset name '../evil'"),
+        ("[cache\nlocal_dir = 1\n", "config file"),
+        ("cache = 3\n", "[cache] must be a table"),
+    ],
+)
+def test_config_mistakes_are_named(
+    cache_env: dict[str, str], tmp_path: Path, text: str, message: str
+) -> None:
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(cache_env, config_path=path)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_explicit_config_file(cache_env: dict[str, str], tmp_path: Path) -> None:
+    env = {**cache_env, "DATACACHE_CONFIG": str(tmp_path / "nope.toml")}
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(env)
+
+
+def test_unknown_environment_variable_is_refused_with_a_suggestion(
+    cache_env: dict[str, str],
+) -> None:
+    with pytest.raises(
+        ConfigError, match=r"DATACACHE_LOCAL_CAPACTY.*did you mean 'DATACACHE_LOCAL_CAPACITY'"
+    ):
+        load_settings({**cache_env, "DATACACHE_LOCAL_CAPACTY": "1GB"})
+
+
+def test_bad_environment_value_names_the_variable(cache_env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="DATACACHE_CONCURRENCY"):
+        load_settings({**cache_env, "DATACACHE_CONCURRENCY": "zero"})
+
+
+def test_unknown_override_is_refused(cache_env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="unknown setting 'concurency'"):
+        load_settings(cache_env, overrides={"concurency": 3})
+
+
+def test_storage_options_never_in_repr(cache_env: dict[str, str], tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        "[storage_options.s3]\nsecret = 'hunter2-s3'\n"
+        "[datasets.d]\nurl = 's3://AKIAUSER:hunter2-url@bucket/d'\n"
+        "storage_options = { secret = 'hunter2-ds' }\n",
+    )
+    settings = load_settings(cache_env, config_path=path)
+    text = repr(settings) + str(settings) + repr(settings.datasets["d"])
+    assert "hunter2" not in text
+    dataset = resolve_dataset("s3://bucket/other", settings)
+    assert dataset.storage_options == {"secret": "hunter2-s3"}
+    assert "hunter2" not in repr(dataset)
+
+
+def test_resolve_dataset(settings: Settings, tmp_path: Path) -> None:
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    by_path = resolve_dataset(str(origin), settings)
+    assert by_path.url == str(origin)
+    assert resolve_dataset(str(origin), settings).id == by_path.id
+    by_url = resolve_dataset("s3://bucket/prefix/", settings, policy="lru")
+    assert by_url.url == "s3://bucket/prefix/"
+    assert by_url.policy == "lru"
+    assert by_url.id.startswith("prefix-")
+    with pytest.raises(ConfigError, match="unknown dataset 'imagenet'"):
+        resolve_dataset("imagenet", settings)
+    with pytest.raises(ConfigError, match="unknown eviction policy"):
+        resolve_dataset("s3://bucket/x", settings, policy="random")
+
+
+def test_named_dataset_takes_the_default_policy(cache_env: dict[str, str], tmp_path: Path) -> None:
+    path = write_config(tmp_path, "[staging]\ndefault_policy='lru'\n[datasets.a]\nurl='s3://b/a'\n")
+    settings = load_settings(cache_env, config_path=path)
+    assert resolve_dataset("a", settings).policy == "lru"
+    assert isinstance(resolve_dataset("a", settings), DatasetConfig)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://AKIAUSER:hunter2@bucket",
+        "s3://AKIAUSER:hunter2@bucket/",
+        "s3://AKIAUSER:hunter2@bucket/prefix",
+    ],
+)
+def test_dataset_ids_carry_no_credentials(url: str) -> None:
+    dataset_id = dataset_id_for(url)
+    assert "hunter2" not in dataset_id
+    assert "AKIA" not in dataset_id
+    assert dataset_id == dataset_id_for(url.replace("AKIAUSER:hunter2@", ""))
+
+
+def test_dataset_ids_are_stable_and_distinct() -> None:
+    assert dataset_id_for("s3://b/x") == dataset_id_for("s3://b/x/")
+    assert dataset_id_for("s3://b/x") != dataset_id_for("s3://c/x")
+    assert dataset_id_for("s3://b/../..").startswith("dataset-")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("256MB", 256 * 10**6),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("10", 10),
+        (" 4 kib ", 4096),
+        (7, 7),
+        ("1TB", 10**12),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MB", "1.2.3GB", "-5", "5 parsecs", True, -1])
+def test_parse_size_rejects(text: str | int) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_bandwidth_and_formatting() -> None:
+    assert parse_bandwidth("1GB/s") == 1e9
+    assert parse_bandwidth("200MBps") == 200e6
+    assert parse_bandwidth(5) == 5.0
+    with pytest.raises(ConfigError):
+        parse_bandwidth("fast")
+    assert format_bytes(999) == "999 B"
+    assert format_bytes(1_500_000) == "1.50 MB"
+    assert format_rate(480.1e6) == "480.1 MB/s"

@@ -1,0 +1,279 @@
+"""Eviction: the policies on their own, then through the stager under a small local capacity."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from _helpers import fill_dir, make_shards, with_stager
+
+from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.eviction import Candidate, choose_victims
+from datacache.stager import DatasetHandle, Stager, WarmReport
+
+SIZE = 10_000
+
+
+def c(
+    key: str, last_access: float, *, dataset: str = "d", size: int = 10, pinned: bool = False
+) -> Candidate:
+    return Candidate(dataset, key, size, last_access, pinned)
+
+
+# -- the policies as functions ------------------------------------------------
+
+
+def test_nothing_needed_nothing_evicted() -> None:
+    assert choose_victims(c("new", 9), [c("a", 1)], 0, policy="lru") == []
+
+
+def test_lru_evicts_least_recently_used_first() -> None:
+    residents = [c("a", 3), c("b", 1), c("x", 2, dataset="other")]
+    assert [v.key for v in choose_victims(c("new", 9), residents, 15, policy="lru") or []] == [
+        "b",
+        "x",
+    ]
+
+
+def test_nothrash_never_evicts_its_own_dataset() -> None:
+    residents = [c("a", 1), c("b", 2), c("x", 3, dataset="other")]
+    assert [v.key for v in choose_victims(c("new", 9), residents, 10, policy="nothrash") or []] == [
+        "x"
+    ]
+    assert choose_victims(c("new", 9), residents, 20, policy="nothrash") is None
+
+
+def test_belady_evicts_the_farthest_next_use() -> None:
+    residents = [c("a", 1), c("b", 2), c("e", 3)]
+    uses = {"new": 0, "a": 5, "b": 2}  # "e" is never read again
+    assert [
+        v.key
+        for v in choose_victims(c("new", 9), residents, 10, policy="belady", next_use=uses) or []
+    ] == ["e"]
+    assert [
+        v.key
+        for v in choose_victims(c("new", 9), residents, 20, policy="belady", next_use=uses) or []
+    ] == [
+        "e",
+        "a",
+    ]
+    # The incoming shard is needed later than everything resident: decline, read it from below.
+    late = {"new": 10, "a": 5, "b": 2, "e": 3}
+    assert choose_victims(c("new", 9), residents, 10, policy="belady", next_use=late) is None
+
+
+def test_auto_is_belady_with_an_order_else_nothrash() -> None:
+    residents = [c("a", 1), c("b", 2)]
+    assert choose_victims(c("new", 9), residents, 10, policy="auto") is None
+    chosen = choose_victims(
+        c("new", 9), residents, 10, policy="auto", next_use={"new": 0, "a": 1, "b": 4}
+    )
+    assert [v.key for v in chosen or []] == ["b"]
+
+
+def test_pinned_shards_are_never_chosen() -> None:
+    residents = [c("p", 0, dataset="pinned", pinned=True), c("a", 5)]
+    for policy in ("lru", "nothrash", "belady", "auto"):
+        chosen = choose_victims(c("new", 9, dataset="x"), residents, 10, policy=policy)
+        assert chosen is not None and [v.key for v in chosen] == ["a"]
+        assert choose_victims(c("new", 9, dataset="x"), residents, 20, policy=policy) is None
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        choose_victims(c("new", 9), [c("a", 1)], 5, policy="fifo")
+
+
+# -- through the stager -------------------------------------------------------
+
+
+def small_settings(settings: Settings, shards_that_fit: int) -> Settings:
+    return replace(settings, local_capacity=shards_that_fit * SIZE + SIZE // 2)
+
+
+def dataset_for(origin: Path, settings: Settings, policy: str, **kwargs: object) -> DatasetConfig:
+    return replace(resolve_dataset(str(origin), settings), policy=policy, **kwargs)  # type: ignore[arg-type]
+
+
+async def local_keys(stager: Stager, handle: DatasetHandle) -> set[str]:
+    return {e.key for e in await stager.catalog.entries(handle.id) if e.state == "resident"}
+
+
+def run_epochs(
+    settings: Settings, dataset: DatasetConfig, epochs: int, seed: int
+) -> tuple[list[int], list[set[str]]]:
+    """Read every shard once per epoch in a fresh random order.
+
+    Returns the local hits and the resident shards after each epoch.
+    """
+
+    async def body(stager: Stager) -> tuple[list[int], list[set[str]]]:
+        handle = await stager.open(dataset)
+        keys = [s.key for s in handle.manifest.shards]
+        rng = random.Random(seed)
+        hits: list[int] = []
+        residents: list[set[str]] = []
+        for _ in range(epochs):
+            order = keys[:]
+            rng.shuffle(order)
+            before = stager.stats().hits["local"]
+            for key in order:
+                location = await stager.ensure(handle, key)
+                assert location.path is not None and location.path.stat().st_size == SIZE
+            hits.append(stager.stats().hits["local"] - before)
+            residents.append(await local_keys(stager, handle))
+        return hits, residents
+
+    return with_stager(settings, body)
+
+
+def test_nothrash_keeps_its_resident_set_and_lru_thrashes(
+    tmp_path: Path, settings: Settings
+) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(10, SIZE))
+    small = small_settings(settings, 8)
+    nothrash_hits, nothrash_residents = run_epochs(
+        small, dataset_for(origin, small, "nothrash"), 5, seed=7
+    )
+    assert nothrash_hits[0] == 0
+    assert nothrash_hits[1:] == [8, 8, 8, 8], "hit ratio == resident fraction, every epoch"
+    assert len(nothrash_residents[0]) == 8
+    assert all(r == nothrash_residents[0] for r in nothrash_residents), (
+        "the resident set never changes"
+    )
+
+    lru_local = replace(small, local_dir=tmp_path / "lru-local", shared_dir=tmp_path / "lru-shared")
+    lru_hits, lru_residents = run_epochs(
+        lru_local, dataset_for(origin, lru_local, "lru"), 5, seed=7
+    )
+    assert all(len(r) == 8 for r in lru_residents), "LRU stays under capacity too"
+    assert sum(lru_hits[1:]) < sum(nothrash_hits[1:]), (lru_hits, nothrash_hits)
+    assert len({frozenset(r) for r in lru_residents}) > 1, "LRU churns its resident set"
+
+
+def test_auto_policy_defaults_to_nothrash(tmp_path: Path, settings: Settings) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(5, SIZE))
+    small = small_settings(settings, 3)
+    hits, residents = run_epochs(small, dataset_for(origin, small, "auto"), 3, seed=1)
+    assert hits[1:] == [3, 3]
+    assert residents[0] == residents[1] == residents[2]
+
+
+def test_belady_evicts_the_shard_used_farthest_in_the_known_order(
+    tmp_path: Path, settings: Settings
+) -> None:
+    shards = make_shards(3, SIZE)
+    a, b, new = list(shards)
+    origin = fill_dir(tmp_path / "origin", shards)
+
+    def scenario(policy: str, local: Path) -> set[str]:
+        small = replace(small_settings(settings, 2), local_dir=local)
+
+        async def body(stager: Stager) -> set[str]:
+            handle = await stager.open(dataset_for(origin, small, policy))
+            await stager.ensure(handle, a)
+            await stager.ensure(handle, b)
+            await stager.ensure(handle, a)  # a is now the most recently used
+            await stager.set_future_order(handle, [new, b, a])
+            location = await stager.ensure(handle, new)
+            assert location.tier == "local"
+            return await local_keys(stager, handle)
+
+        return with_stager(small, body)
+
+    assert scenario("belady", tmp_path / "belady") == {new, b}, "a is read last: it goes"
+    assert scenario("lru", tmp_path / "lru") == {new, a}, "LRU guesses from the past instead"
+
+
+def test_belady_declines_a_shard_needed_later_than_everything_resident(
+    tmp_path: Path, settings: Settings
+) -> None:
+    shards = make_shards(3, SIZE)
+    a, b, new = list(shards)
+    origin = fill_dir(tmp_path / "origin", shards)
+    small = small_settings(settings, 2)
+
+    async def body(stager: Stager) -> tuple[str, set[str]]:
+        handle = await stager.open(dataset_for(origin, small, "belady"))
+        await stager.ensure(handle, a)
+        await stager.ensure(handle, b)
+        await stager.set_future_order(handle, [b, a])  # `new` is never read again
+        location = await stager.ensure(handle, new)
+        assert location.path is not None and location.path.read_bytes() == shards[new]
+        return location.tier, await local_keys(stager, handle)
+
+    tier, resident = with_stager(small, body)
+    assert tier == "shared"
+    assert resident == {a, b}
+
+
+def test_pinned_dataset_is_never_evicted(tmp_path: Path, settings: Settings) -> None:
+    pinned_origin = fill_dir(tmp_path / "pinned", make_shards(2, SIZE, seed=1))
+    other_origin = fill_dir(tmp_path / "other", make_shards(3, SIZE, seed=2))
+    small = small_settings(settings, 3)
+
+    async def body(stager: Stager) -> tuple[set[str], set[str], list[str]]:
+        pinned = await stager.open(dataset_for(pinned_origin, small, "lru", pinned=True))
+        other = await stager.open(dataset_for(other_origin, small, "lru"))
+        assert (await stager.warm(pinned)).complete
+        tiers = [(await stager.ensure(other, s.key)).tier for s in other.manifest.shards]
+        return await local_keys(stager, pinned), await local_keys(stager, other), tiers
+
+    pinned_keys, other_keys, tiers = with_stager(small, body)
+    assert len(pinned_keys) == 2, "both pinned shards stay"
+    assert len(other_keys) == 1, "the other dataset evicts only its own shards"
+    assert tiers == ["local", "local", "local"], "LRU makes room among the unpinned"
+
+
+def test_pinned_dataset_fills_the_tier_others_bypass(tmp_path: Path, settings: Settings) -> None:
+    pinned_origin = fill_dir(tmp_path / "pinned", make_shards(2, SIZE, seed=1))
+    other_origin = fill_dir(tmp_path / "other", make_shards(1, SIZE, seed=2))
+    small = small_settings(settings, 2)
+
+    async def body(stager: Stager) -> tuple[set[str], str, WarmReport]:
+        pinned = await stager.open(dataset_for(pinned_origin, small, "nothrash", pinned=True))
+        other = await stager.open(dataset_for(other_origin, small, "lru"))
+        assert (await stager.warm(pinned)).complete
+        location = await stager.ensure(other, other.manifest.shards[0].key)
+        return await local_keys(stager, pinned), location.tier, await stager.warm(other)
+
+    pinned_keys, tier, report = with_stager(small, body)
+    assert len(pinned_keys) == 2
+    assert tier == "shared"
+    assert not report.complete and report.shards_resident == 0
+    assert "full" in report.failures[0][1]
+
+
+def test_warm_larger_than_the_tier_is_honest(tmp_path: Path, settings: Settings) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(5, SIZE))
+    small = small_settings(settings, 3)
+    for policy in ("lru", "nothrash"):
+        local = replace(small, local_dir=tmp_path / f"local-{policy}")
+
+        async def body(stager: Stager, policy: str = policy, local: Settings = local) -> WarmReport:
+            return await stager.warm(await stager.open(dataset_for(origin, local, policy)))
+
+        report = with_stager(local, body)
+        assert not report.complete, policy
+        assert report.shards_resident == 3, policy
+
+
+def test_shared_tier_capacity_is_honest(tmp_path: Path, settings: Settings) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(3, SIZE))
+    for policy in ("lru", "nothrash"):
+        small = replace(
+            settings, shared_dir=tmp_path / f"shared-{policy}", shared_capacity=2 * SIZE + SIZE // 2
+        )
+
+        async def body(stager: Stager, small: Settings = small, policy: str = policy) -> WarmReport:
+            return await stager.warm(
+                await stager.open(dataset_for(origin, small, policy)), tier="shared"
+            )
+
+        report = with_stager(small, body)
+        assert not report.complete, policy
+        assert report.shards_resident == 2, policy
+        assert small.shared_dir is not None
+        assert len(list((small.shared_dir / "data").rglob("*.tar"))) == 2

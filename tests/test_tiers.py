@@ -1,0 +1,879 @@
+"""One contract suite for every tier, and a Hypothesis state machine against a dict model.
+
+`TierTests` states what every `Tier` promises; each subclass only says how to
+make its tier and how to look for temporary files it may have left behind.
+The S3 variant runs over real HTTP against the session's moto server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pytest
+from datacache.tiers import (
+    ByteRange,
+    LocalTier,
+    MemoryTier,
+    ObjectTier,
+    SharedTier,
+    Tier,
+    open_origin,
+    redact_url,
+    validate_key,
+)
+from datacache.tiers._files import PARTIAL_NAME
+from datacache.tiers._retry import RetryPolicy, call_with_retry
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from datacache.errors import (
+    ConfigError,
+    DatacacheError,
+    InvalidKeyError,
+    OriginChangedError,
+    ShardNotFoundError,
+    TransientOriginError,
+    UnsupportedURLError,
+)
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
+
+T = TypeVar("T")
+
+BAD_KEYS = [
+    "",
+    "../escape",
+    "a/../../escape",
+    "a/../b",
+    "/etc/passwd",
+    "a//b",
+    "a/./b",
+    "./a",
+    "a/",
+    "a\\b",
+    "a\x00b",
+    ".x.0123456789abcdef0123456789abcdef.partial",
+]
+
+
+class Boom(RuntimeError):
+    """Raised by a chunk iterator to abort a put."""
+
+
+async def chunks_of(data: bytes, size: int = 7) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+async def failing_chunks(data: bytes, size: int = 7) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+    raise Boom("the source failed half-way")
+
+
+async def put(tier: Tier, key: str, data: bytes, **kwargs: Any) -> None:
+    info = await tier.put(key, chunks_of(data), **kwargs)
+    assert info.key == key
+    assert info.size == len(data)
+
+
+async def keys_of(tier: Tier, prefix: str = "") -> list[str]:
+    return [info.key async for info in tier.list(prefix)]
+
+
+class TierTests:
+    """The contract of `datacache.tiers.base.Tier`; subclasses provide ``make_tier``."""
+
+
+    @pytest.fixture
+    def tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+        yield self.make_tier(request, tmp_path)
+
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        raise NotImplementedError
+
+    def temp_files(self, tier: Tier) -> list[str]:
+        """Anything the tier left behind that is not a committed object."""
+        return []
+
+    def run(self, tier: Tier, body: Callable[[], Awaitable[T]]) -> T:
+        async def main() -> T:
+            try:
+                return await body()
+            finally:
+                await tier.close()
+
+        return asyncio.run(main())
+
+    # -- stat / get ------------------------------------------------------------------------
+
+    def test_stat_of_missing_key_is_none(self, tier: Tier) -> None:
+        assert self.run(tier, lambda: tier.stat("nope/missing.tar")) is None
+
+    def test_get_of_missing_key_raises_shard_not_found(self, tier: Tier) -> None:
+        with pytest.raises(ShardNotFoundError) as caught:
+            self.run(tier, lambda: tier.get("nope/missing.tar"))
+        assert isinstance(caught.value, FileNotFoundError)
+
+    def test_put_then_get_and_stat(self, tier: Tier) -> None:
+        data = os.urandom(1000)
+
+        async def body() -> None:
+            await put(tier, "ds/a.tar", data)
+            info = await tier.stat("ds/a.tar")
+            assert info is not None
+            assert info.size == 1000
+            assert info.key == "ds/a.tar"
+            assert await tier.get("ds/a.tar") == data
+
+        self.run(tier, body)
+
+    def test_empty_object(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "empty", b"")
+            info = await tier.stat("empty")
+            assert info is not None and info.size == 0
+            assert await tier.get("empty") == b""
+            assert await tier.get("empty", ByteRange(0, 10)) == b""
+
+        self.run(tier, body)
+
+    def test_ranged_get_edge_cases(self, tier: Tier) -> None:
+        data = bytes(range(100))
+
+        async def body() -> None:
+            await put(tier, "r", data)
+            assert await tier.get("r", ByteRange(10, 20)) == data[10:20]
+            assert await tier.get("r", ByteRange(0, 1)) == data[:1]
+            assert await tier.get("r", ByteRange(90)) == data[90:]
+            assert await tier.get("r", ByteRange()) == data
+            assert await tier.get("r", ByteRange(0, 100)) == data
+            assert await tier.get("r", ByteRange(99, 100)) == data[99:]
+            assert await tier.get("r", ByteRange(95, 500)) == data[95:]
+            assert await tier.get("r", ByteRange(5, 5)) == b""
+            assert await tier.get("r", ByteRange(0, 0)) == b""
+            assert await tier.get("r", ByteRange(100)) == b""
+            assert await tier.get("r", ByteRange(150, 200)) == b""
+
+        self.run(tier, body)
+
+    def test_stream_yields_bounded_chunks_in_order(self, tier: Tier) -> None:
+        data = os.urandom(1000)
+
+        async def body() -> None:
+            await put(tier, "s", data)
+            parts = [chunk async for chunk in tier.stream("s", chunk_size=128)]
+            assert b"".join(parts) == data
+            assert all(0 < len(p) <= 128 for p in parts)
+            ranged = [
+                chunk
+                async for chunk in tier.stream("s", chunk_size=100, byte_range=ByteRange(250, 777))
+            ]
+            assert b"".join(ranged) == data[250:777]
+
+        self.run(tier, body)
+
+    def test_stream_of_missing_key_raises(self, tier: Tier) -> None:
+        async def body() -> None:
+            async for _ in tier.stream("missing"):
+                pass
+
+        with pytest.raises(ShardNotFoundError):
+            self.run(tier, body)
+
+    def test_conditional_get_detects_a_changed_object(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "v", b"first version")
+            info = await tier.stat("v")
+            assert info is not None and info.version is not None
+            assert await tier.get("v", version=info.version) == b"first version"
+            # A different size, so that even a coarse mtime gives a new version.
+            await put(tier, "v", b"the second, longer version")
+            with pytest.raises(OriginChangedError):
+                await tier.get("v", version=info.version)
+            with pytest.raises(OriginChangedError):
+                await tier.get("v", ByteRange(0, 3), version=info.version)
+
+        self.run(tier, body)
+
+    def test_byte_range_validation(self) -> None:
+        with pytest.raises(ValueError, match="invalid byte range"):
+            ByteRange(-1, 5)
+        with pytest.raises(ValueError, match="invalid byte range"):
+            ByteRange(10, 5)
+        assert ByteRange(3, 10).length(5) == 2
+        assert ByteRange(7).length(5) == 0
+        assert ByteRange().length(5) == 5
+
+    # -- put ---------------------------------------------------------------------------------
+
+    def test_put_overwrites(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "o", b"old contents")
+            await put(tier, "o", b"new")
+            assert await tier.get("o") == b"new"
+            assert await keys_of(tier) == ["o"]
+
+        self.run(tier, body)
+
+    def test_put_with_memoryview_chunks(self, tier: Tier) -> None:
+        data = os.urandom(300)
+
+        async def views() -> AsyncIterator[memoryview]:
+            view = memoryview(data)
+            for start in range(0, 300, 64):
+                yield view[start : start + 64]
+
+        async def body() -> None:
+            await tier.put("mv", views())
+            assert await tier.get("mv") == data
+
+        self.run(tier, body)
+
+    def test_failed_put_leaves_nothing_visible(self, tier: Tier) -> None:
+        async def body() -> None:
+            with pytest.raises(Boom):
+                await tier.put("ds/half.tar", failing_chunks(os.urandom(500)))
+            assert await tier.stat("ds/half.tar") is None
+            with pytest.raises(ShardNotFoundError):
+                await tier.get("ds/half.tar")
+            assert await keys_of(tier) == []
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+
+    def test_failed_overwrite_keeps_the_old_object(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "keep", b"old and whole")
+            with pytest.raises(Boom):
+                await tier.put("keep", failing_chunks(os.urandom(500)))
+            assert await tier.get("keep") == b"old and whole"
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+
+    def test_cancelled_put_leaves_nothing(self, tier: Tier) -> None:
+        started = asyncio.Event
+
+        async def body() -> None:
+            gate = started()
+            never = asyncio.Event()
+
+            async def stalled() -> AsyncIterator[bytes]:
+                yield b"x" * 100
+                gate.set()
+                await never.wait()
+                yield b"y"
+
+            task = asyncio.create_task(tier.put("cancelled", stalled()))
+            await gate.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await tier.stat("cancelled") is None
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+
+    # -- delete / list / usage -----------------------------------------------------------------
+
+    def test_delete(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "d/x", b"123")
+            assert await tier.delete("d/x") is True
+            assert await tier.stat("d/x") is None
+            assert await tier.delete("d/x") is False
+            assert await keys_of(tier) == []
+
+        self.run(tier, body)
+
+    def test_list_by_prefix_in_key_order(self, tier: Tier) -> None:
+        keys = ["b/2", "a/10", "a/1", "ab", "a/2", "a/sub/z", "c"]
+
+        async def body() -> None:
+            for key in keys:
+                await put(tier, key, key.encode())
+            assert await keys_of(tier) == sorted(keys)
+            assert await keys_of(tier, "a/") == ["a/1", "a/10", "a/2", "a/sub/z"]
+            assert await keys_of(tier, "a") == ["a/1", "a/10", "a/2", "a/sub/z", "ab"]
+            assert await keys_of(tier, "a/sub/") == ["a/sub/z"]
+            assert await keys_of(tier, "zzz") == []
+            sizes = {info.key: info.size async for info in tier.list()}
+            assert sizes == {key: len(key) for key in keys}
+
+        self.run(tier, body)
+
+    def test_list_and_stat_see_later_writes(self, tier: Tier) -> None:
+        """No stale listing: what a tier lists or stats follows its own puts and deletes."""
+
+        async def body() -> None:
+            await put(tier, "l/a", b"1")
+            assert await keys_of(tier) == ["l/a"]
+            first = await tier.stat("l/a")
+            await put(tier, "l/b", b"22")
+            await put(tier, "l/a", b"333")
+            assert await keys_of(tier) == ["l/a", "l/b"]
+            assert await keys_of(tier, "l/") == ["l/a", "l/b"]
+            again = await tier.stat("l/a")
+            assert again is not None and again.size == 3
+            assert first is not None and again.version != first.version
+            assert await tier.delete("l/b")
+            assert await keys_of(tier) == ["l/a"]
+            assert await tier.stat("l/b") is None
+
+        self.run(tier, body)
+
+    def test_list_of_empty_tier(self, tier: Tier) -> None:
+        assert self.run(tier, lambda: keys_of(tier)) == []
+
+    def test_usage(self, tier: Tier) -> None:
+        async def body() -> None:
+            before = await tier.usage()
+            assert before.used_bytes == 0 and before.object_count == 0
+            await put(tier, "u/1", b"x" * 100)
+            await put(tier, "u/2", b"y" * 50)
+            usage = await tier.usage()
+            assert usage.used_bytes == 150
+            assert usage.object_count == 2
+            assert usage.capacity_bytes == tier.capacity
+
+        self.run(tier, body)
+
+    # -- keys --------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", BAD_KEYS)
+    def test_invalid_keys_are_rejected(self, tier: Tier, key: str) -> None:
+        async def body() -> None:
+            with pytest.raises(InvalidKeyError):
+                await tier.stat(key)
+            with pytest.raises(InvalidKeyError):
+                await tier.get(key)
+            with pytest.raises(InvalidKeyError):
+                await tier.put(key, chunks_of(b"evil"))
+            if tier.writable:
+                with pytest.raises(InvalidKeyError):
+                    await tier.delete(key)
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+
+    # -- pickling ----------------------------------------------------------------------------
+
+    def test_pickle_round_trip_before_use(self, tier: Tier) -> None:
+        clone = pickle.loads(pickle.dumps(tier))
+        assert type(clone) is type(tier)
+        assert clone.url == tier.url
+        assert clone.capacity == tier.capacity
+
+    def test_pickled_after_use_carries_no_client(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "p/1", b"pickled")
+            assert await tier.get("p/1") == b"pickled"
+
+        self.run(tier, body)  # closes the tier's clients afterwards, as a user would...
+
+        async def use_again() -> None:
+            assert await tier.stat("p/1") is not None
+
+        # ...but a tier used and *not* closed must pickle without its client too.
+        async def main() -> bytes:
+            await use_again()
+            payload = pickle.dumps(tier)
+            await tier.close()
+            return payload
+
+        payload = asyncio.run(main())
+        clone = pickle.loads(payload)
+        for name, value in vars(clone).items():
+            if isinstance(value, type):
+                continue
+            module = type(value).__module__.split(".")[0]
+            assert module not in {
+                "aiobotocore",
+                "aiohttp",
+                "botocore",
+                "s3fs",
+                "fsspec",
+                "asyncio",
+                "sqlite3",
+            }, f"{type(tier).__name__}.{name} pickled a {type(value)}"
+        assert clone.stats().requests == 0
+        if not isinstance(tier, MemoryTier):
+            assert self.run(clone, lambda: clone.get("p/1")) == b"pickled"
+
+
+class KeepsMetadataTests(TierTests):
+    """For tiers whose `stat` returns the metadata a put attached (directory and memory tiers).
+
+    Object stores keep S3 user metadata only for single-part uploads, so
+    datacache never relies on it there and does not test it.
+    """
+
+    def test_metadata_is_kept(self, tier: Tier) -> None:
+
+        async def body() -> None:
+            await tier.put(
+                "m", chunks_of(b"abc"), metadata={"checksum": "xxh3_64:1", "version": "v1"}
+            )
+            info = await tier.stat("m")
+            assert info is not None
+            assert info.metadata["checksum"] == "xxh3_64:1"
+            assert info.metadata["version"] == "v1"
+
+        self.run(tier, body)
+
+    def test_metadata_completed_while_streaming(self, tier: Tier) -> None:
+        """`Tier.put` reads the metadata once the chunks are exhausted."""
+        metadata: dict[str, str] = {}
+
+        async def produce() -> AsyncIterator[bytes]:
+            yield b"abc"
+            metadata["checksum"] = "learned-at-the-end"
+
+        async def body() -> None:
+            await tier.put("late", produce(), metadata=metadata)
+            info = await tier.stat("late")
+            assert info is not None and info.metadata.get("checksum") == "learned-at-the-end"
+
+        self.run(tier, body)
+
+
+class TestMemoryTier(KeepsMetadataTests):
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        return MemoryTier(capacity=10_000)
+
+
+class DirectoryTierTests(KeepsMetadataTests):
+    def temp_files(self, tier: Tier) -> list[str]:
+        root = Path(tier.url)
+        return sorted(
+            str(path.relative_to(root))
+            for path in root.rglob("*")
+            if path.is_file() and (PARTIAL_NAME.match(path.name) or path.name.endswith(".partial"))
+        )
+
+    def test_objects_are_plain_files(self, tier: Tier) -> None:
+        self.run(tier, lambda: put(tier, "ds/f.tar", b"plain"))
+        assert tier.has_local_paths
+        assert tier.path("ds/f.tar").read_bytes() == b"plain"
+
+    def test_symlink_is_never_served(self, tier: Tier, tmp_path: Path) -> None:
+        secret = tmp_path / "secret.txt"
+        secret.write_bytes(b"outside the tier")
+        self.run(tier, lambda: put(tier, "ds/real", b"r"))
+        link = tier.path("ds/link")
+        link.symlink_to(secret)
+
+        async def body() -> None:
+            assert await tier.stat("ds/link") is None
+            with pytest.raises(ShardNotFoundError):
+                await tier.get("ds/link")
+            assert await keys_of(tier) == ["ds/real"]
+
+        self.run(tier, body)
+
+    def test_symlinked_directory_cannot_escape(self, tier: Tier, tmp_path: Path) -> None:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "f").write_bytes(b"outside the tier")
+        self.run(tier, lambda: put(tier, "ds/real", b"r"))
+        tier.path("ds/real").parent.joinpath("escape").symlink_to(outside, target_is_directory=True)
+
+        async def body() -> None:
+            with pytest.raises(InvalidKeyError):
+                await tier.get("ds/escape/f")
+            with pytest.raises(InvalidKeyError):
+                await tier.put("ds/escape/g", chunks_of(b"no"))
+
+        self.run(tier, body)
+        assert not (outside / "g").exists()
+
+    def test_abandoned_partials_are_removed_but_live_ones_kept(self, tier: Tier) -> None:
+        assert isinstance(tier, LocalTier | SharedTier)
+        directory = tier.path("ds/x").parent
+        directory.mkdir(parents=True)
+        dead = directory / f".x.{uuid.uuid4().hex}.partial"
+        dead.write_bytes(b"left by a killed writer")
+        gate = asyncio.Event
+
+        async def body() -> int:
+            started, never = gate(), gate()
+
+            async def stalled() -> AsyncIterator[bytes]:
+                yield b"live"
+                started.set()
+                await never.wait()
+
+            writer = asyncio.create_task(tier.put("ds/live", stalled()))
+            await started.wait()
+            removed = await tier.remove_abandoned_partials(min_age=0)
+            assert len(self.temp_files(tier)) == 1, "a live writer's partial file was removed"
+            writer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await writer
+            return removed
+
+        assert self.run(tier, body) == 1
+        assert not dead.exists()
+        assert self.temp_files(tier) == []
+
+
+class TestLocalTier(DirectoryTierTests):
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        return LocalTier(tmp_path / "local", capacity=1 << 30)
+
+
+class TestSharedTier(DirectoryTierTests):
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        return SharedTier(tmp_path / "shared")
+
+
+class TestFileObjectTier(TierTests):
+
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        (tmp_path / "origin").mkdir()
+        return ObjectTier(f"file://{tmp_path / 'origin'}", writable=True)
+
+    def temp_files(self, tier: Tier) -> list[str]:
+        assert isinstance(tier, ObjectTier)
+        root = Path(tier.url.removeprefix("file://"))
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+        return [name for name in names if "partial" in name]
+
+    def test_read_only_tier_refuses_writes(self, tmp_path: Path) -> None:
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro" / "a").write_bytes(b"a")
+        tier = ObjectTier(f"file://{tmp_path / 'ro'}")
+
+        async def body() -> None:
+            with pytest.raises(PermissionError):
+                await tier.put("b", chunks_of(b"b"))
+            with pytest.raises(PermissionError):
+                await tier.delete("a")
+            assert await tier.get("a") == b"a"
+
+        self.run(tier, body)
+        assert (tmp_path / "ro" / "a").exists()
+
+
+class TestMemoryObjectTier(TierTests):
+
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        root = f"memory://datacache-tests/{uuid.uuid4().hex}"
+        request.addfinalizer(lambda: self._clear(root))
+        return ObjectTier(root, writable=True)
+
+    @staticmethod
+    def _clear(root: str) -> None:
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+    def temp_files(self, tier: Tier) -> list[str]:
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        base = tier.url.removeprefix("memory://")
+        found = fs.find(base) if fs.exists(base) else []
+        return [path for path in found if "partial" in path or "datacache-upload" in path]
+
+
+class TestS3ObjectTier(TierTests):
+
+    def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+        bucket: S3Bucket = request.getfixturevalue("s3")
+        self.bucket = bucket
+        return ObjectTier(
+            bucket.url("prefix/data"),
+            storage_options=bucket.storage_options,
+            writable=True,
+            part_size=5 << 20,
+        )
+
+    def temp_files(self, tier: Tier) -> list[str]:
+        uploads = self.bucket.client.list_multipart_uploads(Bucket=self.bucket.name).get(
+            "Uploads", []
+        )
+        return [upload["Key"] for upload in uploads]
+
+    def test_failed_multipart_put_is_aborted(self, tier: Tier) -> None:
+        """A put larger than one part that fails after sending a part leaves no upload behind."""
+        data = os.urandom(6 << 20)
+
+        async def body() -> None:
+            with pytest.raises(Boom):
+                await tier.put("big", failing_chunks(data, size=1 << 20))
+            assert await tier.stat("big") is None
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+        counts = self.bucket.server.request_counts()
+        assert any(name.startswith("DELETE") for name in counts), counts  # the abort
+
+    def test_multipart_put_round_trip(self, tier: Tier) -> None:
+        data = os.urandom(11 << 20)
+
+        async def body() -> None:
+            info = await tier.put("big", chunks_of(data, size=1 << 20))
+            assert info.size == len(data)
+            assert (
+                await tier.get("big", ByteRange(5 << 20, (5 << 20) + 10))
+                == data[5 << 20 : (5 << 20) + 10]
+            )
+            assert await tier.get("big") == data
+
+        self.run(tier, body)
+        assert self.temp_files(tier) == []
+
+    def test_missing_bucket_is_named(self, s3: S3Bucket) -> None:
+        tier = ObjectTier(
+            f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", storage_options=s3.storage_options
+        )
+        with pytest.raises(ShardNotFoundError, match=r"bucket .* does not exist"):
+            self.run(tier, lambda: keys_of(tier))
+
+    def test_keys_outside_the_prefix_are_not_listed(self, tier: Tier) -> None:
+        self.bucket.put("prefix/data-other/x", b"not ours")
+        self.bucket.put("prefix/datax", b"not ours")
+        self.run(tier, lambda: put(tier, "mine", b"ours"))
+        assert self.run(tier, lambda: keys_of(tier)) == ["mine"]
+
+
+# -- outside the contract: keys, URLs, retries --------------------------------
+
+
+@pytest.mark.parametrize("key", [*BAD_KEYS, "a" * 2000, "a/" + "b" * 300])
+def test_validate_key_rejects(key: str) -> None:
+    with pytest.raises(InvalidKeyError, match="invalid key"):
+        validate_key(key)
+
+
+@pytest.mark.parametrize("key", ["a", "a/b/c.tar", "..a", "a..", ".hidden", "a b/ü.tar"])
+def test_validate_key_accepts(key: str) -> None:
+    assert validate_key(key) == key
+
+
+def test_open_origin_rejects_unknown_scheme() -> None:
+    with pytest.raises(UnsupportedURLError, match="unsupported URL scheme 'nosuch'"):
+        open_origin("nosuch://bucket/x")
+
+
+@pytest.mark.parametrize("url", ["", "s3://", "s3:///"])
+def test_open_origin_rejects_empty_urls(url: str) -> None:
+    with pytest.raises(ConfigError):
+        open_origin(url)
+
+
+def test_urls_never_show_credentials() -> None:
+    tier = ObjectTier(
+        "s3://AKIAEXAMPLE:hunter2@bucket/prefix/", storage_options={"secret": "hunter2"}
+    )
+    assert "hunter2" not in tier.url
+    assert "hunter2" not in repr(tier)
+    assert "AKIA" not in tier.url
+    assert redact_url("https://user:pw@host/x") == "https://host/x"
+
+
+def test_retry_policy_retries_transient_errors_then_gives_up() -> None:
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise ConnectionResetError("reset by peer")
+        return "ok"
+
+    policy = RetryPolicy(max_attempts=5, base_delay=0.001, max_delay=0.002)
+    assert asyncio.run(call_with_retry(flaky, where="x", policy=policy)) == "ok"
+    assert calls == 3
+
+    async def always() -> str:
+        raise ConnectionResetError("reset by peer")
+
+    with pytest.raises(TransientOriginError, match="gave up after 2 attempts"):
+        asyncio.run(
+            call_with_retry(always, where="x", policy=RetryPolicy(max_attempts=2, base_delay=0.001))
+        )
+
+    permanent = 0
+
+    async def missing() -> str:
+        nonlocal permanent
+        permanent += 1
+        raise FileNotFoundError("gone")
+
+    with pytest.raises(ShardNotFoundError):
+        asyncio.run(call_with_retry(missing, where="x", policy=policy))
+    assert permanent == 1
+
+
+def test_retry_delays_are_capped_with_jitter() -> None:
+    policy = RetryPolicy(base_delay=0.1, max_delay=1.0)
+    for attempt in range(1, 20):
+        delay = policy.delay(attempt)
+        assert 0 <= delay <= min(1.0, 0.1 * 2 ** (attempt - 1))
+
+
+# -- a state machine against a dict model (zarr testing/stateful.py) ----------
+
+KEYS = st.sampled_from(["k0", "k1", "k2", "d/k0", "d/k1", "d/e/k2", "e/k3"])
+PREFIXES = st.sampled_from(["", "k", "d/", "d/e/", "e", "x"])
+
+
+class TierModelMachine(RuleBasedStateMachine):
+    """Random puts, deletes, reads and listings; the tier must always agree with a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[str, bytes] = {}
+        self.loop = asyncio.new_event_loop()
+        self.tier = self.make_tier()
+
+    def make_tier(self) -> Tier:
+        raise NotImplementedError
+
+    def run(self, coroutine: Awaitable[T]) -> T:
+        return self.loop.run_until_complete(coroutine)
+
+    def teardown(self) -> None:
+        self.run(self.tier.close())
+        self.loop.close()
+
+    written = Bundle("written")
+
+    @rule(target=written, key=KEYS, data=st.binary(max_size=300))
+    def put(self, key: str, data: bytes) -> str:
+        self.run(self.tier.put(key, chunks_of(data, 13)))
+        self.model[key] = data
+        return key
+
+    @rule(key=KEYS, data=st.binary(min_size=1, max_size=100))
+    def failed_put(self, key: str, data: bytes) -> None:
+        with pytest.raises(Boom):
+            self.run(self.tier.put(key, failing_chunks(data, 13)))
+
+    @rule(key=st.one_of(written, KEYS))
+    def delete(self, key: str) -> None:
+        existed = self.run(self.tier.delete(key))
+        assert existed == (key in self.model)
+        self.model.pop(key, None)
+
+    @rule(
+        key=st.one_of(written, KEYS),
+        start=st.integers(0, 400),
+        length=st.none() | st.integers(0, 400),
+    )
+    def get(self, key: str, start: int, length: int | None) -> None:
+        span = ByteRange(start, None if length is None else start + length)
+        if key not in self.model:
+            with pytest.raises(ShardNotFoundError):
+                self.run(self.tier.get(key, span))
+            return
+        expected = self.model[key][span.start : span.end]
+        assert self.run(self.tier.get(key, span)) == expected
+
+    @rule(key=st.one_of(written, KEYS))
+    def stat(self, key: str) -> None:
+        info = self.run(self.tier.stat(key))
+        if key in self.model:
+            assert info is not None and info.size == len(self.model[key])
+        else:
+            assert info is None
+
+    @rule(prefix=PREFIXES)
+    def list(self, prefix: str) -> None:
+        async def collect() -> list[tuple[str, int]]:
+            return [(info.key, info.size) async for info in self.tier.list(prefix)]
+
+        expected = sorted((k, len(v)) for k, v in self.model.items() if k.startswith(prefix))
+        assert self.run(collect()) == expected
+
+    @precondition(lambda self: bool(self.model))
+    @rule()
+    def pickle_round_trip(self) -> None:
+        clone = pickle.loads(pickle.dumps(self.tier))
+        if not isinstance(clone, MemoryTier):
+            self.run(clone.close())
+        assert clone.url == self.tier.url
+
+    @invariant()
+    def usage_matches(self) -> None:
+        usage = self.run(self.tier.usage())
+        assert usage.used_bytes == sum(len(v) for v in self.model.values())
+        assert usage.object_count == len(self.model)
+
+
+class MemoryTierMachine(TierModelMachine):
+    def make_tier(self) -> Tier:
+        return MemoryTier()
+
+
+class LocalTierMachine(TierModelMachine):
+    def make_tier(self) -> Tier:
+        self.directory = tempfile.mkdtemp(prefix="datacache-stateful-")
+        return LocalTier(self.directory, durable=False)
+
+    def teardown(self) -> None:
+        super().teardown()
+        leftovers = [p for p in Path(self.directory).rglob("*") if p.name.endswith(".partial")]
+        shutil.rmtree(self.directory)
+        assert leftovers == []
+
+
+class FileObjectTierMachine(TierModelMachine):
+    def make_tier(self) -> Tier:
+        self.directory = tempfile.mkdtemp(prefix="datacache-stateful-")
+        return ObjectTier(f"file://{self.directory}", writable=True)
+
+    def teardown(self) -> None:
+        super().teardown()
+        shutil.rmtree(self.directory)
+
+
+_MACHINE_SETTINGS = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestMemoryTierMachine = _MACHINE_SETTINGS(MemoryTierMachine).TestCase
+TestLocalTierMachine = _MACHINE_SETTINGS(LocalTierMachine).TestCase
+TestFileObjectTierMachine = _MACHINE_SETTINGS(FileObjectTierMachine).TestCase
+
+
+def test_datacache_error_roots() -> None:
+    assert issubclass(ShardNotFoundError, FileNotFoundError)
+    assert issubclass(InvalidKeyError, ValueError)
+    assert issubclass(ShardNotFoundError, DatacacheError)
+
+
+def test_unreachable_endpoint_is_retried_then_reported() -> None:
+    """A refused connection is transient: retried by the policy, then named."""
+    tier = ObjectTier(
+        "s3://bucket/x",
+        storage_options={"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+        retry=RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.002),
+    )
+
+    async def body() -> None:
+        try:
+            await tier.get("a.tar")
+        finally:
+            await tier.close()
+
+    with pytest.raises(TransientOriginError, match="gave up after 3 attempts"):
+        asyncio.run(body())
+    assert tier.stats().retries == 2
