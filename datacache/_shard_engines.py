@@ -1,0 +1,153 @@
+"""Where the units of a ``datacache shard`` run are packed: this process, Dask, or Ray.
+
+Every engine runs the same function on each unit (`run_unit_sync` on a
+cluster, `ensure_unit` in-process) and reports each finished unit through a
+callback, so planning, resuming and the manifest do not depend on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from datacache._shard_pack import ObjectCallback, ShardJob, UnitResult, ensure_unit, run_unit_sync
+from datacache._shard_plan import UnitSpec
+from datacache.errors import ConfigError
+
+__all__ = ["ENGINES", "run_dask", "run_local", "run_ray"]
+
+logger = logging.getLogger("datacache.shard")
+
+ENGINES = ("local", "dask", "ray")
+
+ResultCallback = Callable[[UnitResult], None]
+
+
+async def run_local(
+    units: Sequence[tuple[UnitSpec, bool]],
+    job: ShardJob,
+    *,
+    on_result: ResultCallback,
+    on_object: ObjectCallback,
+) -> None:
+    """Pack ``units`` in this process: ``workers`` at once, each with its own bounded GETs."""
+    source = job.source.open(writable=False)
+    dest = job.dest.open(writable=True)
+    queue: asyncio.Queue[tuple[UnitSpec, bool]] = asyncio.Queue()
+    for item in units:
+        queue.put_nowait(item)
+
+    async def worker() -> None:
+        limiter = asyncio.Semaphore(job.options.concurrency)
+        while True:
+            try:
+                spec, has_record = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            result = await ensure_unit(
+                spec, job, source, dest, has_record=has_record, limiter=limiter, on_object=on_object
+            )
+            on_result(result)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(job.options.workers, max(1, len(units)))):
+                group.create_task(worker())
+    except BaseExceptionGroup as grouped:
+        # One line for the CLI: the first failure, whatever the others were.
+        first: BaseException = grouped
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    finally:
+        await source.close()
+        await dest.close()
+
+
+def run_dask(
+    units: Sequence[tuple[UnitSpec, bool]],
+    job: ShardJob,
+    *,
+    scheduler: str | None,
+    on_result: ResultCallback,
+) -> None:
+    """Pack ``units`` as Dask tasks, one per unit; blocking (call it from a thread).
+
+    With ``scheduler`` (``tcp://host:8786``) the tasks go to that cluster,
+    whose workers need datacache installed and access to both URLs; without
+    it a `LocalCluster` of threads in this process (``workers`` of them) runs them.
+    """
+    try:
+        distributed: Any = importlib.import_module("dask.distributed")
+    except ImportError:
+        raise ConfigError(
+            "--engine dask needs dask.distributed: pip install 'datacache[dask]'"
+        ) from None
+    cluster: Any = None
+    if scheduler:
+        client = distributed.Client(scheduler)
+    else:
+        cluster = distributed.LocalCluster(
+            processes=False,
+            n_workers=1,
+            threads_per_worker=job.options.workers,
+            dashboard_address=None,
+        )
+        client = distributed.Client(cluster)
+    try:
+        futures = [
+            client.submit(
+                run_unit_sync,
+                spec,
+                has_record,
+                job,
+                key=f"datacache-shard-{spec.digest}",
+                pure=False,
+            )
+            for spec, has_record in units
+        ]
+        for future in distributed.as_completed(futures):
+            on_result(future.result())
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def run_ray(
+    units: Sequence[tuple[UnitSpec, bool]],
+    job: ShardJob,
+    *,
+    scheduler: str | None,
+    on_result: ResultCallback,
+) -> None:
+    """Pack ``units`` as Ray tasks, one per unit; blocking (call it from a thread).
+
+    With ``scheduler`` (``ray://host:10001`` or ``auto``) the tasks go to that
+    cluster; without it a local Ray instance with ``workers`` CPUs is started
+    for this run and shut down after it.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--engine ray needs ray: pip install 'datacache[ray]'") from None
+    started = False
+    if not ray.is_initialized():
+        if scheduler:
+            ray.init(address=scheduler, log_to_driver=False)
+        else:
+            ray.init(num_cpus=job.options.workers, include_dashboard=False, log_to_driver=False)
+        started = True
+    try:
+        task = ray.remote(run_unit_sync)
+        pending = [task.remote(spec, has_record, job) for spec, has_record in units]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                on_result(ray.get(ref))
+    finally:
+        if started:
+            ray.shutdown()

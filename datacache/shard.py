@@ -1,0 +1,438 @@
+"""``datacache shard``: pack a tree of small objects into tar shards, or re-chunk Parquet and Zarr.
+
+Reading millions of small objects one request at a time is what starves
+GPUs. `shard_dataset` lists the source once, plans the output (a pure
+function of the listing and the options, see `plan_tar`), and packs each
+planned unit by streaming: a tar shard is never held in memory, its member
+data is fetched by bounded concurrent GETs and its bytes flow into the
+output tier's atomic put (a multipart upload on S3). The output is what the
+rest of datacache reads without scanning:
+
+- WebDataset-compatible tar shards (``shard-000000.tar``), with fixed header
+  fields so the same input always gives the same bytes;
+- ``<shard>.idx.json`` beside each shard (`datacache.tarindex`): every
+  sample's fields and byte spans;
+- ``datacache-manifest.json`` at the output root: each shard's size,
+  checksum and sample count, which `datacache.manifest.take_manifest` uses
+  as is.
+
+A run writes its plan (``.datacache-shard-plan.json``) and, per finished
+unit, a record under ``.datacache-shard-done/``. Rerun after an
+interruption, it keeps every unit whose record matches the plan and whose
+bytes still verify (size and checksum), and packs the rest: the result is
+byte for byte that of an uninterrupted run. The units can be packed in this
+process, or as tasks on a Dask or Ray cluster (``engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from datacache._progress import Progress
+from datacache._shard_engines import ENGINES, run_dask, run_local, run_ray
+from datacache._shard_pack import Endpoint, ShardJob, UnitResult, put_bytes
+from datacache._shard_plan import (
+    DONE_PREFIX,
+    PLAN_NAME,
+    ShardOptions,
+    ShardPlan,
+    UnitSpec,
+    plan_tar,
+)
+from datacache.config import dataset_id_for
+from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
+from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.stager import checksum_of, new_hasher
+from datacache.tiers import ObjectInfo, Tier, redact_url
+from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
+
+__all__ = [
+    "ENGINES",
+    "PLAN_NAME",
+    "SOURCE_FORMATS",
+    "Endpoint",
+    "ShardOptions",
+    "ShardPlan",
+    "ShardReport",
+    "UnitSpec",
+    "detect_source_format",
+    "list_source",
+    "plan_source",
+    "plan_tar",
+    "shard_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FORMATS = ("auto", "files", "parquet", "zarr")
+_OWN_NAMES = (MANIFEST_NAME, PLAN_NAME)
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What one `shard_dataset` run did."""
+
+    source: str
+    dest: str
+    kind: str
+    units: int
+    written: int
+    kept: int
+    objects: int
+    input_bytes: int
+    output_bytes: int
+    samples: int
+    skipped: int
+    seconds: float
+    plan_digest: str
+    results: tuple[UnitResult, ...] = field(repr=False, default=())
+
+    @property
+    def objects_per_second(self) -> float:
+        """Input objects read per second of this run (0 when nothing was packed)."""
+        read = sum(r.objects for r in self.results if r.written)
+        return read / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Input bytes read per second of this run."""
+        read = sum(r.input_bytes for r in self.results if r.written)
+        return read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "done",
+            "source": self.source,
+            "dest": self.dest,
+            "format": self.kind,
+            "shards": self.units,
+            "shards_written": self.written,
+            "shards_kept": self.kept,
+            "objects": self.objects,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+            "samples": self.samples,
+            "skipped_objects": self.skipped,
+            "seconds": round(self.seconds, 3),
+            "objects_per_s": round(self.objects_per_second, 1),
+            "rate_bytes_per_s": round(self.bytes_per_second, 1),
+            "plan": self.plan_digest,
+            "manifest": MANIFEST_NAME,
+        }
+
+
+def _inside(child: str, parent: str) -> str | None:
+    """The prefix of ``child`` relative to ``parent`` when ``child`` lies under it."""
+    child, parent = child.rstrip("/"), parent.rstrip("/")
+    if child.startswith(parent + "/"):
+        return child[len(parent) + 1 :] + "/"
+    return None
+
+
+async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> list[ObjectInfo]:
+    """List the source once, leaving out datacache's own files and temporary writes.
+
+    Raises `ShardNotFoundError` when nothing is there.
+    """
+    infos: list[ObjectInfo] = []
+    async for info in source.list():
+        name = info.key.rsplit("/", 1)[-1]
+        if info.key in _OWN_NAMES or info.key.startswith(DONE_PREFIX) or PARTIAL_NAME.match(name):
+            continue
+        if exclude_prefix is not None and info.key.startswith(exclude_prefix):
+            continue
+        infos.append(info)
+    if not infos:
+        raise ShardNotFoundError(
+            f"nothing to shard at {source.url} (missing bucket, prefix or directory?)"
+        )
+    return infos
+
+
+def detect_source_format(infos: list[ObjectInfo]) -> str:
+    """``zarr`` for an array at its root, ``parquet`` if all objects are Parquet, else ``files``."""
+    keys = {info.key for info in infos}
+    if "zarr.json" in keys or ".zarray" in keys:
+        return "zarr"
+    if all(key.endswith(".parquet") for key in keys):
+        return "parquet"
+    return "files"
+
+
+async def plan_source(
+    source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, source_format: str = "auto"
+) -> ShardPlan:
+    """Plan the run for ``infos``, listed at ``source``, as ``source_format`` (or detected)."""
+    if source_format not in SOURCE_FORMATS:
+        raise ConfigError(f"--format {source_format!r}: choose from {', '.join(SOURCE_FORMATS)}")
+    chosen = detect_source_format(infos) if source_format == "auto" else source_format
+    shown = redact_url(source.url)
+    if chosen == "files":
+        plan = plan_tar(infos, options, source=shown)
+    else:
+        from datacache import _shard_columnar
+
+        if chosen == "parquet":
+            parquet = [info for info in infos if info.key.endswith(".parquet")]
+            if not parquet:
+                raise ConfigError(f"--format parquet: no .parquet files at {shown}")
+            plan = await asyncio.to_thread(_shard_columnar.plan_parquet, source, parquet, options)
+        else:
+            plan = await asyncio.to_thread(_shard_columnar.plan_zarr, source, infos, options)
+    if not plan.units:
+        raise ShardNotFoundError(
+            f"nothing to pack at {shown}: none of its {len(infos)} objects has a file extension "
+            "(see --group-by)"
+        )
+    if plan.skipped:
+        logger.warning(
+            "skipping %d objects without a file extension (first: %s)",
+            len(plan.skipped),
+            plan.skipped[0],
+        )
+    return plan
+
+
+def _manifest_format(kind: str) -> ShardFormat:
+    return {"tar": ShardFormat.TAR, "parquet": ShardFormat.PARQUET, "zarr": ShardFormat.ZARR}[kind]
+
+
+async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
+    """Write the plan (and Zarr metadata); return the units recorded by an earlier run."""
+    recorded: set[str] = set()
+    existing_plan = False
+    existing_manifest = False
+    async for info in dest.list():
+        if info.key.startswith(DONE_PREFIX) and info.key.endswith(".json"):
+            recorded.add(info.key[len(DONE_PREFIX) : -len(".json")])
+        elif info.key == PLAN_NAME:
+            existing_plan = True
+        elif info.key == MANIFEST_NAME:
+            existing_manifest = True
+    if existing_plan:
+        try:
+            previous = json.loads(await dest.get(PLAN_NAME)).get("digest")
+        except (ValueError, AttributeError, ShardNotFoundError):
+            previous = None
+        if previous == plan.digest:
+            logger.info(
+                "resuming: %d of %d units have a record",
+                len(recorded & {u.key for u in plan.units}),
+                len(plan.units),
+            )
+        else:
+            logger.warning(
+                "the plan at %s changed (other inputs or options): changed units are packed again",
+                dest.url,
+            )
+            if existing_manifest:
+                await dest.delete(MANIFEST_NAME)
+    elif existing_manifest:
+        # An output written by some other means: its manifest is replaced at the end.
+        await dest.delete(MANIFEST_NAME)
+    if dest.has_local_paths:
+        # Temporary files of a run that was killed; a live writer's file is locked and kept.
+        root = _local_root(dest.url)
+        removed = await asyncio.to_thread(remove_abandoned_partials, root, min_age=0.0)
+        if removed:
+            logger.info("removed %d temporary files left by an interrupted run", len(removed))
+    await put_bytes(dest, PLAN_NAME, plan.to_json())
+    if plan.kind == "zarr":
+        await put_bytes(dest, "zarr.json", str(plan.extra["zarr_json"]).encode())
+    return recorded
+
+
+def _local_root(url: str) -> Path:
+    import fsspec.core
+
+    _, root = fsspec.core.url_to_fs(url)
+    return Path(str(root))
+
+
+def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResult]) -> Manifest:
+    shards: list[Shard] = []
+    if plan.kind == "zarr":
+        metadata = str(plan.extra["zarr_json"]).encode()
+        hasher = new_hasher()
+        hasher.update(metadata)
+        shards.append(Shard("zarr.json", len(metadata), checksum=checksum_of(hasher), samples=0))
+    for unit in plan.units:
+        result = results[unit.key]
+        shards.append(
+            Shard(unit.key, result.size, checksum=result.checksum, samples=result.samples)
+        )
+    extra: dict[str, Any] = {
+        "source": plan.source,
+        "options": plan.options.identity(),
+        "plan": plan.digest,
+        "objects": plan.objects,
+        "samples": plan.samples,
+    }
+    if plan.classes:
+        extra["classes"] = list(plan.classes)
+    # created is fixed so that the output is a pure function of the inputs (reruns are identical).
+    return Manifest(
+        dataset=dataset_id_for(dest.url),
+        url=dest.url,
+        format=_manifest_format(plan.kind),
+        shards=tuple(shards),
+        created=0.0,
+        extra=extra,
+    )
+
+
+async def shard_dataset(
+    source: Endpoint,
+    dest: Endpoint,
+    options: ShardOptions,
+    *,
+    engine: str = "local",
+    scheduler: str | None = None,
+    source_format: str = "auto",
+    progress: Callable[[ShardPlan], Progress] | None = None,
+) -> ShardReport:
+    """Shard ``source`` into ``dest``; return what was done.
+
+    Parameters
+    ----------
+    source, dest
+        Any fsspec URLs with their storage options (``s3://``, a directory, ...).
+    options
+        Sizes, grouping, labels and tuning (`ShardOptions`).
+    engine
+        ``"local"`` (this process), ``"dask"`` or ``"ray"``.
+    scheduler
+        The cluster to use with ``dask`` (``tcp://host:8786``) or ``ray``
+        (``ray://host:10001``); a local cluster when omitted.
+    source_format
+        ``auto``, ``files`` (tar shards), ``parquet`` or ``zarr``.
+    progress
+        Builds the progress display once the plan is known.
+
+    Raises
+    ------
+    ShardNotFoundError
+        Nothing to shard at ``source``.
+    InvalidKeyError
+        A source key with ``..`` (or other unsafe) segments.
+    ConfigError
+        Bad options, or a pattern that does not fit the tree.
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine!r}: choose from {', '.join(ENGINES)}")
+    if redact_url(source.url).rstrip("/") == redact_url(dest.url).rstrip("/"):
+        raise ConfigError("SRC and DST are the same place; write the shards somewhere else")
+    started = time.monotonic()
+    source_tier = source.open(writable=False)
+    try:
+        infos = await list_source(source_tier, exclude_prefix=_inside(dest.url, source.url))
+    finally:
+        await source_tier.close()
+    plan = await plan_source(source, infos, options, source_format)
+    logger.info(
+        "plan %s: %d objects (%d bytes) -> %d units, %d samples",
+        plan.digest[:12],
+        plan.objects,
+        plan.input_bytes,
+        len(plan.units),
+        plan.samples,
+    )
+    dest_tier = dest.open(writable=True)
+    try:
+        recorded = await _prepare_output(dest_tier, plan)
+    finally:
+        await dest_tier.close()
+
+    display = progress(plan) if progress is not None else None
+    results: dict[str, UnitResult] = {}
+    live = engine == "local"
+
+    def on_object(objects: int, nbytes: int) -> None:
+        if display is not None:
+            display.moved(nbytes)
+            display.item_done(nbytes, transferred=nbytes, items=objects)
+
+    def on_result(result: UnitResult) -> None:
+        results[result.key] = result
+        if display is None:
+            return
+        if not result.written:
+            display.item_done(result.input_bytes, transferred=0, items=result.objects)
+        elif not live:
+            display.moved(result.input_bytes)
+            display.item_done(
+                result.input_bytes, transferred=result.input_bytes, items=result.objects
+            )
+
+    units: list[tuple[UnitSpec, bool]] = [(unit, unit.key in recorded) for unit in plan.units]
+    job = ShardJob(source=source, dest=dest, options=options)
+
+    async def ticker() -> None:
+        while display is not None:
+            await asyncio.sleep(1.0)
+            display.tick()
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        if engine == "local":
+            await run_local(units, job, on_result=on_result, on_object=on_object)
+        else:
+            loop = asyncio.get_running_loop()
+
+            def threadsafe(result: UnitResult) -> None:
+                loop.call_soon_threadsafe(on_result, result)
+
+            runner = run_dask if engine == "dask" else run_ray
+            await asyncio.to_thread(runner, units, job, scheduler=scheduler, on_result=threadsafe)
+            await asyncio.sleep(0)  # let the last callbacks run
+    finally:
+        ticking.cancel()
+        await asyncio.gather(ticking, return_exceptions=True)
+        if display is not None:
+            display.close()
+
+    missing = [unit.key for unit in plan.units if unit.key not in results]
+    if missing:
+        raise DatacacheError(
+            f"{len(missing)} of {len(plan.units)} shards were not packed (first: {missing[0]})"
+        )
+    manifest = _build_manifest(dest, plan, results)
+    dest_tier = dest.open(writable=True)
+    try:
+        await put_bytes(dest_tier, MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
+    finally:
+        await dest_tier.close()
+    ordered = tuple(results[unit.key] for unit in plan.units)
+    report = ShardReport(
+        source=redact_url(source.url),
+        dest=redact_url(dest.url),
+        kind=plan.kind,
+        units=len(plan.units),
+        written=sum(1 for r in ordered if r.written),
+        kept=sum(1 for r in ordered if not r.written),
+        objects=plan.objects,
+        input_bytes=plan.input_bytes,
+        output_bytes=sum(r.size for r in ordered),
+        samples=plan.samples,
+        skipped=len(plan.skipped),
+        seconds=time.monotonic() - started,
+        plan_digest=plan.digest,
+        results=ordered,
+    )
+    logger.info(
+        "sharded %s -> %s: %d units (%d written, %d kept) in %.1fs",
+        report.source,
+        report.dest,
+        report.units,
+        report.written,
+        report.kept,
+        report.seconds,
+    )
+    return report
