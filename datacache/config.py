@@ -77,12 +77,13 @@ class Settings:
     shared_dir: Path | None = None
     shared_capacity: int | None = None
     concurrency: int = 8
-    part_size: int = 8 << 20
-    memory_budget: int = 256 << 20
+    part_size: int = 64 << 20
+    memory_budget: int = 512 << 20
     bandwidth_limit: float | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     lease_seconds: float = 30.0
     verify_on_read: bool = True
+    fsync: bool = True
     default_policy: str = "auto"
     socket_path: Path | None = None
     metrics_address: str = "127.0.0.1:9464"
@@ -170,6 +171,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "max_attempts": ("staging", _positive_int),
     "lease_seconds": ("staging", _seconds),
     "verify_on_read": ("staging", _boolean),
+    "fsync": ("staging", _boolean),
     "default_policy": ("staging", _policy),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),

@@ -196,9 +196,11 @@ class Stager:
 
     def __init__(self, settings: Settings, *, reconcile: bool = True) -> None:
         self.settings = settings
-        self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity)
+        self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync)
         self.shared: SharedTier | None = (
-            SharedTier(settings.shared_dir, capacity=settings.shared_capacity) if settings.shared_dir else None
+            SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
+            if settings.shared_dir
+            else None
         )
         self.catalog = Catalog(settings.local_dir / "catalog.sqlite")
         manifest_dirs = [settings.local_dir / "manifests"]
@@ -274,12 +276,15 @@ class Stager:
             except Exception:  # a broken progress bar must not break a transfer
                 logger.exception("staging listener failed")
 
+    def origin_retries(self) -> int:
+        """Origin requests retried after a transient error since this stager started (any thread)."""
+        return sum(origin.stats().retries for origin in list(self._origins.values()))
+
     def stats(self) -> StagerStats:
         """Counters since this stager started, with the live queue depth."""
-        retries = sum(origin.stats().retries for origin in self._origins.values())
         return StagerStats(
             hits=dict(self._hits),
-            retries=retries,
+            retries=self.origin_retries(),
             queue_depth=sum(1 for job in self._jobs.values() if not job.started),
             in_flight=sum(1 for job in self._jobs.values() if job.started),
             **self._counters,
@@ -986,15 +991,17 @@ class Stager:
         memory = self._memory
         if memory is None:
             raise DatacacheError("the stager is not running")
-        if not source.has_local_paths or source.kind == "object":
-            part_size = self.settings.part_size
-            window = 4
-        else:
-            part_size = max(self.settings.part_size, 8 << 20)
-            window = 1
-        spans = [ByteRange(start, min(start + part_size, size)) for start in range(0, size, part_size)]
         if size == 0:
             return
+        part_size = self.settings.part_size
+        if size <= part_size or source.kind != "object":
+            # One part, or a file: a single stream in order, nothing buffered. On
+            # object stores one GET per shard is also the cheapest in requests.
+            async for chunk in source.stream(key, chunk_size=8 << 20, version=version):
+                yield chunk
+            return
+        window = 4
+        spans = [ByteRange(start, min(start + part_size, size)) for start in range(0, size, part_size)]
         pending: deque[asyncio.Task[bytes]] = deque()
 
         def launch(span: ByteRange) -> asyncio.Task[bytes]:
