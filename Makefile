@@ -53,11 +53,28 @@ test: lint typecheck
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
 
-bench-quick: $(STAMP)
-	$(BIN)/python -m benchmarks.run --quick
+# Benchmarks run in their own venv, so the anchors (MosaicML Streaming, LitData, WebDataset,
+# s3torchconnector) never touch .venv's pins: torch==2.13.0 first, then the project with the
+# dev and bench extras under both constraint files, then the two anchors whose declared
+# dependencies would replace torch, without them (their real runtime dependencies are in `bench`).
+ANCHORS := benchmarks/.venv-anchors
+ANCHORS_STAMP := $(ANCHORS)/.installed
+ANCHORS_CONSTRAINTS := benchmarks/constraints-anchors.txt
 
-bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+$(ANCHORS)/bin/python:
+	$(PYTHON) -m venv $(ANCHORS)
+
+$(ANCHORS_STAMP): $(ANCHORS)/bin/python pyproject.toml $(CONSTRAINTS) $(ANCHORS_CONSTRAINTS)
+	$(ANCHORS)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
+	$(ANCHORS)/bin/python -m pip install $(PIP_FLAGS) -c $(CONSTRAINTS) -c $(ANCHORS_CONSTRAINTS) -e '.[torch,dev,bench]'
+	$(ANCHORS)/bin/python -m pip install $(PIP_FLAGS) --no-deps -c $(ANCHORS_CONSTRAINTS) mosaicml-streaming litdata
+	touch $(ANCHORS_STAMP)
+
+bench-quick: $(ANCHORS_STAMP)
+	$(ANCHORS)/bin/python -m benchmarks.run --quick
+
+bench: $(ANCHORS_STAMP)
+	$(ANCHORS)/bin/python -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -81,9 +81,10 @@ class _Runtime:
     access: ShardAccess
     handle: DatasetHandle
     plan: UnitPlan
+    window: int
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
-    """Tar indexes scanned in this process: later epochs reuse them instead of scanning again."""
+    """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -120,7 +121,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     seed
         With the epoch, the only input of the global order.
     shuffle_buffer
-        Samples per shuffle window (default 8192). Larger mixes more; smaller keeps reads on fewer shards.
+        Samples per shuffle window; default: twice the mean samples per shard (at least 256, at most
+        16384). Larger mixes more; smaller keeps each window on fewer shards, so that the first batch
+        of a cold epoch waits for fewer of them.
     target_bandwidth
         Per-rank bytes per second to deliver (a number or ``"1GB/s"``); prefetch widens to meet it.
     prefetch
@@ -168,7 +171,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
-        self.shuffle_buffer = shuffle_buffer or 8192
+        self.shuffle_buffer = shuffle_buffer
         self.target_bandwidth = parse_bandwidth(target_bandwidth) if target_bandwidth is not None else None
         self.prefetch = prefetch
         self.decode = decode
@@ -204,14 +207,21 @@ class CachedIterableDataset(IterableDataset[Any]):
         settings = self.config if self.config is not None else load_settings()
         loop = LoopThread(name="datacache-loader")
         in_worker = get_worker_info() is not None
+        access: ShardAccess | None = None
         try:
             access = loop.run(open_access(settings, reconcile=not in_worker))
             handle = loop.run(access.open(self.dataset))
             plan = loop.run(load_or_build_plan(access, handle, settings))
         except BaseException:
+            if access is not None:
+                # Stop its transfers cleanly (no temporary file left open) and close its sessions.
+                with contextlib.suppress(Exception):
+                    loop.run(access.close(), timeout=30)
             loop.close()
             raise
-        runtime = _Runtime(os.getpid(), loop, settings, access, handle, plan)
+        spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
+        window = self.shuffle_buffer or _auto_window(plan)
+        runtime = _Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
         self._runtime = runtime
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
@@ -313,7 +323,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             "snapshot": runtime.handle.manifest.snapshot,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "shuffle_buffer": self.shuffle_buffer,
+            "shuffle_buffer": runtime.window,
             "drop_last": self.drop_last,
             "epoch": self._epoch,
             "cursors": [cursor.to_json() for cursor in cursors],
@@ -341,11 +351,12 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
         if version != _STATE_VERSION:
             raise ConfigError(f"unsupported state version {version!r}")
-        for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
-            if name in state and state[name] != getattr(self, name):
-                raise ConfigError(
-                    f"the saved state used {name}={state[name]!r}, this dataset has {getattr(self, name)!r}"
-                )
+        ours = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+        if "shuffle_buffer" in state:
+            ours["shuffle_buffer"] = self._prepare().window
+        for name, value in ours.items():
+            if name in state and state[name] != value:
+                raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
         if "snapshot" in state:
             runtime = self._prepare()
             if state["snapshot"] != runtime.handle.manifest.snapshot:
@@ -365,9 +376,14 @@ class CachedIterableDataset(IterableDataset[Any]):
         runtime = self._runtime
         mode = runtime.access.mode if runtime is not None else "embedded"
         limiting = self._main_iterator.controller.limiting_stage if self._main_iterator is not None else None
+        consumer = self._table.consumer_row().clone()
+        if runtime is not None and runtime.pid == os.getpid():
+            # This process's own origin retries (its readers, or its plan building); worker
+            # processes put theirs in their rows.
+            consumer[Counter.RETRIES] = runtime.access.origin_retries()
         return LoaderStats.from_table(
             self._table.snapshot(),
-            self._table.consumer_row().clone(),
+            consumer,
             mode=mode,
             epoch=self._epoch,
             target=self.target_bandwidth,
@@ -455,11 +471,11 @@ class _EpochIterator:
         self._where = f"dataset {runtime.handle.id}"
         counts = plan.counts
         order = epoch_order(
-            counts, seed=dataset.seed, epoch=epoch, shuffle=dataset.shuffle, window=dataset.shuffle_buffer
+            counts, seed=dataset.seed, epoch=epoch, shuffle=dataset.shuffle, window=runtime.window
         )
-        sequence = remaining_sequence(order, cursors, dataset.shuffle_buffer)
+        sequence = remaining_sequence(order, cursors, runtime.window)
         total = len(sequence)
-        own = rank_positions(total, layout.world_size, layout.rank, dataset.shuffle_buffer)
+        own = rank_positions(total, layout.world_size, layout.rank, runtime.window)
         natural = len(own)
         positions, _ = equalize(own, total, layout.world_size, drop_last=dataset.drop_last)
         padded = np.arange(len(positions)) >= natural
@@ -484,8 +500,15 @@ class _EpochIterator:
         self._skipped_units: set[int] = set()
         mean_bytes = runtime.handle.manifest.total_bytes / max(1, len(plan.units))
         share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
+        # By default, stage everything the next shuffle window will touch while this one is read.
+        per_unit = max(1.0, plan.total / max(1, len(plan.units)))
+        initial = min(64, int(-(-runtime.window // per_unit)) + 2)
         self.controller = PrefetchController(
-            fixed=dataset.prefetch, target=share, unit_bytes=mean_bytes, where=f"{self._where} reader {layout.worker}"
+            fixed=dataset.prefetch,
+            initial=initial,
+            target=share,
+            unit_bytes=mean_bytes,
+            where=f"{self._where} reader {layout.worker}",
         )
         self._ring: BufferRing | None = None
         self._row = dataset._table.row(layout.worker).numpy()
@@ -510,6 +533,7 @@ class _EpochIterator:
         self._pending: dict[int, concurrent.futures.Future[tuple[Any, int, int] | None]] = {}
         self._future_told = False
         self._skip_to(0)
+        self._note_retries()
 
     # -- Stateful ---------------------------------------------------------------------------
 
@@ -748,7 +772,13 @@ class _EpochIterator:
             )
         )
 
+    def _note_retries(self) -> None:
+        """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
+        if not self._in_consumer:
+            self._row[Counter.RETRIES] = self.runtime.access.origin_retries()
+
     def _finish(self) -> None:
+        self._note_retries()
         self._report()
         self._drain()
         if self._pool is not None:
@@ -825,7 +855,8 @@ class _EpochIterator:
         unit = self._plan.units[unit_index]
         runtime = self.runtime
         where = f"{self._where}: shard {unit.label!r}"
-        for attempt in range(2):
+        # Three tries: a bad local copy is dropped, then a bad shared copy, then the origin's bytes.
+        for attempt in range(3):
             started = time.perf_counter()
             locations, tier = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
             waited = time.perf_counter() - started
@@ -851,12 +882,12 @@ class _EpochIterator:
                 self._row[Counter.CORRUPT] += 1
                 for location in bad:
                     runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
-                if attempt == 1:
+                if attempt == 2:
                     raise ChecksumMismatchError(f"{where}: {exc}") from exc
                 continue
             except FileNotFoundError:
                 # Evicted between locate and open: locate again.
-                if attempt == 1:
+                if attempt == 2:
                     raise
                 continue
             row = self._row
@@ -870,6 +901,7 @@ class _EpochIterator:
                 size = sum(loc.shard.size for loc in locations)
                 self._staged_bytes += size
                 self._staging_seconds += waited + read_seconds
+            self._note_retries()
             return reader
         raise DatacacheError(f"{where}: could not be read")  # pragma: no cover - loop always returns or raises
 
@@ -914,6 +946,12 @@ async def _locate_all(
     locations = list(await asyncio.gather(*(one(key) for key in keys)))
     tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
     return locations, tier
+
+
+def _auto_window(plan: UnitPlan) -> int:
+    """Default shuffle window: two shards' worth of samples, within [256, 16384]."""
+    per_unit = plan.total / max(1, len(plan.units))
+    return int(min(16384, max(256, round(2 * per_unit))))
 
 
 def _payload_bytes(sample: Any) -> int:

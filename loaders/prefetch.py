@@ -27,18 +27,22 @@ class PrefetchController:
     ----------
     fixed
         A depth the user chose; never adapted.
+    initial
+        The depth to start from when not fixed (the loader passes the units one shuffle window spans).
     target
         This reader's share of the per-rank target, in bytes per second.
     unit_bytes
         The mean size of a unit (shard), in bytes.
     """
 
-    def __init__(self, *, fixed: int | None, target: float | None, unit_bytes: float, where: str) -> None:
+    def __init__(
+        self, *, fixed: int | None, target: float | None, unit_bytes: float, where: str, initial: int = 2
+    ) -> None:
         self._fixed = fixed
         self._target = target
         self._unit_bytes = max(unit_bytes, 1.0)
         self._where = where
-        self._depth = fixed if fixed is not None else (4 if target else 2)
+        self._depth = fixed if fixed is not None else max(initial, 4 if target else 2)
         self._window_start = time.monotonic()
         self._bytes_at_start = 0.0
         self._wait_at_start = 0.0

@@ -10,6 +10,8 @@ the next tier.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import mmap
 import os
@@ -18,14 +20,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest, ShardFormat
 from datacache.stager import checksum_of, new_hasher
-from datacache.tarindex import SampleSpan, group_samples, scan_tar, split_key
+from datacache.tarindex import SampleSpan, group_samples, index_from_json, index_to_json, scan_tar, split_key
 
 __all__ = [
     "SpanCache",
@@ -101,27 +103,60 @@ def hash_buffer(buffer: bytes | mmap.mmap | memoryview) -> str:
 
 
 class SpanCache:
-    """Tar shard indexes already scanned in this process, so a shard is scanned once, not once per epoch.
+    """Tar shard indexes already scanned, so a shard is scanned once per node, not once per epoch and worker.
 
     Scanning a tar's headers in Python costs ~20-40 us per sample, as much as
     reading the sample. Keyed by what identifies the verified bytes (key,
-    size, checksum or version); bounded by the number of samples held.
+    size, checksum or version). Held in memory (bounded by samples) and, when
+    ``directory`` is given, in small files there, so that new worker processes
+    and later runs on the node reuse them.
     """
 
-    def __init__(self, max_samples: int = 1 << 19) -> None:
+    def __init__(self, max_samples: int = 1 << 19, directory: Path | None = None) -> None:
         self._entries: OrderedDict[tuple[str, int, str | None], Sequence[SampleSpan]] = OrderedDict()
         self._samples = 0
         self._max = max_samples
         self._lock = threading.Lock()
+        self._directory = directory
+
+    def _file(self, key: tuple[str, int, str | None]) -> Path | None:
+        if self._directory is None:
+            return None
+        name = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:40]
+        return self._directory / f"{name}.idx.json"
 
     def get(self, key: tuple[str, int, str | None]) -> Sequence[SampleSpan] | None:
         with self._lock:
             spans = self._entries.get(key)
             if spans is not None:
                 self._entries.move_to_end(key)
-            return spans
+                return spans
+        path = self._file(key)
+        if path is None:
+            return None
+        try:
+            size, loaded = index_from_json(path.read_bytes(), where=str(path))
+        except (OSError, ShardReadError):
+            return None
+        if size != key[1]:
+            return None
+        self._remember(key, loaded)
+        return loaded
 
     def put(self, key: tuple[str, int, str | None], spans: Sequence[SampleSpan]) -> None:
+        self._remember(key, spans)
+        path = self._file(key)
+        if path is None or path.exists():
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            temporary.write_bytes(index_to_json(spans, shard_size=key[1]))
+            os.replace(temporary, path)
+        except OSError:
+            pass  # an index we could not keep is scanned again next time
+
+    def _remember(self, key: tuple[str, int, str | None], spans: Sequence[SampleSpan]) -> None:
         if len(spans) > self._max:
             return
         with self._lock:
@@ -227,6 +262,9 @@ class ParquetReader(UnitReader):
 
         try:
             self.table = pq.read_table(pa.py_buffer(buffer))
+            # Damage the decoder let through (a string that is not UTF-8) fails here, at open,
+            # rather than as a UnicodeDecodeError once samples are being served.
+            self.table.validate(full=True)
         except (pa.ArrowException, OSError) as exc:
             raise ShardReadError(f"{where}: corrupt Parquet file ({exc})") from None
         if self.table.num_rows != unit.count:
@@ -248,7 +286,10 @@ class ParquetReader(UnitReader):
         self._rows = None
         if isinstance(self._buffer, mmap.mmap):
             del self.table
-            self._buffer.close()
+            # Arrow may still hold a view of the mapping (it frees its buffers lazily): then the
+            # mapping is released with the last view instead of now.
+            with contextlib.suppress(BufferError):
+                self._buffer.close()
 
 
 class ZarrReader(UnitReader):
@@ -312,6 +353,19 @@ def open_unit_reader(
 # -- unit plans -------------------------------------------------------------------------------
 
 
+def _table(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _dimensions(value: Any, least: int) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a non-empty list of integers, each at least ``least``."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= least for n in value)
+    )
+
+
 def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> UnitPlan:
     """Units of a Zarr store: one per row of chunks along the first axis.
 
@@ -330,20 +384,24 @@ def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> Unit
             document = json.loads(read_metadata(key))
         except ValueError as exc:
             raise ShardReadError(f"dataset {manifest.dataset}: {key}: invalid Zarr metadata ({exc})") from None
+        if not isinstance(document, dict):
+            raise ShardReadError(f"dataset {manifest.dataset}: {key}: Zarr metadata must be a JSON object")
         if name == "zarr.json" and document.get("node_type") != "array":
             continue
         shape = document.get("shape")
         if name == "zarr.json":
-            grid = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-            encoding = document.get("chunk_key_encoding", {})
-            separator = encoding.get("configuration", {}).get("separator", "/")
+            grid = _table(_table(document.get("chunk_grid")).get("configuration")).get("chunk_shape")
+            encoding = _table(document.get("chunk_key_encoding"))
+            separator = _table(encoding.get("configuration")).get("separator", "/")
             kind = encoding.get("name", "default")
         else:
             grid = document.get("chunks")
             separator = document.get("dimension_separator", ".") or "."
             kind = "v2"
-        if not isinstance(shape, list) or not isinstance(grid, list) or not shape or len(grid) != len(shape):
+        if not _dimensions(shape, 0) or not _dimensions(grid, 1) or len(grid) != len(shape):
             raise ShardReadError(f"dataset {manifest.dataset}: {key}: Zarr metadata lacks shape or chunks")
+        if separator not in (".", "/") or not isinstance(kind, str):
+            raise ShardReadError(f"dataset {manifest.dataset}: {key}: unsupported Zarr chunk key encoding")
         arrays[prefix] = {"shape": shape, "chunks": grid, "separator": separator, "kind": kind}
     if not arrays:
         raise ShardReadError(f"dataset {manifest.dataset}: no Zarr array found")
@@ -356,6 +414,11 @@ def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> Unit
                 f"({info['shape'][0]} rows in chunks of {info['chunks'][0]}) with the others"
             )
     chunk_rows = -(-rows // row_chunk) if rows else 0
+    if chunk_rows > 1000 * len(keys):
+        raise ShardReadError(
+            f"dataset {manifest.dataset}: the Zarr metadata declares {chunk_rows} rows of chunks, "
+            f"but the store holds {len(keys)} objects"
+        )
     units = []
     row_starts = []
     for row in range(chunk_rows):

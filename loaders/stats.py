@@ -46,7 +46,8 @@ class Counter(IntEnum):
     STAGING_RATE = 21  # bytes/s the stager delivered to this reader, as measured
     TOTAL = 22  # samples this reader will deliver in the epoch
     MODE = 23  # how this reader reaches the cache: see MODES
-    WIDTH = 24
+    RETRIES = 24  # origin requests this reader's process retried (cumulative: see LoaderStats.retries)
+    WIDTH = 25
 
 
 MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
@@ -99,7 +100,11 @@ class LoaderStats:
     ``stall_fraction`` is the share of the consumer's time spent waiting for
     data when it was measured (no worker processes, or iterating through
     ``timed``); ``reader_wait_fraction`` is the share of the readers' time
-    spent blocked on shards that were not yet local.
+    spent blocked on shards that were not yet local. ``retries`` counts the
+    origin requests retried after a transient error (throttling, 5xx, reset or
+    stalled connections) by the processes that read for this rank, since each
+    opened the dataset; with a daemon, its own retries are in its metrics
+    (``datacache_origin_retries_total``).
     """
 
     mode: str
@@ -117,6 +122,7 @@ class LoaderStats:
     skipped_shards: int = 0
     skipped_samples: int = 0
     corrupt_copies: int = 0
+    retries: int = 0
     readers: int = 0
     target_bandwidth: float | None = None
     meets_target: bool | None = None
@@ -136,7 +142,10 @@ class LoaderStats:
         active = rows[rows[:, Counter.ACTIVE] > 0]
         now = time.time()
         if active.shape[0] == 0:
-            return cls(mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0, target_bandwidth=target)
+            return cls(
+                mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0,
+                retries=int(consumer[Counter.RETRIES].item()), target_bandwidth=target,
+            )
         codes = {int(code) for code in active[:, Counter.MODE].tolist() if code}
         if codes:
             # What the readers themselves used: with worker processes the main
@@ -175,6 +184,7 @@ class LoaderStats:
             skipped_shards=int(active[:, Counter.SKIPPED_SHARDS].sum().item()),
             skipped_samples=int(active[:, Counter.SKIPPED_SAMPLES].sum().item()),
             corrupt_copies=int(active[:, Counter.CORRUPT].sum().item()),
+            retries=int(active[:, Counter.RETRIES].sum().item() + consumer[Counter.RETRIES].item()),
             readers=int(active.shape[0]),
             target_bandwidth=target,
             meets_target=None if target is None or samples == 0 else rate >= target,

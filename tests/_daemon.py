@@ -33,7 +33,7 @@ def wait_until(condition: Callable[[], Any], *, timeout: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         # The condition decides when the wait ends; the pause only spaces the polls.
-        time.sleep(delay)
+        time.sleep(delay)  # sleep-ok: spaces the polls; the condition ends the wait
         delay = min(delay * 2, 0.05)
 
 

@@ -89,7 +89,7 @@ def wait_for(
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         # A short pause between polls of another process's state; the condition, not the
         # pause, decides when the wait ends.
-        time.sleep(delay)
+        time.sleep(delay)  # sleep-ok: spaces the polls; the condition ends the wait
         delay = min(delay * 2, 0.02)
 
 

@@ -138,9 +138,11 @@ def test_protocol_round_trip_through_the_client(
             assert await client.read(handle, "shard-0000.tar", ByteRange(10, 20)) == shards["shard-0000.tar"][10:20]
             await client.set_future_order(handle, sorted(shards))
             await client.prefetch(handle, ["shard-0002.tar", "shard-0003.tar"])
+            deadline = asyncio.get_running_loop().time() + 30
             for key in ("shard-0002.tar", "shard-0003.tar"):
                 while (await client.locate(handle, key)).tier != "local":
-                    await asyncio.sleep(0.01)
+                    assert asyncio.get_running_loop().time() < deadline, f"{key} was never prefetched"
+                    await asyncio.sleep(0.01)  # sleep-ok: spaces the polls of a condition with a deadline
             # A prefetch-priority ensure goes through the prefetch gate and still answers.
             assert (await client.ensure(handle, "shard-0004.tar", priority=2.0)).tier == "local"
             with pytest.raises(ShardNotFoundError):
@@ -432,7 +434,7 @@ def test_prefetch_scheduler_caps_concurrency_and_orders_by_priority(tmp_path: Pa
         futures = [scheduler.submit(handle, f"k{i}", priority=10 - i, wait=True) for i in range(6)]
         scheduler.submit(handle, "k5", priority=0.5)  # already pending: one entry, its priority lowered
         while fake.running < 2:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sleep-ok: yields to the scheduler's tasks, no time passes
         assert scheduler.pending == 4 and scheduler.running == 2
         fake.release.set()
         results = await asyncio.gather(*[f for f in futures if f is not None])
@@ -444,9 +446,9 @@ def test_prefetch_scheduler_caps_concurrency_and_orders_by_priority(tmp_path: Pa
         blocked = scheduler.submit(handle, "later", priority=2.0, wait=True)
         blocked2 = scheduler.submit(handle, "latest", priority=3.0, wait=True)
         while fake.running < 2:
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sleep-ok: yields to the scheduler's tasks, no time passes
         stopping = asyncio.ensure_future(scheduler.stop(5.0))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sleep-ok: yields to the scheduler's tasks, no time passes
         assert blocked2 is not None
         with pytest.raises(DaemonUnavailableError):
             await blocked2
@@ -586,7 +588,7 @@ def test_readers_fail_over_to_their_own_stager_and_come_back(tmp_path: Path, cac
             while access.mode != "daemon":
                 assert asyncio.get_running_loop().time() < deadline, "the reader never reconnected"
                 await ensure_next()
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # sleep-ok: spaces the polls of a condition with a deadline
             for _ in range(4):
                 await ensure_next()
             assert access.failovers == 1 and access.reconnects == 1

@@ -459,7 +459,9 @@ def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
         cache_env,
         overrides={"local_dir": str(tmp_path / "local"), "bandwidth_limit": "60kB/s", "concurrency": 1},
     )
-    dataset = CachedIterableDataset(str(origin), config=throttled, target_bandwidth="1GB/s", shuffle=False)
+    dataset = CachedIterableDataset(
+        str(origin), config=throttled, target_bandwidth="1GB/s", shuffle=False, shuffle_buffer=8
+    )
     with caplog.at_level("WARNING", logger="datacache.loaders.prefetch"):
         count = sum(1 for _ in dataset)
     assert count == 60
@@ -471,3 +473,18 @@ def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
     assert stats.prefetch_depth > 4, "prefetch must widen when the target is missed"
     warnings = [r for r in caplog.records if "limiting stage is origin" in r.getMessage()]
     assert len(warnings) == 1, "one warning, not a flood"
+
+
+def test_tar_indexes_are_scanned_once_per_node(
+    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings
+) -> None:
+    origin, expected = wds_dataset
+    first = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert len(list(first)) == len(expected)
+    saved = sorted((settings.local_dir / "indexes" / "spans").rglob("*.idx.json"))
+    assert len(saved) == len(list(origin.glob("*.tar"))), "one saved index per shard"
+    # A new process (here: a fresh dataset) reads the saved indexes; a wrong one would be caught
+    # by the sample-count check, so damage one and see it rejected, then rescanned.
+    saved[0].write_text("{}")
+    second = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert {s["__key__"]: s["bin"] for s in second} == {k: v["bin"] for k, v in expected.items()}

@@ -343,7 +343,7 @@ def test_resume_after_sigkill_is_byte_identical(s3: Any, tmp_path: Path, cache_e
                 pytest.fail(f"datacache shard exited early: {process.stderr.read()!r}")  # type: ignore[union-attr]
             if time.monotonic() > deadline:
                 pytest.fail("no shard was recorded within 120s")
-            time.sleep(0.005)
+            time.sleep(0.005)  # sleep-ok: spaces the polls of a condition with a deadline
         os.kill(process.pid, signal.SIGKILL)
     finally:
         process.wait(timeout=30)
