@@ -500,9 +500,10 @@ class _EpochIterator:
         self._skipped_units: set[int] = set()
         mean_bytes = runtime.handle.manifest.total_bytes / max(1, len(plan.units))
         share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
-        # By default, stage everything the next shuffle window will touch while this one is read.
+        # By default, stage everything the next shuffle window will touch while this one is read,
+        # and at least enough to keep every transfer slot of the stager busy.
         per_unit = max(1.0, plan.total / max(1, len(plan.units)))
-        initial = min(64, int(-(-runtime.window // per_unit)) + 2)
+        initial = min(64, max(int(-(-runtime.window // per_unit)) + 2, runtime.settings.concurrency))
         self.controller = PrefetchController(
             fixed=dataset.prefetch,
             initial=initial,
