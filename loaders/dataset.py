@@ -67,6 +67,8 @@ _STATE_VERSION = 1
 _REPORT_INTERVAL = 5.0
 """Seconds between throughput reports to the daemon."""
 _READER_THREADS = 2
+_LOOKAHEAD = 6
+"""Batches the reader threads build ahead of the consumer; the ring holds two more."""
 """Threads that read and pack batches ahead in the consumer's process (batch mode, no workers)."""
 _ITERATOR_MARK = "datacache_iterator"
 
@@ -493,7 +495,9 @@ class _EpochIterator:
         first_use: dict[int, int] = {}
         for position, unit in enumerate(self._unit_of.tolist()):
             first_use.setdefault(unit, position)
+        self._first_use = first_use
         self._unit_sequence = sorted(first_use, key=first_use.__getitem__)
+        self._preopened: set[int] = set()
         self._next_unit_index = 0
         self._prefetched_until = 0
         self._readers: dict[int, UnitReader] = {}
@@ -639,16 +643,34 @@ class _EpochIterator:
                 return batch
 
     def _schedule(self, size: int) -> None:
-        """Keep the reader threads busy on the next few batches, in order."""
+        """Keep the reader threads busy on the next few batches, in order.
+
+        Then open (map and verify) the shards the next shuffle window needs,
+        so that crossing into it costs no wait: opening a 64 MB shard takes
+        tens of milliseconds, several batches' worth.
+        """
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="datacache-reader")
         begin = self.produced
-        for _ in range(self._threads + 1):
+        for _ in range(_LOOKAHEAD):
             if begin >= len(self._ids):
                 break
             if begin not in self._pending:
                 self._pending[begin] = self._pool.submit(self._build_batch, begin, size)
             begin += size
+        horizon = begin + self.runtime.window
+        for unit in self._unit_sequence[self._next_unit_index :]:
+            position = self._first_use[unit]
+            if position >= horizon:
+                break
+            if position >= begin and unit not in self._preopened and unit not in self._readers:
+                self._preopened.add(unit)
+                self._pool.submit(self._preopen, position)
+
+    def _preopen(self, position: int) -> None:
+        """Open the unit first used at ``position`` ahead of need; errors surface when it is used."""
+        with contextlib.suppress(Exception):
+            self._reader_at(position)
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, {}
@@ -672,6 +694,10 @@ class _EpochIterator:
         zarr_rows: list[tuple[UnitReader, int]] = []
         skipped = 0
         for position in range(begin, stop):
+            if self._threads and position % 2 == 0:
+                # Hand the GIL over now and then: a thread that holds it until the interpreter
+                # forces a switch (5 ms) would make the training loop wait that long.
+                time.sleep(0)
             reader = self._reader_at(position)
             if reader is None:
                 skipped += 1
@@ -689,7 +715,7 @@ class _EpochIterator:
         if raw:
             with self._lock:
                 if self._ring is None:
-                    slots = self._threads + 3 if self._threads else 4
+                    slots = _LOOKAHEAD + 2 if self._threads else 4
                     self._ring = BufferRing(slots, shared=not self._in_consumer)
             batch = pack_fields(raw, self._ring, slot=begin // size)
             del raw  # the views pin the mapped shards; drop them before any is unmapped
@@ -800,7 +826,11 @@ class _EpochIterator:
         if self._last_use.get(unit) == position:
             reader = self._readers.pop(unit, None)
             if reader is not None:
-                reader.close()
+                if self._pool is not None:
+                    # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
+                    self._pool.submit(reader.close)
+                else:
+                    reader.close()
 
     # -- units: prefetch, open, verify ----------------------------------------------------
 
