@@ -84,6 +84,10 @@ class ShardAccess(Protocol):
         """Release what this access holds."""
         ...
 
+    def origin_retries(self) -> int:
+        """Origin requests this process retried after a transient error (safe from any thread)."""
+        ...
+
 
 @runtime_checkable
 class ThroughputReporter(Protocol):
@@ -231,6 +235,11 @@ class FailoverAccess:
 
     async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
         await self._route(lambda access: access.report_corrupt(handle, location))
+
+    def origin_retries(self) -> int:
+        """Retries of this process's own origin reads and of its fallback stager (the daemon counts its own)."""
+        fallback = self._fallback
+        return self.primary.origin_retries() + (fallback.origin_retries() if fallback is not None else 0)
 
     async def report(
         self,

@@ -34,7 +34,8 @@ logger = logging.getLogger("datacache.cli")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit status 2
-        self.exit(2, f"datacache: error: {message} (see 'datacache --help')\n")
+        # Arguments are echoed in usage errors: a URL among them may carry credentials.
+        self.exit(2, f"datacache: error: {redact_url(message)} (see 'datacache --help')\n")
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:

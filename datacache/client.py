@@ -353,6 +353,10 @@ class DaemonClient:
                 within=self.request_timeout,
             )
 
+    def origin_retries(self) -> int:
+        """Retries of the origin reads this client made itself (shards not cached); the daemon counts its own."""
+        return sum(origin.stats().retries for origin in list(self._origins.values()))
+
     async def close(self) -> None:
         """Close this process's session with the daemon and the origins it opened."""
         origins, self._origins = list(self._origins.values()), {}

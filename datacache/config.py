@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import os
 import re
 import tomllib
@@ -39,13 +40,13 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 def default_cache_dir(env: Mapping[str, str]) -> Path:
     """The per-user cache directory: ``$XDG_CACHE_HOME/datacache`` or ``~/.cache/datacache``."""
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
-    return Path(base).expanduser() / "datacache"
+    return Path(os.path.expanduser(base)) / "datacache"  # (pathlib's raises for "~nosuchuser")
 
 
 def default_config_path(env: Mapping[str, str]) -> Path:
     """The per-user config file: ``$XDG_CONFIG_HOME/datacache/config.toml``."""
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or Path.home()) / ".config")
-    return Path(base).expanduser() / "datacache" / "config.toml"
+    return Path(os.path.expanduser(base)) / "datacache" / "config.toml"
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,9 @@ def _positive_size(value: Any, what: str) -> int:
 
 
 def _path(value: Any, what: str) -> Path:
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value or "\x00" in value:
         raise ConfigError(f"{what}: expected a path, got {value!r}")
-    return Path(value).expanduser().absolute()
+    return Path(os.path.expanduser(value)).absolute()
 
 
 def _boolean(value: Any, what: str) -> bool:
@@ -148,13 +149,15 @@ def _seconds(value: Any, what: str) -> float:
         number = float(value)
     except ValueError:
         raise ConfigError(f"{what}: expected a number of seconds, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{what}: expected a number of seconds, got {value!r}")
     if number <= 0:
         raise ConfigError(f"{what}: must be positive, got {value!r}")
     return number
 
 
 def _address(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value):
+    if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value) or int(value.rsplit(":", 1)[1]) > 65535:
         raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
     return value
 
@@ -192,6 +195,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
 
@@ -246,7 +251,7 @@ def load_settings(
     storage_options: dict[str, dict[str, Any]] = {}
 
     explicit = config_path or env.get("DATACACHE_CONFIG")
-    path = Path(explicit).expanduser() if explicit else default_config_path(env)
+    path = Path(os.path.expanduser(explicit)) if explicit else default_config_path(env)
     if explicit and not path.is_file():
         source = "--config" if config_path else "DATACACHE_CONFIG"
         raise ConfigError(f"config file {path} does not exist (from {source})")
@@ -336,7 +341,7 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
             )
         url = spec
         if scheme == "file" and "://" not in spec:
-            url = str(Path(spec).expanduser().absolute())
+            url = str(Path(os.path.expanduser(spec)).absolute())
         dataset = DatasetConfig(
             name=dataset_id_for(url),
             url=url,

@@ -187,12 +187,14 @@ class Manifest:
         if len({s.key for s in parsed}) != len(parsed):
             raise ConfigError(f"{where}: duplicate shard keys")
         created = data.get("created", 0.0)
+        if not isinstance(created, int | float) or isinstance(created, bool) or not -1e12 < created < 1e12:
+            created = 0.0  # not a timestamp (a huge integer, NaN, infinity): informational only
         return cls(
             dataset=str(data.get("dataset", "")),
             url=str(data.get("url", "")),
             format=fmt,
             shards=parsed,
-            created=float(created) if isinstance(created, int | float) else 0.0,
+            created=float(created),
             extra=extra,
         )
 

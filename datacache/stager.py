@@ -35,6 +35,7 @@ from datacache.errors import (
     ChecksumMismatchError,
     ConfigError,
     DatacacheError,
+    InvalidKeyError,
     TierFullError,
 )
 from datacache.eviction import Candidate, choose_victims
@@ -488,14 +489,21 @@ class Stager:
         return data, location, ""
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
-        """Say where shard ``key`` can be read right now, without moving anything."""
+        """Say where shard ``key`` can be read right now, without moving anything.
+
+        A local copy found here counts as used (for LRU eviction): callers ask
+        in order to read it.
+        """
         await self._ready()
         shard = handle.manifest.shard(key)
-        hit = await self._local_hit(handle, shard, touch=False)
+        hit = await self._local_hit(handle, shard)
         if hit is not None:
             return hit
         if self.shared is not None:
-            info = await self.shared.stat(handle.tier_key(key))
+            try:
+                info = await self.shared.stat(handle.tier_key(key))
+            except InvalidKeyError:  # its path resolves outside the shared tier: never read through it
+                info = None
             if info is not None and self._shared_copy_matches(info, shard):
                 return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
         return Location(ORIGIN, None, shard, shard.checksum or await self._known_checksum(handle, shard))
@@ -786,7 +794,8 @@ class Stager:
         if self.shared is not None:
             try:
                 _, checksum = await self._ensure_shared(handle, shard)
-            except TierFullError as exc:
+            except (TierFullError, InvalidKeyError) as exc:
+                # Full, or its path resolves outside the tier (a symlink planted there): go around it.
                 logger.info("dataset %s: shard %r bypasses the shared tier: %s", handle.id, shard.key, exc)
             else:
                 return self.shared, handle.tier_key(shard.key), checksum, SHARED
@@ -797,7 +806,7 @@ class Stager:
         if self.shared is not None:
             try:
                 path, checksum = await self._ensure_shared(handle, shard)
-            except TierFullError:
+            except (TierFullError, InvalidKeyError):
                 pass
             else:
                 return Location(SHARED, path, shard, checksum)
@@ -861,7 +870,7 @@ class Stager:
             self._hits[SHARED] += 1
             self._emit(StagingEvent("hit", handle.id, shard.key, SHARED, size=shard.size))
             return shared.path(tier_key), info.metadata["checksum"]
-        lock = LeaseLock(shared.lock_dir / lock_name(handle.id, shard.key), lease_seconds=self.settings.lease_seconds)
+        lock = LeaseLock(shared.lock_path(tier_key), lease_seconds=self.settings.lease_seconds)
         async with lock.hold():
             if lock.took_over:
                 # Only the lock's holder writes this key: a dead holder's temporary file is garbage.

@@ -142,6 +142,8 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
         if stored != computed:
             raise ShardReadError(f"{where}: corrupt tar header at byte {position} (checksum mismatch)")
         size = _octal(header[124:136], where)
+        if size < 0:  # int() reads "-17" in octal too: a size going backwards would loop forever
+            raise ShardReadError(f"{where}: corrupt tar header at byte {position} (negative size)")
         typeflag = bytes(header[156:157])
         data_start = position + _BLOCK
         data_end = data_start + size
@@ -163,6 +165,8 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
                 size = int(pax["size"])
             except ValueError:
                 raise ShardReadError(f"{where}: corrupt pax size") from None
+            if size < 0:
+                raise ShardReadError(f"{where}: corrupt pax size (negative)")
             data_end = data_start + size
             if data_end > total:
                 raise ShardReadError(f"{where}: truncated tar: a member at byte {data_start} runs past the end")
@@ -245,7 +249,7 @@ def index_from_json(raw: bytes, *, where: str) -> tuple[int, list[SampleSpan]]:
         try:
             key, fields = entry
             parsed = tuple((str(ext), int(offset), int(length)) for ext, offset, length in fields)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an offset of Infinity
             raise ShardReadError(f"{where}: malformed sample entry") from None
         if not isinstance(key, str) or any(o < 0 or n < 0 or o + n > size for _, o, n in parsed):
             raise ShardReadError(f"{where}: sample {key!r} lies outside the shard")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from datacache.errors import ConfigError
@@ -39,9 +40,13 @@ def parse_size(value: str | int | float, *, what: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a size such as '256MB', got {value!r}")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{what}: expected a size such as '256MB', got {value!r}")
         if value < 0:
             raise ConfigError(f"{what}: must not be negative, got {value!r}")
         return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{what}: expected a size such as '256MB', got {value!r}")
     match = _SIZE.match(value)
     if match is None:
         raise ConfigError(f"{what}: expected a size such as '256MB' or '1.5GiB', got {value!r}")
@@ -49,7 +54,10 @@ def parse_size(value: str | int | float, *, what: str = "size") -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"{what}: unknown unit {unit!r} in {value!r} (use kB, MB, GB, TB or KiB, MiB, GiB, TiB)")
-    return int(float(number) * factor)
+    size = float(number) * factor
+    if not math.isfinite(size):
+        raise ConfigError(f"{what}: {value!r} is too large")
+    return int(size)
 
 
 def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> float:
@@ -59,7 +67,7 @@ def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> flo
         if text.lower().endswith("/s") or text.lower().endswith("ps"):
             text = text[:-2]
         return float(parse_size(text, what=what))
-    if isinstance(value, bool) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{what}: expected a rate such as '1GB/s', got {value!r}")
     return float(value)
 

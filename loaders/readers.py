@@ -270,7 +270,7 @@ class ParquetReader(UnitReader):
             # Damage the decoder let through (a string that is not UTF-8) fails here, at open,
             # rather than as a UnicodeDecodeError once samples are being served.
             self.table.validate(full=True)
-        except (pa.ArrowException, OSError) as exc:
+        except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a column name that is not UTF-8
             raise ShardReadError(f"{where}: corrupt Parquet file ({exc})") from None
         if self.table.num_rows != unit.count:
             raise ShardReadError(f"{where}: holds {self.table.num_rows} rows, its footer said {unit.count}")

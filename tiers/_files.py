@@ -7,12 +7,15 @@ import contextlib
 import fcntl
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterable
 from pathlib import Path
+from typing import Any
 
 import aiofiles
+import aiofiles.threadpool
 
 __all__ = [
     "PARTIAL_NAME",
@@ -24,11 +27,11 @@ __all__ = [
 ]
 
 PARTIAL_NAME = re.compile(r"^\..*\.[0-9a-f]{32}\.partial$")
-_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
+_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` without any ``user:password@`` part."""
+    """Return ``url`` without any ``user:password@`` part (also of every URL inside a message)."""
     return _USERINFO.sub(r"\1", url)
 
 
@@ -63,6 +66,61 @@ def _create_exclusive(path: str, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class _Opening:
+    """Creating a temporary file in a thread, such that a writer cancelled meanwhile leaves nothing behind.
+
+    Whichever comes second, the open or the cancellation, closes the file and
+    removes it: neither the thread's result nor the event loop needs to be
+    alive by then (a loop shut down during the open never receives it).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._file: Any = None
+
+    def open(self) -> Any:
+        raw = open(self.path, "xb", buffering=0, opener=_create_exclusive)  # noqa: SIM115 - closed by the writer
+        with self._lock:
+            if not self._abandoned:
+                self._file = raw
+                return raw
+        self._discard(raw)
+        return None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            raw, self._file = self._file, None
+        if raw is not None:
+            self._discard(raw)
+
+    def _discard(self, raw: Any) -> None:
+        raw.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+async def _open_exclusive(temporary: Path) -> Any:
+    """Create ``temporary`` for writing; if the writer is cancelled meanwhile, nothing is left open or on disk."""
+    opening = _Opening(temporary)
+    try:
+        return await asyncio.to_thread(opening.open)
+    except asyncio.CancelledError:
+        opening.abandon()
+        raise
+
+
+async def _close(raw: Any) -> None:
+    """Close ``raw`` in a thread, even if the caller is cancelled meanwhile.
+
+    Cancelling an awaited executor job that has not started yet cancels the job
+    itself: a writer cancelled while closing would leave its file open.
+    """
+    await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, raw.close))
 
 
 def remove_abandoned_partials(root: Path, *, min_age: float = 30.0) -> list[Path]:
@@ -119,7 +177,7 @@ async def atomic_write(
     try:
         for _ in range(3):
             try:
-                out = await aiofiles.open(temporary, "xb", buffering=0, opener=_create_exclusive)
+                raw = await _open_exclusive(temporary)
             except _CleanedUnderfoot:
                 temporary = partial_name(target)
             else:
@@ -127,6 +185,7 @@ async def atomic_write(
         else:
             raise OSError(f"could not create a temporary file beside {target}")
         try:
+            out = aiofiles.threadpool.wrap(raw, loop=asyncio.get_running_loop())
             async for chunk in chunks:
                 view = memoryview(chunk)
                 while view:
@@ -134,9 +193,9 @@ async def atomic_write(
                     view = view[written:]
                     size += written
             if durable:
-                await asyncio.to_thread(os.fsync, out.fileno())
+                await asyncio.to_thread(os.fsync, raw.fileno())
         finally:
-            await out.close()
+            await _close(raw)
         await asyncio.to_thread(os.replace, temporary, target)
         if durable:
             await asyncio.to_thread(fsync_directory, target.parent)

@@ -23,3 +23,7 @@ class SharedTier(DirectoryTier):
     def lock_dir(self) -> Path:
         """Where cross-node lease locks live."""
         return self.root / "locks"
+
+    def lock_path(self, key: str) -> Path:
+        """The lease lock file of ``key``; raises `InvalidKeyError` if it would resolve outside `lock_dir`."""
+        return self._contained(self.lock_dir, key, ".lock")

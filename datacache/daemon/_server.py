@@ -59,6 +59,25 @@ __all__ = ["Daemon", "DaemonOptions", "serve"]
 
 logger = logging.getLogger("datacache.daemon")
 
+
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp logs every malformed request with a traceback: one line is enough for a bad client."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            reason = (error.message or "").strip().splitlines()
+            record.msg, record.args = "malformed request: %d %s", (error.code, redact_url(reason[0] if reason else ""))
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_http_logger = logging.getLogger("datacache.daemon.http")
+_http_logger.addFilter(_OneLineBadRequests())
+
 T = TypeVar("T")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PEERCRED = struct.Struct("3i")
@@ -204,12 +223,12 @@ class Daemon:
             raise
         self.metrics_address = "{}:{}".format(*metrics_sock.getsockname()[:2])
         self._runner = web.AppRunner(
-            self._app(), handle_signals=False, access_log=None, shutdown_timeout=2.0
+            self._app(), handle_signals=False, access_log=None, shutdown_timeout=2.0, logger=_http_logger
         )
         await self._runner.setup()
         await web.SockSite(self._runner, unix_sock, shutdown_timeout=2.0).start()
         self._metrics_runner = web.AppRunner(
-            self._metrics_app(), handle_signals=False, access_log=None
+            self._metrics_app(), handle_signals=False, access_log=None, logger=_http_logger
         )
         await self._metrics_runner.setup()
         await web.SockSite(self._metrics_runner, metrics_sock, shutdown_timeout=1.0).start()
