@@ -335,7 +335,7 @@ class FaultProxy:
             with self._lock:
                 low, high = self.rates.latency_range
                 delay = self._rng.uniform(low, high)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # sleep-ok: the injected latency is the fault under test
         if fault == "stall" and (request.method == "HEAD" or self._coin()):
             self._record(fault, what)
             await self._stall()  # before a single byte of the answer
@@ -385,7 +385,7 @@ class FaultProxy:
             return response
         if fault == "reset":
             # Give the kernel a moment to send what was written, then reset the connection.
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # sleep-ok: lets the kernel send the partial body before the reset
             sock: socket.socket | None = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
