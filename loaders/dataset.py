@@ -694,7 +694,7 @@ class _EpochIterator:
         zarr_rows: list[tuple[UnitReader, int]] = []
         skipped = 0
         for position in range(begin, stop):
-            if self._threads and position % 2 == 0:
+            if self._threads and position % 8 == 0:
                 # Hand the GIL over now and then: a thread that holds it until the interpreter
                 # forces a switch (5 ms) would make the training loop wait that long.
                 time.sleep(0)
