@@ -31,7 +31,7 @@ from datacache.config import DatasetConfig, Settings
 from datacache.errors import ConfigError
 from datacache.manifest import Shard
 from datacache.stager import DatasetHandle, Stager
-from datacache.tiers import ByteRange
+from datacache.tiers import ByteRange, device_free
 from datacache.units import format_bytes
 
 __all__ = [
@@ -395,7 +395,7 @@ async def run_bench(
         local_room = settings.local_capacity
         if local_room is None:
             used, _ = await stager.catalog.usage()
-            free = await asyncio.to_thread(_device_free, settings.local_dir)
+            free = await asyncio.to_thread(device_free, settings.local_dir)
             local_room = None if free is None else free + used
         shared_configured = stager.shared is not None
     report = assess(
@@ -481,14 +481,6 @@ async def _resident_paths(
         if resident:
             paths.append(tier.path(handle.tier_key(shard.key)))
     return paths
-
-
-def _device_free(directory: Path) -> int | None:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def format_bench(report: BenchReport) -> str:

@@ -41,7 +41,16 @@ from datacache.errors import (
 from datacache.eviction import Candidate, choose_victims
 from datacache.locks import LeaseLock, NodeLock, lock_name
 from datacache.manifest import Manifest, ManifestStore, Shard, take_manifest
-from datacache.tiers import ByteRange, LocalTier, ObjectInfo, SharedTier, Tier, open_origin, redact_url
+from datacache.tiers import (
+    ByteRange,
+    LocalTier,
+    ObjectInfo,
+    SharedTier,
+    Tier,
+    device_free,
+    open_origin,
+    redact_url,
+)
 from datacache.tiers._files import remove_abandoned_partials
 from datacache.units import format_bytes
 
@@ -748,7 +757,7 @@ class Stager:
                 version=shard.version,
                 owner=self._owner,
                 capacity=capacity,
-                device_free=lambda: _device_free(self.settings.local_dir),
+                device_free=lambda: device_free(self.settings.local_dir),
                 reserve_free=_reserve_for(self.settings.local_dir),
                 choose=self._choose(handle),
             )
@@ -1145,13 +1154,6 @@ def _hash_file(path: Path) -> str:
                 break
             hasher.update(view[:count])
     return checksum_of(hasher)
-
-
-def _device_free(directory: Path) -> int | None:
-    try:
-        return os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
-    except OSError:
-        return None
 
 
 def _reserve_for(directory: Path) -> int:

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from datacache.tiers._directory import DirectoryTier
-from datacache.tiers._files import redact_url
+from datacache.tiers._files import device_free, redact_url
 from datacache.tiers._retry import RetryPolicy, translate_error
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 from datacache.tiers.local import LocalTier
@@ -36,6 +36,7 @@ __all__ = [
     "Tier",
     "TierStats",
     "TierUsage",
+    "device_free",
     "known_schemes",
     "open_origin",
     "redact_url",

@@ -20,6 +20,7 @@ import aiofiles.threadpool
 __all__ = [
     "PARTIAL_NAME",
     "atomic_write",
+    "device_free",
     "fsync_directory",
     "partial_name",
     "redact_url",
@@ -33,6 +34,15 @@ _USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 def redact_url(url: str) -> str:
     """Return ``url`` without any ``user:password@`` part (also of every URL inside a message)."""
     return _USERINFO.sub(r"\1", url)
+
+
+def device_free(directory: str | os.PathLike[str]) -> int | None:
+    """Bytes free for an unprivileged writer on the device holding ``directory``, or None if unknown."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def partial_name(target: Path) -> Path:

@@ -53,7 +53,7 @@ from datacache.stager import (
     Stager,
     StagingEvent,
 )
-from datacache.tiers import redact_url, validate_key
+from datacache.tiers import device_free, redact_url, validate_key
 
 __all__ = ["Daemon", "DaemonOptions", "serve"]
 
@@ -640,7 +640,7 @@ class Daemon:
         if stager is None:
             return []
         used, count = await stager.catalog.usage()
-        free = await asyncio.to_thread(_device_free, self.settings.local_dir)
+        free = await asyncio.to_thread(device_free, self.settings.local_dir)
         tiers = [
             {
                 "tier": LOCAL,
@@ -1198,14 +1198,6 @@ class Daemon:
             )
         else:
             logger.debug("%s %s/%s on %s", kind, event.dataset, event.key, event.tier, extra=fields)
-
-
-def _device_free(directory: Path) -> int | None:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 async def serve(settings: Settings, options: DaemonOptions | None = None) -> int:
