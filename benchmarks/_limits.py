@@ -4,6 +4,10 @@
   one reused buffer, and ``cat FILES > /dev/null`` (hot page cache: the files
   were just written, as they are for a warm epoch);
 - the S3 server's GET ceiling: 8 threads of boto3 GETs of whole shards;
+- the local disk's durable write rate: files of the shards' size written,
+  fsynced and renamed one after another, as any cache that survives a crash
+  must write them (a cold epoch or ``datacache warm`` that keeps its copies
+  cannot fill the cache faster than this);
 - staging tools: ``aws s3 cp --recursive``, an s3fs recursive ``get``, and
   ``datacache warm``, each into an empty folder;
 - the small-files baseline: GETs of raw small objects one by one, and what
@@ -56,6 +60,31 @@ def cat_rate(files: list[Path]) -> dict[str, float]:
         subprocess.run(["cat", *map(str, files)], stdout=sink, check=True)
     seconds = time.perf_counter() - started
     return {"bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6}
+
+
+def durable_write_rate(directory: Path, sizes: list[int], threads: int = 4) -> dict[str, float]:
+    """Write files of ``sizes`` bytes (8 MiB writes, fsync, rename) with a few threads; MB/s over all."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    block = os.urandom(8 << 20)
+
+    def write(index: int) -> int:
+        temporary = directory / f".{index}.partial"
+        size = sizes[index]
+        with open(temporary, "wb", buffering=0) as out:
+            left = size
+            while left:
+                left -= out.write(memoryview(block)[: min(left, len(block))])
+            os.fsync(out.fileno())
+        os.replace(temporary, directory / f"{index}.bin")
+        return size
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(write, range(len(sizes))))
+    seconds = time.perf_counter() - started
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6, "threads": threads}
 
 
 def get_ceiling(endpoint: str, keys: list[str], threads: int = 8) -> dict[str, float]:

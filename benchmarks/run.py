@@ -80,7 +80,6 @@ def loader_runs() -> list[LoaderRun]:
             False,
         ),
         LoaderRun("datacache-workers", "datacache", NUM_WORKERS, f"datacache, {NUM_WORKERS} worker processes", False),
-
         LoaderRun("mosaicml-streaming", "mosaicml-streaming", NUM_WORKERS, "MosaicML Streaming (MDS)", True),
         LoaderRun("litdata", "litdata", NUM_WORKERS, "LitData (optimize chunks)", True),
         LoaderRun("webdataset", "webdataset", NUM_WORKERS, "WebDataset (curl + cache_dir)", True),
@@ -376,11 +375,14 @@ class Bench:
         keys = [f"wds/{p.name}" for p in _data.wds_shards(_data.data_dir(self.sizes))]
         wds_bytes = self.results["dataset"]["wds_bytes"]
         repeats = self.sizes.repeats
-        get, aws, s3fs_get, warm, readinto, cat = [], [], [], [], [], []
+        get, aws, s3fs_get, warm, readinto, cat, durable = [], [], [], [], [], [], []
         local = self.work / "warm-local"
+        shard_sizes = [p.stat().st_size for p in _data.wds_shards(_data.data_dir(self.sizes))]
         for _ in range(repeats):
             get.append(_limits.get_ceiling(self.endpoint, keys))
             log(f"S3 GET ceiling (8 threads): {get[-1]['mb_per_s']:.0f} MB/s")
+            durable.append(_limits.durable_write_rate(self.work / "durable-write", shard_sizes))
+            log(f"local disk durable write (fsync, rename): {durable[-1]['mb_per_s']:.0f} MB/s")
             aws.append(_limits.aws_cp_rate(self.endpoint, "wds", self.work / "aws-cp", wds_bytes))
             log(f"aws s3 cp --recursive: {aws[-1]['mb_per_s']:.0f} MB/s")
             s3fs_get.append(_limits.s3fs_get_rate(self.endpoint, "wds", self.work / "s3fs-get", wds_bytes))
@@ -402,6 +404,7 @@ class Bench:
         )
         self.results["limits"] = {
             "s3_get_ceiling": {"runs": get, **summarize([r["mb_per_s"] for r in get])},
+            "durable_write": {"runs": durable, **summarize([r["mb_per_s"] for r in durable])},
             "aws_s3_cp": {"runs": aws, **summarize([r["mb_per_s"] for r in aws])},
             "s3fs_get": {"runs": s3fs_get, **summarize([r["mb_per_s"] for r in s3fs_get])},
             "datacache_warm": {
@@ -581,6 +584,10 @@ class Bench:
         self.results["training"] = out
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few hundred MB, 1 repeat (under 3 minutes)")
@@ -600,12 +607,12 @@ def main() -> None:
     if args.report_only:
         saved = args.out / ("results-quick.json" if args.quick else "results.json")
         written = write_report(json.loads(saved.read_text()), args.out)
-        log(f"rewrote {', '.join(str(p.relative_to(REPO)) for p in written)} from {saved.name}")
+        log(f"rewrote {', '.join(_shown(p) for p in written)} from {saved.name}")
         return
 
     results = Bench(args).run()
     written = write_report(results, args.out)
-    log(f"done in {results['seconds']:.0f}s; wrote {', '.join(str(p.relative_to(REPO)) for p in written)}")
+    log(f"done in {results['seconds']:.0f}s; wrote {', '.join(_shown(p) for p in written)}")
 
 
 if __name__ == "__main__":

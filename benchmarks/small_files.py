@@ -100,8 +100,13 @@ def read_raw(endpoint: str, keys: list[str]) -> dict[str, float]:
     for key in keys:
         total += len(fs.cat_file(f"{BUCKET}/{key}"))
     seconds = time.perf_counter() - started
-    return {"objects": len(keys), "bytes": total, "seconds": seconds,
-            "per_s": len(keys) / seconds, "mb_per_s": total / seconds / 1e6}
+    return {
+        "objects": len(keys),
+        "bytes": total,
+        "seconds": seconds,
+        "per_s": len(keys) / seconds,
+        "mb_per_s": total / seconds / 1e6,
+    }
 
 
 def _cli(args: list[str], env: dict[str, str]) -> tuple[dict[str, Any], float]:
@@ -137,8 +142,14 @@ def read_shards(cache: Path) -> dict[str, float]:
                 total += size
             samples += 1
     seconds = time.perf_counter() - started
-    return {"samples": samples, "bytes": total, "seconds": seconds,
-            "per_s": samples / seconds, "mb_per_s": total / seconds / 1e6, "shards": len(shards)}
+    return {
+        "samples": samples,
+        "bytes": total,
+        "seconds": seconds,
+        "per_s": samples / seconds,
+        "mb_per_s": total / seconds / 1e6,
+        "shards": len(shards),
+    }
 
 
 def run_small_files(objects: int = 5000, size: int = 8192, shard_size: str = "8MB") -> dict[str, Any]:
@@ -179,8 +190,7 @@ def run_small_files(objects: int = 5000, size: int = 8192, shard_size: str = "8M
 def table(result: dict[str, Any]) -> str:
     raw, shard, local, cold = result["raw"], result["shard"], result["local_read"], result["cold_epoch"]
     lines = [
-        f"Small files: {result['objects']} objects of {result['object_bytes'] // 1024} KB, "
-        "S3 = moto on 127.0.0.1",
+        f"Small files: {result['objects']} objects of {result['object_bytes'] // 1024} KB, S3 = moto on 127.0.0.1",
         "",
         "| what | time | samples/s | MB/s | vs raw |",
         "|---|---:|---:|---:|---:|",

@@ -94,7 +94,6 @@ async def keys_of(tier: Tier, prefix: str = "") -> list[str]:
 class TierTests:
     """The contract of `datacache.tiers.base.Tier`; subclasses provide ``make_tier``."""
 
-
     @pytest.fixture
     def tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
         yield self.make_tier(request, tmp_path)
@@ -175,10 +174,7 @@ class TierTests:
             parts = [chunk async for chunk in tier.stream("s", chunk_size=128)]
             assert b"".join(parts) == data
             assert all(0 < len(p) <= 128 for p in parts)
-            ranged = [
-                chunk
-                async for chunk in tier.stream("s", chunk_size=100, byte_range=ByteRange(250, 777))
-            ]
+            ranged = [chunk async for chunk in tier.stream("s", chunk_size=100, byte_range=ByteRange(250, 777))]
             assert b"".join(ranged) == data[250:777]
 
         self.run(tier, body)
@@ -422,9 +418,7 @@ class KeepsMetadataTests(TierTests):
     def test_metadata_is_kept(self, tier: Tier) -> None:
 
         async def body() -> None:
-            await tier.put(
-                "m", chunks_of(b"abc"), metadata={"checksum": "xxh3_64:1", "version": "v1"}
-            )
+            await tier.put("m", chunks_of(b"abc"), metadata={"checksum": "xxh3_64:1", "version": "v1"})
             info = await tier.stat("m")
             assert info is not None
             assert info.metadata["checksum"] == "xxh3_64:1"
@@ -539,7 +533,6 @@ class TestSharedTier(DirectoryTierTests):
 
 
 class TestFileObjectTier(TierTests):
-
     def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
         (tmp_path / "origin").mkdir()
         return ObjectTier(f"file://{tmp_path / 'origin'}", writable=True)
@@ -567,7 +560,6 @@ class TestFileObjectTier(TierTests):
 
 
 class TestMemoryObjectTier(TierTests):
-
     def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
         root = f"memory://datacache-tests/{uuid.uuid4().hex}"
         request.addfinalizer(lambda: self._clear(root))
@@ -591,7 +583,6 @@ class TestMemoryObjectTier(TierTests):
 
 
 class TestS3ObjectTier(TierTests):
-
     def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
         bucket: S3Bucket = request.getfixturevalue("s3")
         self.bucket = bucket
@@ -603,9 +594,7 @@ class TestS3ObjectTier(TierTests):
         )
 
     def temp_files(self, tier: Tier) -> list[str]:
-        uploads = self.bucket.client.list_multipart_uploads(Bucket=self.bucket.name).get(
-            "Uploads", []
-        )
+        uploads = self.bucket.client.list_multipart_uploads(Bucket=self.bucket.name).get("Uploads", [])
         return [upload["Key"] for upload in uploads]
 
     def test_failed_multipart_put_is_aborted(self, tier: Tier) -> None:
@@ -628,19 +617,32 @@ class TestS3ObjectTier(TierTests):
         async def body() -> None:
             info = await tier.put("big", chunks_of(data, size=1 << 20))
             assert info.size == len(data)
-            assert (
-                await tier.get("big", ByteRange(5 << 20, (5 << 20) + 10))
-                == data[5 << 20 : (5 << 20) + 10]
-            )
+            assert await tier.get("big", ByteRange(5 << 20, (5 << 20) + 10)) == data[5 << 20 : (5 << 20) + 10]
             assert await tier.get("big") == data
 
         self.run(tier, body)
         assert self.temp_files(tier) == []
 
+    def test_an_abandoned_stream_frees_its_get_thread(self, s3: S3Bucket) -> None:
+        """GETs run in a pool thread: a consumer that stops early must not leave it blocked."""
+        data = os.urandom(12 << 20)
+        s3.put("prefix/one-thread/big", data)
+        tier = ObjectTier(s3.url("prefix/one-thread"), storage_options=s3.storage_options, threads=1)
+
+        async def body() -> None:
+            stream = tier.stream("big", chunk_size=1 << 20)
+            first = await anext(stream)
+            assert first == data[: len(first)]
+            await stream.aclose()
+            # The pool has one thread: this GET only runs if the abandoned one let it go.
+            # (The timeout turns a regression into a failure instead of a hung suite.)
+            assert await asyncio.wait_for(tier.get("big", ByteRange(0, 10)), 60) == data[:10]
+            assert b"".join([chunk async for chunk in tier.stream("big")]) == data
+
+        self.run(tier, body)
+
     def test_missing_bucket_is_named(self, s3: S3Bucket) -> None:
-        tier = ObjectTier(
-            f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", storage_options=s3.storage_options
-        )
+        tier = ObjectTier(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", storage_options=s3.storage_options)
         with pytest.raises(ShardNotFoundError, match=r"bucket .* does not exist"):
             self.run(tier, lambda: keys_of(tier))
 
@@ -677,9 +679,7 @@ def test_open_origin_rejects_empty_urls(url: str) -> None:
 
 
 def test_urls_never_show_credentials() -> None:
-    tier = ObjectTier(
-        "s3://AKIAEXAMPLE:hunter2@bucket/prefix/", storage_options={"secret": "hunter2"}
-    )
+    tier = ObjectTier("s3://AKIAEXAMPLE:hunter2@bucket/prefix/", storage_options={"secret": "hunter2"})
     assert "hunter2" not in tier.url
     assert "hunter2" not in repr(tier)
     assert "AKIA" not in tier.url
@@ -704,9 +704,7 @@ def test_retry_policy_retries_transient_errors_then_gives_up() -> None:
         raise ConnectionResetError("reset by peer")
 
     with pytest.raises(TransientOriginError, match="gave up after 2 attempts"):
-        asyncio.run(
-            call_with_retry(always, where="x", policy=RetryPolicy(max_attempts=2, base_delay=0.001))
-        )
+        asyncio.run(call_with_retry(always, where="x", policy=RetryPolicy(max_attempts=2, base_delay=0.001)))
 
     permanent = 0
 

@@ -119,7 +119,10 @@ def error_code(exc: BaseException) -> str | None:
 
 def translate_error(exc: BaseException, where: str) -> DatacacheError:
     """Return the datacache error that ``exc`` (raised while accessing ``where``) means."""
+    import http.client
+
     import botocore.exceptions as boto
+    import urllib3.exceptions
 
     try:
         import aiohttp
@@ -158,9 +161,14 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
             | boto.ReadTimeoutError
             | boto.ConnectionClosedError
             | boto.ResponseStreamingError
-            | boto.IncompleteReadError,
+            | boto.IncompleteReadError
+            | http.client.HTTPException
+            | urllib3.exceptions.HTTPError,
         ):
             return TransientOriginError(f"{where}: connection to the origin failed ({type(err).__name__})")
+        if isinstance(err, boto.FlexibleChecksumError):
+            # The body did not match the CRC the server sent: damaged in transit, fetch it again.
+            return TransientOriginError(f"{where}: the response failed its checksum in transit")
         if aiohttp is not None and isinstance(err, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError):
             return TransientOriginError(f"{where}: connection to the origin failed ({type(err).__name__})")
         if isinstance(err, TimeoutError):

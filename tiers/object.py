@@ -10,11 +10,13 @@ import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
 from datacache.tiers._files import redact_url
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
+from datacache.tiers._s3_threads import ThreadedGet, sync_client_like
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError, TransientOriginError
@@ -41,6 +43,9 @@ class ObjectTier(Tier):
         Allow `put` and `delete`.
     part_size
         Size of the parts of a multipart upload.
+    threads
+        S3 only: GETs run in a pool of this many threads with synchronous
+        clients (see ``_s3_threads``); other requests stay on asyncio.
     """
 
     kind = "object"
@@ -53,6 +58,7 @@ class ObjectTier(Tier):
         retry: RetryPolicy | None = None,
         writable: bool = False,
         part_size: int = 16 << 20,
+        threads: int = 16,
     ) -> None:
         import fsspec.core
 
@@ -71,6 +77,10 @@ class ObjectTier(Tier):
         self._counters = {"bytes_read": 0, "bytes_written": 0, "requests": 0, "retries": 0, "errors": 0}
         self._fs: Any = None
         self._fs_loop: asyncio.AbstractEventLoop | None = None
+        self._threads = max(1, threads)
+        self._get_pool: ThreadPoolExecutor | None = None
+        self._get_client: Any = None
+        self._get_client_lock: asyncio.Lock | None = None
 
     # -- pickling: configuration only ---------------------------------------------------
 
@@ -78,6 +88,9 @@ class ObjectTier(Tier):
         state = self.__dict__.copy()
         state["_fs"] = None
         state["_fs_loop"] = None
+        state["_get_pool"] = None
+        state["_get_client"] = None
+        state["_get_client_lock"] = None
         state["_counters"] = dict.fromkeys(self._counters, 0)
         return state
 
@@ -138,11 +151,36 @@ class ObjectTier(Tier):
         self._fs, self._fs_loop = fs, loop
         return fs
 
+    async def _threaded(self) -> tuple[Any, ThreadPoolExecutor]:
+        """The synchronous S3 client and the pool its GETs run in, created once."""
+        if self._get_client is not None and self._get_pool is not None:
+            return self._get_client, self._get_pool
+        if self._get_client_lock is None:
+            self._get_client_lock = asyncio.Lock()
+        async with self._get_client_lock:
+            if self._get_client is None or self._get_pool is None:
+                fs = await self._filesystem()
+                pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="datacache-s3-get")
+                loop = asyncio.get_running_loop()
+                # Building a client loads botocore's service model: tens of ms, off the loop.
+                self._get_client = await loop.run_in_executor(
+                    pool, lambda: sync_client_like(fs, max_pool_connections=self._threads)
+                )
+                self._get_pool = pool
+        return self._get_client, self._get_pool
+
     async def close(self) -> None:
         fs, self._fs, self._fs_loop = self._fs, None, None
         s3 = getattr(fs, "_s3", None) if fs is not None else None
         if s3 is not None:
             await s3.__aexit__(None, None, None)
+        pool, client = self._get_pool, self._get_client
+        self._get_pool = self._get_client = None
+        if pool is not None:
+            # A GET stalled on a dead server ends at its read timeout; nobody waits for it.
+            pool.shutdown(wait=False, cancel_futures=True)
+        if client is not None:
+            client.close()
 
     def _path(self, key: str) -> str:
         validate_key(key)
@@ -196,9 +234,7 @@ class ObjectTier(Tier):
             return None
         return self._info_to_object(key, details)
 
-    async def get(
-        self, key: str, byte_range: ByteRange | None = None, *, version: str | None = None
-    ) -> bytes:
+    async def get(self, key: str, byte_range: ByteRange | None = None, *, version: str | None = None) -> bytes:
         path = self._path(key)
         fs = await self._filesystem()
         where = f"{self.url}/{key}"
@@ -215,22 +251,28 @@ class ObjectTier(Tier):
             if version is not None:
                 kwargs["IfMatch"] = f'"{version}"'
 
-            async def get_object() -> bytes:
-                try:
-                    response = await fs._call_s3("get_object", **kwargs)
-                except Exception as exc:
-                    if "Range" in kwargs and error_code(exc) in ("InvalidRange", "416"):
-                        return b""  # a range starting at or past the end: no bytes, as for files
-                    raise
+            client, pool = await self._threaded()
+            loop = asyncio.get_running_loop()
+
+            def fetch() -> bytes:
+                response = client.get_object(**kwargs)
                 body = response["Body"]
                 try:
-                    data: bytes = await body.read()
+                    data: bytes = body.read()
                 finally:
                     body.close()
                 expected = response.get("ContentLength")
                 if expected is not None and len(data) != int(expected):
                     raise ConnectionResetError(f"short body: {len(data)} of {expected} bytes")
                 return data
+
+            async def get_object() -> bytes:
+                try:
+                    return await loop.run_in_executor(pool, fetch)
+                except Exception as exc:
+                    if "Range" in kwargs and error_code(exc) in ("InvalidRange", "416"):
+                        return b""  # a range starting at or past the end: no bytes, as for files
+                    raise
 
             data = await self._call(where, get_object)
         else:
@@ -261,10 +303,11 @@ class ObjectTier(Tier):
     ) -> AsyncIterator[bytes]:
         """Yield the object's bytes as they arrive: one streaming GET, not a buffered one.
 
-        On S3, a connection cut mid-body is resumed from the byte where it
-        stopped (a ranged GET, still conditional on ``version``), under the
-        same retry policy as every other request. Other backends read ranges
-        of ``chunk_size``.
+        On S3 the body is read by a pool thread (see ``_s3_threads``); a
+        connection cut mid-body is resumed from the byte where it stopped (a
+        ranged GET, still conditional on ``version``), under the same retry
+        policy as every other request. Other backends read ranges of
+        ``chunk_size``.
         """
         if not self.is_s3:
             async for chunk in super().stream(key, chunk_size=chunk_size, byte_range=byte_range, version=version):
@@ -272,6 +315,8 @@ class ObjectTier(Tier):
             return
         path = self._path(key)
         fs = await self._filesystem()
+        client, pool = await self._threaded()
+        loop = asyncio.get_running_loop()
         where = f"{self.url}/{key}"
         bucket, object_key, _ = fs.split_path(path)
         span = byte_range or ByteRange()
@@ -279,33 +324,22 @@ class ObjectTier(Tier):
         attempt = 0
         self._counters["requests"] += 1
         while end is None or offset < end:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": object_key}
+            request: dict[str, Any] = {"Bucket": bucket, "Key": object_key}
             if offset or end is not None:
-                kwargs["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
+                request["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
             if version is not None:
-                kwargs["IfMatch"] = f'"{version}"'
+                request["IfMatch"] = f'"{version}"'
+            transfer = ThreadedGet(client, request, chunk_size=min(chunk_size, 1 << 20), loop=loop)
+            transfer.start(pool)
             try:
-                try:
-                    response = await fs._call_s3("get_object", **kwargs)
-                except Exception as exc:
-                    if "Range" in kwargs and error_code(exc) in ("InvalidRange", "416"):
-                        return  # nothing at or past the end
-                    raise
-                body = response["Body"]
-                expected = int(response.get("ContentLength") or 0)
-                received = 0
-                try:
-                    async for chunk in body.iter_chunks(min(chunk_size, 1 << 20)):
-                        received += len(chunk)
-                        offset += len(chunk)
-                        self._counters["bytes_read"] += len(chunk)
-                        yield chunk
-                finally:
-                    body.close()
-                if received < expected:
-                    raise ConnectionResetError(f"short body: {received} of {expected} bytes")
+                async for chunk in transfer.chunks():
+                    offset += len(chunk)
+                    self._counters["bytes_read"] += len(chunk)
+                    yield chunk
                 return
             except Exception as exc:
+                if "Range" in request and error_code(exc) in ("InvalidRange", "416"):
+                    return  # nothing at or past the end
                 error = translate_error(exc, where)
                 attempt += 1
                 if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
@@ -315,6 +349,8 @@ class ObjectTier(Tier):
                     raise error from exc
                 self._counters["retries"] += 1
                 await asyncio.sleep(self._retry.delay(attempt))
+            finally:
+                transfer.abandon()
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         fs = await self._filesystem()
@@ -429,16 +465,12 @@ class ObjectTier(Tier):
                 abort_id = upload_id
 
                 async def abort() -> Any:
-                    return await fs._call_s3(
-                        "abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=abort_id
-                    )
+                    return await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=abort_id)
 
                 await asyncio.shield(self._call(where, abort))
             raise
 
-    async def _spooled_upload(
-        self, fs: Any, path: str, chunks: AsyncIterable[bytes | memoryview], where: str
-    ) -> int:
+    async def _spooled_upload(self, fs: Any, path: str, chunks: AsyncIterable[bytes | memoryview], where: str) -> int:
         fd, spool = tempfile.mkstemp(prefix="datacache-upload-")
         try:
             size = 0
