@@ -12,13 +12,20 @@ at most ``prefetch_factor`` batches in flight per worker, so with
 ``slots >= prefetch_factor + 2`` a batch stays intact until the training loop
 has moved at least two batches past it; call `PackedBytes.clone` to keep one
 longer. ``pin_memory=True`` copies each batch at once and is always safe.
+
+Only the first batch a worker sends from a slot carries the slot's shared
+memory (a file descriptor, passed by torch through a fresh Unix connection:
+~0.25 ms each); every later batch from it names the slot by (worker pid,
+slot, generation) and the main process finds the mapping it already holds.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +52,67 @@ def _received(data: torch.Tensor, offsets: torch.Tensor) -> PackedBytes:
     return PackedBytes(data, offsets)
 
 
+@dataclass(frozen=True, slots=True)
+class _SlotId:
+    """One allocation of one slot of one ring in one worker process."""
+
+    pid: int
+    ring: int
+    slot: int
+    generation: int
+
+
+_RING_TOKENS = itertools.count(1)
+
+# Slots of worker rings whose memory this process holds, by (pid, ring, slot):
+# (generation, the slot's whole buffer). When a slot arrives, entries of
+# workers that have exited are dropped, and a worker's rings beyond the newest
+# _RINGS_PER_WORKER (earlier epochs of a persistent worker) are let go.
+_WORKER_SLOTS: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
+_RINGS_PER_WORKER = 3
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - alive, someone else's
+        return True
+    return True
+
+
+def _forget_old_slots(arriving: _SlotId) -> None:
+    rings = sorted({ring for pid, ring, _ in _WORKER_SLOTS if pid == arriving.pid} | {arriving.ring})
+    keep = set(rings[-_RINGS_PER_WORKER:])
+    for key in list(_WORKER_SLOTS):
+        pid, ring, _ = key
+        if (pid == arriving.pid and ring not in keep) or (pid != arriving.pid and not _process_alive(pid)):
+            del _WORKER_SLOTS[key]
+
+
+def _from_slot(
+    ident: _SlotId, buffer: torch.Tensor | None, data_span: tuple[int, int], offsets_span: tuple[int, int]
+) -> PackedBytes:
+    key = (ident.pid, ident.ring, ident.slot)
+    if buffer is not None:
+        if key not in _WORKER_SLOTS:
+            _forget_old_slots(ident)
+        _WORKER_SLOTS[key] = (ident.generation, buffer)
+    else:
+        held = _WORKER_SLOTS.get(key)
+        if held is None or held[0] != ident.generation:
+            raise RuntimeError(
+                f"a batch from DataLoader worker pid {ident.pid} names slot {ident.slot} of its ring "
+                f"{ident.ring} (generation {ident.generation}), whose memory this process does not hold "
+                f"(more than {_RINGS_PER_WORKER} datasets iterated at once in one worker?)"
+            )
+        buffer = held[1]
+    start, stop = data_span
+    first, last = offsets_span
+    return PackedBytes(buffer[start:stop], buffer[first:last].view(torch.int64))
+
+
 @dataclass
 class PackedBytes:
     """The bytes of one field for every sample of a batch, end to end.
@@ -54,12 +122,23 @@ class PackedBytes:
 
     data: torch.Tensor
     offsets: torch.Tensor
+    _origin: tuple[_SlotId, BufferRing, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
 
-    def __reduce__(self) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
-        return _received, (self.data, self.offsets)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        origin = self._origin
+        if origin is None or origin[0].pid != os.getpid():
+            return _received, (self.data, self.offsets)
+        ident, ring, buffer = origin
+        base = buffer.data_ptr()
+        start = self.data.data_ptr() - base
+        first = self.offsets.data_ptr() - base
+        spans = ((start, start + int(self.data.numel())), (first, first + 8 * int(self.offsets.numel())))
+        # The first batch from a slot carries its memory; later ones only name it.
+        carried = buffer if ring.first_send(ident) else None
+        return _from_slot, (ident, carried, *spans)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not -len(self) <= index < len(self):
@@ -100,8 +179,33 @@ class BufferRing:
         if slots < 1:
             raise ValueError(f"slots must be positive, got {slots}")
         self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._generations = [0] * slots
+        self._sent: set[_SlotId] = set()
+        self._token = next(_RING_TOKENS)
         self._shared = shared
         self._next = 0
+
+    @property
+    def shared(self) -> bool:
+        return self._shared
+
+    def slot_id(self, slot: int) -> _SlotId:
+        """The identity of slot ``slot``'s current buffer (changes when it is replaced)."""
+        index = slot % len(self._buffers)
+        return _SlotId(os.getpid(), self._token, index, self._generations[index])
+
+    def first_send(self, ident: _SlotId) -> bool:
+        """True the first time a batch from this slot buffer leaves the process."""
+        if ident in self._sent:
+            return False
+        self._sent.add(ident)
+        return True
+
+    def next_slot(self) -> int:
+        """The next slot in turn."""
+        slot = self._next
+        self._next = (self._next + 1) % len(self._buffers)
+        return slot
 
     def take(self, nbytes: int, slot: int | None = None) -> torch.Tensor:
         """Slot ``slot`` (modulo the count; the next in turn if None), at least ``nbytes`` long.
@@ -109,8 +213,7 @@ class BufferRing:
         A slot too small is replaced by one half again as large as asked.
         """
         if slot is None:
-            slot = self._next
-            self._next = (self._next + 1) % len(self._buffers)
+            slot = self.next_slot()
         index = slot % len(self._buffers)
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < nbytes:
@@ -119,6 +222,7 @@ class BufferRing:
             if self._shared:
                 buffer.share_memory_()  # type: ignore[no-untyped-call]
             self._buffers[index] = buffer
+            self._generations[index] += 1
         return buffer
 
 
@@ -149,7 +253,10 @@ def pack_fields(
     # storage per batch, so nothing new is allocated in shared memory per batch.
     data_bytes = int(totals.sum())
     offsets_at = -(-data_bytes // 8) * 8
+    if slot is None:
+        slot = ring.next_slot()
     buffer = ring.take(offsets_at + 8 * len(names) * (count + 1), slot)
+    origin = (ring.slot_id(slot), ring, buffer) if ring.shared else None
     target = buffer.numpy()
     offsets_end = offsets_at + 8 * len(names) * (count + 1)
     all_offsets = buffer[offsets_at:offsets_end].view(torch.int64).view(len(names), count + 1)
@@ -159,7 +266,7 @@ def pack_fields(
     for row, name in enumerate(names):
         offsets_np[row, 0] = 0
         np.cumsum(lengths[row], out=offsets_np[row, 1:])
-        batch[name] = PackedBytes(buffer[start : start + int(totals[row])], all_offsets[row])
+        batch[name] = PackedBytes(buffer[start : start + int(totals[row])], all_offsets[row], origin)
         start += int(totals[row])
     positions = {name: int(batch[name].data.storage_offset()) for name in names}
     for fields in samples:

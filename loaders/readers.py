@@ -27,7 +27,7 @@ import numpy as np
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest, ShardFormat
 from datacache.stager import checksum_of, new_hasher
-from datacache.tarindex import SampleSpan, group_samples, index_from_json, index_to_json, scan_tar, split_key
+from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
 
 __all__ = [
     "SpanCache",
@@ -118,7 +118,7 @@ class SpanCache:
     """
 
     def __init__(self, max_samples: int = 1 << 19, directory: Path | None = None) -> None:
-        self._entries: OrderedDict[tuple[str, int, str | None], Sequence[SampleSpan]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, str | None], SpanTable] = OrderedDict()
         self._samples = 0
         self._max = max_samples
         self._lock = threading.Lock()
@@ -128,9 +128,9 @@ class SpanCache:
         if self._directory is None:
             return None
         name = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:40]
-        return self._directory / f"{name}.idx.json"
+        return self._directory / f"{name}.spans"
 
-    def get(self, key: tuple[str, int, str | None]) -> Sequence[SampleSpan] | None:
+    def get(self, key: tuple[str, int, str | None]) -> SpanTable | None:
         with self._lock:
             spans = self._entries.get(key)
             if spans is not None:
@@ -140,15 +140,16 @@ class SpanCache:
         if path is None:
             return None
         try:
-            size, loaded = index_from_json(path.read_bytes(), where=str(path))
+            loaded = SpanTable.from_bytes(path.read_bytes(), where=str(path))
         except (OSError, ShardReadError):
             return None
-        if size != key[1]:
+        if loaded.shard_size != key[1]:
             return None
         self._remember(key, loaded)
         return loaded
 
     def put(self, key: tuple[str, int, str | None], spans: Sequence[SampleSpan]) -> None:
+        spans = SpanTable.from_spans(spans, shard_size=key[1])
         self._remember(key, spans)
         path = self._file(key)
         if path is None or path.exists():
@@ -156,12 +157,12 @@ class SpanCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            temporary.write_bytes(index_to_json(spans, shard_size=key[1]))
+            temporary.write_bytes(spans.to_bytes())
             os.replace(temporary, path)
         except OSError:
             pass  # an index we could not keep is scanned again next time
 
-    def _remember(self, key: tuple[str, int, str | None], spans: Sequence[SampleSpan]) -> None:
+    def _remember(self, key: tuple[str, int, str | None], spans: SpanTable) -> None:
         if len(spans) > self._max:
             return
         with self._lock:
@@ -228,18 +229,16 @@ class TarReader(_BufferReader):
                 raise
             except ValueError as exc:
                 raise ShardReadError(f"{where}: {exc}") from None
-        self.spans: Sequence[SampleSpan] = spans
-        self._spans = spans
-        if len(spans) != unit.count:
-            raise ShardReadError(f"{where}: holds {len(spans)} samples, the index says {unit.count}")
-        self._keys = [span.key.encode("utf-8", "surrogateescape") for span in spans]
+        table = SpanTable.from_spans(spans, shard_size=len(self._view))
+        self.spans: SpanTable = table
+        if len(table) != unit.count:
+            raise ShardReadError(f"{where}: holds {len(table)} samples, the index says {unit.count}")
+        self._keys = [memoryview(table.key(i).encode("utf-8", "surrogateescape")) for i in range(len(table))]
 
     def fields(self, index: int) -> Fields:
-        span = self._spans[index]
-        view = self._view
-        return [("__key__", memoryview(self._keys[index]))] + [
-            (name, view[offset : offset + size]) for name, offset, size in span.fields
-        ]
+        fields: Fields = [("__key__", self._keys[index])]
+        fields += self.spans.views(index, self._view)
+        return fields
 
 
 class FileReader(_BufferReader):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import struct
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest import Manifest, Shard, ShardFormat
-from datacache.tarindex import group_samples, index_from_json, index_to_json, scan_tar
+from datacache.tarindex import SpanTable, group_samples, index_from_json, index_to_json, scan_tar
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -300,6 +301,56 @@ def test_index_round_trip() -> None:
     assert size == len(raw) and back == spans
 
 
+def test_span_table_round_trip() -> None:
+    raw = real_tar([("a.cls", b"1"), ("a.jpg", b"xyz"), ("b.cls", b"2"), ("c\u00e9 d.txt", b"")])
+    spans = group_samples(scan_tar(raw))
+    table = SpanTable.from_spans(spans, shard_size=len(raw))
+    back = SpanTable.from_bytes(table.to_bytes(), where="t")
+    assert list(back) == spans and back.shard_size == len(raw)
+    assert [back.fields(i) for i in range(len(back))] == [list(s.fields) for s in spans]
+
+
+def _span_table_bytes(header: Any, columns: list[int]) -> bytes:
+    encoded = json.dumps(header).encode()
+    return b"DCSPANS1" + struct.pack("<Q", len(encoded)) + encoded + struct.pack(f"<{len(columns)}q", *columns)
+
+
+SPAN_TABLE_INPUT = {
+    "size": st.integers(-5, 100),
+    "keys": st.lists(st.text(max_size=5), max_size=4),
+    "extensions": st.lists(st.text(max_size=3), max_size=3),
+    "columns": st.lists(st.integers(-(2**63), 2**63 - 1), max_size=16),
+}
+
+
+@FUZZ
+@given(**SPAN_TABLE_INPUT)
+@example(size=10, keys=["a"], extensions=["x"], columns=[0, 1, 0, 2**63 - 1, 2**63 - 1])
+@example(size=10, keys=["a"], extensions=["x"], columns=[0, 1, 0, 4, 6])
+def test_span_table_never_serves_a_span_outside_the_shard(
+    size: int, keys: list[str], extensions: list[str], columns: list[int]
+) -> None:
+    raw = _span_table_bytes({"size": size, "keys": keys, "extensions": extensions}, columns)
+    try:
+        table = SpanTable.from_bytes(raw, where="fuzz.spans")
+    except DatacacheError as exc:
+        assert "fuzz.spans" in str(exc)
+        return
+    assert len(table) == len(keys)
+    for index in range(len(table)):
+        for extension, offset, length in table.fields(index):
+            assert extension in extensions
+            assert offset >= 0 and length >= 0 and offset + length <= size
+
+
+@FUZZ
+@given(data=st.binary(max_size=400))
+def test_span_table_of_random_bytes(data: bytes) -> None:
+    with contextlib.suppress(DatacacheError):
+        SpanTable.from_bytes(data, where="x")
+        SpanTable.from_bytes(b"DCSPANS1" + data, where="x")
+
+
 # -- Zarr metadata --------------------------------------------------------------------------
 
 
@@ -503,6 +554,9 @@ test_scan_tar_of_crafted_headers_long = longer(
     test_scan_tar_of_crafted_headers_never_hangs_or_crashes, CRAFTED_TAR_INPUT
 )
 test_index_from_json_never_crashes_long = longer(test_index_from_json_never_crashes, INDEX_INPUT)
+test_span_table_never_serves_a_span_outside_the_shard_long = longer(
+    test_span_table_never_serves_a_span_outside_the_shard, SPAN_TABLE_INPUT
+)
 test_zarr_plan_never_crashes_long = longer(test_zarr_plan_never_crashes, ZARR_INPUT)
 test_parquet_reader_of_damaged_files_long = longer(test_parquet_reader_of_damaged_files, PARQUET_INPUT)
 

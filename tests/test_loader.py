@@ -178,6 +178,35 @@ def test_batch_mode_packs_fields_without_pickling_samples(
     assert stats.bytes == sum(len(f["bin"]) + len(f["cls"]) for f in expected.values())
 
 
+def test_batches_from_reused_slots_and_persistent_workers_stay_exact(
+    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings
+) -> None:
+    """Only a slot's first batch carries its shared memory; later ones name it (pid, ring, slot).
+
+    Small batches make every slot of every worker's ring come round many times, and
+    persistent workers start a new ring each epoch with the same slot numbers: a batch
+    resolved against the wrong ring's memory would show up as wrong bytes.
+    """
+    from datacache.loaders import packing
+
+    origin, expected = wds_dataset
+    want = {key: fields["bin"] for key, fields in expected.items()}
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=5, batch_size=2)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+    for _ in range(3):
+        seen: dict[str, bytes] = {}
+        batches = 0
+        for batch in loader:
+            batches += 1
+            for key, value in zip(batch["__key__"], batch["bin"].tolist()):
+                assert key not in seen
+                seen[key] = value
+        assert seen == want
+        assert batches > 2 * 8, "every worker's ring slots must have come round"
+    held_rings = {(pid, ring) for pid, ring, _ in packing._WORKER_SLOTS}
+    assert 0 < len(held_rings) <= 2 * packing._RINGS_PER_WORKER, "old epochs' rings are let go"
+
+
 def test_decoders_apply_per_field(wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings) -> None:
     origin, _ = wds_dataset
     dataset = CachedIterableDataset(str(origin), config=settings, decode=basic_decoders(), shuffle=False)
@@ -481,10 +510,10 @@ def test_tar_indexes_are_scanned_once_per_node(
     origin, expected = wds_dataset
     first = CachedIterableDataset(str(origin), config=settings, shuffle=False)
     assert len(list(first)) == len(expected)
-    saved = sorted((settings.local_dir / "indexes" / "spans").rglob("*.idx.json"))
+    saved = sorted((settings.local_dir / "indexes" / "spans").rglob("*.spans"))
     assert len(saved) == len(list(origin.glob("*.tar"))), "one saved index per shard"
     # A new process (here: a fresh dataset) reads the saved indexes; a wrong one would be caught
     # by the sample-count check, so damage one and see it rejected, then rescanned.
-    saved[0].write_text("{}")
+    saved[0].write_bytes(saved[0].read_bytes()[:-8])
     second = CachedIterableDataset(str(origin), config=settings, shuffle=False)
     assert {s["__key__"]: s["bin"] for s in second} == {k: v["bin"] for k, v in expected.items()}
