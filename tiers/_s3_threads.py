@@ -69,7 +69,7 @@ def sync_client_like(fs: Any, *, max_pool_connections: int) -> Any:
 class ThreadedGet:
     """One GET whose body is read in a pool thread and consumed as an async iterator.
 
-    ``run`` is what the pool thread executes; `chunks` is what the event loop
+    `start` hands the GET to a pool thread; `chunks` is what the event loop
     iterates. At most ``depth`` chunks wait between them. `abandon` lets the
     thread stop at its next chunk boundary without anyone waiting for it.
     """

@@ -81,6 +81,7 @@ class ObjectTier(Tier):
         self._get_pool: ThreadPoolExecutor | None = None
         self._get_client: Any = None
         self._get_client_lock: asyncio.Lock | None = None
+        self._get_client_lock_loop: asyncio.AbstractEventLoop | None = None
 
     # -- pickling: configuration only ---------------------------------------------------
 
@@ -91,6 +92,7 @@ class ObjectTier(Tier):
         state["_get_pool"] = None
         state["_get_client"] = None
         state["_get_client_lock"] = None
+        state["_get_client_lock_loop"] = None
         state["_counters"] = dict.fromkeys(self._counters, 0)
         return state
 
@@ -155,13 +157,14 @@ class ObjectTier(Tier):
         """The synchronous S3 client and the pool its GETs run in, created once."""
         if self._get_client is not None and self._get_pool is not None:
             return self._get_client, self._get_pool
-        if self._get_client_lock is None:
-            self._get_client_lock = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        if self._get_client_lock is None or self._get_client_lock_loop is not loop:
+            # An asyncio.Lock belongs to one loop; the tier may be used from another later.
+            self._get_client_lock, self._get_client_lock_loop = asyncio.Lock(), loop
         async with self._get_client_lock:
             if self._get_client is None or self._get_pool is None:
                 fs = await self._filesystem()
                 pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="datacache-s3-get")
-                loop = asyncio.get_running_loop()
                 # Building a client loads botocore's service model: tens of ms, off the loop.
                 self._get_client = await loop.run_in_executor(
                     pool, lambda: sync_client_like(fs, max_pool_connections=self._threads)
