@@ -456,6 +456,54 @@ def test_zarr_rechunked_along_axis_zero(tmp_path: Path) -> None:
     assert again.kept == 4
 
 
+def test_parquet_and_zarr_rechunked_s3_to_s3(s3: Any, tmp_path: Path) -> None:
+    """The columnar paths read from and write to the object store, not only local folders."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zarr
+    from zarr.storage import LocalStore
+
+    tables = []
+    for f in range(2):
+        table = pa.table({"id": pa.array(range(f * 300, (f + 1) * 300), pa.int64())})
+        sink = io.BytesIO()
+        pq.write_table(table, sink, row_group_size=25)
+        s3.put(f"pq/part-{f}.parquet", sink.getvalue())
+        tables.append(table)
+    group_bytes = pq.ParquetFile(io.BytesIO(s3.client.get_object(Bucket=s3.name, Key="pq/part-0.parquet")[
+        "Body"].read())).metadata.row_group(0).total_byte_size
+    source, dest = Endpoint(s3.url("pq"), s3.storage_options), Endpoint(s3.url("pq-out"), s3.storage_options)
+    report = run(shard_dataset(source, dest, ShardOptions(chunk_size=6 * group_bytes, shard_size=100 * group_bytes)))
+    assert report.kind == "parquet" and report.samples == 600
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.name, Prefix="pq-out/")["Contents"])
+    outputs = [k for k in keys if k.endswith(".parquet")]
+    assert outputs and any(k.endswith(MANIFEST_NAME) for k in keys)
+    read = [pq.read_table(io.BytesIO(s3.client.get_object(Bucket=s3.name, Key=k)["Body"].read())) for k in outputs]
+    assert pa.concat_tables(read).equals(pa.concat_tables(tables))
+    assert {pq.ParquetFile(io.BytesIO(s3.client.get_object(Bucket=s3.name, Key=k)["Body"].read())).metadata
+            .row_group(0).num_rows for k in outputs} == {150}
+
+    data = np.arange(200 * 4, dtype="int32").reshape(200, 4)
+    local = zarr.create_array(store=LocalStore(tmp_path / "z"), shape=data.shape, chunks=(5, 4), dtype="int32")
+    local[:] = data
+    for path in sorted(p for p in (tmp_path / "z").rglob("*") if p.is_file()):
+        s3.put(f"zarr/{path.relative_to(tmp_path / 'z').as_posix()}", path.read_bytes())
+    zsource, zdest = Endpoint(s3.url("zarr"), s3.storage_options), Endpoint(s3.url("zarr-out"), s3.storage_options)
+    zreport = run(shard_dataset(zsource, zdest, ShardOptions(chunk_size=50 * 4 * 4)))
+    assert zreport.kind == "zarr" and zreport.samples == 200 and zreport.units == 4
+    copy = tmp_path / "z-out"
+    for entry in s3.client.list_objects_v2(Bucket=s3.name, Prefix="zarr-out/")["Contents"]:
+        target = copy / entry["Key"][len("zarr-out/") :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(s3.client.get_object(Bucket=s3.name, Key=entry["Key"])["Body"].read())
+    output = zarr.open_array(store=LocalStore(copy, read_only=True), mode="r")
+    assert output.chunks == (50, 4)
+    np.testing.assert_array_equal(output[:], data)
+
+
 def test_ray_engine_in_local_mode(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     write_tree(tmp_path / "src", image_tree(per_class=10))
