@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["ThreadedGet", "sync_client_like"]
+from datacache.tiers._retry import error_code
 
-_END = object()
+__all__ = ["ThreadedGet", "get_request", "past_the_end", "read_object", "sync_client_like"]
 
 
 class _Failure:
@@ -32,6 +32,39 @@ class _Failure:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+def get_request(bucket: str, key: str, start: int, end: int | None, version: str | None) -> dict[str, Any]:
+    """The arguments of a GetObject of bytes ``[start, end)``, conditional on ``version`` (an ETag)."""
+    request: dict[str, Any] = {"Bucket": bucket, "Key": key}
+    if start or end is not None:
+        request["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+    if version is not None:
+        request["IfMatch"] = f'"{version}"'
+    return request
+
+
+def past_the_end(request: Mapping[str, Any], error: BaseException) -> bool:
+    """Whether ``error`` says a ranged request started at or past the end: no bytes, as for files."""
+    return "Range" in request and error_code(error) in ("InvalidRange", "416")
+
+
+def _check_length(received: int, response: Mapping[str, Any]) -> None:
+    expected = response.get("ContentLength")
+    if expected is not None and received < int(expected):
+        raise ConnectionResetError(f"short body: {received} of {expected} bytes")
+
+
+def read_object(client: Any, request: Mapping[str, Any]) -> bytes:
+    """One blocking GetObject, its whole body read (run it in a pool thread)."""
+    response = client.get_object(**request)
+    body = response["Body"]
+    try:
+        data: bytes = body.read()
+    finally:
+        body.close()
+    _check_length(len(data), response)
+    return data
 
 
 def sync_client_like(fs: Any, *, max_pool_connections: int) -> Any:
@@ -87,7 +120,7 @@ class ThreadedGet:
         self._request = dict(request)
         self._chunk_size = chunk_size
         self._loop = loop
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | _Failure | None] = asyncio.Queue()  # None: the end
         self._room = threading.Semaphore(depth)
         self._depth = depth
         self._abandoned = threading.Event()
@@ -95,7 +128,7 @@ class ThreadedGet:
     def start(self, executor: ThreadPoolExecutor) -> None:
         executor.submit(self._run)
 
-    def _hand_over(self, item: object) -> None:
+    def _hand_over(self, item: bytes | _Failure | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
@@ -103,7 +136,6 @@ class ThreadedGet:
         try:
             response = self._client.get_object(**self._request)
             body = response["Body"]
-            expected = int(response.get("ContentLength") or 0)
             received = 0
             try:
                 while True:
@@ -117,9 +149,8 @@ class ThreadedGet:
                     self._hand_over(chunk)
             finally:
                 body.close()
-            if received < expected:
-                raise ConnectionResetError(f"short body: {received} of {expected} bytes")
-            self._hand_over(_END)
+            _check_length(received, response)
+            self._hand_over(None)
         except BaseException as exc:
             self._hand_over(_Failure(exc))
 
@@ -127,12 +158,11 @@ class ThreadedGet:
         """The body's chunks in order; the thread's exception, if any, is raised here."""
         while True:
             item = await self._queue.get()
-            if item is _END:
+            if item is None:
                 return
             if isinstance(item, _Failure):
                 raise item.error
             self._room.release()
-            assert isinstance(item, bytes)
             yield item
 
     def abandon(self) -> None:

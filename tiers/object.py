@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from datacache.tiers._files import redact_url
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
-from datacache.tiers._s3_threads import ThreadedGet, sync_client_like
+from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError, TransientOriginError
@@ -244,37 +244,19 @@ class ObjectTier(Tier):
         span = byte_range or ByteRange()
 
         if self.is_s3:
+            if span.end is not None and span.end == span.start:
+                return b""
             bucket, object_key, _ = fs.split_path(path)
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Key": object_key}
-            if span.start or span.end is not None:
-                end = "" if span.end is None else str(span.end - 1)
-                if span.end is not None and span.end == span.start:
-                    return b""
-                kwargs["Range"] = f"bytes={span.start}-{end}"
-            if version is not None:
-                kwargs["IfMatch"] = f'"{version}"'
-
+            request = get_request(bucket, object_key, span.start, span.end, version)
             client, pool = await self._threaded()
             loop = asyncio.get_running_loop()
 
-            def fetch() -> bytes:
-                response = client.get_object(**kwargs)
-                body = response["Body"]
-                try:
-                    data: bytes = body.read()
-                finally:
-                    body.close()
-                expected = response.get("ContentLength")
-                if expected is not None and len(data) != int(expected):
-                    raise ConnectionResetError(f"short body: {len(data)} of {expected} bytes")
-                return data
-
             async def get_object() -> bytes:
                 try:
-                    return await loop.run_in_executor(pool, fetch)
+                    return await loop.run_in_executor(pool, read_object, client, request)
                 except Exception as exc:
-                    if "Range" in kwargs and error_code(exc) in ("InvalidRange", "416"):
-                        return b""  # a range starting at or past the end: no bytes, as for files
+                    if past_the_end(request, exc):
+                        return b""
                     raise
 
             data = await self._call(where, get_object)
@@ -327,11 +309,7 @@ class ObjectTier(Tier):
         attempt = 0
         self._counters["requests"] += 1
         while end is None or offset < end:
-            request: dict[str, Any] = {"Bucket": bucket, "Key": object_key}
-            if offset or end is not None:
-                request["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
-            if version is not None:
-                request["IfMatch"] = f'"{version}"'
+            request = get_request(bucket, object_key, offset, end, version)
             transfer = ThreadedGet(client, request, chunk_size=min(chunk_size, 1 << 20), loop=loop)
             transfer.start(pool)
             try:
@@ -341,8 +319,8 @@ class ObjectTier(Tier):
                     yield chunk
                 return
             except Exception as exc:
-                if "Range" in request and error_code(exc) in ("InvalidRange", "416"):
-                    return  # nothing at or past the end
+                if past_the_end(request, exc):
+                    return
                 error = translate_error(exc, where)
                 attempt += 1
                 if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
