@@ -93,11 +93,6 @@ def sample(seed: int, index: int, low: int, high: int) -> tuple[bytes, int]:
     return rng.bytes(size), (index * 7919) % 1000
 
 
-def small_object(seed: int, index: int, size: int) -> bytes:
-    rng = np.random.Generator(np.random.PCG64([seed, index, 2]))
-    return rng.bytes(size)
-
-
 def s3_env(endpoint: str) -> dict[str, str]:
     """Environment variables that point every tool (boto3, s3fs, aws, streaming, litdata) at the server."""
     return {

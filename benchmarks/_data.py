@@ -9,8 +9,7 @@ Layout in the bucket:
 - ``mds/``: MosaicML Streaming MDS shards (``streaming.MDSWriter``);
 - ``litdata/``: LitData chunks (``litdata.optimize``);
 - ``raw/NNNNNN.bin``: the first samples, one object each (s3torchconnector);
-- the small-files variant is uploaded by `benchmarks.run` (with
-  ``benchmarks/small_files.py``'s writer when that module is there).
+- the small-files variant is uploaded by ``benchmarks/small_files.py``.
 
 Local copies live under ``benchmarks/work/data/<mode>`` and are reused while
 the sizes do not change; the S3 server is new every run, so uploads are not.
@@ -29,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import BUCKET, LABEL, PAYLOAD, WORK, Sizes, boto_client, sample, small_object
+from benchmarks._common import BUCKET, LABEL, PAYLOAD, WORK, Sizes, boto_client, sample
 
 DATACACHE_MANIFEST = "datacache-manifest.json"
 
@@ -179,19 +178,6 @@ def upload_all(endpoint: str, sizes: Sizes, root: Path, with_anchors: bool) -> d
         _log(f"uploaded raw: {count} objects, {total / 1e6:.0f} MB in {done['raw']['seconds']:.1f}s")
 
     return done
-
-
-def upload_small(endpoint: str, sizes: Sizes, bucket: str = BUCKET, prefix: str = "small/raw") -> list[str]:
-    """The small-files variant: ``sizes.small_objects`` objects of ``sizes.small_bytes``, one GET each."""
-    keys = [f"{prefix}/{i:06d}.bin" for i in range(sizes.small_objects)]
-    client = boto_client(endpoint, max_pool=18)
-
-    def put(index: int) -> None:
-        client.put_object(Bucket=bucket, Key=keys[index], Body=small_object(sizes.seed, index, sizes.small_bytes))
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(put, range(len(keys))))
-    return keys
 
 
 def wds_shards(root: Path) -> list[Path]:

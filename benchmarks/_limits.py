@@ -10,8 +10,8 @@
   cannot fill the cache faster than this);
 - staging tools: ``aws s3 cp --recursive``, an s3fs recursive ``get``, and
   ``datacache warm``, each into an empty folder;
-- the small-files baseline: GETs of raw small objects one by one, and what
-  ``datacache shard`` makes of them.
+- what ``datacache shard`` makes of the small-files variant (its one-by-one
+  baseline is ``benchmarks/small_files.py``'s).
 
 The DataLoader-with-no-I/O ceiling runs as a loader job (see
 `benchmarks._loaders.PreparedBytes`).
@@ -159,23 +159,6 @@ def datacache_warm_rate(
         "seconds": seconds,
         "mb_per_s": moved / seconds / 1e6,
         "reported_mb_per_s": float(done["rate_bytes_per_s"]) / 1e6,
-    }
-
-
-def raw_one_by_one(endpoint: str, keys: list[str]) -> dict[str, float]:
-    """GET small objects one after another (what reading a tree of small files per sample costs)."""
-    client = boto_client(endpoint)
-    total = 0
-    started = time.perf_counter()
-    for key in keys:
-        total += len(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    seconds = time.perf_counter() - started
-    return {
-        "objects": len(keys),
-        "bytes": total,
-        "seconds": seconds,
-        "objects_per_s": len(keys) / seconds,
-        "mb_per_s": total / seconds / 1e6,
     }
 
 

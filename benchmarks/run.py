@@ -45,7 +45,6 @@ from typing import Any
 from benchmarks import _data, _limits
 from benchmarks._common import (
     BATCH_SIZE,
-    BUCKET,
     NUM_WORKERS,
     REPO,
     WORK,
@@ -478,29 +477,18 @@ class Bench:
     def small_files(self) -> None:
         """Raw small objects one by one vs `datacache shard` and the loader over its output.
 
-        Uses ``benchmarks/small_files.py`` (another engineer's) for the objects'
-        upload and the one-by-one baseline when it is importable, else the
-        equivalents here.
+        The objects' upload and the one-by-one baseline are ``benchmarks/small_files.py``'s.
         """
+        from benchmarks import small_files
+
         sizes = self.sizes
         started = time.perf_counter()
-        try:
-            from benchmarks import small_files as shared
-        except ImportError:
-            shared = None
-        if shared is not None:
-            bucket = shared.BUCKET
-            keys = shared.upload(self.endpoint, sizes.small_objects, sizes.small_bytes)
-            uploaded = time.perf_counter() - started
-            raw = shared.read_raw(self.endpoint, keys[: sizes.raw_read_objects])
-            raw["objects_per_s"] = raw["per_s"]
-            how = "benchmarks/small_files.py (s3fs cat_file, one object after another)"
-        else:
-            bucket = BUCKET
-            keys = _data.upload_small(self.endpoint, sizes, bucket, "raw")
-            uploaded = time.perf_counter() - started
-            raw = _limits.raw_one_by_one(self.endpoint, keys[: sizes.raw_read_objects])
-            how = "boto3 get_object, one object after another"
+        bucket = small_files.BUCKET
+        keys = small_files.upload(self.endpoint, sizes.small_objects, sizes.small_bytes)
+        uploaded = time.perf_counter() - started
+        raw = small_files.read_raw(self.endpoint, keys[: sizes.raw_read_objects])
+        raw["objects_per_s"] = raw["per_s"]
+        how = "benchmarks/small_files.py (s3fs cat_file, one object after another)"
         log(f"small files ({len(keys)} uploaded in {uploaded:.0f}s), raw one by one: {raw['objects_per_s']:.0f}/s")
         entry: dict[str, Any] = {
             "objects": sizes.small_objects,
