@@ -30,8 +30,8 @@ from datacache._shard_plan import (
     ZarrPayload,
     digest_of,
 )
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier
 
 __all__ = [

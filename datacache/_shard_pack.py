@@ -27,8 +27,8 @@ from datacache._shard_plan import (
     UnitSpec,
     tar_header,
 )
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import DatacacheError, OriginChangedError, ShardNotFoundError
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.tiers import Tier, open_origin
 

@@ -29,17 +29,11 @@ from datacache._protocol import (
     config_to_wire,
     exception_from_wire,
 )
+from datacache.checksum import checksum_of, new_hasher
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest
-from datacache.stager import (
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    DatasetHandle,
-    Location,
-    checksum_of,
-    new_hasher,
-)
+from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]

@@ -46,10 +46,10 @@ from datacache._shard_plan import (
     UnitSpec,
     plan_tar,
 )
+from datacache.checksum import checksum_of, new_hasher
 from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier, redact_url
 from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
 

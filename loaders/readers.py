@@ -24,9 +24,9 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest, ShardFormat
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
 
 __all__ = [
