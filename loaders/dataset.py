@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 from datacache.loaders.batching import BatchBuilder, Decoder, ReadAhead, sample_bytes
-from datacache.loaders.epoch import auto_window, initial_prefetch, plan_epoch
+from datacache.loaders.epoch import auto_window, initial_prefetch, node_unit_sequences, plan_epoch, reader_name
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import load_or_build_plan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import SpanCache
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable, mode_code
-from datacache.loaders.units import Runtime, UnitReaders
+from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
@@ -457,6 +457,7 @@ class _EpochIterator:
             lock=self._lock,
             skip_bad=dataset.on_error == "skip",
             in_consumer=self._in_consumer,
+            future=self._node_future(),
         )
         self._builder = BatchBuilder(
             self._units,
@@ -470,6 +471,21 @@ class _EpochIterator:
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=runtime.window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
+
+    def _node_future(self) -> NodeFuture:
+        """Every reader's units (all ranks, all workers), so the stager sees the node's whole future."""
+        dataset, runtime = self.dataset, self.runtime
+        units = node_unit_sequences(
+            runtime.plan.counts,
+            seed=dataset.seed,
+            epoch=self.epoch,
+            shuffle=dataset.shuffle,
+            window=runtime.window,
+            cursors=self.cursors,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+        )
+        return NodeFuture(reader_name(self.layout), self.epoch, units)
 
     def _start_row(self) -> None:
         row = self._row

@@ -71,6 +71,9 @@ class LocalStager:
         except FileNotFoundError:
             size = -1
         if size != shard.size:
+            again = await self._catalog.get(handle.id, shard.key)
+            if again is None or again.state != "resident":
+                return None  # evicted between the two looks: gone by the rules, not vanished
             logger.warning("dataset %s: shard %r vanished or changed on the local tier", handle.id, shard.key)
             await self._catalog.remove(handle.id, shard.key)
             return None
@@ -96,6 +99,7 @@ class LocalStager:
                 self._events.hit(LOCAL)
                 return hit
             self._events.count("misses")
+            readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
             reservation = await self._catalog.reserve(
                 handle.id,
                 shard.key,
@@ -105,7 +109,7 @@ class LocalStager:
                 capacity=capacity,
                 device_free=lambda: device_free(self._settings.local_dir),
                 reserve_free=reserve_for(self._settings.local_dir),
-                choose=self._residency.chooser(handle),
+                choose=self._residency.chooser(handle, readers),
             )
             await self.delete_victims(reservation.victims)
             if not reservation.granted:

@@ -79,6 +79,7 @@ class SharedStager:
         self._flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
         self._room = asyncio.Lock()
         self._reserved: dict[tuple[str, str], int] = {}
+        self._index = _SharedIndex()
 
     async def ensure(self, handle: DatasetHandle, shard: Shard) -> tuple[Path, str | None]:
         """Make the shard resident on the shared tier, once per process and once per cluster."""
@@ -130,8 +131,10 @@ class SharedStager:
                         f"dataset {handle.id}: no space on the shared tier for shard {shard.key!r} ({exc.strerror})"
                     ) from exc
                 raise
+            else:
+                self._index.added(handle.id, shard.key, info.size)
             finally:
-                # Written (and now counted by the tier's usage) or abandoned.
+                # Written (and now counted by the index) or abandoned.
                 self._reserved.pop((handle.id, shard.key), None)
             self._events.count("bytes_to_shared", info.size)
             self._events.count("shards_to_shared")
@@ -152,15 +155,15 @@ class SharedStager:
         # One decision at a time, counting the transfers this process has in flight:
         # otherwise concurrent transfers all see the same free space and overfill the tier.
         async with self._room:
-            usage = await shared.usage()
+            if await self._index.refresh(shared):
+                self._events.count("shared_scans")
             reserved = sum(self._reserved.values())
-            need = usage.used_bytes + reserved + shard.size - shared.capacity
+            need = self._index.used + reserved + shard.size - shared.capacity
             if need > 0:
-                residents = await asyncio.to_thread(_shared_candidates, shared)
                 pinned = {record.id for record in await self._catalog.datasets() if record.pinned}
                 candidates = [
                     Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
-                    for c in residents
+                    for c in self._index.residents.values()
                     if not (c.dataset == handle.id and c.key == shard.key)
                 ]
                 victims = self._residency.chooser(handle)(
@@ -172,8 +175,46 @@ class SharedStager:
                     )
                 for victim in victims:
                     await shared.delete(f"{victim.dataset}/{victim.key}")
+                    self._index.removed(victim.dataset, victim.key)
                     self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
             self._reserved[(handle.id, shard.key)] = shard.size
+
+
+class _SharedIndex:
+    """The shared tier's residents as this process knows them: one walk, then kept up to date.
+
+    Walking the whole shared tree per shard (under the room lock) made each shard cost more
+    than the last. This process's own writes and evictions update the index as they happen;
+    what other processes and nodes write is picked up by a new walk every `REFRESH_SECONDS`.
+    """
+
+    REFRESH_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self.residents: dict[tuple[str, str], _SharedResident] = {}
+        self.used = 0
+        self._walked_at: float | None = None
+
+    async def refresh(self, shared: SharedTier) -> bool:
+        """Walk the tier if never walked or the last walk is stale; return whether it walked."""
+        now = time.monotonic()
+        if self._walked_at is not None and now - self._walked_at < self.REFRESH_SECONDS:
+            return False
+        found = await asyncio.to_thread(_shared_candidates, shared)
+        self.residents = {(r.dataset, r.key): r for r in found}
+        self.used = sum(r.size for r in found)
+        self._walked_at = now
+        return True
+
+    def added(self, dataset: str, key: str, size: int) -> None:
+        self.removed(dataset, key)
+        self.residents[(dataset, key)] = _SharedResident(dataset, key, size, time.time())
+        self.used += size
+
+    def removed(self, dataset: str, key: str) -> None:
+        old = self.residents.pop((dataset, key), None)
+        if old is not None:
+            self.used -= old.size
 
 
 @dataclass(frozen=True, slots=True)
