@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess, ThroughputReporter, open_access
 from datacache.config import DatasetConfig, Settings, load_settings
-from datacache.errors import ConfigError
+from datacache.errors import ConfigError, ShardReadError
 from datacache.units import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
@@ -445,6 +445,7 @@ class _EpochIterator:
         self._in_consumer = get_worker_info() is None
         self._row = dataset._table.row(layout.worker).numpy()
         self._start_row()
+        self._skip_unreadable()
         self._reported_at = time.monotonic()
         self._last_yield = time.perf_counter()
         self._lock = threading.Lock()
@@ -482,6 +483,18 @@ class _EpochIterator:
         row[Counter.PADDED] = self._plan.padded
         row[Counter.TOTAL] = len(self._plan)
         row[Counter.MODE] = mode_code(self.runtime.access.mode)
+
+    def _skip_unreadable(self) -> None:
+        """Raise, or count as skipped, the shards whose samples the plan could not count."""
+        unreadable = self.runtime.plan.unreadable
+        if not unreadable:
+            return
+        if self.dataset.on_error != "skip":
+            raise ShardReadError(unreadable[min(unreadable)])
+        if self.layout.worker == 0:
+            for key in sorted(unreadable):
+                logger.warning("skipping %s", unreadable[key])
+            self._row[Counter.SKIPPED_SHARDS] += len(unreadable)
 
     # -- Stateful ---------------------------------------------------------------------------
 
