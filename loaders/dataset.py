@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from datacache.loaders.batching import BatchBuilder, Decoder, ReadAhead, sample_bytes
+from datacache.loaders.batching import SKIPPED, BatchBuilder, Decoder, ReadAhead, sample_bytes
 from datacache.loaders.epoch import auto_window, initial_prefetch, plan_epoch
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import load_or_build_plan
@@ -82,7 +82,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
-        ``"auto"`` keeps raw bytes; a callable receives each sample dict; a mapping decodes fields by name.
+        ``"auto"`` or None keeps raw bytes; a callable receives each sample dict; a mapping decodes fields
+        by name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
+        key and field; ``on_error="skip"`` skips that sample instead.
     drop_last
         Drop the remainder so every rank has ``floor(N / world)`` samples; else pad by repeating.
     config
@@ -92,7 +94,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         `PackedBytes` in reused shared memory, which skips per-sample pickling between processes. It is
         also the chunk in which each rank's samples are dealt to workers, which makes resume exact.
     on_error
-        ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, and count it.
+        ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, or a sample its
+        decoder fails on, and count it.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         shuffle_buffer: int | None = None,
         target_bandwidth: str | float | None = None,
         prefetch: int | None = None,
-        decode: Decoder = "auto",
+        decode: Decoder | None = "auto",
         drop_last: bool = False,
         config: Settings | None = None,
         batch_size: int | None = None,
@@ -119,8 +122,10 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         if prefetch is not None and prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {prefetch}")
+        if decode is None:
+            decode = "auto"
         if not (decode == "auto" or callable(decode) or isinstance(decode, Mapping)):
-            raise ConfigError("decode must be 'auto', a callable, or a mapping of field name to callable")
+            raise ConfigError("decode must be 'auto', None, a callable, or a mapping of field name to callable")
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -467,6 +472,7 @@ class _EpochIterator:
             lock=self._lock,
             threads=threads,
             in_consumer=self._in_consumer,
+            skip_bad=dataset.on_error == "skip",
         )
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=runtime.window) if threads else None
         self._skip_to(0)
@@ -568,9 +574,14 @@ class _EpochIterator:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             sample = reader.sample(int(self._plan.local[position]))
-            self._account(sample_bytes(sample), 1)
+            nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
-            return self._builder.decode(sample, reader)
+            decoded = self._builder.decode(sample, reader)
+            if decoded is SKIPPED:
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
+            self._account(nbytes, 1)
+            return decoded
 
     def _next_batch(self, size: int) -> Any:
         while True:

@@ -292,7 +292,11 @@ class ParquetReader(UnitReader):
     def sample(self, index: int) -> dict[str, Any]:
         if self._rows is None:
             # One conversion per file: per-row slicing costs ~20x more.
-            self._rows = self.table.to_pylist()
+            rows = self.table.to_pylist()
+            stem = self.unit.keys[0].removesuffix(".parquet")
+            for number, row in enumerate(rows):
+                row.setdefault("__key__", f"{stem}/{number}")
+            self._rows = rows
         return self._rows[index]
 
     def close(self) -> None:

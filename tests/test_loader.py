@@ -366,6 +366,7 @@ def test_parquet_rows_and_record_batches(tmp_path: Path, settings: Settings) -> 
         pq.write_table(pa.Table.from_pylist(chunk), origin / f"part-{part}.parquet", row_group_size=25)
     dataset = CachedIterableDataset(str(origin), config=settings, seed=0, shuffle_buffer=50)
     got = list(dataset)
+    assert all(row.pop("__key__").startswith("part-") for row in got)
     assert sorted(got, key=lambda r: r["id"]) == rows
     batches = CachedIterableDataset(str(origin), config=settings, batch_size=64)
     collected = [b for b in DataLoader(batches, batch_size=None, num_workers=2)]
