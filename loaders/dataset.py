@@ -242,7 +242,7 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     # -- resume ---------------------------------------------------------------------------
 
-    def state_dict(self, samples_consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self, samples_consumed: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
         """A few integers that resume this epoch exactly, on any number of ranks and workers.
 
         Parameters
@@ -252,6 +252,11 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch (steps times batch size). Needed with DataLoader worker processes,
             where the main process cannot see their progress; with
             ``num_workers=0`` it is tracked automatically.
+        batch_size
+            The DataLoader's batch size, needed with ``samples_consumed`` and more than
+            one worker process unless the dataset itself batches: the DataLoader takes
+            whole batches from each worker in turn, so it says how many samples each
+            worker made.
         """
         _, world = self._rank_world()
         chunk = self.batch_size or 1
@@ -261,17 +266,38 @@ class CachedIterableDataset(IterableDataset[Any]):
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")
             workers = int(self._table.row(0)[Counter.NUM_WORKERS].item()) or 1
-            cursor = Cursor(world, workers, chunk, produced_from_consumed(samples_consumed, workers, chunk))
+            taken = self._loader_batch(batch_size, workers)
+            cursor = Cursor(world, workers, chunk, produced_from_consumed(samples_consumed, workers, taken))
         elif self._main_iterator is not None and self._main_iterator.epoch == self._epoch:
             cursor = Cursor(world, 1, chunk, (self._main_iterator.produced,))
         elif int(self._table.row(0)[Counter.NUM_WORKERS].item()) > 1 or self._table.row(0)[Counter.ACTIVE] > 0:
             raise ConfigError(
-                "with DataLoader worker processes, call state_dict(samples_consumed=steps * batch_size) "
-                "or use torchdata's StatefulDataLoader"
+                "with DataLoader worker processes, call state_dict(samples_consumed=steps * batch_size, "
+                "batch_size=batch_size) or use torchdata's StatefulDataLoader"
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
         return self._state((*self._cursors, cursor))
+
+    def _loader_batch(self, batch_size: int | None, workers: int) -> int:
+        """Samples in each batch the DataLoader takes from one worker."""
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        if self.batch_size:
+            if batch_size is not None and batch_size != self.batch_size:
+                raise ConfigError(
+                    f"state_dict(batch_size={batch_size}) but the dataset yields batches of {self.batch_size} "
+                    "(with DataLoader(batch_size=None)); leave batch_size out"
+                )
+            return self.batch_size
+        if batch_size is not None:
+            return batch_size
+        if workers > 1:
+            raise ConfigError(
+                f"with {workers} DataLoader worker processes, pass the DataLoader's batch size too: "
+                "state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)"
+            )
+        return 1
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._prepare()
