@@ -523,10 +523,23 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+_MOST_GPUS_PER_NODE = 16
+"""More GPUs per node than any common server holds: `plan --gpus` was likely the whole job's count."""
+
+
 async def _plan(args: argparse.Namespace) -> int:
     from datacache.bench import format_plan, plan_tiers
     from datacache.units import parse_bandwidth, parse_size
 
+    if args.nodes > 1 and args.gpus > _MOST_GPUS_PER_NODE:
+        logger.warning(
+            "--gpus is per node: %d GPUs per node x %d nodes = %d GPUs (for %d GPUs in all, pass --gpus %d)",
+            args.gpus,
+            args.nodes,
+            args.gpus * args.nodes,
+            args.gpus,
+            max(1, args.gpus // args.nodes),
+        )
     local_capacity = origin_bandwidth = None
     if args.local_capacity:
         local_capacity = parse_size(args.local_capacity, what="--local-capacity")
@@ -664,7 +677,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="size the tiers for a job on paper")
     add = plan.add_argument
-    add("--gpus", metavar="N", type=int, required=True, help="GPUs per node")
+    add("--gpus", metavar="N", type=int, required=True,
+        help="GPUs per node (the job has N x --nodes GPUs)")
     add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
     add("--dataset", metavar="SIZE", required=True, help="dataset size, e.g. 12TB")
     add("--epochs", metavar="E", type=int, default=1)

@@ -616,6 +616,29 @@ def test_endpoint_configuration(
     assert resident_files(local_data(tmp_path) / dataset) == endpoint_dataset
 
 
+@pytest.mark.parametrize("where", ["dataset", "config storage_options"])
+def test_a_storage_option_typo_names_the_option_and_the_right_one(
+    where: str, s3: S3Bucket, env: dict[str, str], tmp_path: Path
+) -> None:
+    """`endpoint` for `endpoint_url` (issue 12 item 10): one line naming both, exit 2, nothing staged."""
+    config = tmp_path / "config.toml"
+    if where == "dataset":
+        config.write_text(
+            f'[datasets.mine]\nurl = "{s3.url("ds")}"\n'
+            f'storage_options = {{ endpoint = "{s3.server.endpoint}", secret = "{SECRET}" }}\n'
+        )
+        target = "mine"
+    else:
+        config.write_text(f'[storage_options.s3]\nendpoint = "{s3.server.endpoint}"\nsecret = "{SECRET}"\n')
+        target = s3.url("ds")
+    result = run_cli(["warm", target], {**env, "DATACACHE_CONFIG": str(config)})
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert "storage option 'endpoint'" in line and "did you mean 'endpoint_url'?" in line, line
+    assert SECRET not in result.stderr + result.stdout
+    assert resident_files(local_data(tmp_path)) == {}
+
+
 # -- interrupts and terminals --------------------------------------------------------------------
 
 
