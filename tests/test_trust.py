@@ -191,3 +191,20 @@ def test_warm_name_and_warm_url_share_one_copy(tmp_path: Path, cache_env: dict[s
     settings = load_settings(env)
     assert resolve_dataset("train", settings).id == resolve_dataset(str(origin), settings).id
     assert [p.name for p in (settings.local_dir / "data").iterdir()] == [dataset_id_for(str(origin))]
+
+
+def test_a_samples_url_carries_no_credential(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """``__url__`` names the shard a sample came from, without the URL's userinfo."""
+    import fsspec
+    from datacache.loaders import CachedIterableDataset
+
+    tars = write_tars(tmp_path / "tars", 1, 2, "x")
+    fs = fsspec.filesystem("memory")
+    base = f"memory://user:pa55w0rd@{tmp_path.name}/ds"  # fsspec's memory store takes any path
+    fs.pipe(f"{base}/shard-0000.tar", tars["shard-0000.tar"])
+    try:
+        settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local")})
+        samples = list(CachedIterableDataset(base + "/", config=settings, shuffle=False))
+    finally:
+        fs.rm(base, recursive=True)
+    assert [s["__url__"] for s in samples] == [f"memory://{tmp_path.name}/ds/shard-0000.tar"] * 2
