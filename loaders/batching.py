@@ -26,6 +26,7 @@ from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
 from datacache.loaders.units import UnitReaders
+from datacache.tiers import redact_url
 
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
@@ -68,7 +69,7 @@ class BatchBuilder:
         self._in_consumer = in_consumer
         runtime = units.runtime
         self._format = runtime.handle.manifest.format
-        self._url = runtime.handle.config.url.rstrip("/")
+        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:

@@ -612,7 +612,8 @@ def test_endpoint_configuration(
     assert object_gets(s3, "ds") == dict.fromkeys(endpoint_dataset, 1), (
         "the bytes came from the moto server"
     )
-    dataset = "mine" if how == "dataset" else dataset_id_for(s3.url("ds"))
+    # However the endpoint is named, it is part of the identity, and one identity.
+    dataset = dataset_id_for(s3.url("ds"), {"endpoint_url": s3.server.endpoint}, env={})
     assert resident_files(local_data(tmp_path) / dataset) == endpoint_dataset
 
 
