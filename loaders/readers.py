@@ -30,6 +30,7 @@ from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
 
 __all__ = [
+    "COUNT_SOURCES",
     "SpanCache",
     "TarReader",
     "Unit",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 Fields = list[tuple[str, memoryview]]
+COUNT_SOURCES = "count_sources"
+"""The plan's ``extra`` entry naming where its tar sample counts came from (sidecar indexes, the cluster's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +222,12 @@ class TarReader(_BufferReader):
     """A WebDataset tar shard: samples are runs of members sharing a key."""
 
     def __init__(
-        self, unit: Unit, where: str, buffer: mmap.mmap | bytes, spans: Sequence[SampleSpan] | None = None
+        self,
+        unit: Unit,
+        where: str,
+        buffer: mmap.mmap | bytes,
+        spans: Sequence[SampleSpan] | None = None,
+        sources: Sequence[str] = (),
     ) -> None:
         super().__init__(unit, where, buffer)
         if spans is None:
@@ -232,7 +240,11 @@ class TarReader(_BufferReader):
         table = SpanTable.from_spans(spans, shard_size=len(self._view))
         self.spans: SpanTable = table
         if len(table) != unit.count:
-            raise ShardReadError(f"{where}: holds {len(table)} samples, the index says {unit.count}")
+            said = f" ({', '.join(sources)})" if sources else ""
+            raise ShardReadError(
+                f"{where}: holds {len(table)} samples, its sample index{said} says {unit.count}: "
+                "the index is wrong; fix or delete it, then run `datacache index URL --rescan`"
+            )
         self._keys = [memoryview(table.key(i).encode("utf-8", "surrogateescape")) for i in range(len(table))]
 
     def fields(self, index: int) -> Fields:
@@ -345,7 +357,7 @@ def open_unit_reader(
 ) -> UnitReader:
     """A reader for ``unit`` over the verified bytes of its shards (``spans``: a tar shard's known index)."""
     if fmt is ShardFormat.TAR:
-        return TarReader(unit, where, buffers[unit.keys[0]], spans)
+        return TarReader(unit, where, buffers[unit.keys[0]], spans, tuple(extra.get(COUNT_SOURCES, ())))
     if fmt is ShardFormat.PARQUET:
         return ParquetReader(unit, where, buffers[unit.keys[0]])
     if fmt is ShardFormat.FILES:
