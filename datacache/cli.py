@@ -376,13 +376,16 @@ async def _evict(args: argparse.Namespace) -> int:
             if dataset_id not in records:
                 raise ConfigError(f"dataset {args.dataset!r} has nothing cached on this node (see 'datacache ls')")
         keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
+        if args.tier == SHARED and stager.shared is None:
+            raise ConfigError(
+                "--tier shared: no shared tier is configured (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)"
+            )
         count, size = 0, 0
         if args.tier in (LOCAL, "all"):
             c, s = await stager.evict(dataset_id, keys)
             count, size = count + c, size + s
-        if args.tier in (SHARED, "all"):
-            if stager.shared is None:
-                raise ConfigError("no shared tier is configured")
+        # "all" means every tier this node has; without a shared tier that is the local one.
+        if args.tier in (SHARED, "all") and stager.shared is not None:
             c, s = await stager.evict_shared(dataset_id)
             count, size = count + c, size + s
         if args.forget:
@@ -631,7 +634,8 @@ def _parser() -> argparse.ArgumentParser:
 
     evict = commands.add_parser("evict", help="remove a dataset's shards from a tier")
     evict.add_argument("dataset", help="a URL, a configured name, or a dataset id from 'datacache ls'")
-    evict.add_argument("--tier", choices=(LOCAL, SHARED, "all"), default=LOCAL)
+    evict.add_argument("--tier", choices=(LOCAL, SHARED, "all"), default=LOCAL,
+                       help="local (default), shared, or all: every tier this node has")
     evict.add_argument("--shards", metavar="KEYS", help="only these shard keys, comma-separated")
     evict.add_argument("--forget", action="store_true", help="also forget the dataset and its saved manifest")
     _add_settings_flags(evict)

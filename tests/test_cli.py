@@ -555,6 +555,26 @@ def test_ls_status_evict(tmp_path: Path, env: dict[str, str]) -> None:
     assert "has nothing cached" in one_error_line(missing)
 
 
+def test_evict_all_without_a_shared_tier_evicts_local_and_succeeds(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """The README's `evict NAME --tier all` on a node with no shared tier (issue 12 item 6)."""
+    local_only = {k: v for k, v in env.items() if k != "DATACACHE_SHARED_DIR"}
+    origin = fill_dir(tmp_path / "origin", make_shards(2, 10_000))
+    dataset = dataset_id_for(str(origin))
+    run_cli(["warm", str(origin)], local_only, check=True)
+    # --tier shared names a tier that is not there: refused before anything is evicted.
+    shared = run_cli(["evict", str(origin), "--tier", "shared"], local_only)
+    assert shared.returncode == 2
+    assert "no shared tier is configured" in one_error_line(shared)
+    assert len(resident_files(local_data(tmp_path) / dataset)) == 2
+    # --tier all means every tier this node has: here, the local one.
+    evicted = run_cli(["evict", str(origin), "--tier", "all"], local_only)
+    assert evicted.returncode == 0, evicted.stderr
+    assert "evicted 2 shards (20.00 kB)" in evicted.stdout
+    assert resident_files(local_data(tmp_path) / dataset) == {}
+
+
 # -- endpoints ----------------------------------------------------------------
 
 
