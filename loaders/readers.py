@@ -30,6 +30,7 @@ from datacache.manifest import Manifest, ShardFormat
 from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
 
 __all__ = [
+    "COUNT_SOURCES",
     "SpanCache",
     "TarReader",
     "Unit",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 Fields = list[tuple[str, memoryview]]
+COUNT_SOURCES = "count_sources"
+"""The plan's ``extra`` entry naming where its tar sample counts came from (sidecar indexes, the cluster's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +226,12 @@ class TarReader(_BufferReader):
     """A WebDataset tar shard: samples are runs of members sharing a key."""
 
     def __init__(
-        self, unit: Unit, where: str, buffer: mmap.mmap | bytes, spans: Sequence[SampleSpan] | None = None
+        self,
+        unit: Unit,
+        where: str,
+        buffer: mmap.mmap | bytes,
+        spans: Sequence[SampleSpan] | None = None,
+        sources: Sequence[str] = (),
     ) -> None:
         super().__init__(unit, where, buffer)
         try:
@@ -236,7 +244,11 @@ class TarReader(_BufferReader):
                     raise ShardReadError(f"{where}: {exc}") from None
             table = SpanTable.from_spans(spans, shard_size=len(self._view))
             if len(table) != unit.count:
-                raise ShardReadError(f"{where}: holds {len(table)} samples, the index says {unit.count}")
+                said = f" ({', '.join(sources)})" if sources else ""
+                raise ShardReadError(
+                    f"{where}: holds {len(table)} samples, its sample index{said} says {unit.count}: "
+                    "the index is wrong; fix or delete it, then run `datacache index URL --rescan`"
+                )
         except BaseException:
             # The caller unmaps the buffer; an export left in a frame the traceback keeps would forbid it.
             self._view.release()
@@ -358,7 +370,7 @@ def open_unit_reader(
 ) -> UnitReader:
     """A reader for ``unit`` over the verified bytes of its shards (``spans``: a tar shard's known index)."""
     if fmt is ShardFormat.TAR:
-        return TarReader(unit, where, buffers[unit.keys[0]], spans)
+        return TarReader(unit, where, buffers[unit.keys[0]], spans, tuple(extra.get(COUNT_SOURCES, ())))
     if fmt is ShardFormat.PARQUET:
         return ParquetReader(unit, where, buffers[unit.keys[0]])
     if fmt is ShardFormat.FILES:
