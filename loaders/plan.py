@@ -81,8 +81,9 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
                 report.seconds,
             )
         sources = sorted({count.source for count in found.values() if count.source != "scanned"})
+        uncounted = "its samples could not be counted"
         unreadable = {
-            s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: its samples could not be counted")
+            s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: {uncounted}")
             for s in manifest.shards
             if s.key not in found
         }
