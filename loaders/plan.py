@@ -82,13 +82,13 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
             )
         sources = sorted({count.source for count in found.values() if count.source != "scanned"})
         uncounted = "its samples could not be counted"
-        unreadable = {
+        uncountable = {
             s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: {uncounted}")
             for s in manifest.shards
             if s.key not in found
         }
         units = tuple(Unit((s.key,), found[s.key].samples if s.key in found else 0, s.key) for s in manifest.shards)
-        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {}, unreadable)
+        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {}, uncountable)
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
     unreadable: dict[str, str] = {}
