@@ -33,12 +33,7 @@ from datacache._read import read_verified
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest
-from datacache.stager import (
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    DatasetHandle,
-    Location,
-)
+from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]

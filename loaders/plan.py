@@ -85,6 +85,7 @@ async def _build(access: ShardAccess, handle: DatasetHandle, *, concurrency: int
         return UnitPlan(tuple(Unit((s.key,), 1, s.key) for s in manifest.shards), {})
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
+    unreadable: dict[str, str] = {}
     if missing:
         started = time.monotonic()
         if fmt is ShardFormat.TAR:
@@ -96,18 +97,26 @@ async def _build(access: ShardAccess, handle: DatasetHandle, *, concurrency: int
             )
         gate = asyncio.Semaphore(concurrency)
 
-        async def count(key: str, size: int) -> tuple[str, int]:
+        async def count(key: str, size: int) -> tuple[str, int | ShardReadError]:
             async with gate:
-                if fmt is ShardFormat.PARQUET:
-                    return key, await _parquet_rows(access, handle, key, size)
-                return key, await _tar_samples(access, handle, key)
+                try:
+                    if fmt is ShardFormat.PARQUET:
+                        return key, await _parquet_rows(access, handle, key, size)
+                    return key, await _tar_samples(access, handle, key)
+                except ShardReadError as exc:
+                    return key, exc
 
-        for key, samples in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
-            known[key] = samples
+        for key, counted in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
+            if isinstance(counted, ShardReadError):
+                # Recorded, not raised: whether to skip it is each reader's on_error.
+                unreadable[key] = str(counted)
+                known[key] = 0
+            else:
+                known[key] = counted
         logger.info(
             "dataset %s: counted samples of %d shards in %.1fs", handle.id, len(missing), time.monotonic() - started
         )
-    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {})
+    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
 
 
 async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:

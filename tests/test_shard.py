@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from datacache.tiers import ObjectInfo
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.cli import main
 from datacache.errors import ConfigError, InvalidKeyError
 from datacache.manifest import MANIFEST_NAME, Manifest
@@ -31,7 +32,6 @@ from datacache.shard import (
     plan_tar,
     shard_dataset,
 )
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import INDEX_SUFFIX, group_samples, index_from_json, scan_tar
 
 T = TypeVar("T")
