@@ -102,7 +102,7 @@ class Stager:
         # Loop- and process-bound state, created lazily and never pickled.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._parts: _Parts | None = None
-        self._reconciled = False
+        self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
         self._origins: dict[str, Tier] = {}
         self._closed = False
@@ -144,7 +144,8 @@ class Stager:
 
     # -- runtime set-up -------------------------------------------------------------------
 
-    async def _ready(self) -> _Parts:
+    def _runtime(self) -> _Parts:
+        """The parts bound to the running loop, built on first use in it."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise DatacacheError("the stager is closed")
@@ -153,10 +154,18 @@ class Stager:
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
-        if self._reconcile_wanted and not self._reconciled:
-            self._reconciled = True
-            await self.reconcile()
         return self._parts
+
+    async def _ready(self) -> _Parts:
+        parts = self._runtime()
+        if self._reconcile_wanted:
+            if self._reconciling is None:
+                self._reconciling = parts.loop.create_task(self._reconcile(parts))
+                await self._reconciling
+            elif not self._reconciling.done():
+                # Every verb waits for the one reconcile: nothing is staged while it repairs.
+                await asyncio.shield(self._reconciling)
+        return parts
 
     def _build_parts(self, loop: asyncio.AbstractEventLoop) -> _Parts:
         settings, events = self.settings, self._events
@@ -501,7 +510,17 @@ class Stager:
         Runs under a node lock taken without waiting: if another process is
         reconciling, this one leaves it the job.
         """
-        return await recovery.reconcile(self.settings, self.local, self.shared, self.catalog, owner=self._owner)
+        parts = self._runtime()
+        if self._reconcile_wanted and self._reconciling is None:
+            # Asked for before any verb: this is the stager's one reconcile, verbs wait for it.
+            self._reconciling = parts.loop.create_task(self._reconcile(parts))
+            return await self._reconciling
+        return await self._reconcile(parts)
+
+    async def _reconcile(self, parts: _Parts) -> dict[str, int]:
+        return await recovery.reconcile(
+            self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
+        )
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
