@@ -29,11 +29,11 @@ from datacache._protocol import (
     config_to_wire,
     exception_from_wire,
 )
-from datacache._read import read_verified
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest
 from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
+from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
