@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import math
 import os
 import re
@@ -34,6 +35,8 @@ __all__ = [
     "load_settings",
     "resolve_dataset",
 ]
+
+logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "lru", "nothrash", "belady")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -291,7 +294,10 @@ def load_settings(
             continue
         key = known_env.get(name)
         if key is None:
-            raise ConfigError(f"unknown environment variable {name}{_suggest(name, set(known_env))}")
+            # Warned, not refused: a cluster's own tooling may set DATACACHE_* variables, and a
+            # training job should not die of one. The TOML file, which only we write, stays strict.
+            logger.warning("unknown environment variable %s ignored%s", name, _suggest(name, set(known_env)))
+            continue
         if key:
             values[key] = _SETTINGS[key][1](value, name)
 

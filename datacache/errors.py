@@ -16,6 +16,7 @@ __all__ = [
     "OriginChangedError",
     "OriginError",
     "OriginPermissionError",
+    "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
     "TierFullError",
@@ -70,6 +71,10 @@ class ShardReadError(DatacacheError):
 
 class DatasetTooLargeError(DatacacheError, MemoryError):
     """A dataset declares more samples (or a shard more bytes) than this machine can hold to read it."""
+
+
+class SampleDecodeError(DatacacheError, ValueError):
+    """A decoder failed on a sample; the message names the dataset, shard, key and field."""
 
 
 class TierFullError(DatacacheError, OSError):
