@@ -26,7 +26,8 @@ from typing import Any
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
-from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers import LocalTier, ObjectInfo, SharedTier, Tier, redact_url, validate_key
+from datacache.tiers._dirfd import Place, read_bounded
 from datacache.tiers._files import atomic_write
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "datacache-manifest.json"
+MANIFEST_LIMIT = 512 << 20
+"""The largest persisted manifest read back (~2 million shards); a bigger file is ignored, not read."""
 """The file ``datacache shard`` writes at the root of its output."""
 
 _FORMAT_VERSION = 1
@@ -289,8 +292,13 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is the node's (local tier); a second one on the shared
-    tier lets other nodes reuse a manifest without listing the origin.
+    The first directory is the node's (local tier, private: 0700/0600); a second
+    one on the shared tier (the group's: 2770/0640) lets other nodes reuse a
+    manifest without listing the origin. Each directory is reached from its
+    tier's root without following links, and a manifest is read only if it is a
+    regular file of at most `MANIFEST_LIMIT` bytes: others can write the shared
+    one, and a FIFO or a link to ``/dev/zero`` there must not hang or exhaust a
+    reader.
     """
 
     def __init__(self, *directories: Path) -> None:
@@ -298,21 +306,29 @@ class ManifestStore:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
 
-    def _path(self, directory: Path, dataset_id: str) -> Path:
+    def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
-        return directory / f"{dataset_id}.json"
+        directory = self._directories[position]
+        dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
+        return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
+
+    def _file_mode(self, position: int) -> int | None:
+        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
 
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        for directory in self._directories:
-            path = self._path(directory, dataset_id)
+        for position in range(len(self._directories)):
+            place = self._place(position, dataset_id)
             try:
-                raw = path.read_bytes()
-            except FileNotFoundError:
+                raw = read_bounded(place, MANIFEST_LIMIT)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except (OSError, InvalidKeyError) as exc:
+                logger.warning("ignoring manifest %s: %s", place.path, exc)
                 continue
             try:
-                return Manifest.from_json(json.loads(raw), str(path))
+                return Manifest.from_json(json.loads(raw), str(place.path))
             except (ValueError, DatacacheError) as exc:
-                logger.warning("ignoring unreadable manifest %s: %s", path, exc)
+                logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
         return None
 
     async def load(self, dataset_id: str) -> Manifest | None:
@@ -326,13 +342,21 @@ class ManifestStore:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        for directory in self._directories:
+        for position, directory in enumerate(self._directories):
+            place = self._place(position, manifest.dataset)
             try:
-                await atomic_write(self._path(directory, manifest.dataset), body(), durable=False)
-            except OSError as exc:
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+            except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 
     async def delete(self, dataset_id: str) -> None:
-        for directory in self._directories:
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
+        def unlink(place: Place) -> None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, InvalidKeyError):
+                fd = place.open_parent()
+                try:
+                    os.unlink(place.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+
+        for position in range(len(self._directories)):
+            await asyncio.to_thread(unlink, self._place(position, dataset_id))
