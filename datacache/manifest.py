@@ -27,15 +27,17 @@ from typing import Any
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
 from datacache.tiers import LocalTier, ObjectInfo, SharedTier, Tier, redact_url, validate_key
-from datacache.tiers._dirfd import Place, read_bounded
+from datacache.tiers._dirfd import Place, read_bounded_stat
 from datacache.tiers._files import atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "Manifest",
     "ManifestStore",
     "Shard",
     "ShardFormat",
+    "default_trusted_uids",
     "detect_format",
     "take_manifest",
 ]
@@ -43,8 +45,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "datacache-manifest.json"
-MANIFEST_LIMIT = 512 << 20
-"""The largest persisted manifest read back (~2 million shards); a bigger file is ignored, not read."""
 """The file ``datacache shard`` writes at the root of its output."""
 
 _FORMAT_VERSION = 1
@@ -289,22 +289,33 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     return manifest
 
 
+MAX_MANIFEST_BYTES = 1 << 30
+"""A persisted manifest larger than this is not read (about ten million shards)."""
+
+
+def default_trusted_uids() -> frozenset[int]:
+    """Whose files a process trusts without checking them against the origin: itself and root."""
+    return frozenset({os.geteuid(), 0})
+
+
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is the node's (local tier, private: 0700/0600); a second
-    one on the shared tier (the group's: 2770/0640) lets other nodes reuse a
-    manifest without listing the origin. Each directory is reached from its
-    tier's root without following links, and a manifest is read only if it is a
-    regular file of at most `MANIFEST_LIMIT` bytes: others can write the shared
-    one, and a FIFO or a link to ``/dev/zero`` there must not hang or exhaust a
-    reader.
+    The first directory is this node's own (the local tier, private: 0700/0600):
+    only it is read back, and only a regular file owned by a trusted uid, of at
+    most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
+    link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
+    The others (on the shared tier, the group's: 2770/0640) are written for
+    tools and other nodes to inspect, never taken as a snapshot: whoever can
+    write there could name any shards and versions, so each reader takes its
+    own listing of the origin (docs/SECURITY.md).
     """
 
-    def __init__(self, *directories: Path) -> None:
+    def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
+        self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
     def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
@@ -315,24 +326,37 @@ class ManifestStore:
     def _file_mode(self, position: int) -> int | None:
         return LocalTier.file_mode if position == 0 else SharedTier.file_mode
 
+    def _read_trusted(self, place: Place) -> bytes | None:
+        """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
+        try:
+            st, raw = read_bounded_stat(place, MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("ignoring manifest %s: %s", place.path, exc)
+            return None
+        if st.st_uid not in self._trusted:
+            logger.warning("ignoring manifest %s: not a file of this user, root or the daemon", place.path)
+            return None
+        return raw
+
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        for position in range(len(self._directories)):
-            place = self._place(position, dataset_id)
-            try:
-                raw = read_bounded(place, MANIFEST_LIMIT)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except (OSError, InvalidKeyError) as exc:
-                logger.warning("ignoring manifest %s: %s", place.path, exc)
-                continue
-            try:
-                return Manifest.from_json(json.loads(raw), str(place.path))
-            except (ValueError, DatacacheError) as exc:
-                logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
-        return None
+        place = self._place(0, dataset_id)
+        raw = self._read_trusted(place)
+        if raw is None:
+            return None
+        try:
+            manifest = Manifest.from_json(json.loads(raw), str(place.path))
+        except (ValueError, DatacacheError) as exc:
+            logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
+            return None
+        if manifest.dataset != dataset_id:
+            logger.warning("ignoring manifest %s: it describes dataset %r", place.path, manifest.dataset)
+            return None
+        return manifest
 
     async def load(self, dataset_id: str) -> Manifest | None:
-        """Return the persisted manifest of ``dataset_id``, or ``None``."""
+        """Return the manifest of ``dataset_id`` this node persisted, or ``None``."""
         return await asyncio.to_thread(self._load_sync, dataset_id)
 
     async def save(self, manifest: Manifest) -> None:

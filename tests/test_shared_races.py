@@ -105,7 +105,7 @@ def _race(users: dict[str, User], world_dir: Path, *, puts: int, warms: int, sec
         path.chmod(0o755 if path.is_dir() else 0o644)
     url = str(origin)
     dataset = dataset_id_for(url)
-    target = alice.home / "target"  # stands for ~/.ssh: only alice may write it
+    target = alice.home / f"target-{world_dir.name}"  # stands for ~/.ssh: only alice may write it
     target.mkdir(mode=0o700)
     os.chown(target, alice.uid, alice.gid)
     stop = world_dir / "stop"

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded, server_now
+from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
 from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials, remove_if_abandoned
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
@@ -136,11 +136,20 @@ class DirectoryTier(Tier):
         if st is None or not stat_module.S_ISREG(st.st_mode):
             return None
         metadata: dict[str, str] = {}
+        writers = {st.st_uid}
         with contextlib.suppress(OSError, ValueError):
-            raw = json.loads(read_bounded(self._meta_place(key), META_LIMIT))
-            if isinstance(raw, dict):
-                metadata = {str(k): str(v) for k, v in raw.items()}
-        return ObjectInfo(key=key, size=st.st_size, version=f"{st.st_mtime_ns}:{st.st_size}", metadata=metadata)
+            meta_st, raw = read_bounded_stat(self._meta_place(key), META_LIMIT)
+            parsed = json.loads(raw)
+            if isinstance(parsed, dict):
+                metadata = {str(k): str(v) for k, v in parsed.items()}
+                writers.add(meta_st.st_uid)
+        return ObjectInfo(
+            key=key,
+            size=st.st_size,
+            version=f"{st.st_mtime_ns}:{st.st_size}",
+            metadata=metadata,
+            writers=frozenset(writers),
+        )
 
     def _open_checked(self, key: str, version: str | None) -> int:
         def open_file(dir_fd: int, name: str) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "open_dir_async",
     "read_bounded",
     "read_bounded_at",
+    "read_bounded_stat",
     "read_bounded_stat_at",
     "server_now",
 ]
@@ -260,10 +261,15 @@ def read_bounded_stat_at(dir_fd: int, name: str, limit: int) -> tuple[os.stat_re
 
 def read_bounded(place: Place, limit: int) -> bytes:
     """`read_bounded_at` for a place: walked to without following links. Raises FileNotFoundError if absent."""
+    return read_bounded_stat(place, limit)[1]
+
+
+def read_bounded_stat(place: Place, limit: int) -> tuple[os.stat_result, bytes]:
+    """`read_bounded`, also returning the file's status (its owner, for one)."""
     fd = place.open_parent()
     try:
         try:
-            return read_bounded_at(fd, place.name, limit)
+            return read_bounded_stat_at(fd, place.name, limit)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafeFileError(f"{place.path}: a symlink; not followed") from None
