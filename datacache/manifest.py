@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ from typing import Any
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
-from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers import LocalTier, ObjectInfo, SharedTier, Tier, redact_url, validate_key
+from datacache.tiers._dirfd import Place, read_bounded_stat
 from datacache.tiers._files import atomic_write
 
 __all__ = [
@@ -343,11 +343,14 @@ def default_trusted_uids() -> frozenset[int]:
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is this node's own (the local tier): only it is read
-    back, and only a regular file owned by a trusted uid. The others (on the
-    shared tier) are written for tools and other nodes to inspect, never taken
-    as a snapshot: whoever can write there could name any shards and versions,
-    so each reader takes its own listing of the origin (docs/SECURITY.md).
+    The first directory is this node's own (the local tier, private: 0700/0600):
+    only it is read back, and only a regular file owned by a trusted uid, of at
+    most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
+    link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
+    The others (on the shared tier, the group's: 2770/0640) are written for
+    tools and other nodes to inspect, never taken as a snapshot: whoever can
+    write there could name any shards and versions, so each reader takes its
+    own listing of the origin (docs/SECURITY.md).
     """
 
     def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
@@ -356,43 +359,41 @@ class ManifestStore:
         self._directories = directories
         self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
-    def _path(self, directory: Path, dataset_id: str) -> Path:
+    def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
-        return directory / f"{dataset_id}.json"
+        directory = self._directories[position]
+        dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
+        return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
 
-    def _read_trusted(self, path: Path) -> bytes | None:
-        """The bytes of ``path`` if it is a regular file of a trusted owner, not too large; else None."""
+    def _file_mode(self, position: int) -> int | None:
+        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
+
+    def _read_trusted(self, place: Place) -> bytes | None:
+        """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
+            st, raw = read_bounded_stat(place, MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:
-            logger.warning("ignoring manifest %s: cannot open it (%s)", path, exc.strerror)
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("ignoring manifest %s: %s", place.path, exc)
             return None
-        with os.fdopen(fd, "rb") as handle:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid not in self._trusted or st.st_size > MAX_MANIFEST_BYTES:
-                logger.warning(
-                    "ignoring manifest %s: not a regular file of this user, root or the daemon, "
-                    "or larger than %d bytes",
-                    path,
-                    MAX_MANIFEST_BYTES,
-                )
-                return None
-            return handle.read(MAX_MANIFEST_BYTES + 1)
+        if st.st_uid not in self._trusted:
+            logger.warning("ignoring manifest %s: not a file of this user, root or the daemon", place.path)
+            return None
+        return raw
 
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        path = self._path(self._directories[0], dataset_id)
-        raw = self._read_trusted(path)
+        place = self._place(0, dataset_id)
+        raw = self._read_trusted(place)
         if raw is None:
             return None
         try:
-            manifest = Manifest.from_json(json.loads(raw), str(path))
+            manifest = Manifest.from_json(json.loads(raw), str(place.path))
         except (ValueError, DatacacheError) as exc:
-            logger.warning("ignoring unreadable manifest %s: %s", path, exc)
+            logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
             return None
         if manifest.dataset != dataset_id:
-            logger.warning("ignoring manifest %s: it describes dataset %r", path, manifest.dataset)
+            logger.warning("ignoring manifest %s: it describes dataset %r", place.path, manifest.dataset)
             return None
         return manifest
 
@@ -407,13 +408,21 @@ class ManifestStore:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        for directory in self._directories:
+        for position, directory in enumerate(self._directories):
+            place = self._place(position, manifest.dataset)
             try:
-                await atomic_write(self._path(directory, manifest.dataset), body(), durable=False)
-            except OSError as exc:
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+            except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 
     async def delete(self, dataset_id: str) -> None:
-        for directory in self._directories:
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
+        def unlink(place: Place) -> None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, InvalidKeyError):
+                fd = place.open_parent()
+                try:
+                    os.unlink(place.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+
+        for position in range(len(self._directories)):
+            await asyncio.to_thread(unlink, self._place(position, dataset_id))
