@@ -232,12 +232,12 @@ def test_peer_and_dataset_allowlists(tmp_path: Path, cache_env: dict[str, str]) 
     daemon = Daemon(settings, DaemonOptions(allow_uids=frozenset({4242}), allow_datasets=("s3://ok-bucket/",)))
     stranger = os.getuid() + 1000 if os.getuid() != 0 else 1000
     with pytest.raises(ConfigError, match="may not use this daemon"):
-        daemon._check_peer(1, stranger, stranger + 1)
-    daemon._check_peer(1, 4242, 4242)
-    daemon._check_peer(1, os.getuid(), os.getgid())
-    daemon._allowed(DatasetConfig(name="a", url="s3://ok-bucket/imagenet"))
+        daemon.peers.check(1, stranger, stranger + 1)
+    daemon.peers.check(1, 4242, 4242)
+    daemon.peers.check(1, os.getuid(), os.getgid())
+    daemon.registry.allowed(DatasetConfig(name="a", url="s3://ok-bucket/imagenet"))
     with pytest.raises(ConfigError, match="allowlist"):
-        daemon._allowed(DatasetConfig(name="b", url="s3://other-bucket/x"))
+        daemon.registry.allowed(DatasetConfig(name="b", url="s3://other-bucket/x"))
 
 
 # -- one daemon, one node --------------------------------------------------------------------

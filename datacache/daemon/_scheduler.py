@@ -74,6 +74,7 @@ class PrefetchScheduler:
             raise ValueError(f"slots must be at least 1, got {slots}")
         self._stager = stager
         self.slots = slots
+        self.bandwidth = bandwidth
         self._bucket = TokenBucket(bandwidth) if bandwidth else None
         self._max_pending = max_pending
         self._heap: list[tuple[float, int, _Ident]] = []

@@ -1,0 +1,236 @@
+"""The daemon's HTTP layer: who may call, how a request is parsed, how an error is answered.
+
+Everything here is about the transport, nothing about datasets: the verbs
+(`datacache.daemon._server`) parse their bodies with these helpers and raise;
+the middleware turns what they raise into one JSON error line (docs/DAEMON.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from datacache._protocol import MAX_BODY_BYTES, error_for
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.metrics import DaemonMetrics
+from datacache.stager import LOCAL, SHARED
+from datacache.tiers import redact_url, validate_key
+
+__all__ = [
+    "DRAINING",
+    "STARTING",
+    "BadRequest",
+    "Forbidden",
+    "PeerPolicy",
+    "body",
+    "error",
+    "http_logger",
+    "keys",
+    "middleware",
+    "number",
+    "peer",
+    "string",
+    "tier",
+]
+
+logger = logging.getLogger("datacache.daemon")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_PEERCRED = struct.Struct("3i")
+# Routes that answer whatever the daemon's state (probes of the kubelet and Prometheus).
+_ALWAYS = ("healthz", "readyz", "metrics", "unknown")
+STARTING = "the daemon is starting (recovering its catalog)"
+DRAINING = "the daemon is shutting down"
+
+
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp logs every malformed request with a traceback: one line is enough for a bad client."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = (exc.message or "").strip().splitlines()
+            record.msg, record.args = "malformed request: %d %s", (exc.code, redact_url(reason[0] if reason else ""))
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+http_logger = logging.getLogger("datacache.daemon.http")
+http_logger.addFilter(_OneLineBadRequests())
+
+
+class BadRequest(ConfigError):
+    code = "bad_request"
+
+
+class Forbidden(ConfigError):
+    code = "forbidden"
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """Who may use the daemon, by the peer's ``SO_PEERCRED``: root, the daemon's uid and gid, and these."""
+
+    allow_uids: frozenset[int] = frozenset()
+    allow_gids: frozenset[int] = frozenset()
+
+    def check(self, pid: int, uid: int, gid: int) -> None:
+        if uid in (0, os.getuid()) or uid in self.allow_uids:
+            return
+        if gid == os.getgid() or gid in self.allow_gids:
+            return
+        raise Forbidden(
+            f"uid {uid} gid {gid} may not use this daemon (allow it: --allow-uid or --allow-gid)"
+        )
+
+
+def peer(request: web.Request) -> tuple[int, int, int] | None:
+    """The (pid, uid, gid) of the process at the other end of a Unix socket; None over TCP."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return None
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def error(code: str, status: int, message: str) -> web.Response:
+    """The one form of every error reply: a code and a one-line, redacted message."""
+    line = redact_url(message.strip().splitlines()[0]) if message.strip() else code
+    return web.json_response({"error": {"code": code, "message": line}}, status=status)
+
+
+# -- request parsing ----------------------------------------------------------------------
+
+
+async def body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object (an empty body is an empty object)."""
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def string(data: Mapping[str, Any], name: str, default: str | None = None) -> str:
+    value = data.get(name, default)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"'{name}' must be a non-empty string")
+    return value
+
+
+def number(data: Mapping[str, Any], name: str, default: float) -> float:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise BadRequest(f"'{name}' must be a number")
+    return float(value)
+
+
+def keys(data: Mapping[str, Any], name: str = "keys") -> list[str]:
+    value = data.get(name)
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise BadRequest(f"'{name}' must be a list of shard keys")
+    for key in value:
+        validate_key(key)
+    return value
+
+
+def tier(data: Mapping[str, Any]) -> str:
+    value = data.get("tier", LOCAL)
+    if value not in (LOCAL, SHARED):
+        raise BadRequest(f"unknown tier {value!r} (choose local or shared)")
+    return str(value)
+
+
+# -- the middleware -----------------------------------------------------------------------
+
+
+def middleware(
+    peers: PeerPolicy, metrics: DaemonMetrics, unavailable: Callable[[], str | None]
+) -> Any:
+    """Check the peer, refuse work while starting or draining, turn exceptions into error replies.
+
+    ``unavailable`` says why the daemon cannot take work now (None when it can).
+    """
+
+    @web.middleware
+    async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route
+        verb = route.name if route is not None and route.name else "unknown"
+        started = time.monotonic()
+        code = "ok"
+        try:
+            who = peer(request)
+            if who is not None:
+                peers.check(*who)
+                request["peer_pid"] = who[0]
+            if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+                code = "too_large"
+                return error(code, 413, f"request body over {MAX_BODY_BYTES} bytes")
+            if verb not in _ALWAYS:
+                reason = unavailable()
+                if reason is not None:
+                    raise DaemonUnavailableError(reason)
+            return await handler(request)
+        except web.HTTPException as exc:
+            code, reply = _http_error(request, exc)
+            return reply
+        except (BadRequest, Forbidden) as exc:
+            code = exc.code
+            return error(code, 403 if isinstance(exc, Forbidden) else 400, str(exc))
+        except (DatacacheError, ValueError, OSError) as exc:
+            code, reply = _failure(verb, exc, draining=unavailable() == DRAINING)
+            return reply
+        except Exception:
+            code = "internal"
+            logger.exception("request %s failed", verb)
+            return error(code, 500, f"internal error answering {verb} (see the daemon's log)")
+        finally:
+            metrics.requests.labels(verb, code).inc()
+            metrics.request_seconds.labels(verb).observe(time.monotonic() - started)
+
+    return handle
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> tuple[str, web.Response]:
+    if exc.status == 404:
+        message = f"unknown request {request.method} {request.path} (see docs/DAEMON.md)"
+        return "unknown_request", error("unknown_request", 404, message)
+    if exc.status == 405:
+        return "unknown_request", error("unknown_request", 405, f"{request.path} does not take {request.method}")
+    if exc.status == 413:
+        return "too_large", error("too_large", 413, f"request body over {MAX_BODY_BYTES} bytes")
+    return "bad_request", error("bad_request", exc.status, exc.reason or "bad request")
+
+
+def _failure(verb: str, exc: BaseException, *, draining: bool) -> tuple[str, web.Response]:
+    code, status = error_for(exc)
+    if draining and status >= 500:
+        # Abandoned by the shutdown: the client should go on without the daemon.
+        exc = DaemonUnavailableError(f"the daemon shut down before answering ({exc})")
+        code, status = "shutting_down", 503
+    if status >= 500 and code != "shutting_down":
+        logger.warning("%s failed: %s", verb, redact_url(str(exc)), extra={"event": "request_failed"})
+    return code, error(code, status, str(exc) or type(exc).__name__)

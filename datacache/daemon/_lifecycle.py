@@ -1,0 +1,268 @@
+"""The daemon's lifecycle: its directories, the node lock, the sockets, the drain on SIGTERM.
+
+`Lifecycle` owns what must be taken exactly once per node and released on every
+exit path: the cache directory's layout, ``locks/daemon.lock``, the Unix socket
+(and its stale predecessor), the metrics port, the HTTP runners, and the set of
+requests a graceful stop waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from datacache.config import Settings
+from datacache.daemon._http import DRAINING, STARTING, http_logger
+from datacache.errors import DatacacheError
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger("datacache.daemon")
+
+T = TypeVar("T")
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - an empty host asks for every interface
+
+
+def _socket_answers(path: Path, timeout: float = 2.0) -> bool:
+    """Whether a live process accepts connections and answers HTTP on ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(str(path))
+        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: datacache\r\nConnection: close\r\n\r\n")
+        return probe.recv(16).startswith(b"HTTP/")
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class Lifecycle:
+    """Start-up, readiness and a bounded, graceful stop of one daemon.
+
+    Parameters
+    ----------
+    settings
+        Where the cache, the socket and the metrics port are.
+    drain_timeout
+        On a stop, how long running requests may take before they are abandoned.
+    """
+
+    def __init__(self, settings: Settings, drain_timeout: float) -> None:
+        self.settings = settings
+        self.drain_timeout = drain_timeout
+        self.metrics_address: str | None = None
+        self.ready = False
+        self.draining = False
+        self.inflight: set[asyncio.Task[Any]] = set()
+        self.started = time.time()
+        self._runners: list[web.AppRunner] = []
+        self._lock_fd: int | None = None
+        self._owns_socket = False
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stopped = False
+
+    @property
+    def socket_path(self) -> Path:
+        return self.settings.daemon_socket
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """Where manifest snapshots that clients hold are kept (0700, the daemon's own)."""
+        return self.settings.local_dir / "daemon" / "manifests"
+
+    def unavailable(self) -> str | None:
+        """Why the daemon cannot take work now, or None."""
+        if self.draining:
+            return DRAINING
+        return None if self.ready else STARTING
+
+    # -- start ----------------------------------------------------------------------------
+
+    async def bind(self, app: web.Application, metrics_app: web.Application) -> None:
+        """Prepare the directories, take the node lock, serve ``app`` on the socket and ``metrics_app``."""
+        await asyncio.to_thread(self._prepare_directories)
+        self._take_lock()
+        unix_sock = self._bind_socket()
+        try:
+            metrics_sock = self._bind_metrics()
+        except BaseException:
+            unix_sock.close()
+            raise
+        self.metrics_address = "{}:{}".format(*metrics_sock.getsockname()[:2])
+        await self._serve(app, unix_sock, shutdown_timeout=2.0)
+        await self._serve(metrics_app, metrics_sock, shutdown_timeout=1.0)
+
+    async def _serve(self, app: web.Application, sock: socket.socket, *, shutdown_timeout: float) -> None:
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout, logger=http_logger
+        )
+        await runner.setup()
+        self._runners.append(runner)
+        await web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout).start()
+
+    def _prepare_directories(self) -> None:
+        local = self.settings.local_dir
+        if not local.exists():
+            local.mkdir(mode=0o700, parents=True)
+        mode = local.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            logger.warning(
+                "the cache directory %s is writable by others (mode %o); 0700 is safer",
+                local,
+                mode & 0o777,
+            )
+        (local / "locks").mkdir(mode=0o700, exist_ok=True)
+        (local / "daemon").mkdir(mode=0o700, exist_ok=True)
+        self.snapshot_dir.mkdir(mode=0o700, exist_ok=True)
+        parent = self.socket_path.parent
+        if not parent.exists():
+            parent.mkdir(mode=0o755, parents=True)
+
+    def _take_lock(self) -> None:
+        path = self.settings.local_dir / "locks" / "daemon.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DatacacheError(
+                f"another datacache daemon (pid {holder}) already serves {self.settings.local_dir}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _bind_socket(self) -> socket.socket:
+        path = self.socket_path
+        try:
+            existing = path.lstat()
+        except FileNotFoundError:
+            existing = None
+        if existing is not None:
+            if not stat.S_ISSOCK(existing.st_mode):
+                raise DatacacheError(
+                    f"{path} exists and is not a socket; remove it or choose another --socket"
+                )
+            if _socket_answers(path):
+                raise DatacacheError(
+                    f"another datacache daemon answers on {path}; not starting a second one"
+                )
+            logger.info("removing the stale socket %s left by a daemon that died", path)
+            path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        previous = os.umask(0o117)  # the socket is never visible with wider permissions
+        try:
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise DatacacheError(f"cannot create the socket {path}: {exc.strerror}") from None
+        finally:
+            os.umask(previous)
+        path.chmod(0o660)
+        sock.listen(256)
+        sock.setblocking(False)
+        self._owns_socket = True
+        return sock
+
+    def _bind_metrics(self) -> socket.socket:
+        host, port = _parse_address(self.settings.metrics_address)
+        try:
+            sock = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+            )
+        except OSError as exc:
+            raise DatacacheError(
+                f"cannot listen for metrics on {self.settings.metrics_address}: {exc.strerror} "
+                "(set daemon.metrics_address or --metrics-address)"
+            ) from None
+        sock.setblocking(False)
+        return sock
+
+    # -- requests a stop waits for --------------------------------------------------------
+
+    async def tracked(self, awaitable: Awaitable[T]) -> T:
+        """Run ``awaitable`` as a task the drain on SIGTERM waits for."""
+        task = asyncio.ensure_future(awaitable)
+        self.track(task)
+        return await asyncio.shield(task)
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    # -- stop -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop (SIGTERM, SIGINT); a second request cuts the drain short."""
+        if self._stop.is_set():
+            logger.warning("second stop signal: abandoning running transfers now")
+            self._force.set()
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        """Return once a stop was requested."""
+        await self._stop.wait()
+
+    def begin_drain(self) -> bool:
+        """Refuse new work from now on; False if a stop already ran."""
+        if self._stopped:
+            return False
+        self._stopped = True
+        self.draining = True
+        self.ready = False
+        return True
+
+    async def drain(self, *work: Awaitable[Any]) -> int:
+        """Wait (bounded) for ``work`` then for requests in flight; return how many were abandoned."""
+        started = time.monotonic()
+        timeout = self.drain_timeout
+        for awaitable in work:
+            await self.bounded(awaitable, timeout)
+        if self.inflight:
+            remaining = max(0.0, timeout - (time.monotonic() - started))
+            await self.bounded(asyncio.wait(set(self.inflight)), remaining)
+        return sum(1 for task in self.inflight if not task.done())
+
+    async def release(self) -> None:
+        """Close the runners, remove the socket, drop the node lock."""
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self._owns_socket:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    async def bounded(self, awaitable: Awaitable[Any], grace: float) -> None:
+        """Wait for ``awaitable`` at most ``grace`` s, or until a second stop signal."""
+        work = asyncio.ensure_future(awaitable)
+        forced = asyncio.ensure_future(self._force.wait())
+        try:
+            await asyncio.wait({work, forced}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+            if not work.done():
+                work.cancel()
+            for task in (work, forced):
+                with contextlib.suppress(BaseException):
+                    await task

@@ -1,0 +1,215 @@
+"""What the daemon tells about itself: tier usage, client reports, gauges, structured logs.
+
+`StatusBoard` keeps the readers' reports (``/v1/report``) and the tiers' usage,
+refreshes the Prometheus gauges before each scrape, and builds the ``/v1/status``
+document; `log_event` turns the stager's events into the daemon's JSON log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from datacache import __version__
+from datacache.config import Settings
+from datacache.daemon._scheduler import PrefetchScheduler
+from datacache.metrics import DaemonMetrics
+from datacache.stager import LOCAL, SHARED, DatasetHandle, Stager, StagingEvent
+from datacache.tiers import device_free, redact_url
+
+__all__ = ["ClientReport", "StatusBoard", "log_event"]
+
+logger = logging.getLogger("datacache.daemon")
+
+
+@dataclass
+class ClientReport:
+    bandwidth: float
+    stall_fraction: float
+    delivered: int
+    dataset: str | None
+    pid: int | None
+    seen: float
+
+
+class StatusBoard:
+    """Client reports, tier usage and gauges of one daemon.
+
+    Parameters
+    ----------
+    settings
+        The cache (its tiers and capacities).
+    metrics
+        The daemon's Prometheus registry.
+    client_ttl
+        A client that stopped reporting for this long leaves the metrics.
+    """
+
+    def __init__(self, settings: Settings, metrics: DaemonMetrics, client_ttl: float) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.client_ttl = client_ttl
+        self.clients: dict[str, ClientReport] = {}
+        self._shared_usage: tuple[float, Any] | None = None
+
+    def report(self, name: str, report: ClientReport) -> None:
+        """Record a reader's report (``/v1/report``)."""
+        self.clients[name] = report
+        self.metrics.client_report(
+            name,
+            bandwidth=report.bandwidth,
+            stall_fraction=report.stall_fraction,
+            delivered=report.delivered,
+        )
+        self.metrics.clients.set(len(self.clients))
+
+    def expire_clients(self) -> None:
+        cutoff = time.monotonic() - self.client_ttl
+        for name in [name for name, report in self.clients.items() if report.seen < cutoff]:
+            del self.clients[name]
+            self.metrics.forget_client(name)
+        self.metrics.clients.set(len(self.clients))
+
+    async def refresh_gauges(self, stager: Stager | None, scheduler: PrefetchScheduler | None) -> None:
+        """Bring the gauges up to date before a scrape."""
+        self.expire_clients()
+        if scheduler is not None:
+            self.metrics.prefetch_pending.set(scheduler.pending)
+        for usage in await self.tier_usage(stager):
+            tier = usage["tier"]
+            self.metrics.tier_used.labels(tier).set(usage["used_bytes"])
+            self.metrics.tier_shards.labels(tier).set(usage["shards"])
+            if usage["capacity_bytes"] is not None:
+                self.metrics.tier_capacity.labels(tier).set(usage["capacity_bytes"])
+            if usage["device_free_bytes"] is not None:
+                self.metrics.tier_free.labels(tier).set(usage["device_free_bytes"])
+
+    async def tier_usage(self, stager: Stager | None) -> list[dict[str, Any]]:
+        if stager is None:
+            return []
+        used, count = await stager.catalog.usage()
+        free = await asyncio.to_thread(device_free, self.settings.local_dir)
+        tiers = [
+            {
+                "tier": LOCAL,
+                "path": str(self.settings.local_dir),
+                "used_bytes": used,
+                "shards": count,
+                "capacity_bytes": self.settings.local_capacity,
+                "device_free_bytes": free,
+            }
+        ]
+        if stager.shared is not None:
+            now = time.monotonic()
+            if self._shared_usage is None or now - self._shared_usage[0] > 60:
+                # Walking a distributed filesystem is slow: once a minute at most.
+                self._shared_usage = (now, await stager.shared.usage())
+            shared = self._shared_usage[1]
+            tiers.append(
+                {
+                    "tier": SHARED,
+                    "path": str(self.settings.shared_dir),
+                    "used_bytes": shared.used_bytes,
+                    "shards": shared.object_count,
+                    "capacity_bytes": self.settings.shared_capacity,
+                    "device_free_bytes": shared.device_free_bytes,
+                }
+            )
+        return tiers
+
+    async def document(
+        self,
+        stager: Stager,
+        scheduler: PrefetchScheduler,
+        handles: list[DatasetHandle],
+        pins: set[str],
+        serving: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The ``/v1/status`` reply; ``serving`` holds the lifecycle's own fields."""
+        self.expire_clients()
+        now = time.monotonic()
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            **serving,
+            "workers": self.settings.concurrency,
+            "prefetch": {
+                "slots": scheduler.slots,
+                "pending": scheduler.pending,
+                "running": scheduler.running,
+                "dropped": scheduler.dropped,
+                "bandwidth_limit": scheduler.bandwidth,
+            },
+            "stats": dataclasses.asdict(stager.stats()),
+            "tiers": await self.tier_usage(stager),
+            "datasets": [_dataset_document(handle, pins) for handle in handles],
+            "clients": [
+                {
+                    "client": name,
+                    "pid": report.pid,
+                    "dataset": report.dataset,
+                    "delivered_bytes_per_s": report.bandwidth,
+                    "stall_fraction": report.stall_fraction,
+                    "seconds_since_report": round(now - report.seen, 3),
+                }
+                for name, report in sorted(self.clients.items())
+            ],
+        }
+
+
+def _dataset_document(handle: DatasetHandle, pins: set[str]) -> dict[str, Any]:
+    return {
+        "id": handle.id,
+        "url": redact_url(handle.config.url),
+        "snapshot": handle.manifest.snapshot,
+        "format": handle.manifest.format.value,
+        "shards": len(handle.manifest.shards),
+        "bytes": handle.manifest.total_bytes,
+        "policy": handle.config.policy,
+        "pinned": handle.id in pins or handle.config.pinned,
+    }
+
+
+def log_event(event: StagingEvent) -> None:
+    """One structured log line per staging event worth an operator's attention."""
+    kind = event.kind
+    if kind == "bytes":
+        return
+    fields = {
+        "event": kind,
+        "dataset": event.dataset,
+        "key": event.key,
+        "tier": event.tier,
+        "source": event.source,
+        "bytes": event.size,
+        "seconds": round(event.seconds, 4),
+    }
+    if kind == "staged":
+        logger.info(
+            "staged %s/%s onto %s from %s (%d bytes, %.3fs)",
+            event.dataset,
+            event.key,
+            event.tier,
+            event.source,
+            event.size,
+            event.seconds,
+            extra=fields,
+        )
+    elif kind == "failed":
+        logger.warning(
+            "staging %s/%s onto %s failed: %s",
+            event.dataset,
+            event.key,
+            event.tier,
+            redact_url(event.error),
+            extra={**fields, "error": redact_url(event.error)},
+        )
+    elif kind in ("evicted", "bypass"):
+        logger.info("%s %s/%s on %s", kind, event.dataset, event.key, event.tier or LOCAL, extra=fields)
+    else:
+        logger.debug("%s %s/%s on %s", kind, event.dataset, event.key, event.tier, extra=fields)
