@@ -54,6 +54,7 @@ __all__ = [
     "IndexReport",
     "count_tar_samples",
     "counts_of",
+    "decide_cold",
     "index_dataset",
     "index_dir",
     "known_counts",
@@ -112,7 +113,8 @@ def _batch_size(shards: int, concurrency: int) -> int:
     return max(1, min(_BATCH_MAX, shards // max(1, 4 * concurrency)))
 
 
-def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
+def _parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
+    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
     try:
         document = json.loads(raw)
     except ValueError:
@@ -122,7 +124,28 @@ def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
     ):
         raise ShardReadError(f"{where}: not a datacache count batch")
-    return counts
+    sources = document.get("sources")
+    source_of = document.get("source_of")
+    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
+        sources, source_of = [], [-1] * len(counts)
+    found: dict[str, KnownCount] = {}
+    for (key, samples), which in zip(counts.items(), source_of):
+        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
+        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
+    return found
+
+
+def _encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
+    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
+    number = {source: i for i, source in enumerate(sources)}
+    document = {
+        "host": socket.gethostname(),
+        "written": time.time(),
+        "counts": {key: count.samples for key, count in counts.items()},
+        "sources": sources,
+        "source_of": [number.get(count.source, -1) for count in counts.values()],
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
 
 
 class ClusterIndex:
@@ -144,7 +167,8 @@ class ClusterIndex:
         self.origin = origin
         self.manifest = manifest
         self.settings = settings
-        self.directory = index_dir(settings.shared_dir, manifest) if settings.shared_dir is not None else None
+        # Without a shared tier the node is the cluster: its processes share the work the same way.
+        self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
         self._where = f"dataset {manifest.dataset}"
         self.ignore_sidecars = False
         """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
@@ -182,15 +206,11 @@ class ClusterIndex:
             except (OSError, ShardReadError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            for key, samples in counts.items():
-                if key in self.manifest:
-                    found[key] = KnownCount(samples, f"cluster index {path}")
+            found.update((key, count) for key, count in counts.items() if key in self.manifest)
         return found
 
-    async def _write(self, path: Path, counts: Mapping[str, int]) -> None:
-        encoded = json.dumps(
-            {"host": socket.gethostname(), "written": time.time(), "counts": dict(counts)}, separators=(",", ":")
-        ).encode()
+    async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
+        encoded = _encode_batch(counts)
 
         async def body() -> AsyncIterator[bytes]:
             yield encoded
@@ -224,7 +244,7 @@ class ClusterIndex:
             if path.exists():
                 return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
             counts = await self._read_sidecars()
-            await self._write(path, {key: count.samples for key, count in counts.items()})
+            await self._write(path, counts)
             return counts
 
     async def _read_sidecars(self) -> dict[str, KnownCount]:
@@ -323,7 +343,7 @@ class ClusterIndex:
             if done is not None:
                 return done
             counted = await self._count_batch(batch, found, report, on_count)
-            await self._write(path, {key: count.samples for key, count in counted.items()})
+            await self._write(path, counted)
             return counted
 
     def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
@@ -334,7 +354,7 @@ class ClusterIndex:
         except (OSError, ShardReadError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        return {k: KnownCount(v, f"cluster index {path}") for k, v in counts.items() if k in self.manifest}
+        return {key: count for key, count in counts.items() if key in self.manifest}
 
     async def _count_batch(
         self,
@@ -423,3 +443,34 @@ async def index_dataset(
     else:
         outcome.beside_origin = f"{origin.url.rstrip('/')}/{WIDS_INDEX_NAME}"
     return outcome
+
+
+def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
+    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
+
+    The first process to ask decides (``cold``: its counts were incomplete)
+    and records it beside the cluster index; every later one, on any node,
+    reads that record, so that no two ranks deal one epoch two ways. A rerun
+    of the same seed and epoch reads it the same way again.
+    """
+    directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+    if not cold and not directory.exists():
+        return False  # every count came from the manifest: no process could have started cold
+    marker = directory / f"epoch-{seed}-{epoch}.json"
+    try:
+        return bool(json.loads(marker.read_bytes()).get("cold") is True)
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        logger.warning("%s is damaged; reading epoch %d cold", marker, epoch)
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{marker.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    temporary.write_bytes(json.dumps({"cold": cold}).encode())
+    try:
+        os.link(temporary, marker)  # atomic, and fails if another process decided first
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    return bool(json.loads(marker.read_bytes()).get("cold") is True)
