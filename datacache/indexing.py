@@ -37,7 +37,6 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from datacache.config import Settings
 from datacache.errors import DatacacheError, ShardReadError
@@ -53,11 +52,9 @@ __all__ = [
     "ClusterIndex",
     "IndexReport",
     "count_tar_samples",
-    "counts_of",
     "decide_cold",
     "index_dataset",
     "index_dir",
-    "known_counts",
     "node_plan_path",
 ]
 
@@ -175,8 +172,6 @@ class ClusterIndex:
 
     def forget(self) -> None:
         """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
-        if self.directory is None:
-            return
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -186,13 +181,11 @@ class ClusterIndex:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / name)
 
-    def _batch_path(self, number: int) -> Path | None:
-        return None if self.directory is None else self.directory / f"batch-{number:06d}.json"
+    def _batch_path(self, number: int) -> Path:
+        return self.directory / f"batch-{number:06d}.json"
 
     def _read_done(self) -> dict[str, KnownCount]:
         found: dict[str, KnownCount] = {}
-        if self.directory is None:
-            return found
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -233,13 +226,11 @@ class ClusterIndex:
         return found
 
     def _sidecars_done(self) -> bool:
-        return self.directory is not None and (self.directory / "sidecars.json").exists()
+        return (self.directory / "sidecars.json").exists()
 
     async def _sidecars(self) -> dict[str, KnownCount]:
         """Read the sidecar indexes once per cluster, keeping what they say in the cluster index."""
-        path = None if self.directory is None else self.directory / "sidecars.json"
-        if path is None:
-            return await self._read_sidecars()
+        path = self.directory / "sidecars.json"
         async with LeaseLock(path.with_suffix(".lock"), lease_seconds=self.settings.lease_seconds).hold():
             if path.exists():
                 return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
@@ -330,8 +321,6 @@ class ClusterIndex:
     ) -> dict[str, KnownCount] | None:
         """Count one batch under its lease; None if another node holds it and ``wait`` is false."""
         path = self._batch_path(number)
-        if path is None:
-            return await self._count_batch(batch, found, report, on_count)
         lock_path = path.with_suffix(".lock")
         done = await asyncio.to_thread(self._load_batch, path)
         if done is not None:
@@ -387,23 +376,14 @@ def _held_by_another(lock_path: Path, lease_seconds: float) -> bool:
     return age <= lease_seconds
 
 
-async def known_counts(origin: Tier, manifest: Manifest, settings: Settings) -> dict[str, KnownCount]:
-    """The counts known without scanning anything (see `ClusterIndex.known`)."""
-    return await ClusterIndex(origin, manifest, settings).known()
-
-
-def counts_of(found: Mapping[str, KnownCount]) -> dict[str, Any]:
-    """Plain ``key -> samples`` of a result, for JSON."""
-    return {key: count.samples for key, count in found.items()}
-
-
 @dataclass
 class IndexOutcome:
     """What `index_dataset` did: the counts, how they were found, and where the index was kept."""
 
     counts: dict[str, KnownCount]
     report: IndexReport
-    shared: Path | None
+    shared: Path
+    """The cluster index (on the shared tier; without one, the node's own)."""
     beside_origin: str | None
     not_beside_origin: str | None = None
 
