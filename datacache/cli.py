@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
@@ -541,8 +542,19 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_uids=frozenset(args.allow_uid or ()),
         allow_gids=frozenset(args.allow_gid or ()),
         allow_datasets=tuple(args.allow_dataset or ()),
+        allow_endpoints=tuple(args.allow_endpoint or ()),
+        allow_client_credentials=args.allow_client_credentials,
+        socket_group=_group_id(args.socket_group) if args.socket_group else None,
     )
     return await serve(settings, options)
+
+
+def _group_id(group: str) -> int:
+    """A group given by name or number, as a gid; a clear error if there is no such group."""
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group: no group named {group!r} on this machine") from None
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -570,10 +582,23 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+_MOST_GPUS_PER_NODE = 16
+"""More GPUs per node than any common server holds: `plan --gpus` was likely the whole job's count."""
+
+
 async def _plan(args: argparse.Namespace) -> int:
     from datacache.bench import format_plan, plan_tiers
     from datacache.units import parse_bandwidth, parse_size
 
+    if args.nodes > 1 and args.gpus > _MOST_GPUS_PER_NODE:
+        logger.warning(
+            "--gpus is per node: %d GPUs per node x %d nodes = %d GPUs (for %d GPUs in all, pass --gpus %d)",
+            args.gpus,
+            args.nodes,
+            args.gpus * args.nodes,
+            args.gpus,
+            max(1, args.gpus // args.nodes),
+        )
     local_capacity = origin_bandwidth = None
     if args.local_capacity:
         local_capacity = parse_size(args.local_capacity, what="--local-capacity")
@@ -700,7 +725,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--allow-gid", metavar="GID", type=int, action="append",
         help="also accept clients with this gid (the daemon's gid always is)")
     add("--allow-dataset", metavar="PREFIX", action="append",
-        help="open only configured datasets and URLs starting with PREFIX (repeatable)")
+        help="origins other users' clients may open besides configured datasets (repeatable); "
+        "also limits the daemon's own user")
+    add("--allow-endpoint", metavar="URL", action="append",
+        help="an endpoint other users' clients may name in storage_options (repeatable)")
+    add("--allow-client-credentials", action="store_true",
+        help="let other users' clients send credentials; the daemon then reads with theirs")
+    add("--socket-group", metavar="GROUP",
+        help="the group that owns the socket (mode 0660): its members can connect")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
@@ -724,7 +756,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="size the tiers for a job on paper")
     add = plan.add_argument
-    add("--gpus", metavar="N", type=int, required=True, help="GPUs per node")
+    add("--gpus", metavar="N", type=int, required=True,
+        help="GPUs per node (the job has N x --nodes GPUs)")
     add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
     add("--dataset", metavar="SIZE", required=True, help="dataset size, e.g. 12TB")
     add("--epochs", metavar="E", type=int, default=1)

@@ -11,10 +11,12 @@ __all__ = [
     "ConfigError",
     "DaemonUnavailableError",
     "DatacacheError",
+    "DatasetTooLargeError",
     "InvalidKeyError",
     "OriginChangedError",
     "OriginError",
     "OriginPermissionError",
+    "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
     "TierFullError",
@@ -65,6 +67,14 @@ class ChecksumMismatchError(DatacacheError):
 
 class ShardReadError(DatacacheError):
     """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
+
+
+class DatasetTooLargeError(DatacacheError, MemoryError):
+    """A dataset declares more samples (or a shard more bytes) than this machine can hold to read it."""
+
+
+class SampleDecodeError(DatacacheError, ValueError):
+    """A decoder failed on a sample; the message names the dataset, shard, key and field."""
 
 
 class TierFullError(DatacacheError, OSError):

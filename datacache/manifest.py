@@ -26,16 +26,20 @@ from typing import Any
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
-from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers import LocalTier, ObjectInfo, SharedTier, Tier, redact_url, validate_key
+from datacache.tiers._dirfd import Place, read_bounded_stat
 from datacache.tiers._files import atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "Manifest",
     "ManifestStore",
     "Shard",
     "ShardFormat",
+    "default_trusted_uids",
     "detect_format",
+    "max_samples",
     "take_manifest",
 ]
 
@@ -93,6 +97,47 @@ class Shard:
         if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
             raise ConfigError(f"{where}: shard {key!r}: samples must be a non-negative integer")
         return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
+
+
+TAR_BLOCK = 512
+"""A tar member takes one header block at least: a tar of N bytes holds at most N // 512 samples."""
+PARQUET_MAX_ROWS_PER_BYTE = 1024
+"""Parquet encodes a constant column in almost nothing (5M rows in 22 KB); more than this is a lie."""
+
+
+def max_samples(fmt: ShardFormat, size: int) -> int | None:
+    """The most samples ``size`` bytes of ``fmt`` can hold (None: no bound from the bytes alone).
+
+    A declared count above it is not backed by bytes: trusting it would let a
+    small file make every reader allocate for billions of samples.
+    """
+    if fmt is ShardFormat.TAR:
+        return size // TAR_BLOCK
+    if fmt is ShardFormat.PARQUET:
+        return max(size, 1) * PARQUET_MAX_ROWS_PER_BYTE
+    if fmt is ShardFormat.FILES:
+        return 1
+    return None
+
+
+def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> tuple[Shard, ...]:
+    """``shards`` with every count their bytes cannot back dropped (counted from the shard itself later)."""
+    checked = []
+    for shard in shards:
+        bound = max_samples(fmt, shard.size)
+        if shard.samples is not None and bound is not None and shard.samples > bound:
+            logger.warning(
+                "%s: shard %r claims %d samples in %d bytes (at most %d); counting them instead",
+                where,
+                shard.key,
+                shard.samples,
+                shard.size,
+                bound,
+            )
+            checked.append(Shard(shard.key, shard.size, shard.version, shard.checksum, None))
+        else:
+            checked.append(shard)
+    return tuple(checked)
 
 
 @dataclass(frozen=True)
@@ -183,7 +228,7 @@ class Manifest:
         extra = data.get("extra", {})
         if not isinstance(extra, dict):
             raise ConfigError(f"{where}: 'extra' must be an object")
-        parsed = tuple(Shard.from_json(entry, where) for entry in shards)
+        parsed = _backed_counts(fmt, tuple(Shard.from_json(entry, where) for entry in shards), where)
         if len({s.key for s in parsed}) != len(parsed):
             raise ConfigError(f"{where}: duplicate shard keys")
         created = data.get("created", 0.0)
@@ -286,37 +331,74 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     return manifest
 
 
+MAX_MANIFEST_BYTES = 1 << 30
+"""A persisted manifest larger than this is not read (about ten million shards)."""
+
+
+def default_trusted_uids() -> frozenset[int]:
+    """Whose files a process trusts without checking them against the origin: itself and root."""
+    return frozenset({os.geteuid(), 0})
+
+
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is the node's (local tier); a second one on the shared
-    tier lets other nodes reuse a manifest without listing the origin.
+    The first directory is this node's own (the local tier, private: 0700/0600):
+    only it is read back, and only a regular file owned by a trusted uid, of at
+    most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
+    link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
+    The others (on the shared tier, the group's: 2770/0640) are written for
+    tools and other nodes to inspect, never taken as a snapshot: whoever can
+    write there could name any shards and versions, so each reader takes its
+    own listing of the origin (docs/SECURITY.md).
     """
 
-    def __init__(self, *directories: Path) -> None:
+    def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
+        self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
-    def _path(self, directory: Path, dataset_id: str) -> Path:
+    def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
-        return directory / f"{dataset_id}.json"
+        directory = self._directories[position]
+        dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
+        return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
+
+    def _file_mode(self, position: int) -> int | None:
+        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
+
+    def _read_trusted(self, place: Place) -> bytes | None:
+        """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
+        try:
+            st, raw = read_bounded_stat(place, MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("ignoring manifest %s: %s", place.path, exc)
+            return None
+        if st.st_uid not in self._trusted:
+            logger.warning("ignoring manifest %s: not a file of this user, root or the daemon", place.path)
+            return None
+        return raw
 
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        for directory in self._directories:
-            path = self._path(directory, dataset_id)
-            try:
-                raw = path.read_bytes()
-            except FileNotFoundError:
-                continue
-            try:
-                return Manifest.from_json(json.loads(raw), str(path))
-            except (ValueError, DatacacheError) as exc:
-                logger.warning("ignoring unreadable manifest %s: %s", path, exc)
-        return None
+        place = self._place(0, dataset_id)
+        raw = self._read_trusted(place)
+        if raw is None:
+            return None
+        try:
+            manifest = Manifest.from_json(json.loads(raw), str(place.path))
+        except (ValueError, DatacacheError) as exc:
+            logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
+            return None
+        if manifest.dataset != dataset_id:
+            logger.warning("ignoring manifest %s: it describes dataset %r", place.path, manifest.dataset)
+            return None
+        return manifest
 
     async def load(self, dataset_id: str) -> Manifest | None:
-        """Return the persisted manifest of ``dataset_id``, or ``None``."""
+        """Return the manifest of ``dataset_id`` this node persisted, or ``None``."""
         return await asyncio.to_thread(self._load_sync, dataset_id)
 
     async def save(self, manifest: Manifest) -> None:
@@ -326,13 +408,21 @@ class ManifestStore:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        for directory in self._directories:
+        for position, directory in enumerate(self._directories):
+            place = self._place(position, manifest.dataset)
             try:
-                await atomic_write(self._path(directory, manifest.dataset), body(), durable=False)
-            except OSError as exc:
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+            except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 
     async def delete(self, dataset_id: str) -> None:
-        for directory in self._directories:
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
+        def unlink(place: Place) -> None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, InvalidKeyError):
+                fd = place.open_parent()
+                try:
+                    os.unlink(place.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+
+        for position in range(len(self._directories)):
+            await asyncio.to_thread(unlink, self._place(position, dataset_id))

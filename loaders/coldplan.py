@@ -60,6 +60,7 @@ class CountBook:
         self._lock = threading.Lock()
         self._grew = threading.Condition(self._lock)
         self._build: concurrent.futures.Future[Any] | None = None
+        self.unreadable: dict[str, str] = {}
 
     @property
     def complete(self) -> bool:
@@ -105,17 +106,21 @@ class CountBook:
             self.start()
             build = self._build
             if build is not None:
-                found, _ = build.result()
+                found, report = build.result()
                 for key, count in found.items():
                     self.note_key(key, count.samples)
-        if not self.complete:
-            raise RuntimeError("the cluster index finished without counting every shard")
+                for unit in np.nonzero(self.counts < 0)[0].tolist():
+                    # Uncountable (a truncated or foreign tar): no sample of it is dealt; on_error decides.
+                    key = self._plan.units[unit].keys[0]
+                    reason = f"dataset {self._handle.id}: shard {key!r}: its samples could not be counted"
+                    self.unreadable[key] = report.unreadable.get(key, reason)
+                    self.note(unit, 0)
         return self.counts.copy()
 
     def completed_plan(self) -> UnitPlan:
         counts = self.wait_complete()
         units = tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self._plan.units, counts))
-        return UnitPlan(units, self._plan.extra)
+        return UnitPlan(units, self._plan.extra, {**self._plan.unreadable, **self.unreadable})
 
 
 class _FirstUse(dict[int, int]):

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from datacache.loaders.batching import BatchBuilder, Decoder, ReadAhead, sample_bytes
+from datacache.loaders.batching import SKIPPED, BatchBuilder, Decoder, ReadAhead, sample_bytes
 from datacache.loaders.coldplan import ColdEpochPlan, CountBook, complete_runtime, epoch_is_cold, epoch_plan
 from datacache.loaders.epoch import auto_window, initial_prefetch
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess, ThroughputReporter, open_access
 from datacache.config import DatasetConfig, Settings, load_settings
-from datacache.errors import ConfigError
+from datacache.errors import ConfigError, ShardReadError
 from datacache.units import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
@@ -83,7 +83,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
-        ``"auto"`` keeps raw bytes; a callable receives each sample dict; a mapping decodes fields by name.
+        ``"auto"`` or None keeps raw bytes; a callable receives each sample dict; a mapping decodes fields
+        by name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
+        key and field; ``on_error="skip"`` skips that sample instead.
     drop_last
         Drop the remainder so every rank has ``floor(N / world)`` samples; else pad by repeating.
     config
@@ -93,7 +95,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         `PackedBytes` in reused shared memory, which skips per-sample pickling between processes. It is
         also the chunk in which each rank's samples are dealt to workers, which makes resume exact.
     on_error
-        ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, and count it.
+        ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, or a sample its
+        decoder fails on, and count it.
     """
 
     def __init__(
@@ -105,7 +108,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         shuffle_buffer: int | None = None,
         target_bandwidth: str | float | None = None,
         prefetch: int | None = None,
-        decode: Decoder = "auto",
+        decode: Decoder | None = "auto",
         drop_last: bool = False,
         config: Settings | None = None,
         batch_size: int | None = None,
@@ -120,8 +123,10 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         if prefetch is not None and prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {prefetch}")
+        if decode is None:
+            decode = "auto"
         if not (decode == "auto" or callable(decode) or isinstance(decode, Mapping)):
-            raise ConfigError("decode must be 'auto', a callable, or a mapping of field name to callable")
+            raise ConfigError("decode must be 'auto', None, a callable, or a mapping of field name to callable")
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -247,7 +252,7 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     # -- resume ---------------------------------------------------------------------------
 
-    def state_dict(self, samples_consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self, samples_consumed: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
         """A few integers that resume this epoch exactly, on any number of ranks and workers.
 
         Parameters
@@ -257,6 +262,11 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch (steps times batch size). Needed with DataLoader worker processes,
             where the main process cannot see their progress; with
             ``num_workers=0`` it is tracked automatically.
+        batch_size
+            The DataLoader's batch size, needed with ``samples_consumed`` and more than
+            one worker process unless the dataset itself batches: the DataLoader takes
+            whole batches from each worker in turn, so it says how many samples each
+            worker made.
         """
         _, world = self._rank_world()
         chunk = self.batch_size or 1
@@ -266,13 +276,14 @@ class CachedIterableDataset(IterableDataset[Any]):
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")
             workers = int(self._table.row(0)[Counter.NUM_WORKERS].item()) or 1
-            cursor = Cursor(world, workers, chunk, produced_from_consumed(samples_consumed, workers, chunk))
+            taken = self._loader_batch(batch_size, workers)
+            cursor = Cursor(world, workers, chunk, produced_from_consumed(samples_consumed, workers, taken))
         elif self._main_iterator is not None and self._main_iterator.epoch == self._epoch:
             cursor = Cursor(world, 1, chunk, (self._main_iterator.produced,))
         elif int(self._table.row(0)[Counter.NUM_WORKERS].item()) > 1 or self._table.row(0)[Counter.ACTIVE] > 0:
             raise ConfigError(
-                "with DataLoader worker processes, call state_dict(samples_consumed=steps * batch_size) "
-                "or use torchdata's StatefulDataLoader"
+                "with DataLoader worker processes, call state_dict(samples_consumed=steps * batch_size, "
+                "batch_size=batch_size) or use torchdata's StatefulDataLoader"
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
@@ -280,6 +291,26 @@ class CachedIterableDataset(IterableDataset[Any]):
             # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor))
+
+    def _loader_batch(self, batch_size: int | None, workers: int) -> int:
+        """Samples in each batch the DataLoader takes from one worker."""
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        if self.batch_size:
+            if batch_size is not None and batch_size != self.batch_size:
+                raise ConfigError(
+                    f"state_dict(batch_size={batch_size}) but the dataset yields batches of {self.batch_size} "
+                    "(with DataLoader(batch_size=None)); leave batch_size out"
+                )
+            return self.batch_size
+        if batch_size is not None:
+            return batch_size
+        if workers > 1:
+            raise ConfigError(
+                f"with {workers} DataLoader worker processes, pass the DataLoader's batch size too: "
+                "state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)"
+            )
+        return 1
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._complete()
@@ -467,6 +498,7 @@ class _EpochIterator:
         self._in_consumer = get_worker_info() is None
         self._row = dataset._table.row(layout.worker).numpy()
         self._start_row()
+        self._skip_unreadable()
         self._reported_at = time.monotonic()
         self._last_yield = time.perf_counter()
         self._lock = threading.Lock()
@@ -488,6 +520,7 @@ class _EpochIterator:
             lock=self._lock,
             threads=threads,
             in_consumer=self._in_consumer,
+            skip_bad=dataset.on_error == "skip",
         )
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
@@ -505,6 +538,18 @@ class _EpochIterator:
         row[Counter.PADDED] = self._plan.padded
         row[Counter.TOTAL] = len(self._plan)
         row[Counter.MODE] = mode_code(self.runtime.access.mode)
+
+    def _skip_unreadable(self) -> None:
+        """Raise, or count as skipped, the shards whose samples the plan could not count."""
+        unreadable = self.runtime.plan.unreadable
+        if not unreadable:
+            return
+        if self.dataset.on_error != "skip":
+            raise ShardReadError(unreadable[min(unreadable)])
+        if self.layout.worker == 0:
+            for key in sorted(unreadable):
+                logger.warning("skipping %s", unreadable[key])
+            self._row[Counter.SKIPPED_SHARDS] += len(unreadable)
 
     # -- Stateful ---------------------------------------------------------------------------
 
@@ -594,9 +639,14 @@ class _EpochIterator:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             sample = reader.sample(int(self._plan.local[position]))
-            self._account(sample_bytes(sample), 1)
+            nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
-            return self._builder.decode(sample, reader)
+            decoded = self._builder.decode(sample, reader)
+            if decoded is SKIPPED:
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
+            self._account(nbytes, 1)
+            return decoded
 
     def _next_batch(self, size: int) -> Any:
         while True:

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +27,13 @@ from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ShardReadError
+from datacache.errors import DatasetTooLargeError, ShardReadError
 from datacache.indexing import ClusterIndex, node_plan_path
 from datacache.locks import NodeLock
-from datacache.manifest import ShardFormat
+from datacache.manifest import ShardFormat, max_samples
 from datacache.sidecars import KnownCount
 from datacache.stager import DatasetHandle
+from datacache.units import format_bytes
 
 __all__ = ["complete", "load_or_build_plan", "save_plan"]
 
@@ -57,7 +59,11 @@ async def _parquet_rows(access: ShardAccess, handle: DatasetHandle, key: str, si
         metadata = pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(footer + 8) :]))
     except (pa.ArrowException, OSError) as exc:
         raise ShardReadError(f"{where}: corrupt Parquet footer ({exc})") from None
-    return int(metadata.num_rows)
+    rows = int(metadata.num_rows)
+    bound = max_samples(ShardFormat.PARQUET, size)
+    if bound is not None and rows > bound:
+        raise ShardReadError(f"{where}: its footer claims {rows} rows in {size} bytes (at most {bound})")
+    return rows
 
 
 async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings, *, wait: bool) -> UnitPlan:
@@ -91,19 +97,49 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings,
                 report.scanned_bytes,
                 report.seconds,
             )
-        units = tuple(Unit((s.key,), found[s.key].samples, s.key) for s in manifest.shards)
-        return UnitPlan(units, _sources(found))
+        uncounted = "its samples could not be counted"
+        uncountable = {
+            s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: {uncounted}")
+            for s in manifest.shards
+            if s.key not in found
+        }
+        units = tuple(Unit((s.key,), found[s.key].samples if s.key in found else 0, s.key) for s in manifest.shards)
+        return UnitPlan(units, _sources(found), uncountable)
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
+    unreadable: dict[str, str] = {}
     gate = asyncio.Semaphore(settings.concurrency)
 
-    async def count(key: str, size: int) -> tuple[str, int]:
+    async def count(key: str, size: int) -> tuple[str, int | ShardReadError]:
         async with gate:
-            return key, await _parquet_rows(access, handle, key, size)
+            try:
+                return key, await _parquet_rows(access, handle, key, size)
+            except ShardReadError as exc:
+                return key, exc
 
-    for key, samples in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
-        known[key] = samples
-    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {})
+    for key, counted in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
+        if isinstance(counted, ShardReadError):
+            # Recorded, not raised: whether to skip it is each reader's on_error.
+            unreadable[key] = str(counted)
+            known[key] = 0
+        else:
+            known[key] = counted
+    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
+
+
+PLAN_BYTES_PER_SAMPLE = 48
+"""What an epoch plan holds per sample (order, unit and offset arrays, and their temporaries)."""
+
+
+def _check_fits(plan: UnitPlan, handle: DatasetHandle) -> None:
+    """Refuse, before any epoch allocates for it, a sample count this machine's memory cannot plan."""
+    total = sum(unit.count for unit in plan.units)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total * PLAN_BYTES_PER_SAMPLE > memory // 2:
+        raise DatasetTooLargeError(
+            f"dataset {handle.id}: {total} samples declared; planning an epoch needs "
+            f"{format_bytes(total * PLAN_BYTES_PER_SAMPLE)}, over half this machine's memory ({format_bytes(memory)})"
+        )
 
 
 def _sources(found: Mapping[str, KnownCount]) -> dict[str, Any]:
@@ -155,5 +191,6 @@ async def load_or_build_plan(
                 return plan
             plan = await _build(access, handle, settings, wait=wait)
             if complete(plan):
+                _check_fits(plan, handle)
                 await save_plan(settings, handle, plan)
     return plan

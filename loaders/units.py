@@ -237,22 +237,20 @@ class UnitReaders:
                 reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra, spans=known)
                 if index_key is not None and known is None and isinstance(reader, TarReader):
                     runtime.spans.put(index_key, reader.spans)
-            except ChecksumMismatchError as exc:
-                for buffer in buffers.values():
-                    if hasattr(buffer, "close"):
-                        buffer.close()
-                bad = [loc for loc in locations if loc.path is not None]
-                self._row[Counter.CORRUPT] += 1
-                for location in bad:
-                    runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
-                if attempt == 2:
-                    raise ChecksumMismatchError(f"{where}: {exc}") from exc
-                continue
-            except FileNotFoundError:
-                # Evicted between locate and open: locate again.
-                if attempt == 2:
-                    raise
-                continue
+            except BaseException as exc:
+                # Unmap what was mapped before the failure now, not when the traceback is dropped.
+                _close_buffers(buffers)
+                if isinstance(exc, ChecksumMismatchError):
+                    self._row[Counter.CORRUPT] += 1
+                    for location in locations:
+                        if location.path is not None:
+                            runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
+                    if attempt == 2:
+                        raise ChecksumMismatchError(f"{where}: {exc}") from exc
+                    continue
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue  # evicted between locate and open: locate again
+                raise
             self._count_open(tier, locations, waited, read_seconds)
             self.note_retries()
             return reader
@@ -290,6 +288,14 @@ class UnitReaders:
                 buffer.close()
             raise ChecksumMismatchError(f"{where}: {problem}")
         return buffer
+
+
+def _close_buffers(buffers: dict[str, Any]) -> None:
+    for buffer in buffers.values():
+        if hasattr(buffer, "close"):
+            with contextlib.suppress(BufferError):
+                buffer.close()
+    buffers.clear()
 
 
 async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> tuple[list[Location], str]:

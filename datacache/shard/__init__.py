@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from datacache._progress import Progress
+from datacache.checksum import checksum_of, new_hasher
 from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
@@ -55,7 +56,6 @@ from datacache.shard.plan import (
     UnitSpec,
     plan_tar,
 )
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier, redact_url
 from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
 from datacache.shard.job import Endpoint, ObjectCallback, ShardJob
 from datacache.shard.plan import (
@@ -31,7 +32,6 @@ from datacache.shard.plan import (
     ZarrPayload,
     digest_of,
 )
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier
 
 __all__ = [

@@ -12,10 +12,10 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import DatacacheError, OriginChangedError
 from datacache.shard.job import ObjectCallback, ShardJob, put_bytes
 from datacache.shard.plan import ShardOptions, TarMemberPlan, TarPayload, UnitSpec, tar_header
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.tiers import Tier
 

@@ -14,12 +14,12 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ShardNotFoundError
 from datacache.shard import columnar
 from datacache.shard.job import ObjectCallback, ShardJob, UnitResult, put_bytes, record_key
 from datacache.shard.plan import TarPayload, UnitSpec
 from datacache.shard.tar import pack_tar
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.tiers import Tier
 
