@@ -25,7 +25,7 @@ from datacache.catalog import Catalog, process_owner
 from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
-from datacache.manifest import ManifestStore, Shard, take_manifest
+from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
@@ -104,7 +104,7 @@ class Stager:
         self._parts: _Parts | None = None
         self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[str, Tier] = {}
+        self._origins: dict[tuple[str, str], Tier] = {}
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -227,12 +227,14 @@ class Stager:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def _origin_for(self, dataset: DatasetConfig) -> Tier:
-        origin = self._origins.get(dataset.id)
+    def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
+        """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
+        url = url or dataset.url
+        origin = self._origins.get((dataset.id, url))
         if origin is None:
-            self._check_origin_outside_tiers(dataset.url)
-            origin = open_origin(dataset.url, storage_options=dataset.storage_options, retry=self.settings.retry)
-            self._origins[dataset.id] = origin
+            self._check_origin_outside_tiers(url)
+            origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
+            self._origins[(dataset.id, url)] = origin
         return origin
 
     def _check_origin_outside_tiers(self, url: str) -> None:
@@ -259,8 +261,11 @@ class Stager:
             async with parts.local.node_lock("manifests", config.id).hold():
                 manifest = None if refresh else await self.manifests.load(config.id)
                 if manifest is None:
-                    manifest = await take_manifest(config, origin)
+                    split = object_url(config.url)
+                    parent = self._origin_for(config, split[0]) if split is not None else None
+                    manifest = await take_manifest(config, origin, parent=parent)
                     await self.manifests.save(manifest)
+        origin = self._origin_for(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
             config.id,
             url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
