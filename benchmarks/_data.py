@@ -58,8 +58,8 @@ def write_webdataset(sizes: Sizes, out: Path) -> None:
 
 def write_datacache_manifest(folder: Path) -> None:
     """``datacache-manifest.json`` for WebDataset tars: size, xxh3 checksum and sample count per shard."""
+    from datacache.checksum import checksum_of, new_hasher
     from datacache.manifest import Manifest, Shard, ShardFormat
-    from datacache.stager import checksum_of, new_hasher
 
     shards = []
     for path in sorted(folder.glob("*.tar")):

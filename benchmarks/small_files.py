@@ -123,7 +123,7 @@ def _cli(args: list[str], env: dict[str, str]) -> tuple[dict[str, Any], float]:
 
 def read_shards(cache: Path) -> dict[str, float]:
     """Every sample of every cached shard, through `datacache.tarindex`, hashing every byte."""
-    from datacache.stager import new_hasher
+    from datacache.checksum import new_hasher
     from datacache.tarindex import group_samples, scan_tar
 
     shards = sorted(cache.rglob("*.tar"))

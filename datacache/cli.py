@@ -24,6 +24,7 @@ from datacache._progress import Progress
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -376,13 +377,16 @@ async def _evict(args: argparse.Namespace) -> int:
             if dataset_id not in records:
                 raise ConfigError(f"dataset {args.dataset!r} has nothing cached on this node (see 'datacache ls')")
         keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
+        if args.tier == SHARED and stager.shared is None:
+            raise ConfigError(
+                "--tier shared: no shared tier is configured (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)"
+            )
         count, size = 0, 0
         if args.tier in (LOCAL, "all"):
             c, s = await stager.evict(dataset_id, keys)
             count, size = count + c, size + s
-        if args.tier in (SHARED, "all"):
-            if stager.shared is None:
-                raise ConfigError("no shared tier is configured")
+        # "all" means every tier this node has; without a shared tier that is the local one.
+        if args.tier in (SHARED, "all") and stager.shared is not None:
             c, s = await stager.evict_shared(dataset_id)
             count, size = count + c, size + s
         if args.forget:
@@ -459,6 +463,52 @@ async def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- index ------------------------------------------------------------------------------------
+
+
+async def _index(args: argparse.Namespace) -> int:
+    from datacache.tiers import open_origin
+
+    settings = _settings(args, concurrency=args.concurrency)
+    dataset = resolve_dataset(args.dataset, settings)
+    async with Stager(settings) as stager:
+        handle = await stager.open(dataset, refresh=args.refresh)
+        if handle.manifest.format.value != "tar":
+            raise ConfigError(
+                f"dataset {dataset.name} is {handle.manifest.format.value}: its counts need no index (tar shards only)"
+            )
+        writable = None
+        if not args.no_write:
+            writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
+        try:
+            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+        finally:
+            if writable is not None:
+                await writable.close()
+        if args.rescan:
+            node_plan_path(settings.local_dir, handle.manifest).unlink(missing_ok=True)
+    report = outcome.report
+    total = sum(count.samples for count in outcome.counts.values())
+    if args.json:
+        sys.stdout.write(json.dumps({
+            "dataset": dataset.name, "shards": report.shards, "samples": total, "scanned": report.scanned,
+            "scanned_bytes": report.scanned_bytes, "sources": report.sources, "seconds": round(report.seconds, 3),
+            "shared": str(outcome.shared) if outcome.shared else None, "beside_origin": outcome.beside_origin,
+        }) + "\n")
+        return 0
+    known = ", ".join(f"{n} from {source}" for source, n in sorted(report.sources.items()))
+    sys.stdout.write(
+        f"index {redact_url(dataset.url)}: {report.shards} shards, {total} samples; "
+        f"{report.scanned} scanned here ({format_bytes(report.scanned_bytes)}) in {report.seconds:.1f}s"
+        f"{'; ' + known if known else ''}\n"
+    )
+    if outcome.beside_origin:
+        sys.stdout.write(f"wrote {redact_url(outcome.beside_origin)}\n")
+    elif not args.no_write:
+        sys.stdout.write(f"not written beside the shards ({outcome.not_beside_origin}); kept on the shared tier\n")
+    return 0
+
+
 # -- serve, bench, plan -----------------------------------------------------------------------
 
 
@@ -532,10 +582,23 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+_MOST_GPUS_PER_NODE = 16
+"""More GPUs per node than any common server holds: `plan --gpus` was likely the whole job's count."""
+
+
 async def _plan(args: argparse.Namespace) -> int:
     from datacache.bench import format_plan, plan_tiers
     from datacache.units import parse_bandwidth, parse_size
 
+    if args.nodes > 1 and args.gpus > _MOST_GPUS_PER_NODE:
+        logger.warning(
+            "--gpus is per node: %d GPUs per node x %d nodes = %d GPUs (for %d GPUs in all, pass --gpus %d)",
+            args.gpus,
+            args.nodes,
+            args.gpus * args.nodes,
+            args.gpus,
+            max(1, args.gpus // args.nodes),
+        )
     local_capacity = origin_bandwidth = None
     if args.local_capacity:
         local_capacity = parse_size(args.local_capacity, what="--local-capacity")
@@ -596,7 +659,8 @@ def _parser() -> argparse.ArgumentParser:
 
     evict = commands.add_parser("evict", help="remove a dataset's shards from a tier")
     evict.add_argument("dataset", help="a URL, a configured name, or a dataset id from 'datacache ls'")
-    evict.add_argument("--tier", choices=(LOCAL, SHARED, "all"), default=LOCAL)
+    evict.add_argument("--tier", choices=(LOCAL, SHARED, "all"), default=LOCAL,
+                       help="local (default), shared, or all: every tier this node has")
     evict.add_argument("--shards", metavar="KEYS", help="only these shard keys, comma-separated")
     evict.add_argument("--forget", action="store_true", help="also forget the dataset and its saved manifest")
     _add_settings_flags(evict)
@@ -628,6 +692,19 @@ def _parser() -> argparse.ArgumentParser:
     shard.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
     _add_settings_flags(shard)
     shard.set_defaults(run=_shard)
+
+    index = commands.add_parser(
+        "index", help="count the samples of every tar shard once for the whole cluster; keep a wids index"
+    )
+    index.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path) or a configured dataset name")
+    index.add_argument("--concurrency", metavar="N", help="shards scanned at once on this node (default 8)")
+    index.add_argument("--rescan", action="store_true",
+                       help="forget the cluster's counts and the sidecar indexes; scan every shard again")
+    index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
+    index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--json", action="store_true", help="one JSON summary line")
+    _add_settings_flags(index)
+    index.set_defaults(run=_index)
 
     serve = commands.add_parser(
         "serve", help="run the per-node daemon: one cache and stager for every process of the node"
@@ -679,7 +756,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="size the tiers for a job on paper")
     add = plan.add_argument
-    add("--gpus", metavar="N", type=int, required=True, help="GPUs per node")
+    add("--gpus", metavar="N", type=int, required=True,
+        help="GPUs per node (the job has N x --nodes GPUs)")
     add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
     add("--dataset", metavar="SIZE", required=True, help="dataset size, e.g. 12TB")
     add("--epochs", metavar="E", type=int, default=1)

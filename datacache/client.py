@@ -30,17 +30,11 @@ from datacache._protocol import (
     config_to_wire,
     exception_from_wire,
 )
+from datacache._read import read_verified
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ChecksumMismatchError, DaemonUnavailableError, DatacacheError
+from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest
-from datacache.stager import (
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    DatasetHandle,
-    Location,
-    checksum_of,
-    new_hasher,
-)
+from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
@@ -364,31 +358,28 @@ class DaemonClient:
     async def read(
         self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None
     ) -> bytes:
-        """Read a shard (or a range) from the fastest tier holding it; whole reads are verified."""
+        """Read a shard (or a range) from the fastest tier holding it; whole reads are verified.
+
+        A cached copy found wrong is reported to the daemon (which drops it)
+        and the shard read again from below, as `Stager.read` does.
+        """
         shard = handle.manifest.shard(key)
-        location = await self.locate(handle, key)
-        data: bytes | None = None
-        if location.path is not None:
-            try:
-                data = await asyncio.to_thread(_read_file, location.path, byte_range)
-            except FileNotFoundError:
-                location = Location("origin", None, shard, location.checksum)  # evicted meanwhile
-        if data is None:
-            data = await handle.origin.get(key, byte_range, version=shard.version)
-        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
-            if len(data) != shard.size:
-                raise ChecksumMismatchError(
-                    f"dataset {handle.id}: shard {key!r} read {len(data)} bytes, "
-                    f"the manifest says {shard.size}"
-                )
-            if location.checksum is not None:
-                hasher = new_hasher()
-                hasher.update(data)
-                if checksum_of(hasher) != location.checksum:
-                    raise ChecksumMismatchError(
-                        f"dataset {handle.id}: shard {key!r} does not match its checksum"
-                    )
-        return data
+
+        async def fetch(location: Location) -> bytes:
+            if location.path is not None:
+                try:
+                    return await asyncio.to_thread(_read_file, location.path, byte_range)
+                except FileNotFoundError:
+                    pass  # evicted meanwhile: the origin has it
+            return await handle.origin.get(key, byte_range, version=shard.version)
+
+        return await read_verified(
+            handle.id,
+            byte_range,
+            locate=lambda: self.locate(handle, key),
+            fetch=fetch,
+            report_corrupt=lambda location: self.report_corrupt(handle, location),
+        )
 
     async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
         """Tell the daemon a copy's bytes were wrong, so it drops it and stages it again."""

@@ -15,6 +15,7 @@ __all__ = [
     "OriginChangedError",
     "OriginError",
     "OriginPermissionError",
+    "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
     "TierFullError",
@@ -65,6 +66,10 @@ class ChecksumMismatchError(DatacacheError):
 
 class ShardReadError(DatacacheError):
     """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
+
+
+class SampleDecodeError(DatacacheError, ValueError):
+    """A decoder failed on a sample; the message names the dataset, shard, key and field."""
 
 
 class TierFullError(DatacacheError, OSError):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,10 +32,12 @@ from datacache.tiers._files import atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "Manifest",
     "ManifestStore",
     "Shard",
     "ShardFormat",
+    "default_trusted_uids",
     "detect_format",
     "take_manifest",
 ]
@@ -286,37 +289,73 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     return manifest
 
 
+MAX_MANIFEST_BYTES = 1 << 30
+"""A persisted manifest larger than this is not read (about ten million shards)."""
+
+
+def default_trusted_uids() -> frozenset[int]:
+    """Whose files a process trusts without checking them against the origin: itself and root."""
+    return frozenset({os.geteuid(), 0})
+
+
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is the node's (local tier); a second one on the shared
-    tier lets other nodes reuse a manifest without listing the origin.
+    The first directory is this node's own (the local tier): only it is read
+    back, and only a regular file owned by a trusted uid. The others (on the
+    shared tier) are written for tools and other nodes to inspect, never taken
+    as a snapshot: whoever can write there could name any shards and versions,
+    so each reader takes its own listing of the origin (docs/SECURITY.md).
     """
 
-    def __init__(self, *directories: Path) -> None:
+    def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
+        self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
     def _path(self, directory: Path, dataset_id: str) -> Path:
         validate_key(dataset_id)
         return directory / f"{dataset_id}.json"
 
+    def _read_trusted(self, path: Path) -> bytes | None:
+        """The bytes of ``path`` if it is a regular file of a trusted owner, not too large; else None."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.warning("ignoring manifest %s: cannot open it (%s)", path, exc.strerror)
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in self._trusted or st.st_size > MAX_MANIFEST_BYTES:
+                logger.warning(
+                    "ignoring manifest %s: not a regular file of this user, root or the daemon, "
+                    "or larger than %d bytes",
+                    path,
+                    MAX_MANIFEST_BYTES,
+                )
+                return None
+            return handle.read(MAX_MANIFEST_BYTES + 1)
+
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        for directory in self._directories:
-            path = self._path(directory, dataset_id)
-            try:
-                raw = path.read_bytes()
-            except FileNotFoundError:
-                continue
-            try:
-                return Manifest.from_json(json.loads(raw), str(path))
-            except (ValueError, DatacacheError) as exc:
-                logger.warning("ignoring unreadable manifest %s: %s", path, exc)
-        return None
+        path = self._path(self._directories[0], dataset_id)
+        raw = self._read_trusted(path)
+        if raw is None:
+            return None
+        try:
+            manifest = Manifest.from_json(json.loads(raw), str(path))
+        except (ValueError, DatacacheError) as exc:
+            logger.warning("ignoring unreadable manifest %s: %s", path, exc)
+            return None
+        if manifest.dataset != dataset_id:
+            logger.warning("ignoring manifest %s: it describes dataset %r", path, manifest.dataset)
+            return None
+        return manifest
 
     async def load(self, dataset_id: str) -> Manifest | None:
-        """Return the persisted manifest of ``dataset_id``, or ``None``."""
+        """Return the manifest of ``dataset_id`` this node persisted, or ``None``."""
         return await asyncio.to_thread(self._load_sync, dataset_id)
 
     async def save(self, manifest: Manifest) -> None:

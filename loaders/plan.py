@@ -3,9 +3,12 @@
 The global order deals sample ids, so counts are needed up front. They come
 from the cheapest place that has them: the manifest (``datacache shard``
 output), Parquet footers (a ranged read each), Zarr metadata, one per file,
-or, for tar shards nobody indexed, one pass that stages every shard and scans
-its headers (it also warms the cache). The plan is built once per node and
-dataset snapshot, under a node lock, and persisted for every rank and worker.
+or, for tar shards, `datacache.indexing.ClusterIndex`: the cluster's index on
+the shared tier, the sidecar indexes beside the shards (wids, open_clip,
+img2dataset, DALI), and for shards nobody indexed a streaming scan of their
+headers that the nodes divide among themselves. The plan is built once per
+node and dataset snapshot, under a node lock, and persisted for every rank
+and worker.
 """
 
 from __future__ import annotations
@@ -14,20 +17,19 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import time
 from typing import Any
 
-from datacache.loaders.readers import Unit, UnitPlan, map_file, zarr_plan
+from datacache.loaders.readers import COUNT_SOURCES, Unit, UnitPlan, zarr_plan
 from datacache.tiers import ByteRange
 from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ShardReadError
+from datacache.indexing import ClusterIndex, node_plan_path
 from datacache.locks import NodeLock
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle
-from datacache.tarindex import group_samples, scan_tar
 
 __all__ = ["load_or_build_plan"]
 
@@ -56,23 +58,7 @@ async def _parquet_rows(access: ShardAccess, handle: DatasetHandle, key: str, si
     return int(metadata.num_rows)
 
 
-async def _tar_samples(access: ShardAccess, handle: DatasetHandle, key: str) -> int:
-    where = f"dataset {handle.id}: shard {key!r}"
-    location = await access.ensure(handle, key)
-    if location.path is not None:
-        buffer = await asyncio.to_thread(map_file, location.path)
-        view = memoryview(buffer)
-        try:
-            return len(group_samples(await asyncio.to_thread(scan_tar, view, where=where)))
-        finally:
-            view.release()
-            if hasattr(buffer, "close"):
-                buffer.close()
-    data = await access.read(handle, key)
-    return len(group_samples(scan_tar(data, where=where)))
-
-
-async def _build(access: ShardAccess, handle: DatasetHandle, *, concurrency: int) -> UnitPlan:
+async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
     manifest = handle.manifest
     fmt = manifest.format
     if fmt is ShardFormat.ZARR:
@@ -83,36 +69,45 @@ async def _build(access: ShardAccess, handle: DatasetHandle, *, concurrency: int
         return zarr_plan(manifest, metadata.__getitem__)
     if fmt is ShardFormat.FILES:
         return UnitPlan(tuple(Unit((s.key,), 1, s.key) for s in manifest.shards), {})
+    if fmt is ShardFormat.TAR:
+        found, report = await ClusterIndex(handle.origin, manifest, settings).build()
+        if report.scanned:
+            logger.info(
+                "dataset %s: scanned %d tar shards (%d bytes) in %.1fs for their sample counts; "
+                "other nodes shared the work (`datacache index` does it ahead of time)",
+                handle.id,
+                report.scanned,
+                report.scanned_bytes,
+                report.seconds,
+            )
+        sources = sorted({count.source for count in found.values() if count.source != "scanned"})
+        units = tuple(Unit((s.key,), found[s.key].samples, s.key) for s in manifest.shards)
+        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {})
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
-    if missing:
-        started = time.monotonic()
-        if fmt is ShardFormat.TAR:
-            logger.warning(
-                "dataset %s: %d tar shards have no sample index; staging and scanning them once "
-                "(write shards with `datacache shard` to skip this)",
-                handle.id,
-                len(missing),
-            )
-        gate = asyncio.Semaphore(concurrency)
+    unreadable: dict[str, str] = {}
+    gate = asyncio.Semaphore(settings.concurrency)
 
-        async def count(key: str, size: int) -> tuple[str, int]:
-            async with gate:
-                if fmt is ShardFormat.PARQUET:
-                    return key, await _parquet_rows(access, handle, key, size)
-                return key, await _tar_samples(access, handle, key)
+    async def count(key: str, size: int) -> tuple[str, int | ShardReadError]:
+        async with gate:
+            try:
+                return key, await _parquet_rows(access, handle, key, size)
+            except ShardReadError as exc:
+                return key, exc
 
-        for key, samples in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
-            known[key] = samples
-        logger.info(
-            "dataset %s: counted samples of %d shards in %.1fs", handle.id, len(missing), time.monotonic() - started
-        )
-    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {})
+    for key, counted in await asyncio.gather(*(count(s.key, s.size) for s in missing)):
+        if isinstance(counted, ShardReadError):
+            # Recorded, not raised: whether to skip it is each reader's on_error.
+            unreadable[key] = str(counted)
+            known[key] = 0
+        else:
+            known[key] = counted
+    return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
 
 
 async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
     """The dataset's unit plan: read from disk, or built once per node and saved."""
-    path = settings.local_dir / "indexes" / f"{handle.id}-{handle.manifest.snapshot}.json"
+    path = node_plan_path(settings.local_dir, handle.manifest)
 
     def load() -> UnitPlan | None:
         try:
@@ -131,7 +126,7 @@ async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, setting
             plan = await asyncio.to_thread(load)
             if plan is not None:
                 return plan
-            plan = await _build(access, handle, concurrency=settings.concurrency)
+            plan = await _build(access, handle, settings)
             encoded = json.dumps(plan.to_json(), separators=(",", ":")).encode()
 
             async def body() -> Any:

@@ -18,18 +18,19 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
 
+from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest, ShardFormat
-from datacache.stager import checksum_of, new_hasher
 from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
 
 __all__ = [
+    "COUNT_SOURCES",
     "SpanCache",
     "TarReader",
     "Unit",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 Fields = list[tuple[str, memoryview]]
+COUNT_SOURCES = "count_sources"
+"""The plan's ``extra`` entry naming where its tar sample counts came from (sidecar indexes, the cluster's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ class UnitPlan:
 
     units: tuple[Unit, ...]
     extra: Mapping[str, Any]
+    unreadable: Mapping[str, str] = field(default_factory=dict)
+    """Shard key -> why its samples could not be counted; its unit holds no samples."""
 
     @property
     def counts(self) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -72,6 +77,7 @@ class UnitPlan:
         return {
             "units": [[list(u.keys), u.count, u.label] for u in self.units],
             "extra": dict(self.extra),
+            "unreadable": dict(self.unreadable),
         }
 
     @classmethod
@@ -82,7 +88,8 @@ class UnitPlan:
         for entry in data["units"]:
             keys, count, label = entry
             units.append(Unit(tuple(str(k) for k in keys), int(count), str(label)))
-        return cls(tuple(units), dict(data.get("extra") or {}))
+        unreadable = {str(k): str(v) for k, v in dict(data.get("unreadable") or {}).items()}
+        return cls(tuple(units), dict(data.get("extra") or {}), unreadable)
 
 
 def map_file(path: Path) -> mmap.mmap | bytes:
@@ -219,20 +226,34 @@ class TarReader(_BufferReader):
     """A WebDataset tar shard: samples are runs of members sharing a key."""
 
     def __init__(
-        self, unit: Unit, where: str, buffer: mmap.mmap | bytes, spans: Sequence[SampleSpan] | None = None
+        self,
+        unit: Unit,
+        where: str,
+        buffer: mmap.mmap | bytes,
+        spans: Sequence[SampleSpan] | None = None,
+        sources: Sequence[str] = (),
     ) -> None:
         super().__init__(unit, where, buffer)
-        if spans is None:
-            try:
-                spans = group_samples(scan_tar(self._view, where=where))
-            except ShardReadError:
-                raise
-            except ValueError as exc:
-                raise ShardReadError(f"{where}: {exc}") from None
-        table = SpanTable.from_spans(spans, shard_size=len(self._view))
+        try:
+            if spans is None:
+                try:
+                    spans = group_samples(scan_tar(self._view, where=where))
+                except ValueError as exc:
+                    if isinstance(exc, ShardReadError):
+                        raise
+                    raise ShardReadError(f"{where}: {exc}") from None
+            table = SpanTable.from_spans(spans, shard_size=len(self._view))
+            if len(table) != unit.count:
+                said = f" ({', '.join(sources)})" if sources else ""
+                raise ShardReadError(
+                    f"{where}: holds {len(table)} samples, its sample index{said} says {unit.count}: "
+                    "the index is wrong; fix or delete it, then run `datacache index URL --rescan`"
+                )
+        except BaseException:
+            # The caller unmaps the buffer; an export left in a frame the traceback keeps would forbid it.
+            self._view.release()
+            raise
         self.spans: SpanTable = table
-        if len(table) != unit.count:
-            raise ShardReadError(f"{where}: holds {len(table)} samples, the index says {unit.count}")
         self._keys = [memoryview(table.key(i).encode("utf-8", "surrogateescape")) for i in range(len(table))]
 
     def fields(self, index: int) -> Fields:
@@ -283,7 +304,11 @@ class ParquetReader(UnitReader):
     def sample(self, index: int) -> dict[str, Any]:
         if self._rows is None:
             # One conversion per file: per-row slicing costs ~20x more.
-            self._rows = self.table.to_pylist()
+            rows = self.table.to_pylist()
+            stem = self.unit.keys[0].removesuffix(".parquet")
+            for number, row in enumerate(rows):
+                row.setdefault("__key__", f"{stem}/{number}")
+            self._rows = rows
         return self._rows[index]
 
     def close(self) -> None:
@@ -345,7 +370,7 @@ def open_unit_reader(
 ) -> UnitReader:
     """A reader for ``unit`` over the verified bytes of its shards (``spans``: a tar shard's known index)."""
     if fmt is ShardFormat.TAR:
-        return TarReader(unit, where, buffers[unit.keys[0]], spans)
+        return TarReader(unit, where, buffers[unit.keys[0]], spans, tuple(extra.get(COUNT_SOURCES, ())))
     if fmt is ShardFormat.PARQUET:
         return ParquetReader(unit, where, buffers[unit.keys[0]])
     if fmt is ShardFormat.FILES:

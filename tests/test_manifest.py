@@ -11,7 +11,7 @@ import pytest
 from _helpers import checksum, fill_bucket, fill_dir, make_shards, with_stager
 from datacache.tiers import ObjectTier
 
-from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.config import DatasetConfig, Settings, dataset_id_for, resolve_dataset
 from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
 from datacache.manifest import (
     MANIFEST_NAME,
@@ -99,7 +99,7 @@ def test_written_manifest_is_used_with_its_checksums(tmp_path: Path) -> None:
     assert [s.checksum for s in manifest.shards] == [checksum(v) for v in shards.values()]
     assert manifest.total_samples == 20
     assert all(s.version for s in manifest.shards), "versions come from the listing"
-    assert manifest.dataset == "ds"
+    assert manifest.dataset == dataset_id_for(str(tmp_path / "o")), "the id is the origin's, not the name"
 
 
 def test_written_manifest_that_disagrees_with_the_origin(tmp_path: Path) -> None:
@@ -191,7 +191,7 @@ def test_second_open_does_not_list_the_bucket(s3: S3Bucket, settings: Settings) 
     again = with_stager(settings, lambda stager: stager.open(dataset))
     assert again.manifest.snapshot == first.snapshot
     assert s3.server.request_counts() == {}
-    # And another node reads the copy on the shared tier.
+    # A copy goes to the shared tier for tools to inspect (never read back as a snapshot).
     assert settings.shared_dir is not None
     assert (settings.shared_dir / "manifests" / f"{dataset.id}.json").is_file()
 

@@ -382,7 +382,7 @@ def test_stager_and_catalog_pickle_without_runtime_state(
     clone = pickle.loads(with_stager(settings, body))
     assert isinstance(clone, Stager)
     assert clone.settings == settings
-    assert clone._loop is None and clone._workers == [] and clone._origins == {}
+    assert clone._loop is None and clone._parts is None and clone._origins == {}
     catalog = pickle.loads(pickle.dumps(Catalog(settings.local_dir / "catalog.sqlite")))
     entries = asyncio.run(_entries_and_close(catalog))
     assert [e.state for e in entries] == [ShardState.RESIDENT]

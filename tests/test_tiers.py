@@ -678,6 +678,26 @@ def test_open_origin_rejects_empty_urls(url: str) -> None:
         open_origin(url)
 
 
+def test_a_storage_option_typo_is_refused_where_the_backend_would_fail(tmp_path: Path) -> None:
+    # s3fs hands unknown options to aiobotocore, which raises a bare TypeError on first use.
+    with pytest.raises(ConfigError, match=r"storage option 'endpoint'.*did you mean 'endpoint_url'\?"):
+        open_origin("s3://bucket/prefix/", storage_options={"endpoint": "http://127.0.0.1:1"})
+    with pytest.raises(ConfigError, match=r"storage option 'nonsense' is not an option of s3://"):
+        open_origin("s3://bucket/prefix/", storage_options={"nonsense": 1})
+    # Every option s3fs or its session takes is accepted.
+    open_origin("s3://bucket/prefix/", storage_options={"endpoint_url": "x", "profile": "p", "anon": True})
+
+
+def test_a_storage_option_typo_is_named_where_the_backend_would_ignore_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # fsspec's local filesystem ignores unknown options: the typo is logged, not fatal.
+    with caplog.at_level("WARNING", logger="datacache.tiers"):
+        open_origin(str(tmp_path), storage_options={"auto_mkdirs": True})
+    assert "storage option 'auto_mkdirs'" in caplog.text
+    assert "did you mean 'auto_mkdir'?" in caplog.text
+
+
 def test_urls_never_show_credentials() -> None:
     tier = ObjectTier("s3://AKIAEXAMPLE:hunter2@bucket/prefix/", storage_options={"secret": "hunter2"})
     assert "hunter2" not in tier.url

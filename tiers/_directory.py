@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -90,23 +91,44 @@ class DirectoryTier(Tier):
     def _stat_sync(self, key: str) -> ObjectInfo | None:
         path = self.path(key)
         try:
-            st = os.lstat(path)
+            fd = os.open(path, _READ_FLAGS | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink: never an object
+                return None
+            raise
+        try:
+            st = os.fstat(fd)  # the file opened, not whatever the path names a moment later
+        finally:
+            os.close(fd)
         if not stat_module.S_ISREG(st.st_mode):
             return None
         metadata: dict[str, str] = {}
+        writers = {st.st_uid}
         with contextlib.suppress(OSError, ValueError):
-            raw = json.loads(self._read_small(self._meta_path(key)))
-            if isinstance(raw, dict):
-                metadata = {str(k): str(v) for k, v in raw.items()}
-        return ObjectInfo(key=key, size=st.st_size, version=f"{st.st_mtime_ns}:{st.st_size}", metadata=metadata)
+            raw, meta_uid = self._read_small(self._meta_path(key))
+            parsed = json.loads(raw)
+            if isinstance(parsed, dict):
+                metadata = {str(k): str(v) for k, v in parsed.items()}
+                writers.add(meta_uid)
+        return ObjectInfo(
+            key=key,
+            size=st.st_size,
+            version=f"{st.st_mtime_ns}:{st.st_size}",
+            metadata=metadata,
+            writers=frozenset(writers),
+        )
 
     @staticmethod
-    def _read_small(path: Path) -> bytes:
-        fd = os.open(path, _READ_FLAGS)
+    def _read_small(path: Path) -> tuple[bytes, int]:
+        """Read a small regular file (never a link, FIFO or device); return its bytes and owner."""
+        fd = os.open(path, _READ_FLAGS | os.O_NONBLOCK)
         try:
-            return os.read(fd, 1 << 20)
+            st = os.fstat(fd)
+            if not stat_module.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{path} is not a regular file")
+            return os.read(fd, 1 << 20), st.st_uid
         finally:
             os.close(fd)
 

@@ -25,15 +25,69 @@ __all__ = [
     "partial_name",
     "redact_url",
     "remove_abandoned_partials",
+    "split_userinfo",
 ]
 
 PARTIAL_NAME = re.compile(r"^\..*\.[0-9a-f]{32}\.partial$")
-_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+# A URL inside a message: a scheme, "://", then anything up to whitespace (a secret may hold quotes).
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S*")
+# "host:port/..." (not "user:secret/with/slash@..."), for schemes whose URLs carry ports.
+_PORT = re.compile(r"^[^:/@]*:\d{1,5}(/|$)")
+# Object stores name a bucket, never a port: a ":" in the bucket part starts a secret.
+_PORTLESS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+REDACTED = "REDACTED"
+
+
+def split_userinfo(url: str) -> tuple[str | None, str]:
+    """Return ``(userinfo, url_without_it)``; ``userinfo`` is None when ``url`` carries none.
+
+    AWS secrets often contain ``/`` and passwords ``@``, unescaped: in
+    ``s3://AKIA:se/cret@bucket/p`` the userinfo runs to the last ``@`` before
+    the query, since a ``user:`` part cannot be a bucket or host name (a port
+    excepted, for schemes that have ports). Ambiguous input is taken as
+    userinfo: a key containing ``@`` is redacted too much rather than a secret
+    too little.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None, url
+    authority = rest.split("/", 1)[0]  # not cut at "?" or "#": a userinfo may hold them
+    at = authority.rfind("@")
+    portless = scheme.lower() in _PORTLESS
+    if ":" in authority and (portless or at < 0):
+        tail = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+        if portless or not _PORT.match(rest[:tail]):
+            at = max(at, rest.rfind("@", 0, tail))
+    if at < 0:
+        return None, url
+    return rest[:at], f"{scheme}://{rest[at + 1 :]}"
+
+
+_QUERY_VALUE = re.compile(r"([?&][^=&#\s'\"]*=)[^&#\s'\"<>]*")
+
+
+def _redact_query(rest: str) -> str:
+    head, sep, query = rest.partition("?")
+    if not sep:
+        return rest
+    # Presigned URLs and SAS tokens carry their signature in the query: keep the names only.
+    return head + _QUERY_VALUE.sub(rf"\g<1>{REDACTED}", sep + query)
+
+
+def _redact_one(match: re.Match[str]) -> str:
+    _, stripped = split_userinfo(match.group(0))
+    scheme, _, rest = stripped.partition("://")
+    return f"{scheme}://{_redact_query(rest)}"
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` without any ``user:password@`` part (also of every URL inside a message)."""
-    return _USERINFO.sub(r"\1", url)
+    """Return ``url`` without credentials, also of every URL inside a message.
+
+    Removes any ``user:password@`` part (secrets with ``/`` or ``@`` included)
+    and replaces the value of every query parameter (``?sig=``,
+    ``X-Amz-Signature=``, ...) with ``REDACTED``.
+    """
+    return _URL.sub(_redact_one, url)
 
 
 def device_free(directory: str | os.PathLike[str]) -> int | None:

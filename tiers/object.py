@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from datacache.tiers._files import redact_url
+from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
 from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
@@ -68,6 +69,10 @@ class ObjectTier(Tier):
             self._fs_class = fsspec.get_filesystem_class(self._protocol)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open {redact_url(url)}: {exc}") from None
+        try:
+            check_storage_options(self._protocol, self._fs_class, storage_options or {})
+        except ConfigError as exc:
+            raise ConfigError(f"{redact_url(url.rstrip('/'))}: {exc}") from None
         self._raw_url = url
         self._root = str(self._fs_class._strip_protocol(url)).rstrip("/")
         self._storage_options = dict(storage_options or {})

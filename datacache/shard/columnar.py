@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from datacache._shard_pack import Endpoint, ObjectCallback, ShardJob
-from datacache._shard_plan import (
+from datacache.checksum import checksum_of, new_hasher
+from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
+from datacache.shard.job import Endpoint, ObjectCallback, ShardJob
+from datacache.shard.plan import (
     ParquetPayload,
     RowGroupRef,
     ShardOptions,
@@ -30,8 +32,6 @@ from datacache._shard_plan import (
     ZarrPayload,
     digest_of,
 )
-from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier
 
 __all__ = [

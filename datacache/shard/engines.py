@@ -13,9 +13,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from datacache._shard_pack import ObjectCallback, ShardJob, UnitResult, ensure_unit, run_unit_sync
-from datacache._shard_plan import UnitSpec
 from datacache.errors import ConfigError
+from datacache.shard.job import ObjectCallback, ShardJob, UnitResult
+from datacache.shard.plan import UnitSpec
+from datacache.shard.units import ensure_unit, run_unit_sync
 
 __all__ = ["ENGINES", "run_dask", "run_local", "run_ray"]
 

@@ -22,6 +22,11 @@ interruption, it keeps every unit whose record matches the plan and whose
 bytes still verify (size and checksum), and packs the rest: the result is
 byte for byte that of an uninterrupted run. The units can be packed in this
 process, or as tasks on a Dask or Ray cluster (``engine``).
+
+The package's modules point one way: `plan` (pure planning) <- `job` (the
+values a worker receives) <- `tar` and `columnar` (the packers, independent
+of each other) <- `units` (keep or pack one unit) <- `engines` (where units
+run) <- this module (one run, end to end).
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from datacache._progress import Progress
-from datacache._shard_engines import ENGINES, run_dask, run_local, run_ray
-from datacache._shard_pack import Endpoint, ShardJob, UnitResult, put_bytes
-from datacache._shard_plan import (
+from datacache.checksum import checksum_of, new_hasher
+from datacache.config import dataset_id_for
+from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
+from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.shard import columnar
+from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
+from datacache.shard.job import Endpoint, ShardJob, UnitResult, put_bytes
+from datacache.shard.plan import (
     DONE_PREFIX,
     PLAN_NAME,
     ShardOptions,
@@ -46,10 +56,6 @@ from datacache._shard_plan import (
     UnitSpec,
     plan_tar,
 )
-from datacache.config import dataset_id_for
-from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
-from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
-from datacache.stager import checksum_of, new_hasher
 from datacache.tiers import ObjectInfo, Tier, redact_url
 from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
 
@@ -176,16 +182,13 @@ async def plan_source(
     shown = redact_url(source.url)
     if chosen == "files":
         plan = plan_tar(infos, options, source=shown)
+    elif chosen == "parquet":
+        parquet = [info for info in infos if info.key.endswith(".parquet")]
+        if not parquet:
+            raise ConfigError(f"--format parquet: no .parquet files at {shown}")
+        plan = await asyncio.to_thread(columnar.plan_parquet, source, parquet, options)
     else:
-        from datacache import _shard_columnar
-
-        if chosen == "parquet":
-            parquet = [info for info in infos if info.key.endswith(".parquet")]
-            if not parquet:
-                raise ConfigError(f"--format parquet: no .parquet files at {shown}")
-            plan = await asyncio.to_thread(_shard_columnar.plan_parquet, source, parquet, options)
-        else:
-            plan = await asyncio.to_thread(_shard_columnar.plan_zarr, source, infos, options)
+        plan = await asyncio.to_thread(columnar.plan_zarr, source, infos, options)
     if not plan.units:
         raise ShardNotFoundError(
             f"nothing to pack at {shown}: none of its {len(infos)} objects has a file extension "

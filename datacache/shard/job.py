@@ -1,0 +1,75 @@
+"""What every unit of a ``datacache shard`` run shares: where it reads and writes, and its result.
+
+These values cross process boundaries (Dask and Ray tasks), so they hold
+configuration only; a worker opens its tiers from an `Endpoint` in its own
+process and event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from datacache.shard.plan import DONE_PREFIX, ShardOptions
+from datacache.tiers import Tier, open_origin
+
+__all__ = [
+    "Endpoint",
+    "ObjectCallback",
+    "ShardJob",
+    "UnitResult",
+    "put_bytes",
+    "record_key",
+]
+
+ObjectCallback = Callable[[int, int], None]
+"""Called with (input objects, their bytes) as they are read."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A URL and its storage options: what a worker needs to open a tier in its own process."""
+
+    url: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def open(self, *, writable: bool) -> Tier:
+        """Open the tier (in the calling process and event loop)."""
+        return open_origin(self.url, storage_options=dict(self.storage_options), writable=writable)
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Everything a worker needs besides the unit itself; pickles for Dask and Ray."""
+
+    source: Endpoint
+    dest: Endpoint
+    options: ShardOptions
+
+
+@dataclass(frozen=True, slots=True)
+class UnitResult:
+    """A finished unit: what the manifest records, and whether this run wrote it."""
+
+    key: str
+    size: int
+    checksum: str
+    samples: int
+    objects: int
+    input_bytes: int
+    written: bool
+
+
+def record_key(unit_key: str) -> str:
+    """Where the record of a finished unit lives, relative to the output root."""
+    return f"{DONE_PREFIX}{unit_key}.json"
+
+
+async def put_bytes(tier: Tier, key: str, data: bytes) -> None:
+    """Store a small document atomically."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data
+
+    await tier.put(key, body())

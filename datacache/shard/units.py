@@ -1,0 +1,154 @@
+"""Ensuring one planned unit: keep a verified copy from an earlier run, or pack and record it.
+
+Once a unit and its index are stored, a small record (size, checksum, plan
+digest) is written under ``.datacache-shard-done/``: the commit point a rerun
+trusts, after re-reading the unit and checking its checksum. The packers
+(`datacache.shard.tar`, `datacache.shard.columnar`) know nothing of records
+or of each other; this module picks one by the unit's kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from datacache.checksum import checksum_of, new_hasher
+from datacache.errors import ShardNotFoundError
+from datacache.shard import columnar
+from datacache.shard.job import ObjectCallback, ShardJob, UnitResult, put_bytes, record_key
+from datacache.shard.plan import TarPayload, UnitSpec
+from datacache.shard.tar import pack_tar
+from datacache.tarindex import INDEX_SUFFIX, index_to_json
+from datacache.tiers import Tier
+
+__all__ = ["ensure_unit", "run_unit_sync"]
+
+logger = logging.getLogger("datacache.shard")
+
+
+async def _hash_object(tier: Tier, key: str) -> tuple[int, str]:
+    hasher = new_hasher()
+    size = 0
+    async for chunk in tier.stream(key):
+        hasher.update(chunk)
+        size += len(chunk)
+    return size, checksum_of(hasher)
+
+
+async def _kept(spec: UnitSpec, dest: Tier) -> UnitResult | None:
+    """Return the unit as recorded if its record matches the plan and its bytes verify."""
+    try:
+        raw = await dest.get(record_key(spec.key))
+        record = json.loads(raw)
+    except ShardNotFoundError:
+        return None
+    except ValueError:
+        logger.warning("shard %s: unreadable record, packing it again", spec.key)
+        return None
+    if not isinstance(record, dict) or record.get("digest") != spec.digest:
+        logger.info("shard %s: planned differently last time, packing it again", spec.key)
+        return None
+    size, checksum = record.get("size"), record.get("checksum")
+    if not isinstance(size, int) or not isinstance(checksum, str):
+        return None
+    info = await dest.stat(spec.key)
+    if info is None or info.size != size or (spec.size is not None and spec.size != size):
+        logger.warning("shard %s: missing or of the wrong size, packing it again", spec.key)
+        return None
+    found_size, found = await _hash_object(dest, spec.key)
+    if found_size != size or found != checksum:
+        logger.warning(
+            "shard %s: checksum mismatch (%s, recorded %s), packing it again",
+            spec.key,
+            found,
+            checksum,
+        )
+        return None
+    if isinstance(spec.payload, TarPayload) and await dest.stat(spec.key + INDEX_SUFFIX) is None:
+        await put_bytes(
+            dest, spec.key + INDEX_SUFFIX, index_to_json(spec.payload.spans, shard_size=size)
+        )
+    return UnitResult(
+        spec.key, size, checksum, spec.samples, spec.objects, spec.input_bytes, written=False
+    )
+
+
+Packer = Callable[..., Awaitable[tuple[int, str]]]
+
+
+_PACKERS: dict[str, Packer] = {
+    "tar": pack_tar,
+    "parquet": columnar.pack_parquet,
+    "zarr": columnar.pack_zarr,
+}
+
+
+def _packer(kind: str) -> Packer:
+    try:
+        return _PACKERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown unit kind {kind!r}") from None
+
+
+async def ensure_unit(
+    spec: UnitSpec,
+    job: ShardJob,
+    source: Tier,
+    dest: Tier,
+    *,
+    has_record: bool,
+    limiter: asyncio.Semaphore | None = None,
+    on_object: ObjectCallback | None = None,
+) -> UnitResult:
+    """Make sure ``spec`` is stored and recorded at ``dest``; return what the manifest needs.
+
+    A unit with a record from an earlier run (``has_record``) is kept when
+    its record carries the same plan digest and its bytes match the recorded
+    size and checksum; anything else is packed again (atomically replacing
+    what was there).
+    """
+    if has_record:
+        kept = await _kept(spec, dest)
+        if kept is not None:
+            return kept
+    size, checksum = await _packer(spec.kind)(
+        spec,
+        job,
+        source=source,
+        dest=dest,
+        limiter=limiter or asyncio.Semaphore(job.options.concurrency),
+        on_object=on_object or _ignore,
+    )
+    record = {
+        "key": spec.key,
+        "digest": spec.digest,
+        "size": size,
+        "checksum": checksum,
+        "samples": spec.samples,
+    }
+    await put_bytes(dest, record_key(spec.key), json.dumps(record, sort_keys=True).encode())
+    logger.debug("shard %s: %d bytes, %d samples, %s", spec.key, size, spec.samples, checksum)
+    return UnitResult(
+        spec.key, size, checksum, spec.samples, spec.objects, spec.input_bytes, written=True
+    )
+
+
+def _ignore(objects: int, nbytes: int) -> None:
+    return None
+
+
+async def _run_alone(spec: UnitSpec, has_record: bool, job: ShardJob) -> UnitResult:
+    source = job.source.open(writable=False)
+    dest = job.dest.open(writable=True)
+    try:
+        return await ensure_unit(spec, job, source, dest, has_record=has_record)
+    finally:
+        await source.close()
+        await dest.close()
+
+
+def run_unit_sync(spec: UnitSpec, has_record: bool, job: ShardJob) -> UnitResult:
+    """Ensure one unit from synchronous code (a Dask or Ray task), on an event loop of its own."""
+    return asyncio.run(_run_alone(spec, has_record, job))

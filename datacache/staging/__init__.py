@@ -1,0 +1,38 @@
+"""Staging: shards moved origin -> shared -> local, once each, verified, atomically.
+
+`Stager` is the facade; its parts point one way, each handed what it needs:
+``types`` (value types) <- ``events`` (listeners, counters) <- ``queue`` (the
+job queue), ``transfer`` (one copy in a memory budget), ``residency`` (what
+eviction keeps) <- ``shared`` (the shared tier) <- ``local`` (the local tier);
+``recovery`` repairs what killed processes left. No part imports the facade.
+"""
+
+from __future__ import annotations
+
+from datacache.staging.stager import Stager
+from datacache.staging.types import (
+    LOCAL,
+    ORIGIN,
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    SHARED,
+    DatasetHandle,
+    Location,
+    StagerStats,
+    StagingEvent,
+    WarmReport,
+)
+
+__all__ = [
+    "LOCAL",
+    "ORIGIN",
+    "PRIORITY_PREFETCH",
+    "PRIORITY_URGENT",
+    "SHARED",
+    "DatasetHandle",
+    "Location",
+    "Stager",
+    "StagerStats",
+    "StagingEvent",
+    "WarmReport",
+]

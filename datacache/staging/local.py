@@ -1,0 +1,192 @@
+"""The local tier: stage a shard onto the node's disk once per node, under capacity, catalogued.
+
+The catalog (SQLite on the local tier) is the truth of what is resident; a
+node lock per shard makes one process of the node do each transfer, and the
+catalog's reservation makes room by the dataset's eviction policy first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from datacache.catalog import Catalog, CatalogEntry
+from datacache.config import Settings
+from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierFullError
+from datacache.locks import NodeLock, lock_name
+from datacache.manifest import Shard
+from datacache.staging.events import Events
+from datacache.staging.residency import Residency
+from datacache.staging.shared import SharedStager, known_checksum
+from datacache.staging.transfer import Transfer
+from datacache.staging.types import LOCAL, ORIGIN, SHARED, DatasetHandle, Location, StagingEvent
+from datacache.tiers import LocalTier, Tier, device_free
+from datacache.units import format_bytes
+
+__all__ = ["LocalStager", "reserve_for"]
+
+logger = logging.getLogger(__name__)
+
+
+class LocalStager:
+    """Stages shards onto the local tier, from the shared tier when there is one; bound to the running loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        tier: LocalTier,
+        catalog: Catalog,
+        *,
+        owner: str,
+        shared: SharedStager | None,
+        transfer: Transfer,
+        residency: Residency,
+        events: Events,
+        lock_waiters: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        self._settings = settings
+        self.tier = tier
+        self._catalog = catalog
+        self._owner = owner
+        self._shared = shared
+        self._transfer = transfer
+        self._residency = residency
+        self._events = events
+        self._lock_waiters = lock_waiters
+
+    async def hit(self, handle: DatasetHandle, shard: Shard, *, touch: bool = True) -> Location | None:
+        """The shard's local copy if the catalog has it resident and its file is whole; else None."""
+        entry = await self._catalog.get(handle.id, shard.key)
+        if entry is None or entry.state != "resident" or entry.version != shard.version:
+            return None
+        path = self.tier.path(handle.tier_key(shard.key))
+        try:
+            size = (await asyncio.to_thread(os.lstat, path)).st_size
+        except FileNotFoundError:
+            size = -1
+        if size != shard.size:
+            logger.warning("dataset %s: shard %r vanished or changed on the local tier", handle.id, shard.key)
+            await self._catalog.remove(handle.id, shard.key)
+            return None
+        if touch:
+            await self._catalog.touch(handle.id, shard.key)
+        return Location(LOCAL, path, shard, entry.checksum)
+
+    def node_lock(self, *parts: str) -> NodeLock:
+        """A lock shared by the processes of this node, named by ``parts``."""
+        return NodeLock(self._settings.local_dir / "locks" / lock_name(*parts), self._lock_waiters)
+
+    async def stage(self, handle: DatasetHandle, shard: Shard) -> Location:
+        """Make the shard local (or say which lower tier to read, if eviction declines to make room)."""
+        capacity = self.tier.capacity
+        if capacity is not None and shard.size > capacity:
+            raise TierFullError(
+                f"dataset {handle.id}: shard {shard.key!r} ({format_bytes(shard.size)}) is larger than "
+                f"the local tier's capacity ({format_bytes(capacity)})"
+            )
+        async with self.node_lock(handle.id, shard.key).hold():
+            hit = await self.hit(handle, shard)
+            if hit is not None:  # another process staged it while we waited
+                self._events.hit(LOCAL)
+                return hit
+            self._events.count("misses")
+            reservation = await self._catalog.reserve(
+                handle.id,
+                shard.key,
+                size=shard.size,
+                version=shard.version,
+                owner=self._owner,
+                capacity=capacity,
+                device_free=lambda: device_free(self._settings.local_dir),
+                reserve_free=reserve_for(self._settings.local_dir),
+                choose=self._residency.chooser(handle),
+            )
+            await self.delete_victims(reservation.victims)
+            if not reservation.granted:
+                self._events.count("bypassed")
+                self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL))
+                return await self.next_tier_location(handle, shard)
+            return await self._transfer_in(handle, shard)
+
+    async def _transfer_in(self, handle: DatasetHandle, shard: Shard) -> Location:
+        """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
+        tier_key = handle.tier_key(shard.key)
+        started = time.monotonic()
+        try:
+            source, source_key, expected, source_name = await self._source(handle, shard)
+            try:
+                info, checksum = await self._transfer.copy(
+                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name
+                )
+            except ChecksumMismatchError:
+                if source_name != SHARED or self._shared is None:
+                    raise
+                # The shared copy is bad: drop it and go to the origin once.
+                await self._shared.tier.delete(tier_key)
+                source, source_key, expected, source_name = await self._source(handle, shard)
+                info, checksum = await self._transfer.copy(
+                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name
+                )
+            await self._catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
+        except BaseException as exc:
+            await asyncio.shield(self._catalog.abandon(handle.id, shard.key, self._owner))
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise TierFullError(
+                    f"dataset {handle.id}: no space on the local tier for shard {shard.key!r} ({exc.strerror})"
+                ) from exc
+            raise
+        self._events.count("shards_staged")
+        self._events.count("bytes_to_local", info.size)
+        self._events.emit(
+            StagingEvent("staged", handle.id, shard.key, LOCAL, source_name, info.size, time.monotonic() - started)
+        )
+        return Location(LOCAL, self.tier.path(tier_key), shard, checksum)
+
+    async def _source(self, handle: DatasetHandle, shard: Shard) -> tuple[Tier, str, str | None, str]:
+        if self._shared is not None:
+            try:
+                _, checksum = await self._shared.ensure(handle, shard)
+            except (TierFullError, InvalidKeyError) as exc:
+                # Full, or its path resolves outside the tier (a symlink planted there): go around it.
+                logger.info("dataset %s: shard %r bypasses the shared tier: %s", handle.id, shard.key, exc)
+            else:
+                return self._shared.tier, handle.tier_key(shard.key), checksum, SHARED
+        expected = shard.checksum or await known_checksum(self._catalog, handle, shard)
+        return handle.origin, shard.key, expected, ORIGIN
+
+    async def next_tier_location(self, handle: DatasetHandle, shard: Shard) -> Location:
+        """Where to read a shard the local tier declined: the shared tier if it can hold it, else the origin."""
+        if self._shared is not None:
+            try:
+                path, checksum = await self._shared.ensure(handle, shard)
+            except (TierFullError, InvalidKeyError):
+                pass
+            else:
+                return Location(SHARED, path, shard, checksum)
+        return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self._catalog, handle, shard))
+
+    async def delete_victims(self, victims: Sequence[CatalogEntry]) -> None:
+        """Delete shards the catalog marked as evicting, and record them gone."""
+        if not victims:
+            return
+        for victim in victims:
+            await self.tier.delete(f"{victim.dataset}/{victim.key}")
+            self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, LOCAL, size=victim.size))
+        await self._catalog.evicted(victims)
+        self._events.count("evictions", len(victims))
+        self._events.count("evicted_bytes", sum(v.size for v in victims))
+
+
+def reserve_for(directory: Path) -> int:
+    """Bytes to leave free on the device: 2% of it, at most 10 GB."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return min(st.f_blocks * st.f_frsize // 50, 10 * 10**9)

@@ -1,0 +1,115 @@
+"""The job queue: one transfer per (dataset, shard, tier), run by a bounded pool of workers.
+
+A reader blocked on a shard jumps ahead of every prefetch: a job re-submitted
+with a smaller priority number is queued again, and the stale entry skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable
+
+from datacache.errors import DatacacheError
+from datacache.manifest import Shard
+from datacache.staging.events import Events
+from datacache.staging.types import DatasetHandle, Job, Location, StagingEvent
+
+__all__ = ["JobQueue"]
+
+_Ident = tuple[str, str, str]
+
+
+class JobQueue:
+    """Priority-ordered staging jobs and the workers that run them; bound to the running loop.
+
+    Parameters
+    ----------
+    run
+        Performs one job and returns where its shard now is.
+    events
+        Where failures are counted and reported.
+    concurrency
+        How many jobs run at once.
+    """
+
+    def __init__(self, run: Callable[[Job], Awaitable[Location]], events: Events, concurrency: int) -> None:
+        self._run = run
+        self._events = events
+        self._loop = asyncio.get_running_loop()
+        self._jobs: dict[_Ident, Job] = {}
+        self._queue: asyncio.PriorityQueue[tuple[float, int, Job]] = asyncio.PriorityQueue()
+        self._sequence = itertools.count()
+        self.workers = [
+            asyncio.create_task(self._worker(), name=f"datacache-stager-{i}") for i in range(concurrency)
+        ]
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting for a worker."""
+        return sum(1 for job in self._jobs.values() if not job.started)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs a worker is running."""
+        return sum(1 for job in self._jobs.values() if job.started)
+
+    def submit(self, handle: DatasetHandle, shard: Shard, tier: str, priority: float) -> Job:
+        """Queue a job, or join the one already queued or running for the same shard and tier."""
+        ident = (handle.id, shard.key, tier)
+        job = self._jobs.get(ident)
+        if job is None or job.future.done():
+            job = Job(handle, shard, tier, priority, self._loop.create_future())
+            self._jobs[ident] = job
+            job.future.add_done_callback(lambda _: self._forget(ident, job))
+        elif priority < job.priority and not job.started:
+            job.priority = priority  # a reader now waits on it: it jumps the queue
+        else:
+            return job
+        self._queue.put_nowait((job.priority, next(self._sequence), job))
+        return job
+
+    def _forget(self, ident: _Ident, job: Job) -> None:
+        if self._jobs.get(ident) is job:
+            del self._jobs[ident]
+
+    async def _next_job(self) -> Job:
+        while True:
+            priority, _, job = await self._queue.get()
+            if job.started or job.future.done() or priority != job.priority:
+                continue  # a stale entry: the job was re-queued sooner, or is done
+            job.started = True
+            return job
+
+    async def _worker(self) -> None:
+        while True:
+            job = await self._next_job()
+            try:
+                location = await self._run(job)
+            except asyncio.CancelledError:
+                if not job.future.done():
+                    job.future.set_exception(DatacacheError("the stager stopped before this shard was staged"))
+                raise
+            except Exception as exc:
+                self._events.count("failures")
+                self._events.emit(StagingEvent("failed", job.handle.id, job.shard.key, job.tier, error=str(exc)))
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            else:
+                if not job.future.done():
+                    job.future.set_result(location)
+
+    async def close(self) -> None:
+        """Stop the workers and fail every job still waiting."""
+        workers, self.workers = self.workers, []
+        for task in workers:
+            task.cancel()
+        for task in workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for job in self._jobs.values():
+            if not job.future.done():
+                job.future.set_exception(DatacacheError("the stager closed before this shard was staged"))
+                job.future.exception()
+        self._jobs.clear()

@@ -1,0 +1,124 @@
+"""Recovery: repair what killed processes left in the catalog and on disk.
+
+Stale catalog rows, files that vanished or changed under the catalog,
+abandoned partial files (local, shared, manifests), and files on the local
+tier the catalog does not know (adopted when their metadata proves them whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+from datacache.catalog import Catalog
+from datacache.config import Settings
+from datacache.errors import DatacacheError
+from datacache.tiers import LocalTier, SharedTier
+from datacache.tiers._files import remove_abandoned_partials
+
+__all__ = ["manifest_dirs", "reconcile"]
+
+logger = logging.getLogger(__name__)
+
+
+async def reconcile(
+    settings: Settings, local: LocalTier, shared: SharedTier | None, catalog: Catalog, *, owner: str
+) -> dict[str, int]:
+    """Repair the local tier and its catalog; return what was repaired, by kind.
+
+    Runs under a node lock taken without waiting: if another process is
+    reconciling, this one leaves it the job.
+    """
+    counts = {"stale_rows": 0, "missing_files": 0, "partials": 0, "orphans_adopted": 0, "orphans_removed": 0}
+    lock_path = settings.local_dir / "locks" / "reconcile.lock"
+    await asyncio.to_thread(lock_path.parent.mkdir, parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return counts
+        known = await _repair_catalog(local, catalog, counts)
+        # On the node's own disk the writer's flock is authoritative: no grace period.
+        counts["partials"] = await local.remove_abandoned_partials(min_age=0)
+        # Manifests are written atomically too; a killed save leaves its temporary file.
+        for directory, min_age in manifest_dirs(settings):
+            if directory.exists():
+                removed = await asyncio.to_thread(remove_abandoned_partials, directory, min_age=min_age)
+                counts["partials"] += len(removed)
+        async for info in local.list():
+            dataset, _, key = info.key.partition("/")
+            if (dataset, key) in known or not key:
+                continue
+            adopted = await _adopt(local, catalog, owner, dataset, key)
+            counts["orphans_adopted" if adopted else "orphans_removed"] += 1
+        if shared is not None:
+            counts["partials"] += await shared.remove_abandoned_partials()
+    finally:
+        os.close(fd)
+    if any(counts.values()):
+        logger.info("reconciled the local tier: %s", counts)
+    return counts
+
+
+async def _repair_catalog(local: LocalTier, catalog: Catalog, counts: dict[str, int]) -> set[tuple[str, str]]:
+    """Drop rows of transfers whose owner died, and rows whose file vanished or changed size.
+
+    Returns the (dataset, key) pairs the catalog knew after dropping stale rows: a file whose
+    row was dropped for a wrong size is not an orphan to adopt.
+    """
+    for entry in await catalog.stale_entries():
+        await local.delete(f"{entry.dataset}/{entry.key}")
+        await catalog.remove(entry.dataset, entry.key)
+        counts["stale_rows"] += 1
+    known: set[tuple[str, str]] = set()
+    for entry in await catalog.entries():
+        known.add((entry.dataset, entry.key))
+        if entry.state != "resident":
+            continue
+        try:
+            size = (await asyncio.to_thread(os.lstat, local.path(f"{entry.dataset}/{entry.key}"))).st_size
+        except (FileNotFoundError, DatacacheError):
+            size = -1
+        if size != entry.size:
+            await catalog.remove(entry.dataset, entry.key)
+            counts["missing_files"] += 1
+    return known
+
+
+def manifest_dirs(settings: Settings) -> list[tuple[Path, float]]:
+    """The manifest directories, each with the grace period its partial files get."""
+    found = [(settings.local_dir / "manifests", 0.0)]
+    if settings.shared_dir is not None:
+        found.append((settings.shared_dir / "manifests", 30.0))
+    return found
+
+
+async def _adopt(local: LocalTier, catalog: Catalog, owner: str, dataset: str, key: str) -> bool:
+    """Catalog an unknown local file whose metadata proves it whole; delete it otherwise."""
+    full = await local.stat(f"{dataset}/{key}")
+    metadata = full.metadata if full is not None else {}
+    if full is not None and metadata.get("checksum") and metadata.get("size") == str(full.size):
+        reservation = await catalog.reserve(
+            dataset,
+            key,
+            size=full.size,
+            version=metadata.get("version"),
+            owner=owner,
+            capacity=None,
+            device_free=lambda: None,
+            reserve_free=0,
+            choose=lambda *_: [],
+        )
+        if reservation.granted:
+            version = metadata.get("version")
+            await catalog.commit(
+                dataset, key, size=full.size, version=None if version == "None" else version,
+                checksum=metadata["checksum"],
+            )
+            return True
+    await local.delete(f"{dataset}/{key}")
+    return False

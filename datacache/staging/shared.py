@@ -1,0 +1,202 @@
+"""The shared tier: one copy per cluster, staged from the origin once (a lease lock per shard).
+
+Single-flight within the process (one future per shard), and across processes
+and nodes by a `LeaseLock` beside the shard on the shared filesystem. Room is
+made one decision at a time, counting the transfers this process has in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from datacache.catalog import Catalog
+from datacache.errors import TierFullError
+from datacache.eviction import Candidate
+from datacache.locks import LeaseLock
+from datacache.manifest import Shard
+from datacache.staging.events import Events
+from datacache.staging.residency import Residency
+from datacache.staging.transfer import Transfer
+from datacache.staging.types import ORIGIN, SHARED, DatasetHandle, StagingEvent
+from datacache.tiers import ObjectInfo, SharedTier
+from datacache.units import format_bytes
+
+__all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
+
+
+def shared_copy_matches(info: ObjectInfo, shard: Shard) -> bool:
+    """Whether a shared-tier copy is this shard's version, complete, with a checksum recorded."""
+    return (
+        info.size == shard.size
+        and info.metadata.get("version") == str(shard.version)
+        and bool(info.metadata.get("checksum"))
+        and (shard.checksum is None or info.metadata.get("checksum") == shard.checksum)
+    )
+
+
+async def known_checksum(catalog: Catalog, handle: DatasetHandle, shard: Shard) -> str | None:
+    """The checksum this node learned for the shard's current version, if any."""
+    entry = await catalog.get(handle.id, shard.key)
+    if entry is not None and entry.version == shard.version:
+        return entry.checksum
+    return None
+
+
+async def evict_shared(shared: SharedTier, dataset_id: str) -> tuple[int, int]:
+    """Remove a dataset's shards from the shared tier; return (shards, bytes)."""
+    count = size = 0
+    async for info in shared.list(f"{dataset_id}/"):
+        if await shared.delete(info.key):
+            count += 1
+            size += info.size
+    return count, size
+
+
+class SharedStager:
+    """Stages shards onto the shared tier from the origin; bound to the running loop."""
+
+    def __init__(
+        self,
+        tier: SharedTier,
+        catalog: Catalog,
+        transfer: Transfer,
+        residency: Residency,
+        events: Events,
+        *,
+        lease_seconds: float,
+    ) -> None:
+        self.tier = tier
+        self._catalog = catalog
+        self._transfer = transfer
+        self._residency = residency
+        self._events = events
+        self._lease_seconds = lease_seconds
+        self._flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
+        self._room = asyncio.Lock()
+        self._reserved: dict[tuple[str, str], int] = {}
+
+    async def ensure(self, handle: DatasetHandle, shard: Shard) -> tuple[Path, str | None]:
+        """Make the shard resident on the shared tier, once per process and once per cluster."""
+        ident = (handle.id, shard.key)
+        flight = self._flights.get(ident)
+        if flight is not None:
+            return await asyncio.shield(flight)
+        flight = asyncio.get_running_loop().create_future()
+        self._flights[ident] = flight
+        try:
+            result = await self._stage(handle, shard)
+        except BaseException as exc:
+            flight.set_exception(exc)
+            flight.exception()  # retrieved: waiters re-raise it, nobody else needs to
+            raise
+        else:
+            flight.set_result(result)
+            return result
+        finally:
+            self._flights.pop(ident, None)
+
+    async def _stage(self, handle: DatasetHandle, shard: Shard) -> tuple[Path, str | None]:
+        shared = self.tier
+        tier_key = handle.tier_key(shard.key)
+        info = await shared.stat(tier_key)
+        if info is not None and shared_copy_matches(info, shard):
+            self._events.hit(SHARED)
+            self._events.emit(StagingEvent("hit", handle.id, shard.key, SHARED, size=shard.size))
+            return shared.path(tier_key), info.metadata["checksum"]
+        lock = LeaseLock(shared.lock_path(tier_key), lease_seconds=self._lease_seconds)
+        async with lock.hold():
+            if lock.took_over:
+                # Only the lock's holder writes this key: a dead holder's temporary file is garbage.
+                await shared.remove_partials_of(tier_key)
+            info = await shared.stat(tier_key)
+            if info is not None and shared_copy_matches(info, shard):
+                self._events.hit(SHARED)
+                return shared.path(tier_key), info.metadata["checksum"]
+            await self._make_room(handle, shard)
+            started = time.monotonic()
+            try:
+                expected = shard.checksum or await known_checksum(self._catalog, handle, shard)
+                info, checksum = await self._transfer.copy(
+                    handle, shard, handle.origin, shard.key, shared, tier_key, expected, ORIGIN
+                )
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise TierFullError(
+                        f"dataset {handle.id}: no space on the shared tier for shard {shard.key!r} ({exc.strerror})"
+                    ) from exc
+                raise
+            finally:
+                # Written (and now counted by the tier's usage) or abandoned.
+                self._reserved.pop((handle.id, shard.key), None)
+            self._events.count("bytes_to_shared", info.size)
+            self._events.count("shards_to_shared")
+            self._events.emit(
+                StagingEvent("staged", handle.id, shard.key, SHARED, ORIGIN, info.size, time.monotonic() - started)
+            )
+            return shared.path(tier_key), checksum
+
+    async def _make_room(self, handle: DatasetHandle, shard: Shard) -> None:
+        shared = self.tier
+        if shared.capacity is None:
+            return
+        if shard.size > shared.capacity:
+            raise TierFullError(
+                f"dataset {handle.id}: shard {shard.key!r} ({format_bytes(shard.size)}) is larger than "
+                f"the shared tier's capacity ({format_bytes(shared.capacity)})"
+            )
+        # One decision at a time, counting the transfers this process has in flight:
+        # otherwise concurrent transfers all see the same free space and overfill the tier.
+        async with self._room:
+            usage = await shared.usage()
+            reserved = sum(self._reserved.values())
+            need = usage.used_bytes + reserved + shard.size - shared.capacity
+            if need > 0:
+                residents = await asyncio.to_thread(_shared_candidates, shared)
+                pinned = {record.id for record in await self._catalog.datasets() if record.pinned}
+                candidates = [
+                    Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
+                    for c in residents
+                    if not (c.dataset == handle.id and c.key == shard.key)
+                ]
+                victims = self._residency.chooser(handle)(
+                    Candidate(handle.id, shard.key, shard.size, time.time()), candidates, need
+                )
+                if victims is None:
+                    raise TierFullError(
+                        f"dataset {handle.id}: the shared tier is full and its eviction policy keeps what it holds"
+                    )
+                for victim in victims:
+                    await shared.delete(f"{victim.dataset}/{victim.key}")
+                    self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
+            self._reserved[(handle.id, shard.key)] = shard.size
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedResident:
+    dataset: str
+    key: str
+    size: int
+    last_access: float
+
+
+def _shared_candidates(shared: SharedTier) -> list[_SharedResident]:
+    found: list[_SharedResident] = []
+    root = shared.root / "data"
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(directory, name)
+            key = os.path.relpath(path, root).replace(os.sep, "/")
+            dataset, _, shard_key = key.partition("/")
+            if not shard_key or name.endswith(".partial"):
+                continue
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+    return found

@@ -1,0 +1,517 @@
+"""The stager: moves shards origin -> shared -> local, once each, verified, atomically.
+
+One `Stager` per process (or one per node, inside ``datacache serve``). It
+answers `Stager.ensure` ("make this shard local and tell me where it is"),
+takes prefetch lists with priorities, warms whole datasets, and evicts to stay
+under capacity. It is a facade over the parts of `datacache.staging`: the job
+queue, the local and shared tiers' stagers, the transfer with its memory
+budget, residency (what eviction keeps) and recovery; they report through
+`Events` and never call back into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from datacache.catalog import Catalog, process_owner
+from datacache.checksum import checksum_of, hash_file, new_hasher
+from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
+from datacache.manifest import ManifestStore, Shard, take_manifest
+from datacache.staging import recovery
+from datacache.staging.events import Events, Listener
+from datacache.staging.local import LocalStager
+from datacache.staging.queue import JobQueue
+from datacache.staging.residency import Residency
+from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
+from datacache.staging.transfer import Transfer
+from datacache.staging.types import (
+    LOCAL,
+    ORIGIN,
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    SHARED,
+    TIERS,
+    DatasetHandle,
+    Job,
+    Location,
+    StagerStats,
+    StagingEvent,
+    WarmReport,
+)
+from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, open_origin, redact_url
+from datacache.units import format_bytes
+
+__all__ = ["Stager"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parts:
+    """The loop-bound parts, built on first use in each event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: JobQueue
+    local: LocalStager
+    shared: SharedStager | None
+    lock_waiters: concurrent.futures.ThreadPoolExecutor
+
+
+class Stager:
+    """Moves shards up the tiers; one per process, or one per node inside the daemon.
+
+    Parameters
+    ----------
+    settings
+        Tiers, capacities, concurrency and limits.
+    reconcile
+        Repair what killed processes left in the catalog and on disk, once, on
+        first use. Loader workers turn this off: their parent already did it.
+    """
+
+    def __init__(self, settings: Settings, *, reconcile: bool = True) -> None:
+        self.settings = settings
+        self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync)
+        self.shared: SharedTier | None = (
+            SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
+            if settings.shared_dir
+            else None
+        )
+        self.catalog = Catalog(settings.local_dir / "catalog.sqlite")
+        manifest_dirs = [settings.local_dir / "manifests"]
+        if settings.shared_dir is not None:
+            manifest_dirs.append(settings.shared_dir / "manifests")
+        self.manifests = ManifestStore(*manifest_dirs)
+        self._reconcile_wanted = reconcile
+        self._owner = process_owner()
+        self._events = Events()
+        self._residency = Residency()
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        # Loop- and process-bound state, created lazily and never pickled.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._parts: _Parts | None = None
+        self._reconciled = False
+        self._events.reset_counters()
+        self._origins: dict[str, Tier] = {}
+        self._closed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings, "reconcile": self._reconcile_wanted, "listeners": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], reconcile=state["reconcile"])  # type: ignore[misc]
+
+    @property
+    def mode(self) -> str:
+        """This stager runs in the reader's own process."""
+        return "embedded"
+
+    # -- listeners and stats --------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` with every `StagingEvent` (from the event loop's thread)."""
+        self._events.add_listener(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self._events.remove_listener(listener)
+
+    def origin_retries(self) -> int:
+        """Origin requests retried after a transient error since this stager started (any thread)."""
+        return sum(origin.stats().retries for origin in list(self._origins.values()))
+
+    def stats(self) -> StagerStats:
+        """Counters since this stager started, with the live queue depth."""
+        queue = self._parts.queue if self._parts is not None else None
+        return StagerStats(
+            hits=dict(self._events.hits),
+            retries=self.origin_retries(),
+            queue_depth=queue.depth if queue is not None else 0,
+            in_flight=queue.in_flight if queue is not None else 0,
+            **self._events.counters,
+        )
+
+    # -- runtime set-up -------------------------------------------------------------------
+
+    async def _ready(self) -> _Parts:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise DatacacheError("the stager is closed")
+        if self._parts is None or self._loop is not loop:
+            if self._loop is not None:
+                self._reset_runtime()
+            self._loop = loop
+            self._parts = self._build_parts(loop)
+        if self._reconcile_wanted and not self._reconciled:
+            self._reconciled = True
+            await self.reconcile()
+        return self._parts
+
+    def _build_parts(self, loop: asyncio.AbstractEventLoop) -> _Parts:
+        settings, events = self.settings, self._events
+        transfer = Transfer(settings, events)
+        shared = (
+            SharedStager(
+                self.shared, self.catalog, transfer, self._residency, events, lease_seconds=settings.lease_seconds
+            )
+            if self.shared is not None
+            else None
+        )
+        lock_waiters = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="datacache-lock")
+        local = LocalStager(
+            settings,
+            self.local,
+            self.catalog,
+            owner=self._owner,
+            shared=shared,
+            transfer=transfer,
+            residency=self._residency,
+            events=events,
+            lock_waiters=lock_waiters,
+        )
+        queue = JobQueue(self._run_job, events, settings.concurrency)
+        return _Parts(loop, queue, local, shared, lock_waiters)
+
+    async def _run_job(self, job: Job) -> Location:
+        parts = self._parts
+        if parts is None:
+            raise DatacacheError("the stager is not running")
+        if job.tier == LOCAL:
+            return await parts.local.stage(job.handle, job.shard)
+        if parts.shared is None:
+            raise ConfigError("no shared tier is configured")
+        path, checksum = await parts.shared.ensure(job.handle, job.shard)
+        return Location(SHARED, path, job.shard, checksum)
+
+    async def close(self) -> None:
+        """Stop the workers (abandoning queued transfers) and release clients."""
+        if self._closed:
+            return
+        self._closed = True
+        parts = self._parts
+        if parts is not None:
+            await parts.queue.close()
+        for origin in self._origins.values():
+            with contextlib.suppress(Exception):
+                await origin.close()
+        self._origins.clear()
+        await self.catalog.close()
+        if parts is not None:
+            parts.lock_waiters.shutdown(wait=False)
+
+    async def __aenter__(self) -> Stager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- datasets -------------------------------------------------------------------------
+
+    def _origin_for(self, dataset: DatasetConfig) -> Tier:
+        origin = self._origins.get(dataset.id)
+        if origin is None:
+            self._check_origin_outside_tiers(dataset.url)
+            origin = open_origin(dataset.url, storage_options=dataset.storage_options, retry=self.settings.retry)
+            self._origins[dataset.id] = origin
+        return origin
+
+    def _check_origin_outside_tiers(self, url: str) -> None:
+        if "://" in url and not url.startswith("file://"):
+            return
+        path = Path(url.removeprefix("file://")).absolute()
+        for tier_dir in (self.settings.local_dir, self.settings.shared_dir):
+            if tier_dir is not None and (path == tier_dir or tier_dir in path.parents):
+                raise ConfigError(f"origin {path} lies inside the cache directory {tier_dir}; use another folder")
+
+    async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
+        """Return a handle on ``dataset`` with its manifest: persisted, or listed now.
+
+        The origin is listed only when no manifest was persisted or ``refresh``
+        is asked; a refreshed manifest with changed shards makes their cached
+        copies stale, and they are re-staged on their next use.
+        """
+        parts = await self._ready()
+        config = dataset if isinstance(dataset, DatasetConfig) else resolve_dataset(dataset, self.settings)
+        origin = self._origin_for(config)
+        manifest = None if refresh else await self.manifests.load(config.id)
+        if manifest is None:
+            # One process per node lists the origin; the others wait and read what it saved.
+            async with parts.local.node_lock("manifests", config.id).hold():
+                manifest = None if refresh else await self.manifests.load(config.id)
+                if manifest is None:
+                    manifest = await take_manifest(config, origin)
+                    await self.manifests.save(manifest)
+        await self.catalog.record_dataset(
+            config.id,
+            url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
+            policy=config.policy,
+            pinned=config.pinned,
+            snapshot=manifest.snapshot,
+            format=manifest.format.value,
+            shard_count=len(manifest.shards),
+            total_bytes=manifest.total_bytes,
+        )
+        return DatasetHandle(config=config, manifest=manifest, origin=origin)
+
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
+        """Tell eviction the order in which the dataset's shards will be read next (Belady)."""
+        self._residency.set_future_order(handle.id, keys)
+
+    # -- the public verbs -----------------------------------------------------------------
+
+    async def ensure(
+        self, handle: DatasetHandle, key: str, *, tier: str = LOCAL, priority: float = PRIORITY_URGENT
+    ) -> Location:
+        """Make shard ``key`` resident on ``tier`` (waiting if it is being staged) and say where.
+
+        If eviction declines to make room (the no-thrash or Belady policy
+        keeps what is resident), the returned location is the next tier down.
+        """
+        if tier not in TIERS:
+            raise ConfigError(f"unknown tier {tier!r} (choose local or shared)")
+        if tier == SHARED and self.shared is None:
+            raise ConfigError("no shared tier is configured (set cache.shared_dir or DATACACHE_SHARED_DIR)")
+        parts = await self._ready()
+        shard = handle.manifest.shard(key)
+        if tier == LOCAL:
+            hit = await parts.local.hit(handle, shard)
+            if hit is not None:
+                self._events.hit(LOCAL)
+                self._events.emit(StagingEvent("hit", handle.id, key, LOCAL, size=shard.size))
+                return hit
+        job = parts.queue.submit(handle, shard, tier, priority)
+        return await asyncio.shield(job.future)
+
+    async def prefetch(
+        self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
+    ) -> None:
+        """Queue ``keys`` for staging to the local tier, the first ones soonest; return at once."""
+        parts = await self._ready()
+        for position, key in enumerate(keys):
+            shard = handle.manifest.shard(key)
+            job = parts.queue.submit(handle, shard, LOCAL, priority + position * 1e-6)
+            job.future.add_done_callback(_ignore_result)
+
+    async def read(self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None) -> bytes:
+        """Read a shard (or a range of it) from the fastest tier that holds it, without staging it.
+
+        A whole-shard read is checked against the shard's size and, when
+        known, its checksum.
+        """
+        await self._ready()
+        data, location, problem = await self._read_once(handle, key, byte_range)
+        if problem and location.tier != ORIGIN:
+            # A bad cached copy is dropped and never served: read it again from below.
+            await self.report_corrupt(handle, location)
+            data, location, problem = await self._read_once(handle, key, byte_range)
+        if problem:
+            self._events.count("checksum_failures")
+            raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} from the {location.tier}: {problem}")
+        return data
+
+    async def _read_once(
+        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None
+    ) -> tuple[bytes, Location, str]:
+        """Read from the fastest tier; return the bytes, where from, and what is wrong with them."""
+        shard = handle.manifest.shard(key)
+        location = await self.locate(handle, key)
+        if location.path is not None:
+            tier: Tier | None = self.local if location.tier == LOCAL else self.shared
+            if tier is None:
+                raise DatacacheError(f"no {location.tier} tier is configured")
+            data = await tier.get(handle.tier_key(key), byte_range)
+        else:
+            data = await handle.origin.get(key, byte_range, version=shard.version)
+            self._events.count("bytes_from_origin", len(data))
+        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
+            if len(data) != shard.size:
+                return data, location, f"read {len(data)} bytes, the manifest says {shard.size}"
+            if location.checksum is not None:
+                hasher = new_hasher()
+                hasher.update(data)
+                if checksum_of(hasher) != location.checksum:
+                    return data, location, "does not match its checksum"
+        return data, location, ""
+
+    async def locate(self, handle: DatasetHandle, key: str) -> Location:
+        """Say where shard ``key`` can be read right now, without moving anything.
+
+        A local copy found here counts as used (for LRU eviction): callers ask
+        in order to read it.
+        """
+        parts = await self._ready()
+        shard = handle.manifest.shard(key)
+        hit = await parts.local.hit(handle, shard)
+        if hit is not None:
+            return hit
+        if self.shared is not None:
+            try:
+                info = await self.shared.stat(handle.tier_key(key))
+            except InvalidKeyError:  # its path resolves outside the shared tier: never read through it
+                info = None
+            if info is not None and shared_copy_matches(info, shard):
+                return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
+        return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
+
+    async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
+        """A reader found ``location``'s bytes wrong: drop that copy so the next ensure re-stages it."""
+        key = location.shard.key
+        self._events.count("checksum_failures")
+        logger.warning("dataset %s: shard %r on the %s tier is corrupt; dropping it", handle.id, key, location.tier)
+        if location.tier == LOCAL:
+            await self.catalog.remove(handle.id, key)
+            await self.local.delete(handle.tier_key(key))
+        elif location.tier == SHARED and self.shared is not None:
+            await self.shared.delete(handle.tier_key(key))
+
+    async def warm(
+        self,
+        handle: DatasetHandle,
+        shards: Sequence[Shard] | None = None,
+        *,
+        tier: str = LOCAL,
+        verify: bool = False,
+    ) -> WarmReport:
+        """Stage ``shards`` (default: all) onto ``tier`` and report exactly what is resident.
+
+        With ``verify``, shards already resident are re-hashed, and re-staged if
+        they do not match. Progress reaches the listeners as events.
+        """
+        await self._ready()
+        chosen = list(handle.manifest.shards if shards is None else shards)
+        self._check_fits(handle, chosen, tier)
+        started = time.monotonic()
+        counters = self._events.counters
+        bytes_counter = "bytes_to_local" if tier == LOCAL else "bytes_to_shared"
+        staged_counter = "shards_staged" if tier == LOCAL else "shards_to_shared"
+        bytes_before, staged_before = counters[bytes_counter], counters[staged_counter]
+        verified = 0
+        failures: list[tuple[str, str]] = []
+        if verify:
+            results = await asyncio.gather(
+                *(self.verify_resident(handle, shard, tier=tier) for shard in chosen), return_exceptions=True
+            )
+            verified = sum(1 for result in results if result is True)
+        tasks = [
+            asyncio.ensure_future(self.ensure(handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH + index * 1e-6))
+            for index, shard in enumerate(chosen)
+        ]
+        resident = 0
+        placed: list[Shard] = []
+        for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, asyncio.CancelledError):
+                    raise outcome
+                failures.append((shard.key, str(outcome)))
+            elif outcome.tier == tier:
+                placed.append(shard)
+            else:
+                failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(tier)}"))
+        # Honest to the end: a shard staged early may have been evicted by a later one.
+        for shard in placed:
+            if await self._is_resident(handle, shard, tier):
+                resident += 1
+            else:
+                failures.append(
+                    (shard.key, f"evicted from the {tier} tier during the warm-up: {self._bypass_reason(tier)}")
+                )
+        counters = self._events.counters
+        return WarmReport(
+            dataset=handle.id,
+            tier=tier,
+            shards_requested=len(chosen),
+            shards_resident=resident,
+            bytes_requested=sum(shard.size for shard in chosen),
+            bytes_transferred=counters[bytes_counter] - bytes_before,
+            shards_transferred=counters[staged_counter] - staged_before,
+            shards_verified=verified,
+            seconds=time.monotonic() - started,
+            failures=tuple(failures),
+        )
+
+    def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
+        target = self.local if tier == LOCAL else self.shared
+        capacity = target.capacity if target is not None else None
+        too_big = [shard for shard in chosen if capacity is not None and shard.size > capacity]
+        if too_big and capacity is not None:
+            # Nothing could ever succeed for these: say so once, before moving a byte.
+            largest = max(too_big, key=lambda shard: shard.size)
+            raise TierFullError(
+                f"dataset {handle.id}: the {tier} tier's capacity ({format_bytes(capacity)}) is smaller than "
+                f"{len(too_big)} of the requested shards "
+                f"(the largest, {largest.key!r}, is {format_bytes(largest.size)})"
+            )
+
+    async def _is_resident(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
+        if tier == LOCAL:
+            parts = await self._ready()
+            return await parts.local.hit(handle, shard, touch=False) is not None
+        if self.shared is None:
+            return False
+        info = await self.shared.stat(handle.tier_key(shard.key))
+        return info is not None and shared_copy_matches(info, shard)
+
+    def _bypass_reason(self, tier: str) -> str:
+        tier_object = self.local if tier == LOCAL else self.shared
+        capacity = tier_object.capacity if tier_object is not None else None
+        if capacity is not None:
+            return f"the tier is full (capacity {format_bytes(capacity)}) and the eviction policy keeps what it holds"
+        return "the disk is nearly full"
+
+    async def verify_resident(self, handle: DatasetHandle, shard: Shard, *, tier: str = LOCAL) -> bool:
+        """Re-hash a resident copy; drop it if wrong. Return whether it was resident and right."""
+        if tier == LOCAL:
+            entry = await self.catalog.get(handle.id, shard.key)
+            if entry is None or entry.state != "resident" or entry.checksum is None:
+                return False
+            path = self.local.path(handle.tier_key(shard.key))
+            expected = entry.checksum
+        else:
+            if self.shared is None:
+                return False
+            info = await self.shared.stat(handle.tier_key(shard.key))
+            if info is None or not shared_copy_matches(info, shard):
+                return False
+            path = self.shared.path(handle.tier_key(shard.key))
+            expected = info.metadata["checksum"]
+        actual = await asyncio.to_thread(hash_file, path)
+        if actual == expected:
+            return True
+        await self.report_corrupt(handle, Location(tier, path, shard, expected))
+        return False
+
+    async def evict(self, dataset_id: str, keys: Sequence[str] | None = None) -> tuple[int, int]:
+        """Remove a dataset's shards (all, or ``keys``) from the local tier; return (shards, bytes)."""
+        parts = await self._ready()
+        victims = await self.catalog.mark_evicting(dataset_id, keys, self._owner)
+        await parts.local.delete_victims(victims)
+        return len(victims), sum(v.size for v in victims)
+
+    async def evict_shared(self, dataset_id: str) -> tuple[int, int]:
+        """Remove a dataset's shards from the shared tier; return (shards, bytes)."""
+        if self.shared is None:
+            return 0, 0
+        return await evict_shared(self.shared, dataset_id)
+
+    async def reconcile(self) -> dict[str, int]:
+        """Repair what killed processes left: stale rows, partial files, vanished or orphan files.
+
+        Runs under a node lock taken without waiting: if another process is
+        reconciling, this one leaves it the job.
+        """
+        return await recovery.reconcile(self.settings, self.local, self.shared, self.catalog, owner=self._owner)
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

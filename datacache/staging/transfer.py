@@ -1,0 +1,135 @@
+"""One transfer: a shard's bytes from a source tier into a destination tier, verified, in bounded memory.
+
+Each shard streams in parts (concurrent ranged GETs from object storage)
+through a memory budget shared by every transfer of the stager, is hashed on
+the way, and becomes visible only by the destination's atomic put once its
+size and checksum are right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+
+from datacache._rate import TokenBucket
+from datacache.checksum import checksum_of, new_hasher
+from datacache.config import Settings
+from datacache.errors import ChecksumMismatchError
+from datacache.manifest import Shard
+from datacache.staging.events import Events
+from datacache.staging.types import ORIGIN, DatasetHandle, StagingEvent
+from datacache.tiers import ByteRange, ObjectInfo, Tier
+
+__all__ = ["Transfer"]
+
+logger = logging.getLogger(__name__)
+
+
+class Transfer:
+    """Copies shards between tiers within one memory budget and bandwidth limit; bound to the running loop."""
+
+    def __init__(self, settings: Settings, events: Events) -> None:
+        self._part_size = settings.part_size
+        self._memory = asyncio.Semaphore(max(1, settings.memory_budget // settings.part_size))
+        self._throttle = TokenBucket(settings.bandwidth_limit) if settings.bandwidth_limit else None
+        self._events = events
+
+    async def copy(
+        self,
+        handle: DatasetHandle,
+        shard: Shard,
+        source: Tier,
+        source_key: str,
+        destination: Tier,
+        destination_key: str,
+        expected: str | None,
+        source_name: str,
+    ) -> tuple[ObjectInfo, str]:
+        """Stream one shard from ``source`` into ``destination``, verified; return its info and checksum."""
+        hasher = new_hasher()
+        received = 0
+        version = shard.version if source_name == ORIGIN else None
+        counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
+        events = self._events
+
+        async def verified_chunks() -> AsyncIterator[bytes]:
+            nonlocal received
+            async for chunk in self._parts(source, source_key, shard.size, version):
+                received += len(chunk)
+                if received > shard.size:
+                    break
+                hasher.update(chunk)
+                events.count(counter, len(chunk))
+                if self._throttle is not None and source_name == ORIGIN:
+                    await self._throttle.take(len(chunk))
+                events.emit(StagingEvent("bytes", handle.id, shard.key, destination.kind, source_name, len(chunk)))
+                yield chunk
+            if received != shard.size:
+                raise ChecksumMismatchError(
+                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {received} bytes, "
+                    f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
+                )
+            if expected is not None and checksum_of(hasher) != expected:
+                events.count("checksum_failures")
+                raise ChecksumMismatchError(
+                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name} does not match its checksum"
+                )
+            # Tiers read metadata once the chunks are exhausted (see Tier.put).
+            metadata["checksum"] = checksum_of(hasher)
+
+        metadata = {"version": str(shard.version), "size": str(shard.size)}
+        info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+        checksum = checksum_of(hasher)
+        if source_name == ORIGIN and shard.checksum is None:
+            logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
+        return info, checksum
+
+    async def _parts(self, source: Tier, key: str, size: int, version: str | None) -> AsyncIterator[bytes]:
+        """Yield the object's bytes in order, fetching up to a few parts ahead concurrently.
+
+        Each part in flight holds one permit of the memory budget until it has
+        been handed on, so memory stays bounded however many transfers run.
+        """
+        memory = self._memory
+        if size == 0:
+            return
+        part_size = self._part_size
+        if size <= part_size or source.kind != "object":
+            # One part, or a file: a single stream in order, nothing buffered. On
+            # object stores one GET per shard is also the cheapest in requests.
+            async for chunk in source.stream(key, chunk_size=8 << 20, version=version):
+                yield chunk
+            return
+        window = 4
+        spans = [ByteRange(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+        pending: deque[asyncio.Task[bytes]] = deque()
+
+        def launch(span: ByteRange) -> asyncio.Task[bytes]:
+            return asyncio.ensure_future(source.get(key, span, version=version))
+
+        try:
+            for span in spans:
+                while pending and (len(pending) >= window or memory.locked()):
+                    head = pending.popleft()
+                    try:
+                        yield await head
+                    finally:
+                        memory.release()
+                await memory.acquire()
+                pending.append(launch(span))
+            while pending:
+                head = pending.popleft()
+                try:
+                    yield await head
+                finally:
+                    memory.release()
+        finally:
+            for task in pending:
+                task.cancel()
+                memory.release()
+            for task in pending:
+                with contextlib.suppress(BaseException):
+                    await task

@@ -1,0 +1,142 @@
+"""The stager's small value types: handles, locations, events, counters, reports, jobs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datacache.config import DatasetConfig
+from datacache.manifest import Manifest, Shard
+from datacache.tiers import Tier
+
+__all__ = [
+    "LOCAL",
+    "ORIGIN",
+    "PRIORITY_PREFETCH",
+    "PRIORITY_URGENT",
+    "SHARED",
+    "TIERS",
+    "DatasetHandle",
+    "Job",
+    "Location",
+    "StagerStats",
+    "StagingEvent",
+    "WarmReport",
+]
+
+PRIORITY_URGENT = 0.0
+"""A reader is blocked on this shard."""
+PRIORITY_PREFETCH = 1.0
+"""Prefetches start here; later positions in the read order get larger numbers."""
+
+LOCAL, SHARED, ORIGIN = "local", "shared", "origin"
+TIERS = (LOCAL, SHARED)
+"""The tiers a shard can be staged onto."""
+
+
+@dataclass(frozen=True)
+class DatasetHandle:
+    """An opened dataset: its configuration, the manifest snapshot it reads, and its origin."""
+
+    config: DatasetConfig
+    manifest: Manifest
+    origin: Tier
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    def tier_key(self, shard_key: str) -> str:
+        """The key of one of this dataset's shards in the shared and local tiers."""
+        return f"{self.id}/{shard_key}"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a shard can be read now.
+
+    ``tier`` is ``"local"`` or ``"shared"`` (then ``path`` is a file to open) or
+    ``"origin"`` (the shard was not cached: read it with `Stager.read`).
+    ``checksum`` is what its bytes must hash to, when known.
+    """
+
+    tier: str
+    path: Path | None
+    shard: Shard
+    checksum: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StagingEvent:
+    """Something the stager did; listeners (progress bars, metrics) receive these."""
+
+    kind: str  # "hit", "staged", "bytes", "failed", "evicted", "bypass", "retry"
+    dataset: str
+    key: str
+    tier: str = ""
+    source: str = ""
+    size: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StagerStats:
+    """Counters of one stager since it started."""
+
+    bytes_from_origin: int = 0
+    bytes_from_shared: int = 0
+    bytes_to_shared: int = 0
+    bytes_to_local: int = 0
+    shards_staged: int = 0
+    shards_to_shared: int = 0
+    hits: Mapping[str, int] = field(default_factory=dict)
+    misses: int = 0
+    bypassed: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    checksum_failures: int = 0
+    failures: int = 0
+    retries: int = 0
+    queue_depth: int = 0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """The outcome of `Stager.warm`: honest about every shard asked for."""
+
+    dataset: str
+    tier: str
+    shards_requested: int
+    shards_resident: int
+    bytes_requested: int
+    bytes_transferred: int
+    shards_transferred: int
+    shards_verified: int
+    seconds: float
+    failures: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Every requested shard is resident (and verified, when asked)."""
+        return self.shards_resident == self.shards_requested and not self.failures
+
+    @property
+    def rate(self) -> float:
+        """Bytes transferred per second."""
+        return self.bytes_transferred / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One queued transfer of one shard onto one tier; every caller asking for it awaits ``future``."""
+
+    handle: DatasetHandle
+    shard: Shard
+    tier: str
+    priority: float
+    future: asyncio.Future[Location]
+    started: bool = False

@@ -1,0 +1,248 @@
+"""Building what a reader yields: decoded samples, and whole batches in batch mode.
+
+`BatchBuilder` reads the samples of a run of positions from the open units and
+packs them: raw tar fields into reused (shared) memory, Zarr rows stacked into
+tensors, Parquet rows into an Arrow record batch, anything decoded through
+torch's ``default_collate``. `ReadAhead` keeps reader threads building the next
+few batches in order, in the consumer's process, so file reads, hashing and
+copies overlap training (they release the GIL).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.packing import BufferRing, pack_fields
+from datacache.loaders.readers import UnitReader
+from datacache.loaders.stats import Counter
+from datacache.loaders.units import UnitReaders
+from datacache.tiers import redact_url
+
+from datacache.errors import SampleDecodeError
+from datacache.manifest import ShardFormat
+
+__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
+
+logger = logging.getLogger(__name__)
+
+Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
+Built = tuple[Any, int, int]
+"""A batch, its payload bytes, its sample count."""
+LOOKAHEAD = 6
+"""Batches the reader threads build ahead of the consumer; the ring holds two more."""
+SKIPPED = object()
+"""What `BatchBuilder.decode` returns for a sample its decoder failed on, when bad samples are skipped."""
+
+
+class BatchBuilder:
+    """Reads, decodes and packs the samples of one reader's positions."""
+
+    def __init__(
+        self,
+        units: UnitReaders,
+        epoch: EpochPlan,
+        *,
+        decode: Decoder,
+        row: npt.NDArray[np.float64],
+        lock: threading.Lock,
+        threads: int,
+        in_consumer: bool,
+        skip_bad: bool,
+    ) -> None:
+        self._units = units
+        self._skip_bad = skip_bad
+        self._epoch = epoch
+        self._decoder = decode
+        self._row = row
+        self._lock = lock
+        self._threads = threads
+        self._in_consumer = in_consumer
+        runtime = units.runtime
+        self._format = runtime.handle.manifest.format
+        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
+        self._ring: BufferRing | None = None
+
+    def build(self, begin: int, size: int) -> Built | None:
+        """Read and pack the batch of positions ``[begin, begin + size)``; None if all were skipped.
+
+        Runs on reader threads (file reads, hashing and copies release the GIL)
+        or inline. Batch ``n`` is packed into ring slot ``n % slots``: a slot is
+        rewritten only after the consumer has taken two later batches.
+        """
+        stop = min(begin + size, len(self._epoch))
+        raw: list[list[tuple[str, memoryview]]] = []
+        decoded: list[Any] = []
+        zarr_rows: list[tuple[UnitReader, int]] = []
+        skipped = 0
+        for position in range(begin, stop):
+            if self._threads and position % 8 == 0:
+                # Hand the GIL over now and then: a thread that holds it until the interpreter
+                # forces a switch (5 ms) would make the training loop wait that long.
+                time.sleep(0)  # sleep-ok: yields the GIL, not a wait
+            reader = self._units.reader_at(position)
+            if reader is None:
+                skipped += 1
+                continue
+            local = int(self._epoch.local[position])
+            if self._decoder == "auto" and reader.packable:
+                raw.append(reader.fields(local))
+            elif self._decoder == "auto" and self._format is ShardFormat.ZARR:
+                zarr_rows.append((reader, local))
+            else:
+                sample = self.decode(reader.sample(local), reader)
+                if sample is SKIPPED:
+                    skipped += 1
+                else:
+                    decoded.append(sample)
+        if skipped:
+            with self._lock:
+                self._row[Counter.SKIPPED_SAMPLES] += skipped
+        if raw:
+            with self._lock:
+                if self._ring is None:
+                    slots = LOOKAHEAD + 2 if self._threads else 4
+                    self._ring = BufferRing(slots, shared=not self._in_consumer)
+            batch = pack_fields(raw, self._ring, slot=begin // size)
+            del raw  # the views pin the mapped shards; drop them before any is unmapped
+            nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
+            return batch, nbytes, len(batch["__key__"])
+        if zarr_rows:
+            batch = _stack_zarr(zarr_rows)
+            return batch, sum(v.nbytes for k, v in batch.items() if k != "__key__"), len(zarr_rows)
+        if decoded:
+            return self._collate(decoded)
+        return None
+
+    def _collate(self, decoded: list[Any]) -> Built:
+        if self._format is ShardFormat.PARQUET and self._decoder == "auto":
+            import pyarrow as pa
+
+            record_batch = pa.RecordBatch.from_pylist(decoded)
+            return record_batch, record_batch.nbytes, len(decoded)
+        return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
+
+    def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
+        """Apply the dataset's decoder to one sample read from ``reader``.
+
+        Returns `SKIPPED` for a sample the decoder failed on when bad samples are skipped.
+        """
+        if reader.packable:
+            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
+        decode = self._decoder
+        if decode == "auto":
+            return sample
+        started = time.perf_counter()
+        try:
+            if isinstance(decode, Mapping):
+                return {
+                    k: (self._call(decode[k], v, sample, reader, k) if k in decode else v) for k, v in sample.items()
+                }
+            if callable(decode):
+                return self._call(decode, sample, sample, reader, None)
+            return sample
+        except SampleDecodeError as exc:
+            if not self._skip_bad:
+                raise
+            logger.warning("skipping %s", exc)
+            return SKIPPED
+        finally:
+            self._row[Counter.DECODE] += time.perf_counter() - started
+
+    @staticmethod
+    def _call(
+        function: Callable[[Any], Any], value: Any, sample: dict[str, Any], reader: UnitReader, name: str | None
+    ) -> Any:
+        """``function(value)``; its exception becomes one that says where it happened."""
+        try:
+            return function(value)
+        except Exception as exc:
+            what = f"field {name!r}" if name is not None else f"decoder {getattr(function, '__name__', function)!r}"
+            raise SampleDecodeError(
+                f"{reader.where}: sample {sample.get('__key__')!r}: {what} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+class ReadAhead:
+    """Reader threads that build the next few batches, in order, ahead of the consumer."""
+
+    def __init__(self, builder: BatchBuilder, units: UnitReaders, *, threads: int, window: int) -> None:
+        self._builder = builder
+        self._units = units
+        self._threads = threads
+        self._window = window
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict[int, concurrent.futures.Future[Built | None]] = {}
+
+    def take(self, begin: int, size: int, total: int) -> Built | None:
+        """The batch starting at ``begin``, scheduling the next ones first."""
+        self._schedule(begin, size, total)
+        return self._pending.pop(begin).result()
+
+    def _schedule(self, begin: int, size: int, total: int) -> None:
+        """Keep the reader threads busy on the next few batches, then open the next window's units."""
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="datacache-reader")
+        pool = self.pool
+        for _ in range(LOOKAHEAD):
+            if begin >= total:
+                break
+            if begin not in self._pending:
+                self._pending[begin] = pool.submit(self._builder.build, begin, size)
+            begin += size
+        self._units.open_ahead(begin, begin + self._window, pool.submit)
+
+    def drain(self) -> None:
+        """Cancel the batches not yet started and wait for those being built."""
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.cancel()
+        for future in pending.values():
+            if not future.cancelled():
+                with contextlib.suppress(Exception):
+                    future.result()
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _payload_bytes(sample: Any) -> int:
+    return sample_bytes(sample) if isinstance(sample, Mapping) else 0
+
+
+def sample_bytes(sample: Mapping[str, Any]) -> int:
+    """Bytes of payload in a sample dict (bytes, arrays, tensors)."""
+    total = 0
+    for key, value in sample.items():
+        if key.startswith("__"):
+            continue
+        if isinstance(value, bytes | bytearray | memoryview):
+            total += len(value)
+        elif hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+    return total
+
+
+def _stack_zarr(rows: list[tuple[UnitReader, int]]) -> dict[str, Any]:
+    batch: dict[str, Any] = {"__key__": []}
+    columns: dict[str, list[Any]] = {}
+    for reader, index in rows:
+        sample = reader.sample(index)
+        batch["__key__"].append(sample["__key__"])
+        for name, value in sample.items():
+            if name != "__key__":
+                columns.setdefault(name, []).append(value)
+    for name, values in columns.items():
+        batch[name] = torch.from_numpy(np.stack(values))
+    return batch

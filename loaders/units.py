@@ -1,0 +1,313 @@
+"""Opening units for one reader: prefetch ahead of use, locate, map, verify, and close after use.
+
+A unit is what the plan deals samples from: one shard, or several files read
+together (a Zarr chunk row). `UnitReaders` keeps the units a reader has open,
+opens each once however many threads ask (the others wait for it), tells the
+stager which shards come next (prefetch) and the whole future order (for
+eviction), verifies every mapped copy against the manifest before a sample is
+served from it, and drops a bad copy so that the next try reads the next tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.prefetch import PrefetchController
+from datacache.loaders.readers import (
+    SpanCache,
+    TarReader,
+    UnitPlan,
+    UnitReader,
+    hash_buffer,
+    map_file,
+    open_unit_reader,
+)
+from datacache.loaders.stats import Counter
+
+from datacache._sync import LoopThread
+from datacache.access import ShardAccess
+from datacache.config import Settings
+from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.manifest import ShardFormat
+from datacache.stager import DatasetHandle, Location
+
+__all__ = ["Runtime", "UnitReaders"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """What one process opened for a dataset; never pickled."""
+
+    pid: int
+    loop: LoopThread
+    settings: Settings
+    access: ShardAccess
+    handle: DatasetHandle
+    plan: UnitPlan
+    window: int
+    closed: bool = False
+    spans: SpanCache = field(default_factory=SpanCache)
+    """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
+
+    def close(self) -> None:
+        if self.pid != os.getpid() or self.closed:
+            return
+        self.closed = True
+        try:
+            self.loop.run(self.access.close(), timeout=30)
+        finally:
+            self.loop.close()
+
+
+class UnitReaders:
+    """The units one reader has open this epoch, opened in plan order and closed after last use.
+
+    ``row`` is the reader's stats row; ``lock`` guards it and the bookkeeping
+    here (reader threads and the consumer share both).
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        epoch: EpochPlan,
+        *,
+        controller: PrefetchController,
+        row: npt.NDArray[np.float64],
+        lock: threading.Lock,
+        skip_bad: bool,
+        in_consumer: bool,
+    ) -> None:
+        self.runtime = runtime
+        self._epoch = epoch
+        self._plan = runtime.plan
+        self._format = runtime.handle.manifest.format
+        self._where = f"dataset {runtime.handle.id}"
+        self._controller = controller
+        self._row = row
+        self._lock = lock
+        self._skip_bad = skip_bad
+        self._in_consumer = in_consumer
+        self.readers: dict[int, UnitReader] = {}
+        self.skipped: set[int] = set()
+        self._unit_locks: dict[int, threading.Lock] = {}
+        self._preopened: set[int] = set()
+        self._sequence = epoch.unit_sequence
+        self._next_index = 0
+        self._prefetched_until = 0
+        self._future_told = False
+        self.staged_bytes = 0.0
+        self.staging_seconds = 0.0
+
+    def restart(self, produced: int) -> None:
+        """Close every open unit and plan the units to read from position ``produced`` on."""
+        self.close_all()
+        self._sequence = self._epoch.units_from(produced)
+        self._next_index = 0
+        self._prefetched_until = 0
+
+    def close_all(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+
+    def note_retries(self) -> None:
+        """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
+        if not self._in_consumer:
+            self._row[Counter.RETRIES] = self.runtime.access.origin_retries()
+
+    def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None:
+        """Close the unit ``position`` reads if this was its last use (on ``pool`` when given)."""
+        unit = int(self._epoch.unit_of[position])
+        if self._epoch.last_use.get(unit) == position:
+            reader = self.readers.pop(unit, None)
+            if reader is not None:
+                if pool is not None:
+                    # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
+                    pool.submit(reader.close)
+                else:
+                    reader.close()
+
+    def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
+        """Open (map and verify) on ``submit`` the units first used in ``[begin, horizon)``.
+
+        Opening a 64 MB shard takes tens of milliseconds, several batches' worth:
+        done ahead, crossing into the next shuffle window costs no wait.
+        """
+        for unit in self._sequence[self._next_index :]:
+            position = self._epoch.first_use[unit]
+            if position >= horizon:
+                break
+            if position >= begin and unit not in self._preopened and unit not in self.readers:
+                self._preopened.add(unit)
+                submit(self._preopen, position)
+
+    def _preopen(self, position: int) -> None:
+        """Open the unit first used at ``position`` ahead of need; errors surface when it is used."""
+        with contextlib.suppress(Exception):
+            self.reader_at(position)
+
+    def reader_at(self, position: int) -> UnitReader | None:
+        """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
+        unit = int(self._epoch.unit_of[position])
+        reader = self.readers.get(unit)
+        if reader is not None:
+            return reader
+        with self._lock:
+            if unit in self.skipped:
+                return None
+            unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
+            self._advance_prefetch(unit)
+        with unit_lock:  # one thread opens a unit; the others wait for it
+            reader = self.readers.get(unit)
+            if reader is not None:
+                return reader
+            if unit in self.skipped:
+                return None
+            try:
+                reader = self._open(unit)
+            except (ShardReadError, ChecksumMismatchError) as exc:
+                if not self._skip_bad:
+                    raise
+                logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
+                with self._lock:
+                    self.skipped.add(unit)
+                    self._row[Counter.SKIPPED_SHARDS] += 1
+                return None
+            self.readers[unit] = reader
+            return reader
+
+    def _advance_prefetch(self, unit: int) -> None:
+        sequence = self._sequence
+        while self._next_index < len(sequence) and sequence[self._next_index] != unit:
+            self._next_index += 1
+        depth = self._controller.depth
+        until = min(len(sequence), self._next_index + 1 + depth)
+        if until <= self._prefetched_until or depth == 0:
+            return
+        start = max(self._prefetched_until, self._next_index + 1)
+        keys = [key for u in sequence[start:until] for key in self._plan.units[u].keys]
+        self._prefetched_until = until
+        runtime = self.runtime
+        if not self._future_told:
+            self._future_told = True
+            future = [key for u in sequence for key in self._plan.units[u].keys]
+            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
+        if keys:
+            runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+
+    def _open(self, unit_index: int) -> UnitReader:
+        unit = self._plan.units[unit_index]
+        runtime = self.runtime
+        where = f"{self._where}: shard {unit.label!r}"
+        # Three tries: a bad local copy is dropped, then a bad shared copy, then the origin's bytes.
+        for attempt in range(3):
+            started = time.perf_counter()
+            locations, tier = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
+            waited = time.perf_counter() - started
+            buffers: dict[str, Any] = {}
+            try:
+                read_started = time.perf_counter()
+                for location in locations:
+                    buffers[location.shard.key] = self._load(location, where)
+                read_seconds = time.perf_counter() - read_started
+                index_key = None
+                identity = (locations[0].checksum or locations[0].shard.version) if len(locations) == 1 else None
+                if self._format is ShardFormat.TAR and identity is not None:
+                    index_key = (locations[0].shard.key, locations[0].shard.size, identity)
+                known = runtime.spans.get(index_key) if index_key is not None else None
+                reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra, spans=known)
+                if index_key is not None and known is None and isinstance(reader, TarReader):
+                    runtime.spans.put(index_key, reader.spans)
+            except BaseException as exc:
+                # Unmap what was mapped before the failure now, not when the traceback is dropped.
+                _close_buffers(buffers)
+                if isinstance(exc, ChecksumMismatchError):
+                    self._row[Counter.CORRUPT] += 1
+                    for location in locations:
+                        if location.path is not None:
+                            runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
+                    if attempt == 2:
+                        raise ChecksumMismatchError(f"{where}: {exc}") from exc
+                    continue
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue  # evicted between locate and open: locate again
+                raise
+            self._count_open(tier, locations, waited, read_seconds)
+            self.note_retries()
+            return reader
+        raise DatacacheError(f"{where}: could not be read")  # pragma: no cover - loop always returns or raises
+
+    def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
+        row = self._row
+        if tier == "local":
+            row[Counter.UNITS_LOCAL] += 1
+            row[Counter.READ] += read_seconds + waited
+        else:
+            row[Counter.UNITS_SHARED if tier == "shared" else Counter.UNITS_ORIGIN] += 1
+            row[Counter.WAIT] += waited + read_seconds
+            row[Counter.WAIT_SHARED if tier == "shared" else Counter.WAIT_ORIGIN] += waited + read_seconds
+            size = sum(loc.shard.size for loc in locations)
+            self.staged_bytes += size
+            self.staging_seconds += waited + read_seconds
+
+    def _load(self, location: Location, where: str) -> Any:
+        runtime = self.runtime
+        if location.path is None:
+            return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
+        buffer = map_file(location.path)
+        problem = None
+        if len(buffer) != location.shard.size:
+            problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
+        elif (
+            runtime.settings.verify_on_read
+            and location.checksum is not None
+            and hash_buffer(buffer) != location.checksum
+        ):
+            problem = f"the copy on the {location.tier} tier does not match its checksum"
+        if problem is not None:
+            if hasattr(buffer, "close"):
+                buffer.close()
+            raise ChecksumMismatchError(f"{where}: {problem}")
+        return buffer
+
+
+def _close_buffers(buffers: dict[str, Any]) -> None:
+    for buffer in buffers.values():
+        if hasattr(buffer, "close"):
+            with contextlib.suppress(BufferError):
+                buffer.close()
+    buffers.clear()
+
+
+async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> tuple[list[Location], str]:
+    """Where each key can be read: local, else shared (its local copy goes on), else staged now.
+
+    Also returns the slowest tier the unit was found on when asked for:
+    ``"origin"`` means the reader had to wait for a transfer.
+    """
+    found: list[str] = []
+
+    async def one(key: str) -> Location:
+        location = await access.locate(handle, key)
+        found.append(location.tier)
+        if location.tier in ("local", "shared"):
+            return location
+        return await access.ensure(handle, key)
+
+    locations = list(await asyncio.gather(*(one(key) for key in keys)))
+    tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
+    return locations, tier
