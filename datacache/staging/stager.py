@@ -15,8 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from datacache.staging.types import (
     StagingEvent,
     WarmReport,
 )
+from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, open_origin, redact_url
 from datacache.units import format_bytes
 
@@ -387,62 +387,39 @@ class Stager:
         *,
         tier: str = LOCAL,
         verify: bool = False,
+        bandwidth: float | None = None,
+        progress: Callable[[WarmProgress], None] | None = None,
+        submit: Submit | None = None,
     ) -> WarmReport:
         """Stage ``shards`` (default: all) onto ``tier`` and report exactly what is resident.
 
         With ``verify``, shards already resident are re-hashed, and re-staged if
-        they do not match. Progress reaches the listeners as events.
+        they do not match. ``bandwidth`` (bytes/s) paces this warm's transfers;
+        ``progress`` hears after each shard. ``submit`` admits each shard's
+        transfer (default: this stager's queue; the daemon passes its prefetch gate).
+        This is the only warm: the CLI and the daemon adapt it, never re-implement it.
         """
         await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
         self._check_fits(handle, chosen, tier)
-        started = time.monotonic()
-        counters = self._events.counters
-        bytes_counter = "bytes_to_local" if tier == LOCAL else "bytes_to_shared"
-        staged_counter = "shards_staged" if tier == LOCAL else "shards_to_shared"
-        bytes_before, staged_before = counters[bytes_counter], counters[staged_counter]
-        verified = 0
-        failures: list[tuple[str, str]] = []
-        if verify:
-            results = await asyncio.gather(
-                *(self.verify_resident(handle, shard, tier=tier) for shard in chosen), return_exceptions=True
-            )
-            verified = sum(1 for result in results if result is True)
-        tasks = [
-            asyncio.ensure_future(self.ensure(handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH + index * 1e-6))
-            for index, shard in enumerate(chosen)
-        ]
-        resident = 0
-        placed: list[Shard] = []
-        for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                failures.append((shard.key, str(outcome)))
-            elif outcome.tier == tier:
-                placed.append(shard)
-            else:
-                failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(tier)}"))
-        # Honest to the end: a shard staged early may have been evicted by a later one.
-        for shard in placed:
-            if await self._is_resident(handle, shard, tier):
-                resident += 1
-            else:
-                failures.append(
-                    (shard.key, f"evicted from the {tier} tier during the warm-up: {self._bypass_reason(tier)}")
-                )
-        counters = self._events.counters
-        return WarmReport(
-            dataset=handle.id,
-            tier=tier,
-            shards_requested=len(chosen),
-            shards_resident=resident,
-            bytes_requested=sum(shard.size for shard in chosen),
-            bytes_transferred=counters[bytes_counter] - bytes_before,
-            shards_transferred=counters[staged_counter] - staged_before,
-            shards_verified=verified,
-            seconds=time.monotonic() - started,
-            failures=tuple(failures),
+
+        async def admit(shard: Shard, priority: float) -> Location:
+            return await self.ensure(handle, shard.key, tier=tier, priority=priority)
+
+        async def check(shard: Shard) -> bool:
+            return await self.verify_resident(handle, shard, tier=tier)
+
+        async def resident(shard: Shard) -> bool:
+            return await self._is_resident(handle, shard, tier)
+
+        steps = WarmSteps(
+            submit=submit or admit,
+            is_resident=resident,
+            verify=check if verify else None,
+            why_not_kept=lambda: self._bypass_reason(tier),
+        )
+        return await run_warm(
+            handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
         )
 
     def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
