@@ -18,6 +18,7 @@ __all__ = [
     "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "TierAccessError",
     "TierFullError",
     "TransientOriginError",
     "UnsupportedURLError",
@@ -70,6 +71,10 @@ class ShardReadError(DatacacheError):
 
 class SampleDecodeError(DatacacheError, ValueError):
     """A decoder failed on a sample; the message names the dataset, shard, key and field."""
+
+
+class TierAccessError(DatacacheError, PermissionError):
+    """This user cannot use a tier (cannot write it, or it is unsafe): it is read around, never fatal to a read."""
 
 
 class TierFullError(DatacacheError, OSError):

@@ -152,6 +152,8 @@ class Stager:
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
+            if self._parts.shared is not None:
+                await self._parts.shared.check()  # start-up: warn once what is wrong with the shared tier
         if self._reconcile_wanted and not self._reconciled:
             self._reconciled = True
             await self.reconcile()
