@@ -33,6 +33,7 @@ from datacache.tiers import redact_url
 
 __all__ = [
     "API",
+    "CREDENTIAL_OPTIONS",
     "MAX_BODY_BYTES",
     "PROTOCOL_VERSION",
     "UnknownDatasetError",
@@ -49,6 +50,24 @@ API = f"/v{PROTOCOL_VERSION}"
 """Every verb lives under this path; ``/healthz`` and ``/readyz`` do not."""
 MAX_BODY_BYTES = 64 << 20
 """The largest request body the daemon reads (a future order of ~1M keys fits)."""
+
+CREDENTIAL_OPTIONS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "profile",
+        "account_key",
+        "sas_token",
+        "connection_string",
+        "credential",
+        "client_secret",
+    }
+)
+"""Storage options that are, or name, credentials: never sent to a daemon of another user."""
 
 _CLIENT_LABEL = re.compile(r"[^A-Za-z0-9_.:@/-]+")
 
@@ -109,15 +128,20 @@ def exception_from_wire(code: str, message: str) -> DatacacheError:
     return error
 
 
-def config_to_wire(config: DatasetConfig) -> dict[str, Any]:
-    """A dataset configuration as the ``open`` request carries it."""
+def config_to_wire(config: DatasetConfig, *, credentials: bool = True) -> dict[str, Any]:
+    """A dataset configuration as the ``open`` request carries it (without credentials if told)."""
+    options = {
+        name: value
+        for name, value in config.storage_options.items()
+        if credentials or name not in CREDENTIAL_OPTIONS
+    }
     return {
         "name": config.name,
         "url": config.url,
         "policy": config.policy,
         "pinned": config.pinned,
         "format": config.format,
-        "storage_options": dict(config.storage_options),
+        "storage_options": options,
     }
 
 

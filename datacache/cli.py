@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
@@ -541,8 +542,19 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_uids=frozenset(args.allow_uid or ()),
         allow_gids=frozenset(args.allow_gid or ()),
         allow_datasets=tuple(args.allow_dataset or ()),
+        allow_endpoints=tuple(args.allow_endpoint or ()),
+        allow_client_credentials=args.allow_client_credentials,
+        socket_group=_group_id(args.socket_group) if args.socket_group else None,
     )
     return await serve(settings, options)
+
+
+def _group_id(group: str) -> int:
+    """A group given by name or number, as a gid; a clear error if there is no such group."""
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group: no group named {group!r} on this machine") from None
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -713,7 +725,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--allow-gid", metavar="GID", type=int, action="append",
         help="also accept clients with this gid (the daemon's gid always is)")
     add("--allow-dataset", metavar="PREFIX", action="append",
-        help="open only configured datasets and URLs starting with PREFIX (repeatable)")
+        help="origins other users' clients may open besides configured datasets (repeatable); "
+        "also limits the daemon's own user")
+    add("--allow-endpoint", metavar="URL", action="append",
+        help="an endpoint other users' clients may name in storage_options (repeatable)")
+    add("--allow-client-credentials", action="store_true",
+        help="let other users' clients send credentials; the daemon then reads with theirs")
+    add("--socket-group", metavar="GROUP",
+        help="the group that owns the socket (mode 0660): its members can connect")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "DaemonUnavailableError",
     "DatacacheError",
+    "DatasetTooLargeError",
     "InvalidKeyError",
     "OriginChangedError",
     "OriginError",
@@ -67,6 +68,10 @@ class ChecksumMismatchError(DatacacheError):
 
 class ShardReadError(DatacacheError):
     """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
+
+
+class DatasetTooLargeError(DatacacheError, MemoryError):
+    """A dataset declares more samples (or a shard more bytes) than this machine can hold to read it."""
 
 
 class SampleDecodeError(DatacacheError, ValueError):

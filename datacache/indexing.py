@@ -106,6 +106,8 @@ class IndexReport:
     scanned_bytes: int = 0
     seconds: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)
+    #: shards whose samples could not be counted (a truncated or foreign tar), with the reason
+    unreadable: dict[str, str] = field(default_factory=dict)
 
 
 def _batch_size(shards: int, concurrency: int) -> int:
@@ -349,7 +351,13 @@ class ClusterIndex:
                 # Kept in the batch file too, so the file alone says the whole batch is done.
                 counted[shard.key] = found[shard.key]
                 continue
-            samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+            try:
+                samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+            except ShardReadError as exc:
+                # Left out of the batch (every node finds it uncounted), not raised: whether a bad
+                # shard is skipped or fatal is each reader's on_error.
+                report.unreadable[shard.key] = str(exc)
+                continue
             report.scanned += 1
             report.scanned_bytes += shard.size
             counted[shard.key] = KnownCount(samples, "scanned")

@@ -39,6 +39,7 @@ __all__ = [
     "ShardFormat",
     "default_trusted_uids",
     "detect_format",
+    "max_samples",
     "take_manifest",
 ]
 
@@ -96,6 +97,47 @@ class Shard:
         if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
             raise ConfigError(f"{where}: shard {key!r}: samples must be a non-negative integer")
         return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
+
+
+TAR_BLOCK = 512
+"""A tar member takes one header block at least: a tar of N bytes holds at most N // 512 samples."""
+PARQUET_MAX_ROWS_PER_BYTE = 1024
+"""Parquet encodes a constant column in almost nothing (5M rows in 22 KB); more than this is a lie."""
+
+
+def max_samples(fmt: ShardFormat, size: int) -> int | None:
+    """The most samples ``size`` bytes of ``fmt`` can hold (None: no bound from the bytes alone).
+
+    A declared count above it is not backed by bytes: trusting it would let a
+    small file make every reader allocate for billions of samples.
+    """
+    if fmt is ShardFormat.TAR:
+        return size // TAR_BLOCK
+    if fmt is ShardFormat.PARQUET:
+        return max(size, 1) * PARQUET_MAX_ROWS_PER_BYTE
+    if fmt is ShardFormat.FILES:
+        return 1
+    return None
+
+
+def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> tuple[Shard, ...]:
+    """``shards`` with every count their bytes cannot back dropped (counted from the shard itself later)."""
+    checked = []
+    for shard in shards:
+        bound = max_samples(fmt, shard.size)
+        if shard.samples is not None and bound is not None and shard.samples > bound:
+            logger.warning(
+                "%s: shard %r claims %d samples in %d bytes (at most %d); counting them instead",
+                where,
+                shard.key,
+                shard.samples,
+                shard.size,
+                bound,
+            )
+            checked.append(Shard(shard.key, shard.size, shard.version, shard.checksum, None))
+        else:
+            checked.append(shard)
+    return tuple(checked)
 
 
 @dataclass(frozen=True)
@@ -186,7 +228,7 @@ class Manifest:
         extra = data.get("extra", {})
         if not isinstance(extra, dict):
             raise ConfigError(f"{where}: 'extra' must be an object")
-        parsed = tuple(Shard.from_json(entry, where) for entry in shards)
+        parsed = _backed_counts(fmt, tuple(Shard.from_json(entry, where) for entry in shards), where)
         if len({s.key for s in parsed}) != len(parsed):
             raise ConfigError(f"{where}: duplicate shard keys")
         created = data.get("created", 0.0)

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 from typing import Any
 
 from datacache.loaders.readers import COUNT_SOURCES, Unit, UnitPlan, zarr_plan
@@ -25,11 +26,12 @@ from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ShardReadError
+from datacache.errors import DatasetTooLargeError, ShardReadError
 from datacache.indexing import ClusterIndex, node_plan_path
 from datacache.locks import NodeLock
-from datacache.manifest import ShardFormat
+from datacache.manifest import ShardFormat, max_samples
 from datacache.stager import DatasetHandle
+from datacache.units import format_bytes
 
 __all__ = ["load_or_build_plan"]
 
@@ -55,7 +57,11 @@ async def _parquet_rows(access: ShardAccess, handle: DatasetHandle, key: str, si
         metadata = pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(footer + 8) :]))
     except (pa.ArrowException, OSError) as exc:
         raise ShardReadError(f"{where}: corrupt Parquet footer ({exc})") from None
-    return int(metadata.num_rows)
+    rows = int(metadata.num_rows)
+    bound = max_samples(ShardFormat.PARQUET, size)
+    if bound is not None and rows > bound:
+        raise ShardReadError(f"{where}: its footer claims {rows} rows in {size} bytes (at most {bound})")
+    return rows
 
 
 async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
@@ -81,8 +87,14 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
                 report.seconds,
             )
         sources = sorted({count.source for count in found.values() if count.source != "scanned"})
-        units = tuple(Unit((s.key,), found[s.key].samples, s.key) for s in manifest.shards)
-        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {})
+        uncounted = "its samples could not be counted"
+        uncountable = {
+            s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: {uncounted}")
+            for s in manifest.shards
+            if s.key not in found
+        }
+        units = tuple(Unit((s.key,), found[s.key].samples if s.key in found else 0, s.key) for s in manifest.shards)
+        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {}, uncountable)
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
     unreadable: dict[str, str] = {}
@@ -103,6 +115,21 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
         else:
             known[key] = counted
     return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
+
+
+PLAN_BYTES_PER_SAMPLE = 48
+"""What an epoch plan holds per sample (order, unit and offset arrays, and their temporaries)."""
+
+
+def _check_fits(plan: UnitPlan, handle: DatasetHandle) -> None:
+    """Refuse, before any epoch allocates for it, a sample count this machine's memory cannot plan."""
+    total = sum(unit.count for unit in plan.units)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total * PLAN_BYTES_PER_SAMPLE > memory // 2:
+        raise DatasetTooLargeError(
+            f"dataset {handle.id}: {total} samples declared; planning an epoch needs "
+            f"{format_bytes(total * PLAN_BYTES_PER_SAMPLE)}, over half this machine's memory ({format_bytes(memory)})"
+        )
 
 
 async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
@@ -127,6 +154,7 @@ async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, setting
             if plan is not None:
                 return plan
             plan = await _build(access, handle, settings)
+            _check_fits(plan, handle)
             encoded = json.dumps(plan.to_json(), separators=(",", ":")).encode()
 
             async def body() -> Any:

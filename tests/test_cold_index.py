@@ -6,11 +6,10 @@ import asyncio
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _helpers import DATACACHE, REPO, run_cli, with_stager
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import write_wds
 
@@ -20,6 +19,9 @@ from datacache.indexing import WIDS_INDEX_NAME, ClusterIndex, IndexReport
 from datacache.sidecars import KnownCount
 from datacache.stager import Stager
 from datacache.tarindex import group_samples, index_to_json, scan_tar
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
 
 
 def counts_on_disk(origin: Path) -> dict[str, int]:

@@ -87,7 +87,7 @@ def test_empty_origin_is_an_error(tmp_path: Path) -> None:
 
 
 def test_written_manifest_is_used_with_its_checksums(tmp_path: Path) -> None:
-    shards = make_shards(2, 64)
+    shards = make_shards(2, 10 * 512)  # 10 samples take 10 tar blocks at least
     written = Manifest(
         dataset="whatever",
         url="elsewhere",
@@ -117,7 +117,7 @@ def test_manifest_json_round_trip_and_snapshot() -> None:
         "d",
         "s3://AKIA:hunter2@b/d",
         ShardFormat.TAR,
-        (Shard("a.tar", 5, "e1", "xxh3_64:00", 3), Shard("b.tar", 7, "e2")),
+        (Shard("a.tar", 3 * 512, "e1", "xxh3_64:00", 3), Shard("b.tar", 7, "e2")),
     )
     document = manifest.to_json()
     assert "hunter2" not in json.dumps(document)

@@ -30,6 +30,7 @@ from datacache._protocol import API, MAX_BODY_BYTES, client_label, error_for, lo
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
 from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
 from datacache.daemon._status import ClientReport, StatusBoard, log_event
@@ -71,8 +72,15 @@ class DaemonOptions:
         Peers (by ``SO_PEERCRED``) allowed besides root, the daemon's own
         uid and its primary gid.
     allow_datasets
-        If set, only configured dataset names and URLs starting with one of
-        these prefixes may be opened.
+        Origin URL prefixes that clients other than the daemon's own user (and
+        root) may open besides configured datasets; if set, the daemon's own
+        user is limited to them too.
+    allow_endpoints
+        Endpoints such clients may name in ``storage_options.endpoint_url``.
+    allow_client_credentials
+        Whether such clients may send credentials (the daemon then uses theirs).
+    socket_group
+        The group that owns the socket (mode 0660), so that its members can connect.
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
     """
@@ -83,6 +91,9 @@ class DaemonOptions:
     allow_uids: frozenset[int] = frozenset()
     allow_gids: frozenset[int] = frozenset()
     allow_datasets: tuple[str, ...] = ()
+    allow_endpoints: tuple[str, ...] = ()
+    allow_client_credentials: bool = False
+    socket_group: int | None = None
     client_ttl: float = 300.0
 
 
@@ -103,11 +114,15 @@ class Daemon:
         self.stager: Stager | None = None
         self.metrics = DaemonMetrics(self._stats)
         self.scheduler: PrefetchScheduler | None = None
-        self.lifecycle = Lifecycle(settings, self.options.drain_timeout)
+        self.lifecycle = Lifecycle(settings, self.options.drain_timeout, socket_group=self.options.socket_group)
         self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
-        self.registry = DatasetRegistry(
-            settings, self.options.allow_datasets, self.lifecycle.snapshot_dir
+        policy = OriginPolicy(
+            prefixes=self.options.allow_datasets,
+            endpoints=self.options.allow_endpoints,
+            client_credentials=self.options.allow_client_credentials,
+            own_endpoints=own_endpoints(settings),
         )
+        self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
 
     @property
@@ -232,6 +247,19 @@ class Daemon:
         app.router.add_get("/readyz", self._readyz)
         return app
 
+    @staticmethod
+    def _peer(request: web.Request) -> http.Peer:
+        who = request.get("peer")
+        if not isinstance(who, http.Peer):
+            raise http.Forbidden("cannot tell which user is calling (no SO_PEERCRED on this connection)")
+        return who
+
+    def _may_change(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """Only an operator, or a uid that opened ``dataset_id``, may change it."""
+        peer = self._peer(request)
+        if not self.registry.opened_by(peer, dataset_id):
+            raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
+
     def _stager(self) -> Stager:
         if self.stager is None:
             raise DaemonUnavailableError("the daemon is starting")
@@ -261,12 +289,14 @@ class Daemon:
 
     async def _open(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        config = self.registry.config(data)
+        peer = self._peer(request)
+        config = await asyncio.to_thread(self.registry.config, data, peer)
         snapshot = data.get("snapshot")
         if snapshot is not None and not isinstance(snapshot, str):
             raise http.BadRequest("'snapshot' must be a string")
+        refresh = bool(data.get("refresh", False))
         handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, refresh=bool(data.get("refresh", False)), snapshot=snapshot)
+            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot)
         )
         manifest = handle.manifest
         return web.json_response(
@@ -284,7 +314,7 @@ class Daemon:
 
     async def _ensure(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         tier = http.tier(data)
@@ -303,7 +333,7 @@ class Daemon:
 
     async def _locate(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         location = await self._stager().locate(handle, key)
@@ -311,7 +341,7 @@ class Daemon:
 
     async def _prefetch(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         keys = http.keys(data)
         for key in keys:
             self.registry.shard(handle, key)
@@ -324,14 +354,14 @@ class Daemon:
 
     async def _future_order(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         keys = http.keys(data)
         await self._stager().set_future_order(handle, keys)
         return web.json_response({"keys": len(keys)})
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         shard = self.registry.shard(handle, key)
         tier = http.tier(data)
@@ -357,6 +387,10 @@ class Daemon:
         tier = data.get("tier", LOCAL)
         if tier not in (LOCAL, SHARED, "all"):
             raise http.BadRequest(f"unknown tier {tier!r} (choose local, shared or all)")
+        self._may_change(request, dataset_id, "evict")
+        if tier != LOCAL and not self._peer(request).is_operator:
+            # The shared tier serves every node of the cluster: only an operator empties it.
+            raise http.Forbidden(f"only root or the daemon's uid may evict from the {tier} tier")
         count = size = 0
         if tier in (LOCAL, "all"):
             c, s = await self.lifecycle.tracked(stager.evict(dataset_id, keys))
@@ -386,6 +420,7 @@ class Daemon:
         data = await http.body(request)
         dataset = http.string(data, "dataset")
         validate_key(dataset)
+        self._may_change(request, dataset, "pin" if pinned else "unpin")
         if not await self._stager().catalog.set_pinned(dataset, pinned):
             raise ShardNotFoundError(
                 f"dataset {dataset!r} is unknown to this node (open or warm it first)"
@@ -407,7 +442,7 @@ class Daemon:
 
     async def _report(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        pid = request.get("peer_pid")
+        pid = self._peer(request).pid
         name = client_label(data.get("client"), f"pid-{pid}" if pid else "unknown")
         bandwidth = http.number(data, "delivered_bytes_per_s", 0.0)
         stall = http.number(data, "stall_fraction", 0.0)
@@ -443,13 +478,14 @@ class Daemon:
 
     async def _warm(self, request: web.Request) -> web.StreamResponse:
         data = await http.body(request)
-        config = self.registry.config(data)
+        peer = self._peer(request)
+        config = await asyncio.to_thread(self.registry.config, data, peer)
         tier = http.tier(data)
         spec = data.get("shards")
         if spec is not None and not isinstance(spec, str):
             raise http.BadRequest("'shards' must be a string such as '0:10' or 'a.tar,b.tar'")
         handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, refresh=bool(data.get("refresh", False)), snapshot=None)
+            self.registry.open(self._stager(), config, peer, refresh=bool(data.get("refresh", False)), snapshot=None)
         )
         shards = handle.manifest.select(spec)
         if not shards:

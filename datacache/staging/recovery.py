@@ -12,12 +12,14 @@ import asyncio
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from datacache.catalog import Catalog
 from datacache.checksum import checksum_of, new_hasher
 from datacache.config import Settings
 from datacache.errors import DatacacheError, InvalidKeyError
+from datacache.locks import NodeLock
 from datacache.tiers import LocalTier, SharedTier
 from datacache.tiers._dirfd import Place
 from datacache.tiers._files import remove_abandoned_partials
@@ -28,12 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 async def reconcile(
-    settings: Settings, local: LocalTier, shared: SharedTier | None, catalog: Catalog, *, owner: str
+    settings: Settings,
+    local: LocalTier,
+    shared: SharedTier | None,
+    catalog: Catalog,
+    *,
+    owner: str,
+    shard_lock: Callable[[str, str], NodeLock],
 ) -> dict[str, int]:
     """Repair the local tier and its catalog; return what was repaired, by kind.
 
     Runs under a node lock taken without waiting: if another process is
-    reconciling, this one leaves it the job.
+    reconciling, this one leaves it the job. Staging goes on meanwhile, so a
+    file missing from the catalog's snapshot is decided on only under its
+    shard's node lock (`shard_lock`, the one a transfer holds), and only if
+    the catalog still has no row for it.
     """
     counts = {"stale_rows": 0, "missing_files": 0, "partials": 0, "orphans_adopted": 0, "orphans_removed": 0}
     try:
@@ -59,7 +70,10 @@ async def reconcile(
             dataset, _, key = info.key.partition("/")
             if (dataset, key) in known or not key:
                 continue
-            adopted = await _adopt(local, catalog, owner, dataset, key)
+            async with shard_lock(dataset, key).hold():
+                if await catalog.get(dataset, key) is not None:
+                    continue  # staged (or being staged) since the snapshot: not an orphan
+                adopted = await _adopt(local, catalog, owner, dataset, key)
             counts["orphans_adopted" if adopted else "orphans_removed"] += 1
         if shared is not None:
             counts["partials"] += await shared.remove_abandoned_partials()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from datacache.catalog import Catalog, process_owner
-from datacache.checksum import checksum_of, hash_file, new_hasher
+from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
 from datacache.manifest import ManifestStore, Shard, take_manifest
@@ -30,6 +30,7 @@ from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.queue import JobQueue
+from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
 from datacache.staging.transfer import Transfer
@@ -101,7 +102,7 @@ class Stager:
         # Loop- and process-bound state, created lazily and never pickled.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._parts: _Parts | None = None
-        self._reconciled = False
+        self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
         self._origins: dict[str, Tier] = {}
         self._closed = False
@@ -143,7 +144,8 @@ class Stager:
 
     # -- runtime set-up -------------------------------------------------------------------
 
-    async def _ready(self) -> _Parts:
+    def _runtime(self) -> _Parts:
+        """The parts bound to the running loop, built on first use in it."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise DatacacheError("the stager is closed")
@@ -152,12 +154,20 @@ class Stager:
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
-            if self._parts.shared is not None:
-                await self._parts.shared.check()  # start-up: warn once what is wrong with the shared tier
-        if self._reconcile_wanted and not self._reconciled:
-            self._reconciled = True
-            await self.reconcile()
         return self._parts
+
+    async def _ready(self) -> _Parts:
+        parts = self._runtime()
+        if parts.shared is not None:
+            await parts.shared.check()  # start-up, once: warn what is wrong with the shared tier
+        if self._reconcile_wanted:
+            if self._reconciling is None:
+                self._reconciling = parts.loop.create_task(self._reconcile(parts))
+                await self._reconciling
+            elif not self._reconciling.done():
+                # Every verb waits for the one reconcile: nothing is staged while it repairs.
+                await asyncio.shield(self._reconciling)
+        return parts
 
     def _build_parts(self, loop: asyncio.AbstractEventLoop) -> _Parts:
         settings, events = self.settings, self._events
@@ -308,42 +318,33 @@ class Stager:
         """Read a shard (or a range of it) from the fastest tier that holds it, without staging it.
 
         A whole-shard read is checked against the shard's size and, when
-        known, its checksum.
+        known, its checksum; a bad cached copy is dropped and the shard read
+        again from below (`read_verified`, the one read of every access).
         """
         await self._ready()
-        data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem and location.tier != ORIGIN:
-            # A bad cached copy is dropped and never served: read it again from below.
-            await self.report_corrupt(handle, location)
-            data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem:
-            self._events.count("checksum_failures")
-            raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} from the {location.tier}: {problem}")
-        return data
-
-    async def _read_once(
-        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None
-    ) -> tuple[bytes, Location, str]:
-        """Read from the fastest tier; return the bytes, where from, and what is wrong with them."""
         shard = handle.manifest.shard(key)
-        location = await self.locate(handle, key)
-        if location.path is not None:
+
+        async def fetch(location: Location) -> bytes:
+            if location.path is None:
+                data = await handle.origin.get(key, byte_range, version=shard.version)
+                self._events.count("bytes_from_origin", len(data))
+                return data
             tier: Tier | None = self.local if location.tier == LOCAL else self.shared
             if tier is None:
                 raise DatacacheError(f"no {location.tier} tier is configured")
-            data = await tier.get(handle.tier_key(key), byte_range)
-        else:
-            data = await handle.origin.get(key, byte_range, version=shard.version)
-            self._events.count("bytes_from_origin", len(data))
-        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
-            if len(data) != shard.size:
-                return data, location, f"read {len(data)} bytes, the manifest says {shard.size}"
-            if location.checksum is not None:
-                hasher = new_hasher()
-                hasher.update(data)
-                if checksum_of(hasher) != location.checksum:
-                    return data, location, "does not match its checksum"
-        return data, location, ""
+            return await tier.get(handle.tier_key(key), byte_range)
+
+        try:
+            return await read_verified(
+                handle.id,
+                byte_range,
+                locate=lambda: self.locate(handle, key),
+                fetch=fetch,
+                report_corrupt=lambda location: self.report_corrupt(handle, location),
+            )
+        except ChecksumMismatchError:
+            self._events.count("checksum_failures")
+            raise
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         """Say where shard ``key`` can be read right now, without moving anything.
@@ -511,7 +512,17 @@ class Stager:
         Runs under a node lock taken without waiting: if another process is
         reconciling, this one leaves it the job.
         """
-        return await recovery.reconcile(self.settings, self.local, self.shared, self.catalog, owner=self._owner)
+        parts = self._runtime()
+        if self._reconcile_wanted and self._reconciling is None:
+            # Asked for before any verb: this is the stager's one reconcile, verbs wait for it.
+            self._reconciling = parts.loop.create_task(self._reconcile(parts))
+            return await self._reconciling
+        return await self._reconcile(parts)
+
+    async def _reconcile(self, parts: _Parts) -> dict[str, int]:
+        return await recovery.reconcile(
+            self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
+        )
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
