@@ -79,6 +79,11 @@ def test_a_user_outside_the_group_reads_around_the_tier(users: dict[str, User], 
     assert "not using the shared tier" in done.stderr and "cannot" in done.stderr
     assert "3/3 shards resident" in done.stdout + done.stderr
     assert list(shared.iterdir()) == []
+    # Asked to place shards on the tier, mallory is told why not, without a traceback.
+    placed = cli_as(users["mallory"], "warm", url, "--tier", "shared", env=_env(users["mallory"], shared))
+    assert placed.returncode == 1
+    assert "Traceback" not in placed.stderr
+    assert "is not used" in placed.stderr and "cannot" in placed.stderr, placed.stderr
 
 
 def test_start_up_check_names_what_is_wrong(tmp_path: Path) -> None:
