@@ -158,6 +158,8 @@ class Stager:
 
     async def _ready(self) -> _Parts:
         parts = self._runtime()
+        if parts.shared is not None:
+            await parts.shared.check()  # start-up, once: warn what is wrong with the shared tier
         if self._reconcile_wanted:
             if self._reconciling is None:
                 self._reconciling = parts.loop.create_task(self._reconcile(parts))
