@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Mapping
@@ -93,6 +94,7 @@ class Settings:
     default_policy: str = "auto"
     socket_path: Path | None = None
     metrics_address: str = "127.0.0.1:9464"
+    daemon_uid: int | None = None
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
     datasets: Mapping[str, DatasetConfig] = field(default_factory=dict)
     config_path: Path | None = None
@@ -101,6 +103,14 @@ class Settings:
     def daemon_socket(self) -> Path:
         """The daemon's Unix socket: configured, else ``<local_dir>/daemon.sock``."""
         return self.socket_path or self.local_dir / "daemon.sock"
+
+    @property
+    def trusted_uids(self) -> frozenset[int]:
+        """Whose files on a shared tier are believed without re-checking: this user, root, the daemon."""
+        trusted = {os.geteuid(), 0}
+        if self.daemon_uid is not None:
+            trusted.add(self.daemon_uid)
+        return frozenset(trusted)
 
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (flags given on the command line)."""
@@ -161,6 +171,19 @@ def _seconds(value: Any, what: str) -> float:
     return number
 
 
+def _user(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        try:
+            return pwd.getpwnam(value).pw_uid
+        except KeyError:
+            raise ConfigError(f"{what}: no user named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a user name or uid, got {value!r}")
+
+
 def _address(value: Any, what: str) -> str:
     if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value) or int(value.rsplit(":", 1)[1]) > 65535:
         raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
@@ -183,6 +206,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "default_policy": ("staging", _policy),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
+    "daemon_uid": ("daemon", _user),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
