@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
+import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,8 @@ class Stager:
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:
             manifest_dirs.append(settings.shared_dir / "manifests")
-        self.manifests = ManifestStore(*manifest_dirs)
+        self._trusted = settings.trusted_uids
+        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted)
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
@@ -104,7 +107,7 @@ class Stager:
         self._parts: _Parts | None = None
         self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[tuple[str, str], Tier] = {}
+        self._origins: dict[tuple[str, str, str], Tier] = {}
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -174,7 +177,13 @@ class Stager:
         transfer = Transfer(settings, events)
         shared = (
             SharedStager(
-                self.shared, self.catalog, transfer, self._residency, events, lease_seconds=settings.lease_seconds
+                self.shared,
+                self.catalog,
+                transfer,
+                self._residency,
+                events,
+                lease_seconds=settings.lease_seconds,
+                trusted=self._trusted,
             )
             if self.shared is not None
             else None
@@ -232,11 +241,13 @@ class Stager:
     def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
         """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
         url = url or dataset.url
-        origin = self._origins.get((dataset.id, url))
+        # One client per origin and credentials: a second set of options never rides on the first's.
+        ident = (dataset.id, _options_digest(dataset.storage_options), url)
+        origin = self._origins.get(ident)
         if origin is None:
             self._check_origin_outside_tiers(url)
             origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
-            self._origins[(dataset.id, url)] = origin
+            self._origins[ident] = origin
         return origin
 
     def _check_origin_outside_tiers(self, url: str) -> None:
@@ -367,7 +378,7 @@ class Stager:
                 info = await self.shared.stat(handle.tier_key(key))
             except InvalidKeyError:  # its path resolves outside the shared tier: never read through it
                 info = None
-            if info is not None and shared_copy_matches(info, shard):
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
         return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
 
@@ -444,7 +455,7 @@ class Stager:
         if self.shared is None:
             return False
         info = await self.shared.stat(handle.tier_key(shard.key))
-        return info is not None and shared_copy_matches(info, shard)
+        return info is not None and shared_copy_matches(info, handle.id, shard, self._trusted)
 
     def _bypass_reason(self, tier: str) -> str:
         tier_object = self.local if tier == LOCAL else self.shared
@@ -465,7 +476,7 @@ class Stager:
             if self.shared is None:
                 return False
             info = await self.shared.stat(handle.tier_key(shard.key))
-            if info is None or not shared_copy_matches(info, shard):
+            if info is None or not shared_copy_matches(info, handle.id, shard, self._trusted):
                 return False
             path = self.shared.path(handle.tier_key(shard.key))
             expected = info.metadata["checksum"]
@@ -510,3 +521,9 @@ class Stager:
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _options_digest(options: Mapping[str, Any]) -> str:
+    """A digest of storage options (credentials among them), to key clients without holding secrets in keys."""
+    encoded = json.dumps(options, sort_keys=True, default=str).encode()
+    return hashlib.sha256(encoded).hexdigest()
