@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _emulators import AzureContainer, GcsBucket, azure, azurite_server, gcs, gcs_server
@@ -121,3 +122,30 @@ def test_a_corrupted_cached_copy_is_read_again_from_the_origin(
         "shard-0000.tar": 0, "shard-0001.tar": 1, "shard-0002.tar": 0
     }
     assert dataset_id_for(origin.url("ds"))  # the id is derived from the origin, as for S3
+
+
+@pytest.mark.parametrize("size", [1000, 6 << 20], ids=["single-part", "multipart"])
+def test_s3_put_reads_metadata_once_the_chunks_are_consumed(request: pytest.FixtureRequest, size: int) -> None:
+    """`Tier.put` contract: metadata is read when the chunks are exhausted (a checksum learned at the end)."""
+    import asyncio
+
+    bucket = request.getfixturevalue("s3")
+    tier = ObjectTier(bucket.url("p"), storage_options=bucket.storage_options, writable=True, part_size=5 << 20)
+    metadata: dict[str, str] = {}
+
+    async def produce() -> Any:
+        data = os.urandom(size)
+        for start in range(0, size, 1 << 20):
+            yield data[start : start + (1 << 20)]
+        metadata["checksum"] = "learned-at-the-end"
+
+    async def body() -> None:
+        try:
+            await tier.put("late", produce(), metadata=metadata)
+        finally:
+            await tier.close()
+
+    asyncio.run(body())
+    head = bucket.client.head_object(Bucket=bucket.name, Key="p/late")
+    assert head["Metadata"] == {"checksum": "learned-at-the-end"}
+    assert head["ContentLength"] == size
