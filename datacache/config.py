@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Mapping
@@ -93,6 +94,7 @@ class Settings:
     default_policy: str = "auto"
     socket_path: Path | None = None
     metrics_address: str = "127.0.0.1:9464"
+    daemon_uid: int | None = None
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
     datasets: Mapping[str, DatasetConfig] = field(default_factory=dict)
     config_path: Path | None = None
@@ -167,6 +169,20 @@ def _address(value: Any, what: str) -> str:
     return value
 
 
+def _uid(value: Any, what: str) -> int:
+    """A uid given as a number or a user name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        try:
+            return pwd.getpwnam(value).pw_uid
+        except KeyError:
+            raise ConfigError(f"{what}: no user named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a uid or a user name, got {value!r}")
+
+
 _SETTINGS: dict[str, tuple[str, Any]] = {
     "local_dir": ("cache", _path),
     "local_capacity": ("cache", _positive_size),
@@ -183,6 +199,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "default_policy": ("staging", _policy),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
+    "daemon_uid": ("daemon", _uid),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}

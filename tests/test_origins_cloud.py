@@ -8,11 +8,7 @@ from typing import Any
 import pytest
 from _emulators import AzureContainer, GcsBucket, azure, azurite_server, gcs, gcs_server
 from datacache.tiers import ObjectTier, Tier
-
-try:
-    from datacache.tiers.testing import TierTests
-except ImportError:  # until the contract suite moves into the package
-    from test_tiers import TierTests  # type: ignore[no-redef]
+from datacache.tiers.testing import TierTests
 
 __all__ = ["azure", "azurite_server", "gcs", "gcs_server"]  # fixtures, imported to be found
 
