@@ -89,6 +89,13 @@ class TierVerdict:
             return True
         return None if self.measured is None else self.measured >= self.need
 
+    @property
+    def meets_cold(self) -> bool | None:
+        """Whether the tier could feed a cold epoch, nothing staged (None: not asked or not measured)."""
+        if self.cold_need <= 0 or self.measured is None:
+            return None
+        return self.measured >= self.cold_need
+
 
 @dataclass(frozen=True)
 class BenchReport:
@@ -130,6 +137,7 @@ class BenchReport:
                     "need_bytes_per_s": v.need,
                     "cold_epoch_need_bytes_per_s": v.cold_need,
                     "meets": v.meets,
+                    "meets_cold_epoch": v.meets_cold,
                     "note": v.note,
                 }
                 for v in self.tiers
@@ -198,10 +206,9 @@ def assess(
         )
     else:
         verdict = f"YES: this node can feed {gpus} GPUs at {_gbps(per_gpu)} each ({_gbps(need)})"
-        first = (
-            verdicts[1] if shared_configured and measured.get("shared") is not None else verdicts[0]
-        )
-        if first.measured is not None and first.measured < need:
+        cold_short = [v for v in verdicts if v.meets_cold is False]
+        if cold_short:
+            first = cold_short[0]  # the origin before the shared tier: where a cold read goes first
             verdict += (
                 f", once the dataset is warm; a cold first epoch reads the {first.tier} at "
                 f"{_gbps(first.measured)}: run 'datacache warm' before training"
@@ -494,12 +501,10 @@ def format_bench(report: BenchReport) -> str:
             if report.dataset_bytes
             else ""
         ),
-        f"{'TIER':<8} {'MEASURED':>12} {'NEED':>12} {'COLD EPOCH':>12}  {'OK':<4} NOTE",
+        f"{'TIER':<8} {'MEASURED':>12} {'NEED':>12} {'OK':<4} {'COLD EPOCH':>12} {'OK':<4} NOTE",
     ]
     by_tier = {m.tier: m for m in report.measurements}
     for verdict in report.tiers:
-        meets = verdict.meets
-        ok = "-" if meets is None else "yes" if meets else "NO"
         measurement = by_tier.get(verdict.tier)
         note = verdict.note
         if measurement is not None:
@@ -507,13 +512,19 @@ def format_bench(report: BenchReport) -> str:
             note += f" ({m.readers} readers, {m.files} shards, {m.seconds:.1f}s)"
         elif verdict.tier != "shared" or verdict.note != "not configured":
             note += " (not measured)"
+        # Each need beside its own answer: a tier idle once warm can still starve a cold epoch.
         lines.append(
             f"{verdict.tier:<8} {_gbps(verdict.measured):>12} {_gbps(verdict.need):>12} "
-            f"{_gbps(verdict.cold_need) if verdict.cold_need else '-':>12}  {ok:<4} {note}"
+            f"{_yes_no(verdict.meets):<4} {_gbps(verdict.cold_need) if verdict.cold_need else '-':>12} "
+            f"{_yes_no(verdict.meets_cold):<4} {note}"
         )
     lines.append(f"bottleneck: {report.bottleneck or 'none'}")
     lines.append(report.verdict)
     return "\n".join(lines) + "\n"
+
+
+def _yes_no(meets: bool | None) -> str:
+    return "-" if meets is None else "yes" if meets else "NO"
 
 
 # -- planning -----------------------------------------------------------------------------
@@ -552,6 +563,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "gpus_per_node": self.gpus,
+            "gpus": self.gpus * self.nodes,
             "per_gpu_bytes_per_s": self.per_gpu,
             "dataset_bytes": self.dataset_bytes,
             "epochs": self.epochs,
@@ -666,7 +678,8 @@ def _duration(seconds: float | None) -> str:
 def format_plan(plan: Plan) -> str:
     """The plan as a short table."""
     lines = [
-        f"job: {plan.nodes} node(s) x {plan.gpus} GPUs x {_gbps(plan.per_gpu)} = "
+        f"job: {plan.nodes} node{'s' if plan.nodes != 1 else ''} x {plan.gpus} GPUs per node = "
+        f"{plan.gpus * plan.nodes} GPUs x {_gbps(plan.per_gpu)} = "
         f"{_gbps(plan.node_need)} per node, {_gbps(plan.cluster_need)} for the cluster",
         f"dataset {format_bytes(plan.dataset_bytes)}: one epoch takes "
         f"{_duration(plan.epoch_seconds)} at that rate; {plan.epochs} epoch(s) read "

@@ -10,24 +10,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datacache import __version__
 from datacache._logging import configure_logging
 from datacache._progress import Progress
+from datacache._protocol import warm_report_from_wire, warm_report_to_wire
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args", "serve_settings"]
 
 logger = logging.getLogger("datacache.cli")
 
@@ -51,7 +54,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **extra: Any) -> Settings:
     overrides = {
         "local_dir": args.local_dir,
         "local_capacity": args.local_capacity,
@@ -59,7 +62,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "shared_capacity": args.shared_capacity,
         **extra,
     }
-    return load_settings(config_path=args.config, overrides=overrides)
+    return load_settings(env, config_path=args.config, overrides=overrides)
 
 
 def _progress_mode(args: argparse.Namespace) -> str:
@@ -84,7 +87,7 @@ async def _warm(args: argparse.Namespace) -> int:
         client = await _daemon_client(settings)
         if client is not None:
             try:
-                return await _warm_through(client, args, dataset)
+                return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
     out = sys.stdout
@@ -120,7 +123,9 @@ async def _warm(args: argparse.Namespace) -> int:
         stager.add_listener(listen)
         ticking = asyncio.create_task(ticker())
         try:
-            report = await stager.warm(handle, shards, tier=args.tier, verify=args.verify)
+            report = await stager.warm(
+                handle, shards, tier=args.tier, verify=args.verify, bandwidth=settings.bandwidth_limit
+            )
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -144,13 +149,20 @@ async def _daemon_client(settings: Settings) -> DaemonClient | None:
     return client
 
 
-async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig) -> int:
+async def _warm_through(
+    client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig, settings: Settings
+) -> int:
     """Have the node's daemon warm the dataset (one transfer per shard for every process of the node)."""
     progress: Progress | None = None
     done: dict[str, Any] = {}
     try:
         async for event in client.warm(
-            dataset, tier=args.tier, shards=args.shards, verify=args.verify, refresh=args.refresh
+            dataset,
+            tier=args.tier,
+            shards=args.shards,
+            verify=args.verify,
+            refresh=args.refresh,
+            bandwidth=settings.bandwidth_limit,
         ):
             kind = event.get("event")
             if kind == "start":
@@ -174,45 +186,14 @@ async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset:
             progress.close()
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
-    report = WarmReport(
-        dataset=str(done.get("dataset", dataset.id)),
-        tier=str(done.get("tier", args.tier)),
-        shards_requested=int(done.get("shards_requested", 0)),
-        shards_resident=int(done.get("shards_resident", 0)),
-        bytes_requested=int(done.get("bytes_requested", 0)),
-        bytes_transferred=int(done.get("bytes_transferred", 0)),
-        shards_transferred=int(done.get("shards_transferred", 0)),
-        shards_verified=int(done.get("shards_verified", 0)),
-        seconds=float(done.get("seconds", 0.0)),
-        failures=tuple((str(f.get("shard", "")), str(f.get("error", ""))) for f in done.get("failures", [])),
-    )
+    report = warm_report_from_wire(done)
     _print_warm_report(report, redact_url(dataset.url), args.json)
     return 0 if report.complete else 1
 
 
 def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "event": "done",
-                    "dataset": report.dataset,
-                    "url": url,
-                    "tier": report.tier,
-                    "complete": report.complete,
-                    "shards_requested": report.shards_requested,
-                    "shards_resident": report.shards_resident,
-                    "shards_transferred": report.shards_transferred,
-                    "shards_verified": report.shards_verified,
-                    "bytes_requested": report.bytes_requested,
-                    "bytes_transferred": report.bytes_transferred,
-                    "seconds": round(report.seconds, 3),
-                    "rate_bytes_per_s": round(report.rate, 1),
-                    "failures": [{"shard": k, "error": e} for k, e in report.failures],
-                }
-            )
-            + "\n"
-        )
+        sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
         return
     if report.bytes_transferred == 0 and report.complete:
         moved = "transferred 0 bytes: everything was already resident"
@@ -461,7 +442,68 @@ async def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- index ------------------------------------------------------------------------------------
+
+
+async def _index(args: argparse.Namespace) -> int:
+    from datacache.tiers import open_origin
+
+    settings = _settings(args, concurrency=args.concurrency)
+    dataset = resolve_dataset(args.dataset, settings)
+    async with Stager(settings) as stager:
+        handle = await stager.open(dataset, refresh=args.refresh)
+        if handle.manifest.format.value != "tar":
+            raise ConfigError(
+                f"dataset {dataset.name} is {handle.manifest.format.value}: its counts need no index (tar shards only)"
+            )
+        writable = None
+        if not args.no_write:
+            writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
+        try:
+            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+        finally:
+            if writable is not None:
+                await writable.close()
+        if args.rescan:
+            node_plan_path(settings.local_dir, handle.manifest).unlink(missing_ok=True)
+    report = outcome.report
+    total = sum(count.samples for count in outcome.counts.values())
+    if args.json:
+        sys.stdout.write(json.dumps({
+            "dataset": dataset.name, "shards": report.shards, "samples": total, "scanned": report.scanned,
+            "scanned_bytes": report.scanned_bytes, "sources": report.sources, "seconds": round(report.seconds, 3),
+            "shared": str(outcome.shared) if outcome.shared else None, "beside_origin": outcome.beside_origin,
+        }) + "\n")
+        return 0
+    known = ", ".join(f"{n} from {source}" for source, n in sorted(report.sources.items()))
+    sys.stdout.write(
+        f"index {redact_url(dataset.url)}: {report.shards} shards, {total} samples; "
+        f"{report.scanned} scanned here ({format_bytes(report.scanned_bytes)}) in {report.seconds:.1f}s"
+        f"{'; ' + known if known else ''}\n"
+    )
+    if outcome.beside_origin:
+        sys.stdout.write(f"wrote {redact_url(outcome.beside_origin)}\n")
+    elif not args.no_write:
+        sys.stdout.write(f"not written beside the shards ({outcome.not_beside_origin}); kept on the shared tier\n")
+    return 0
+
+
 # -- serve, bench, plan -----------------------------------------------------------------------
+
+
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The settings `datacache serve` runs with: its flags over ``env`` over the config file.
+
+    ``env`` defaults to ``os.environ``; the deployment tests pass a container's environment.
+    """
+    return _settings(
+        args,
+        env,
+        socket=args.socket,
+        metrics_address=args.metrics_address,
+        concurrency=args.concurrency,
+        bandwidth_limit=args.bandwidth,
+    )
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -473,13 +515,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
     )
-    settings = _settings(
-        args,
-        socket=args.socket,
-        metrics_address=args.metrics_address,
-        concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
-    )
+    settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
         raise ConfigError(f"--prefetch-slots: must be at least 1, got {args.prefetch_slots}")
     if args.drain_timeout <= 0:
@@ -494,8 +530,19 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_uids=frozenset(args.allow_uid or ()),
         allow_gids=frozenset(args.allow_gid or ()),
         allow_datasets=tuple(args.allow_dataset or ()),
+        allow_endpoints=tuple(args.allow_endpoint or ()),
+        allow_client_credentials=args.allow_client_credentials,
+        socket_group=_group_id(args.socket_group) if args.socket_group else None,
     )
     return await serve(settings, options)
+
+
+def _group_id(group: str) -> int:
+    """A group given by name or number, as a gid; a clear error if there is no such group."""
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group: no group named {group!r} on this machine") from None
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -523,10 +570,23 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+_MOST_GPUS_PER_NODE = 16
+"""More GPUs per node than any common server holds: `plan --gpus` was likely the whole job's count."""
+
+
 async def _plan(args: argparse.Namespace) -> int:
     from datacache.bench import format_plan, plan_tiers
     from datacache.units import parse_bandwidth, parse_size
 
+    if args.nodes > 1 and args.gpus > _MOST_GPUS_PER_NODE:
+        logger.warning(
+            "--gpus is per node: %d GPUs per node x %d nodes = %d GPUs (for %d GPUs in all, pass --gpus %d)",
+            args.gpus,
+            args.nodes,
+            args.gpus * args.nodes,
+            args.gpus,
+            max(1, args.gpus // args.nodes),
+        )
     local_capacity = origin_bandwidth = None
     if args.local_capacity:
         local_capacity = parse_size(args.local_capacity, what="--local-capacity")
@@ -559,7 +619,7 @@ def _parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
     warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
-    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP indexes, or key,key,...")
+    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
@@ -621,6 +681,19 @@ def _parser() -> argparse.ArgumentParser:
     _add_settings_flags(shard)
     shard.set_defaults(run=_shard)
 
+    index = commands.add_parser(
+        "index", help="count the samples of every tar shard once for the whole cluster; keep a wids index"
+    )
+    index.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path) or a configured dataset name")
+    index.add_argument("--concurrency", metavar="N", help="shards scanned at once on this node (default 8)")
+    index.add_argument("--rescan", action="store_true",
+                       help="forget the cluster's counts and the sidecar indexes; scan every shard again")
+    index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
+    index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--json", action="store_true", help="one JSON summary line")
+    _add_settings_flags(index)
+    index.set_defaults(run=_index)
+
     serve = commands.add_parser(
         "serve", help="run the per-node daemon: one cache and stager for every process of the node"
     )
@@ -640,7 +713,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--allow-gid", metavar="GID", type=int, action="append",
         help="also accept clients with this gid (the daemon's gid always is)")
     add("--allow-dataset", metavar="PREFIX", action="append",
-        help="open only configured datasets and URLs starting with PREFIX (repeatable)")
+        help="origins other users' clients may open besides configured datasets (repeatable); "
+        "also limits the daemon's own user")
+    add("--allow-endpoint", metavar="URL", action="append",
+        help="an endpoint other users' clients may name in storage_options (repeatable)")
+    add("--allow-client-credentials", action="store_true",
+        help="let other users' clients send credentials; the daemon then reads with theirs")
+    add("--socket-group", metavar="GROUP",
+        help="the group that owns the socket (mode 0660): its members can connect")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
@@ -664,7 +744,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="size the tiers for a job on paper")
     add = plan.add_argument
-    add("--gpus", metavar="N", type=int, required=True, help="GPUs per node")
+    add("--gpus", metavar="N", type=int, required=True,
+        help="GPUs per node (the job has N x --nodes GPUs)")
     add("--per-gpu", metavar="BW", required=True, help="bandwidth each GPU needs, e.g. 1GB/s")
     add("--dataset", metavar="SIZE", required=True, help="dataset size, e.g. 12TB")
     add("--epochs", metavar="E", type=int, default=1)
@@ -677,6 +758,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line (without the program name) as `main` does."""
+    return _parser().parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

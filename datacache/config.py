@@ -9,29 +9,35 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import math
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from datacache.errors import ConfigError
-from datacache.tiers import RetryPolicy, redact_url, split_scheme
+from datacache.tiers import RetryPolicy, redact_url, split_scheme, split_userinfo
 from datacache.units import parse_bandwidth, parse_size
 
 __all__ = [
     "POLICIES",
     "DatasetConfig",
     "Settings",
+    "canonical_origin",
     "dataset_id_for",
     "default_cache_dir",
     "default_config_path",
     "load_settings",
     "resolve_dataset",
 ]
+
+logger = logging.getLogger(__name__)
 
 POLICIES = ("auto", "lru", "nothrash", "belady")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -60,10 +66,10 @@ class DatasetConfig:
     pinned: bool = False
     format: str | None = None
 
-    @property
+    @cached_property
     def id(self) -> str:
-        """The directory name of this dataset in every tier."""
-        return self.name
+        """The dataset's identity, its directory name in every tier: from its origin, never its name."""
+        return dataset_id_for(self.url, self.storage_options)
 
     def __repr__(self) -> str:
         return f"DatasetConfig(name={self.name!r}, url={redact_url(self.url)!r}, policy={self.policy!r})"
@@ -88,6 +94,7 @@ class Settings:
     default_policy: str = "auto"
     socket_path: Path | None = None
     metrics_address: str = "127.0.0.1:9464"
+    daemon_uid: int | None = None
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
     datasets: Mapping[str, DatasetConfig] = field(default_factory=dict)
     config_path: Path | None = None
@@ -96,6 +103,14 @@ class Settings:
     def daemon_socket(self) -> Path:
         """The daemon's Unix socket: configured, else ``<local_dir>/daemon.sock``."""
         return self.socket_path or self.local_dir / "daemon.sock"
+
+    @property
+    def trusted_uids(self) -> frozenset[int]:
+        """Whose files on a shared tier are believed without re-checking: this user, root, the daemon."""
+        trusted = {os.geteuid(), 0}
+        if self.daemon_uid is not None:
+            trusted.add(self.daemon_uid)
+        return frozenset(trusted)
 
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (flags given on the command line)."""
@@ -162,6 +177,20 @@ def _address(value: Any, what: str) -> str:
     return value
 
 
+def _uid(value: Any, what: str) -> int:
+    """A uid given as a number or a user name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        try:
+            return pwd.getpwnam(value).pw_uid
+        except KeyError:
+            raise ConfigError(f"{what}: no user named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a uid or a user name, got {value!r}")
+
+
 _SETTINGS: dict[str, tuple[str, Any]] = {
     "local_dir": ("cache", _path),
     "local_capacity": ("cache", _positive_size),
@@ -178,6 +207,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "default_policy": ("staging", _policy),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
+    "daemon_uid": ("daemon", _uid),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
@@ -289,7 +319,10 @@ def load_settings(
             continue
         key = known_env.get(name)
         if key is None:
-            raise ConfigError(f"unknown environment variable {name}{_suggest(name, set(known_env))}")
+            # Warned, not refused: a cluster's own tooling may set DATACACHE_* variables, and a
+            # training job should not die of one. The TOML file, which only we write, stays strict.
+            logger.warning("unknown environment variable %s ignored%s", name, _suggest(name, set(known_env)))
+            continue
         if key:
             values[key] = _SETTINGS[key][1](value, name)
 
@@ -314,11 +347,63 @@ def load_settings(
     )
 
 
-def dataset_id_for(url: str) -> str:
-    """A stable, filesystem-safe id for an unnamed dataset URL: ``<last-part>-<hash8>``."""
-    normalized = redact_url(url).rstrip("/")  # the id names directories: never a credential
-    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", normalized.rsplit("/", 1)[-1]).strip(".-") or "dataset"
-    digest = hashlib.sha256(normalized.encode()).hexdigest()[:8]
+# Schemes that name the same stores: one identity for each store.
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "local": "file"}
+_S3_SCHEMES = frozenset({"s3", "s3a"})
+
+
+def _endpoint(scheme: str, options: Mapping[str, Any], env: Mapping[str, str]) -> str:
+    """The service the origin's client will talk to: part of what a URL names."""
+    client_kwargs = options.get("client_kwargs")
+    nested = client_kwargs.get("endpoint_url") if isinstance(client_kwargs, Mapping) else None
+    endpoint = options.get("endpoint_url") or nested or env.get(f"FSSPEC_{scheme.upper()}_ENDPOINT_URL")
+    if not endpoint and scheme in _S3_SCHEMES:
+        # botocore's own variables, read by the client the same way.
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if scheme == "az":
+        endpoint = endpoint or options.get("account_name") or env.get("AZURE_STORAGE_ACCOUNT_NAME")
+    return redact_url(str(endpoint or "")).strip().rstrip("/").lower()
+
+
+def canonical_origin(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None
+) -> str:
+    """What ``url`` names, written one way: scheme, endpoint, bucket or host, normalised path.
+
+    Credentials (``user:secret@``) and query strings (signatures, tokens) are
+    not part of it: they say who asks, not what is read; the origin checks them
+    on every read (docs/SECURITY.md). Local paths are resolved (``~``, ``..``,
+    symlinks), so every spelling of one directory is one dataset.
+    """
+    scheme, _ = split_scheme(url)
+    _, url = split_userinfo(url)
+    scheme = _SCHEME_ALIASES.get(scheme, scheme)
+    rest = url.split("://", 1)[1] if "://" in url else url
+    if scheme == "file":
+        try:
+            return "file://" + os.path.realpath(os.path.expanduser(rest))
+        except ValueError:  # a NUL in the path: no such file, but still one identity
+            return "file://" + os.path.normpath(os.path.abspath(rest))
+    rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+    host, _, path = rest.partition("/")
+    segments = [segment for segment in path.split("/") if segment not in ("", ".")]
+    endpoint = _endpoint(scheme, storage_options or {}, os.environ if env is None else env)
+    where = f"{endpoint}|" if endpoint else ""
+    return f"{scheme}://{where}{host.lower()}/{'/'.join(segments)}"
+
+
+def dataset_id_for(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None
+) -> str:
+    """A dataset's identity as one safe path segment: ``<last-part>-<hash16>`` of its canonical origin.
+
+    Every tier keys its copies by this id, never by a user-chosen name: two
+    spellings of one origin share one copy, and two origins never share one.
+    """
+    canonical = canonical_origin(url, storage_options, env=env)
+    last = canonical.rstrip("/").rsplit("/", 1)[-1]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", last).strip(".-") or "dataset"
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]  # 64 bits: no forged collisions
     return f"{tail[:60]}-{digest}"
 
 
@@ -342,10 +427,11 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
         url = spec
         if scheme == "file" and "://" not in spec:
             url = str(Path(os.path.expanduser(spec)).absolute())
+        options = dict(settings.storage_options.get(scheme, {}))
         dataset = DatasetConfig(
-            name=dataset_id_for(url),
+            name=dataset_id_for(url, options),
             url=url,
-            storage_options=dict(settings.storage_options.get(scheme, {})),
+            storage_options=options,
             policy=settings.default_policy,
         )
     if policy is not None:

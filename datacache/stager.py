@@ -20,6 +20,7 @@ from datacache.staging import (
     Stager,
     StagerStats,
     StagingEvent,
+    WarmProgress,
     WarmReport,
 )
 
@@ -36,6 +37,7 @@ __all__ = [
     "Stager",
     "StagerStats",
     "StagingEvent",
+    "WarmProgress",
     "WarmReport",
     "checksum_of",
     "new_hasher",

@@ -34,6 +34,7 @@ __all__ = [
     "SampleSpan",
     "SpanTable",
     "TarMember",
+    "TarScanner",
     "group_samples",
     "index_from_json",
     "index_to_json",
@@ -134,6 +135,47 @@ def scan_tar(buffer: bytes | bytearray | memoryview, *, where: str = "tar") -> l
         view.release()
 
 
+def _check_header(header: bytes, position: int, where: str) -> tuple[bytes, int]:
+    """Check one header block's checksum; return its typeflag and the size it declares."""
+    stored = _octal(header[148:156], where)
+    computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    if stored != computed:
+        raise ShardReadError(f"{where}: corrupt tar header at byte {position} (checksum mismatch)")
+    size = _octal(header[124:136], where)
+    if size < 0:  # int() reads "-17" in octal too: a size going backwards would loop forever
+        raise ShardReadError(f"{where}: corrupt tar header at byte {position} (negative size)")
+    return bytes(header[156:157]), size
+
+
+def _pax_size(pax: dict[str, str], where: str) -> int | None:
+    if "size" not in pax:
+        return None
+    try:
+        size = int(pax["size"])
+    except ValueError:
+        raise ShardReadError(f"{where}: corrupt pax size") from None
+    if size < 0:
+        raise ShardReadError(f"{where}: corrupt pax size (negative)")
+    return size
+
+
+def _member_name(header: bytes, long_name: str | None, pax: dict[str, str]) -> str:
+    if long_name is not None:
+        return long_name
+    if "path" in pax:
+        return pax["path"]
+    name = bytes(header[0:100]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+    if bytes(header[257:262]) == b"ustar":
+        prefix = bytes(header[345:500]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+        if prefix:
+            name = f"{prefix}/{name}"
+    return name
+
+
+def _padded(size: int) -> int:
+    return (size + _BLOCK - 1) // _BLOCK * _BLOCK
+
+
 def _scan(view: memoryview, where: str) -> list[TarMember]:
     total = len(view)
     members: list[TarMember] = []
@@ -146,21 +188,14 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
         if not any(header):  # an end-of-archive block
             ended = True
             break
-        stored = _octal(header[148:156], where)
-        computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
-        if stored != computed:
-            raise ShardReadError(f"{where}: corrupt tar header at byte {position} (checksum mismatch)")
-        size = _octal(header[124:136], where)
-        if size < 0:  # int() reads "-17" in octal too: a size going backwards would loop forever
-            raise ShardReadError(f"{where}: corrupt tar header at byte {position} (negative size)")
-        typeflag = bytes(header[156:157])
+        typeflag, size = _check_header(header, position, where)
         data_start = position + _BLOCK
         data_end = data_start + size
         if data_end > total:
             raise ShardReadError(
                 f"{where}: truncated tar: a member at byte {position} runs past the end ({total} bytes)"
             )
-        position = data_start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+        position = data_start + _padded(size)
         if typeflag == b"L":  # GNU long name for the next member
             long_name = bytes(view[data_start:data_end]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
             continue
@@ -169,27 +204,14 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
             continue
         if typeflag in (b"g", b"K"):
             continue
-        if "size" in pax:
-            try:
-                size = int(pax["size"])
-            except ValueError:
-                raise ShardReadError(f"{where}: corrupt pax size") from None
-            if size < 0:
-                raise ShardReadError(f"{where}: corrupt pax size (negative)")
+        pax_size = _pax_size(pax, where)
+        if pax_size is not None:
+            size = pax_size
             data_end = data_start + size
             if data_end > total:
                 raise ShardReadError(f"{where}: truncated tar: a member at byte {data_start} runs past the end")
-            position = data_start + (size + _BLOCK - 1) // _BLOCK * _BLOCK
-        if long_name is not None:
-            name = long_name
-        elif "path" in pax:
-            name = pax["path"]
-        else:
-            name = bytes(header[0:100]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
-            if bytes(header[257:262]) == b"ustar":
-                prefix = bytes(header[345:500]).split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
-                if prefix:
-                    name = f"{prefix}/{name}"
+            position = data_start + _padded(size)
+        name = _member_name(header, long_name, pax)
         long_name = None
         pax = {}
         if typeflag in _REGULAR:
@@ -199,6 +221,109 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
     if not ended and position == 0 and total:
         raise ShardReadError(f"{where}: not a tar file")
     return members
+
+
+class TarScanner:
+    """`scan_tar` over a stream: feed the tar's bytes in chunks of any size, keep only headers.
+
+    What indexing a shard at the origin's GET rate needs: member data is
+    skipped as it passes, so memory stays at one chunk plus a header, whatever
+    the shard's size. The result (and every error) is the one `scan_tar` gives
+    for the same bytes.
+    """
+
+    _MAX_META = 1 << 20
+    """Largest GNU long name or pax record kept (a hostile header could declare gigabytes)."""
+
+    def __init__(self, *, where: str = "tar") -> None:
+        self._where = where
+        self._pending = bytearray()
+        self._position = 0
+        """Offset in the tar of ``_pending[0]``."""
+        self._skip = 0
+        self._missing = 0
+        """Bytes of the current member's data not seen yet (its padding may be cut off, as `scan_tar` allows)."""
+        self._members: list[TarMember] = []
+        self._long_name: str | None = None
+        self._pax: dict[str, str] = {}
+        self._ended = False
+        self._seen = 0
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Take the next bytes of the tar."""
+        view = memoryview(chunk).cast("B")
+        self._seen += len(view)
+        if self._ended:
+            return
+        if self._skip:
+            taken = min(self._skip, len(view))
+            self._skip -= taken
+            self._missing = max(0, self._missing - taken)
+            self._position += taken
+            view = view[taken:]
+        if not len(view):
+            return
+        self._pending += view
+        self._parse()
+
+    def _parse(self) -> None:
+        pending = self._pending
+        used = 0
+        while len(pending) - used >= _BLOCK:
+            header = bytes(pending[used : used + _BLOCK])
+            at = self._position + used
+            if not any(header):
+                self._ended = True
+                break
+            typeflag, size = _check_header(header, at, self._where)
+            if typeflag in (b"L", b"x"):
+                if size > self._MAX_META:
+                    raise ShardReadError(f"{self._where}: tar header at byte {at} declares a {size}-byte name")
+                if len(pending) - used < _BLOCK + size:
+                    break  # wait for the whole record
+                data = bytes(pending[used + _BLOCK : used + _BLOCK + size])
+                if typeflag == b"L":
+                    self._long_name = data.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+                else:
+                    self._pax = _pax_records(data, self._where)
+                used += _BLOCK + size
+                size, padding = 0, _padded(size) - size
+            else:
+                used += _BLOCK
+                if typeflag not in (b"g", b"K"):
+                    pax_size = _pax_size(self._pax, self._where)
+                    if pax_size is not None:
+                        size = pax_size
+                    name = _member_name(header, self._long_name, self._pax)
+                    self._long_name = None
+                    self._pax = {}
+                    if typeflag in _REGULAR:
+                        self._members.append(TarMember(name, at + _BLOCK, size))
+                padding = _padded(size) - size
+            inside = min(size + padding, len(pending) - used)
+            used += inside
+            self._skip = size + padding - inside
+            self._missing = max(0, size - inside)
+        del pending[:used]
+        self._position += used
+        if self._ended:
+            self._position += len(pending)
+            pending.clear()
+
+    def finish(self) -> list[TarMember]:
+        """The tar's regular files, once every byte was fed; raise `ShardReadError` if it is incomplete."""
+        where = self._where
+        if not self._ended:
+            if self._missing or len(self._pending) >= _BLOCK:
+                last = self._members[-1].offset - _BLOCK if self._members else self._position
+                raise ShardReadError(
+                    f"{where}: truncated tar: a member at byte {last} runs past the end ({self._seen} bytes)"
+                )
+            if self._pending:
+                raise ShardReadError(f"{where}: truncated tar: {len(self._pending)} stray bytes at the end")
+            if self._position == 0 and self._seen:
+                raise ShardReadError(f"{where}: not a tar file")
+        return self._members
 
 
 def group_samples(members: Iterable[TarMember]) -> list[SampleSpan]:

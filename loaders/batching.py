@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,21 +21,27 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
 from datacache.loaders.units import UnitReaders
+from datacache.tiers import redact_url
 
+from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
 
-__all__ = ["LOOKAHEAD", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
+__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
+
+logger = logging.getLogger(__name__)
 
 Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 Built = tuple[Any, int, int]
 """A batch, its payload bytes, its sample count."""
 LOOKAHEAD = 6
 """Batches the reader threads build ahead of the consumer; the ring holds two more."""
+SKIPPED = object()
+"""What `BatchBuilder.decode` returns for a sample its decoder failed on, when bad samples are skipped."""
 
 
 class BatchBuilder:
@@ -43,15 +50,17 @@ class BatchBuilder:
     def __init__(
         self,
         units: UnitReaders,
-        epoch: EpochPlan,
+        epoch: ReadPlan,
         *,
         decode: Decoder,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         threads: int,
         in_consumer: bool,
+        skip_bad: bool,
     ) -> None:
         self._units = units
+        self._skip_bad = skip_bad
         self._epoch = epoch
         self._decoder = decode
         self._row = row
@@ -60,7 +69,7 @@ class BatchBuilder:
         self._in_consumer = in_consumer
         runtime = units.runtime
         self._format = runtime.handle.manifest.format
-        self._url = runtime.handle.config.url.rstrip("/")
+        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:
@@ -90,7 +99,11 @@ class BatchBuilder:
             elif self._decoder == "auto" and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
             else:
-                decoded.append(self.decode(reader.sample(local), reader))
+                sample = self.decode(reader.sample(local), reader)
+                if sample is SKIPPED:
+                    skipped += 1
+                else:
+                    decoded.append(sample)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
@@ -119,21 +132,44 @@ class BatchBuilder:
         return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
 
     def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
-        """Apply the dataset's decoder to one sample read from ``reader``."""
+        """Apply the dataset's decoder to one sample read from ``reader``.
+
+        Returns `SKIPPED` for a sample the decoder failed on when bad samples are skipped.
+        """
+        if reader.packable:
+            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
         decode = self._decoder
         if decode == "auto":
-            if reader.packable:
-                sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
             return sample
         started = time.perf_counter()
         try:
             if isinstance(decode, Mapping):
-                return {k: (decode[k](v) if k in decode else v) for k, v in sample.items()}
+                return {
+                    k: (self._call(decode[k], v, sample, reader, k) if k in decode else v) for k, v in sample.items()
+                }
             if callable(decode):
-                return decode(sample)
+                return self._call(decode, sample, sample, reader, None)
             return sample
+        except SampleDecodeError as exc:
+            if not self._skip_bad:
+                raise
+            logger.warning("skipping %s", exc)
+            return SKIPPED
         finally:
             self._row[Counter.DECODE] += time.perf_counter() - started
+
+    @staticmethod
+    def _call(
+        function: Callable[[Any], Any], value: Any, sample: dict[str, Any], reader: UnitReader, name: str | None
+    ) -> Any:
+        """``function(value)``; its exception becomes one that says where it happened."""
+        try:
+            return function(value)
+        except Exception as exc:
+            what = f"field {name!r}" if name is not None else f"decoder {getattr(function, '__name__', function)!r}"
+            raise SampleDecodeError(
+                f"{reader.where}: sample {sample.get('__key__')!r}: {what} raised {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 class ReadAhead:

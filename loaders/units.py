@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     SpanCache,
@@ -62,6 +62,8 @@ class Runtime:
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
+    book: Any = None
+    """The `coldplan.CountBook` while some shard's sample count is unknown."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -108,7 +110,7 @@ class UnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: EpochPlan,
+        epoch: ReadPlan,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
@@ -210,7 +212,10 @@ class UnitReaders:
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
-        unit = int(self._epoch.unit_of[position])
+        return self.reader_for(int(self._epoch.unit_of[position]))
+
+    def reader_for(self, unit: int) -> UnitReader | None:
+        """The open reader of ``unit`` (opened now if need be); None if it was skipped as bad."""
         reader = self.readers.get(unit)
         if reader is not None:
             return reader
@@ -287,22 +292,20 @@ class UnitReaders:
                 reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra, spans=known)
                 if index_key is not None and known is None and isinstance(reader, TarReader):
                     runtime.spans.put(index_key, reader.spans)
-            except ChecksumMismatchError as exc:
-                for buffer in buffers.values():
-                    if hasattr(buffer, "close"):
-                        buffer.close()
-                bad = [loc for loc in locations if loc.path is not None]
-                self._row[Counter.CORRUPT] += 1
-                for location in bad:
-                    runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
-                if attempt == 2:
-                    raise ChecksumMismatchError(f"{where}: {exc}") from exc
-                continue
-            except FileNotFoundError:
-                # Evicted between locate and open: locate again.
-                if attempt == 2:
-                    raise
-                continue
+            except BaseException as exc:
+                # Unmap what was mapped before the failure now, not when the traceback is dropped.
+                _close_buffers(buffers)
+                if isinstance(exc, ChecksumMismatchError):
+                    self._row[Counter.CORRUPT] += 1
+                    for location in locations:
+                        if location.path is not None:
+                            runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
+                    if attempt == 2:
+                        raise ChecksumMismatchError(f"{where}: {exc}") from exc
+                    continue
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue  # evicted between locate and open: locate again
+                raise
             self._count_open(tier, locations, waited, read_seconds)
             self.note_retries()
             return reader
@@ -340,6 +343,14 @@ class UnitReaders:
                 buffer.close()
             raise ChecksumMismatchError(f"{where}: {problem}")
         return buffer
+
+
+def _close_buffers(buffers: dict[str, Any]) -> None:
+    for buffer in buffers.values():
+        if hasattr(buffer, "close"):
+            with contextlib.suppress(BufferError):
+                buffer.close()
+    buffers.clear()
 
 
 async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> tuple[list[Location], str]:

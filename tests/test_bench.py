@@ -152,3 +152,45 @@ def test_bench_and_plan_commands(tmp_path: Path, cache_env: dict[str, str]) -> N
     assert json.loads(result.stdout)["cluster_need_bytes_per_s"] == 32e9
     result = cli("plan", "--gpus", "0", "--per-gpu", "1GB/s", "--dataset", "1TB", env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "must be positive" in result.stderr
+
+
+def test_the_readme_plan_example_plans_64_gpus_on_8_nodes(cache_env: dict[str, str]) -> None:
+    """Issue 12 item 17: the README's example meant 64 GPUs in all; it planned 64 per node."""
+    readme = (REPO / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("datacache plan "))
+    args = line.split("#")[0].split()[1:]
+    result = cli(*args, "--json", env={**cache_env, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert (plan["nodes"], plan["gpus_per_node"], plan["gpus"]) == (8, 8, 64)
+    assert plan["node_need_bytes_per_s"] == 8e9 and plan["cluster_need_bytes_per_s"] == 64e9
+    text = format_plan(plan_tiers(gpus=8, per_gpu=1 * GB, dataset_bytes=10**12, nodes=8))
+    assert text.startswith("job: 8 nodes x 8 GPUs per node = 64 GPUs x 1.00 GB/s"), text
+
+
+def test_plan_warns_when_gpus_per_node_looks_like_the_whole_job(cache_env: dict[str, str]) -> None:
+    env = {**cache_env, "PYTHONPATH": str(REPO)}
+    result = cli("plan", "--gpus", "64", "--per-gpu", "1GB/s", "--dataset", "40TB", "--nodes", "8", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "--gpus is per node: 64 GPUs per node x 8 nodes = 512 GPUs" in result.stderr
+    assert "for 64 GPUs in all, pass --gpus 8" in result.stderr
+
+
+def test_bench_does_not_pass_a_tier_that_is_short_for_a_cold_epoch() -> None:
+    """Issue 12 item 17: origin `OK yes` at 0.04 GB/s against the 8 GB/s a cold epoch needs."""
+    report = assess(
+        {"origin": 0.04 * GB, "shared": 20 * GB, "local": 20 * GB},
+        gpus=8,
+        per_gpu=1 * GB,
+        dataset_bytes=10**12,
+        local_room=None,
+        shared_configured=True,
+    )
+    origin = next(v for v in report.tiers if v.tier == "origin")
+    assert origin.meets is True, "nothing is read from the origin once the dataset is warm"
+    assert origin.meets_cold is False
+    row = next(line for line in format_bench(report).splitlines() if line.startswith("origin"))
+    assert row.split()[:9] == ["origin", "0.04", "GB/s", "0.00", "GB/s", "yes", "8.00", "GB/s", "NO"], row
+    assert "datacache warm" in report.verdict
+    assert report.to_json()["tiers"][0]["meets_cold_epoch"] is False
+

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 from pathlib import Path
 
 import pytest
+from _helpers import run_cli
 
 from datacache.config import (
     DatasetConfig,
@@ -154,13 +156,27 @@ def test_missing_explicit_config_file(cache_env: dict[str, str], tmp_path: Path)
         load_settings(env)
 
 
-def test_unknown_environment_variable_is_refused_with_a_suggestion(
-    cache_env: dict[str, str],
+def test_unknown_environment_variable_warns_with_a_suggestion(
+    cache_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with pytest.raises(
-        ConfigError, match=r"DATACACHE_LOCAL_CAPACTY.*did you mean 'DATACACHE_LOCAL_CAPACITY'"
-    ):
-        load_settings({**cache_env, "DATACACHE_LOCAL_CAPACTY": "1GB"})
+    # A variable a cluster's own tooling sets, or a typo: a loud warning, not a dead training job.
+    with caplog.at_level(logging.WARNING, logger="datacache.config"):
+        settings = load_settings({**cache_env, "DATACACHE_LOCAL_CAPACTY": "1GB", "DATACACHE_JOB_ID": "7"})
+    assert settings.local_capacity == load_settings(cache_env).local_capacity
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "DATACACHE_LOCAL_CAPACTY" in m and "did you mean 'DATACACHE_LOCAL_CAPACITY'" in m for m in messages
+    ), messages
+    assert any("DATACACHE_JOB_ID" in m and "ignored" in m for m in messages), messages
+    # The CLI says it on stderr and goes on.
+    result = run_cli(["ls"], {**cache_env, "DATACACHE_LOCAL_CAPACTY": "1GB"})
+    assert result.returncode == 0, result.stderr
+    assert "DATACACHE_LOCAL_CAPACTY" in result.stderr and "DATACACHE_LOCAL_CAPACITY" in result.stderr
+    # A typo in the TOML file stays an error.
+    path = tmp_path / "c.toml"
+    path.write_text("[cache]\nlocal_capacty = '1GB'\n")
+    with pytest.raises(ConfigError, match="local_capacty"):
+        load_settings({**cache_env, "DATACACHE_CONFIG": str(path)})
 
 
 def test_bad_environment_value_names_the_variable(cache_env: dict[str, str]) -> None:

@@ -118,9 +118,12 @@ def test_padding_gives_equal_counts_and_is_reported(
 
 
 def test_global_order_depends_only_on_seed_and_epoch(
-    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    origin, _ = wds_dataset
+    # Sample counts known up front (an un-indexed dataset's first epoch is dealt by whole shards,
+    # per world size: tests/test_cold_epoch.py).
+    origin = tmp_path / "indexed"
+    write_wds(origin, samples=157, per_shard=20, with_counts=True)
     dataset = CachedIterableDataset(str(origin), config=settings, seed=11, shuffle_buffer=16, drop_last=True)
     single = run_rank(dataset, monkeypatch, 0, 1, 0)
     # Told the batch size, the dataset deals chunks to workers in the order the
@@ -264,12 +267,13 @@ def test_resume_with_a_different_world_size_repeats_and_skips_nothing(
         dataset = CachedIterableDataset(str(origin), config=settings, seed=9, shuffle_buffer=16, batch_size=batch)
         dataset.load_state_dict(state)
         resumed.extend(keys_of(DataLoader(dataset, batch_size=None, num_workers=1)))
-    everything = consumed + resumed
-    counts = Counter(everything)
-    assert set(counts) == set(expected), "a sample was skipped"
-    repeats = sum(count - 1 for count in counts.values())
-    # Only the final padding (drop_last=False) may repeat samples, fewer than one per rank.
-    assert repeats < after
+    assert set(consumed + resumed) == set(expected), "a sample was skipped"
+    assert not set(consumed) & set(resumed), "a sample consumed before the checkpoint came again"
+    assert len(consumed) == len(set(consumed))
+    # The final padding (drop_last=False) repeats exactly enough samples to even out the ranks.
+    remaining = len(expected) - len(consumed)
+    padding = after * -(-remaining // after) - remaining
+    assert sum(count - 1 for count in Counter(resumed).values()) == padding
 
 
 def test_resume_through_torchdata_stateful_dataloader(
@@ -366,6 +370,7 @@ def test_parquet_rows_and_record_batches(tmp_path: Path, settings: Settings) -> 
         pq.write_table(pa.Table.from_pylist(chunk), origin / f"part-{part}.parquet", row_group_size=25)
     dataset = CachedIterableDataset(str(origin), config=settings, seed=0, shuffle_buffer=50)
     got = list(dataset)
+    assert all(row.pop("__key__").startswith("part-") for row in got)
     assert sorted(got, key=lambda r: r["id"]) == rows
     batches = CachedIterableDataset(str(origin), config=settings, batch_size=64)
     collected = [b for b in DataLoader(batches, batch_size=None, num_workers=2)]
@@ -517,3 +522,24 @@ def test_tar_indexes_are_scanned_once_per_node(
     saved[0].write_bytes(saved[0].read_bytes()[:-8])
     second = CachedIterableDataset(str(origin), config=settings, shuffle=False)
     assert {s["__key__"]: s["bin"] for s in second} == {k: v["bin"] for k, v in expected.items()}
+
+
+def test_readme_resume_recipe_with_worker_processes_is_exact(
+    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings
+) -> None:
+    # The README's recipe: per-sample mode, the DataLoader batches, two workers. The DataLoader
+    # takes whole batches from worker 0, 1, 0, ...: after 5 batches worker 0 made 3, worker 1 made 2.
+    origin, expected = wds_dataset
+    batch_size, steps = 8, 5
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=17)
+    iterator = iter(DataLoader(dataset, batch_size=batch_size, num_workers=2))
+    head = [key for _ in range(steps) for key in next(iterator)["__key__"]]
+    del iterator
+    with pytest.raises(ConfigError, match=r"batch_size="):
+        dataset.state_dict(samples_consumed=steps * batch_size)
+    state = dataset.state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)
+    resumed = CachedIterableDataset(str(origin), config=settings, seed=17)
+    resumed.load_state_dict(state)
+    tail = keys_of(DataLoader(resumed, batch_size=batch_size, num_workers=2))
+    assert not set(head) & set(tail), "a sample consumed before the checkpoint came again"
+    assert sorted(head + tail) == sorted(expected), "a sample was skipped or repeated"

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -381,6 +382,26 @@ def test_dask_engine_in_local_mode(tmp_path: Path) -> None:
 
 
 # -- the command --------------------------------------------------------------------------
+
+
+def test_readme_and_help_agree_on_the_default_engine(cache_env: dict[str, str]) -> None:
+    """Issue 12 item 16: the README called dask the default; `shard --help` says local."""
+    from _helpers import REPO, run_cli
+
+    helped = run_cli(["shard", "--help"], cache_env, check=True).stdout
+    default = re.search(r"^\s+--engine \{[a-z,]+\}.*?\(default (\w+)\)", helped, re.DOTALL | re.MULTILINE)
+    assert default is not None, helped
+    readme = (REPO / "README.md").read_text()
+    sentences = [" ".join(sentence.split()) for sentence in re.split(r"\.\s", readme)]
+    claims = [
+        engine
+        for sentence in sentences
+        if re.search(r"\bdefault\b", sentence)
+        for engine in re.findall(r"`--engine (\w+)`", sentence)
+    ]
+    claims += [name.lower() for name in re.findall(r"\b(\w+) is the default\b", readme)]
+    assert claims, "the README says which engine is the default"
+    assert set(claims) == {default.group(1)}, claims
 
 
 def test_cli_shard_json_and_errors(tmp_path: Path, cache_env: dict[str, str],

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from datacache.tiers._directory import DirectoryTier
-from datacache.tiers._files import device_free, redact_url
+from datacache.tiers._files import device_free, redact_url, split_userinfo
 from datacache.tiers._retry import RetryPolicy, translate_error
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 from datacache.tiers.local import LocalTier
@@ -41,6 +41,7 @@ __all__ = [
     "open_origin",
     "redact_url",
     "split_scheme",
+    "split_userinfo",
     "translate_error",
     "validate_key",
 ]
@@ -105,7 +106,7 @@ def open_origin(
     scheme, rest = split_scheme(url)
     if not rest.strip("/"):
         raise ConfigError(f"URL {redact_url(url)!r} names no bucket or path")
-    if scheme in _NO_USERINFO and "@" in rest.split("/", 1)[0]:
+    if scheme in _NO_USERINFO and split_userinfo(url)[0] is not None:
         raise ConfigError(
             f"{scheme}:// URLs cannot carry credentials ({redact_url(url)!r}): use the backend's usual "
             "variables (AWS_ACCESS_KEY_ID, ...), a profile, or storage options in the config file"

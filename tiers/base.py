@@ -80,12 +80,16 @@ class ObjectInfo:
     ``version`` identifies the object's content at the origin: the ETag for
     object stores, ``mtime_ns:size`` for files. ``metadata`` holds what the
     writer attached (datacache stores the shard checksum and origin version).
+    ``writers`` are the uids owning the object's file and its metadata file,
+    where the tier has files (``None`` elsewhere): on a directory others can
+    write, metadata is only as trustworthy as whoever wrote it.
     """
 
     key: str
     size: int
     version: str | None = None
     metadata: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    writers: frozenset[int] | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +148,7 @@ class Tier(abc.ABC):
         """Return the object's info, or ``None`` if it does not exist."""
 
     @abc.abstractmethod
-    async def get(
-        self, key: str, byte_range: ByteRange | None = None, *, version: str | None = None
-    ) -> bytes:
+    async def get(self, key: str, byte_range: ByteRange | None = None, *, version: str | None = None) -> bytes:
         """Return the object's bytes, or a range of them.
 
         Raises `ShardNotFoundError` if the object is missing, and

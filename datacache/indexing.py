@@ -1,0 +1,464 @@
+"""Sample counts of a tar dataset, found or built once per cluster, not once per node.
+
+The order of an epoch is dealt by sample, so readers need every shard's
+sample count. They come from, in order:
+
+1. the manifest (``datacache shard`` output records them);
+2. the cluster index on the shared tier (what any node already counted);
+3. the sidecar indexes beside the shards (`datacache.sidecars`: wids,
+   ``sizes.json``, img2dataset, DALI, ``.idx.json``);
+4. scanning the shards nobody counted: the headers are read from the
+   origin's stream as it arrives (`TarScanner`), at the GET rate, and nothing
+   is written to the local tier.
+
+Scanning is divided among every node that needs it: the shards are cut into
+batches, a node takes a batch by its lease file on the shared tier (the same
+`LeaseLock` the stager uses), writes the batch's counts there atomically, and
+moves on; a batch another node holds is left to it, and waited for only at
+the end (a lease that runs out is taken over). So the origin serves each
+shard once for indexing, however many nodes start at once. Without a shared
+tier the node counts alone.
+
+Nothing read from the shared tier is trusted on its own: each count is
+checked again when its shard is read (`TarReader`), and a wrong one is
+reported naming where it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datacache.config import Settings
+from datacache.errors import DatacacheError, ShardReadError
+from datacache.locks import LeaseLock
+from datacache.manifest import Manifest, Shard
+from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
+from datacache.tarindex import TarScanner, group_samples
+from datacache.tiers import Tier
+from datacache.tiers._files import atomic_write
+
+__all__ = [
+    "WIDS_INDEX_NAME",
+    "ClusterIndex",
+    "IndexReport",
+    "count_tar_samples",
+    "decide_cold",
+    "index_dataset",
+    "index_dir",
+    "node_plan_path",
+]
+
+logger = logging.getLogger(__name__)
+
+WIDS_INDEX_NAME = "wids-index.json"
+"""What `index_dataset` writes beside a writable origin: a wids shard index, which wids and datacache both read."""
+
+_BATCH_MAX = 64
+"""Most shards in one lease: small enough that a node that dies loses little work."""
+
+
+def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
+    """Where a node keeps the unit plan (every shard's count) of one dataset snapshot for its readers."""
+    return local_dir / "indexes" / f"{manifest.dataset}-{manifest.snapshot}.json"
+
+
+def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
+    """Where the cluster keeps the counts of one dataset snapshot."""
+    return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
+
+
+async def count_tar_samples(origin: Tier, shard: Shard, *, where: str) -> int:
+    """Samples in a tar shard, from one streaming read of the origin; nothing is kept but headers."""
+    scanner = TarScanner(where=where)
+    seen = 0
+    async for chunk in origin.stream(shard.key, version=shard.version):
+        scanner.feed(chunk)
+        seen += len(chunk)
+    if seen != shard.size:
+        raise ShardReadError(f"{where}: read {seen} bytes, the manifest says {shard.size}")
+    try:
+        return len(group_samples(scanner.finish()))
+    except ValueError as exc:
+        raise ShardReadError(f"{where}: {exc}") from None
+
+
+@dataclass
+class IndexReport:
+    """What one `ClusterIndex.build` did on this node."""
+
+    shards: int = 0
+    from_manifest: int = 0
+    from_sidecars: int = 0
+    from_cluster: int = 0
+    scanned: int = 0
+    scanned_bytes: int = 0
+    seconds: float = 0.0
+    sources: dict[str, int] = field(default_factory=dict)
+    #: shards whose samples could not be counted (a truncated or foreign tar), with the reason
+    unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def _batch_size(shards: int, concurrency: int) -> int:
+    return max(1, min(_BATCH_MAX, shards // max(1, 4 * concurrency)))
+
+
+def _parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
+    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        raise ShardReadError(f"{where}: not valid JSON") from None
+    counts = document.get("counts") if isinstance(document, dict) else None
+    if not isinstance(counts, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
+    ):
+        raise ShardReadError(f"{where}: not a datacache count batch")
+    sources = document.get("sources")
+    source_of = document.get("source_of")
+    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
+        sources, source_of = [], [-1] * len(counts)
+    found: dict[str, KnownCount] = {}
+    for (key, samples), which in zip(counts.items(), source_of):
+        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
+        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
+    return found
+
+
+def _encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
+    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
+    number = {source: i for i, source in enumerate(sources)}
+    document = {
+        "host": socket.gethostname(),
+        "written": time.time(),
+        "counts": {key: count.samples for key, count in counts.items()},
+        "sources": sources,
+        "source_of": [number.get(count.source, -1) for count in counts.values()],
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+class ClusterIndex:
+    """The sample counts of one dataset snapshot, shared by every node through the shared tier.
+
+    Parameters
+    ----------
+    origin
+        The dataset's origin, streamed for scanning.
+    manifest
+        The snapshot to count.
+    settings
+        ``shared_dir`` (where counts and leases live; without it the node counts
+        alone, in memory), ``concurrency`` (shards scanned at once) and
+        ``lease_seconds``.
+    """
+
+    def __init__(self, origin: Tier, manifest: Manifest, settings: Settings) -> None:
+        self.origin = origin
+        self.manifest = manifest
+        self.settings = settings
+        # Without a shared tier the node is the cluster: its processes share the work the same way.
+        self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+        self._where = f"dataset {manifest.dataset}"
+        self.ignore_sidecars = False
+        """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
+
+    def forget(self) -> None:
+        """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.endswith(".json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / name)
+
+    def _batch_path(self, number: int) -> Path:
+        return self.directory / f"batch-{number:06d}.json"
+
+    def _read_done(self) -> dict[str, KnownCount]:
+        found: dict[str, KnownCount] = {}
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return found
+        for name in names:
+            if not (name.startswith(("batch-", "sidecars")) and name.endswith(".json")):
+                continue
+            path = self.directory / name
+            try:
+                counts = _parse_batch(path.read_bytes(), str(path))
+            except (OSError, ShardReadError) as exc:
+                logger.warning("ignoring a damaged cluster index file: %s", exc)
+                continue
+            found.update((key, count) for key, count in counts.items() if key in self.manifest)
+        return found
+
+    async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
+        encoded = _encode_batch(counts)
+
+        async def body() -> AsyncIterator[bytes]:
+            yield encoded
+
+        await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+        await atomic_write(path, body(), durable=False)
+
+    async def known(self) -> dict[str, KnownCount]:
+        """Counts known without scanning: manifest, cluster index, then sidecars (read once per cluster)."""
+        found = {s.key: KnownCount(s.samples, "manifest") for s in self.manifest.shards if s.samples is not None}
+        if len(found) == len(self.manifest.shards):
+            return found
+        for key, count in (await asyncio.to_thread(self._read_done)).items():
+            found.setdefault(key, count)
+        if len(found) == len(self.manifest.shards) or self._sidecars_done() or self.ignore_sidecars:
+            return found
+        sidecars = await self._sidecars()
+        for key, count in sidecars.items():
+            found.setdefault(key, count)
+        return found
+
+    def _sidecars_done(self) -> bool:
+        return (self.directory / "sidecars.json").exists()
+
+    async def _sidecars(self) -> dict[str, KnownCount]:
+        """Read the sidecar indexes once per cluster, keeping what they say in the cluster index."""
+        path = self.directory / "sidecars.json"
+        async with LeaseLock(path.with_suffix(".lock"), lease_seconds=self.settings.lease_seconds).hold():
+            if path.exists():
+                return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
+            counts = await self._read_sidecars()
+            await self._write(path, counts)
+            return counts
+
+    async def _read_sidecars(self) -> dict[str, KnownCount]:
+        listing = [info async for info in self.origin.list()]
+        return await read_sidecar_counts(self.origin, self.manifest, listing, concurrency=4 * self.settings.concurrency)
+
+    async def build(
+        self, *, only: Iterable[str] | None = None, on_count: Callable[[str, int], None] | None = None
+    ) -> tuple[dict[str, KnownCount], IndexReport]:
+        """Every shard's count (or those in ``only``): known ones, then the rest scanned with the other nodes."""
+        started = time.monotonic()
+        report = IndexReport(shards=len(self.manifest.shards))
+        found = await self.known()
+        for count in found.values():
+            label = count.source.split(" ", 1)[0] if not count.source.startswith("cluster") else "cluster"
+            report.sources[label] = report.sources.get(label, 0) + 1
+        report.from_manifest = sum(1 for c in found.values() if c.source == "manifest")
+        report.from_cluster = sum(1 for c in found.values() if c.source.startswith("cluster index"))
+        report.from_sidecars = len(found) - report.from_manifest - report.from_cluster
+        wanted = set(only) if only is not None else None
+        shards = [s for s in self.manifest.shards if wanted is None or s.key in wanted]
+        missing = [s for s in shards if s.key not in found]
+        if missing:
+            scanned = await self._scan_shared(missing, found, report, on_count)
+            found.update(scanned)
+        report.seconds = time.monotonic() - started
+        return found, report
+
+    async def _scan_shared(
+        self,
+        missing: Sequence[Shard],
+        found: Mapping[str, KnownCount],
+        report: IndexReport,
+        on_count: Callable[[str, int], None] | None,
+    ) -> dict[str, KnownCount]:
+        # Batches are cut over the whole manifest, so that every node cuts the same ones.
+        everything = list(self.manifest.shards)
+        size = _batch_size(len(everything), self.settings.concurrency)
+        missing_keys = {s.key for s in missing}
+        batches = [
+            (number, everything[start : start + size])
+            for number, start in enumerate(range(0, len(everything), size))
+            if any(s.key in missing_keys for s in everything[start : start + size])
+        ]
+        if not batches:
+            return {}
+        logger.info(
+            "%s: counting the samples of %d tar shards (%d batches; other nodes take their share)",
+            self._where,
+            len(missing),
+            len(batches),
+        )
+        # Nodes start at different batches, so that they rarely ask for the same lease.
+        offset = zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode()) % len(batches)
+        queue = batches[offset:] + batches[:offset]
+        results: dict[str, KnownCount] = {}
+        deferred: list[tuple[int, list[Shard]]] = []
+
+        async def worker(wait: bool) -> None:
+            source = deferred if wait else queue
+            while source:
+                number, batch = source.pop(0)
+                counted = await self._take_batch(number, batch, found, report, wait=wait, on_count=on_count)
+                if counted is None:
+                    deferred.append((number, batch))
+                else:
+                    results.update(counted)
+
+        workers = max(1, self.settings.concurrency)
+        await asyncio.gather(*(worker(False) for _ in range(workers)))
+        await asyncio.gather(*(worker(True) for _ in range(workers)))
+        return results
+
+    async def _take_batch(
+        self,
+        number: int,
+        batch: Sequence[Shard],
+        found: Mapping[str, KnownCount],
+        report: IndexReport,
+        *,
+        wait: bool,
+        on_count: Callable[[str, int], None] | None,
+    ) -> dict[str, KnownCount] | None:
+        """Count one batch under its lease; None if another node holds it and ``wait`` is false."""
+        path = self._batch_path(number)
+        lock_path = path.with_suffix(".lock")
+        done = await asyncio.to_thread(self._load_batch, path)
+        if done is not None:
+            return done
+        if not wait and await asyncio.to_thread(_held_by_another, lock_path, self.settings.lease_seconds):
+            return None
+        async with LeaseLock(lock_path, lease_seconds=self.settings.lease_seconds).hold():
+            done = await asyncio.to_thread(self._load_batch, path)
+            if done is not None:
+                return done
+            counted = await self._count_batch(batch, found, report, on_count)
+            await self._write(path, counted)
+            return counted
+
+    def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
+        try:
+            counts = _parse_batch(path.read_bytes(), str(path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ShardReadError) as exc:
+            logger.warning("counting again: %s", exc)
+            return None
+        return {key: count for key, count in counts.items() if key in self.manifest}
+
+    async def _count_batch(
+        self,
+        batch: Sequence[Shard],
+        found: Mapping[str, KnownCount],
+        report: IndexReport,
+        on_count: Callable[[str, int], None] | None,
+    ) -> dict[str, KnownCount]:
+        counted: dict[str, KnownCount] = {}
+        for shard in batch:
+            if shard.key in found:
+                # Kept in the batch file too, so the file alone says the whole batch is done.
+                counted[shard.key] = found[shard.key]
+                continue
+            try:
+                samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+            except ShardReadError as exc:
+                # Left out of the batch (every node finds it uncounted), not raised: whether a bad
+                # shard is skipped or fatal is each reader's on_error.
+                report.unreadable[shard.key] = str(exc)
+                continue
+            report.scanned += 1
+            report.scanned_bytes += shard.size
+            counted[shard.key] = KnownCount(samples, "scanned")
+            if on_count is not None:
+                on_count(shard.key, samples)
+        return counted
+
+
+def _held_by_another(lock_path: Path, lease_seconds: float) -> bool:
+    """Whether a live lease on ``lock_path`` exists (a stale one is taken over by whoever asks next)."""
+    try:
+        age = time.time() - os.lstat(lock_path).st_mtime
+    except FileNotFoundError:
+        return False
+    return age <= lease_seconds
+
+
+@dataclass
+class IndexOutcome:
+    """What `index_dataset` did: the counts, how they were found, and where the index was kept."""
+
+    counts: dict[str, KnownCount]
+    report: IndexReport
+    shared: Path
+    """The cluster index (on the shared tier; without one, the node's own)."""
+    beside_origin: str | None
+    not_beside_origin: str | None = None
+
+
+async def index_dataset(
+    origin: Tier, writable_origin: Tier | None, manifest: Manifest, settings: Settings, *, rescan: bool = False
+) -> IndexOutcome:
+    """Count every shard of ``manifest`` once per cluster and keep the counts for every later reader.
+
+    The counts go to the cluster index on the shared tier (when there is
+    one) and, as a wids shard index named `WIDS_INDEX_NAME`, beside the
+    shards when ``writable_origin`` accepts a write. ``rescan`` forgets what
+    the cluster index and the sidecars said and scans every shard again (after
+    a wrong count was reported).
+    """
+    index = ClusterIndex(origin, manifest, settings)
+    if rescan:
+        await asyncio.to_thread(index.forget)
+        index.ignore_sidecars = True
+    found, report = await index.build()
+    if len(found) != len(manifest.shards):
+        missing = len(manifest.shards) - len(found)
+        raise ShardReadError(f"dataset {manifest.dataset}: {missing} shards could not be counted")
+    outcome = IndexOutcome(found, report, index.directory, None)
+    if writable_origin is None:
+        outcome.not_beside_origin = "the origin is read-only"
+        return outcome
+    document = wids_index(manifest, {key: count.samples for key, count in found.items()}, name=manifest.dataset)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield document
+
+    try:
+        await writable_origin.put(WIDS_INDEX_NAME, body())
+    except (OSError, DatacacheError) as exc:
+        outcome.not_beside_origin = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    else:
+        outcome.beside_origin = f"{origin.url.rstrip('/')}/{WIDS_INDEX_NAME}"
+    return outcome
+
+
+def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
+    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
+
+    The first process to ask decides (``cold``: its counts were incomplete)
+    and records it beside the cluster index; every later one, on any node,
+    reads that record, so that no two ranks deal one epoch two ways. A rerun
+    of the same seed and epoch reads it the same way again.
+    """
+    directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+    if not cold and not directory.exists():
+        return False  # every count came from the manifest: no process could have started cold
+    marker = directory / f"epoch-{seed}-{epoch}.json"
+    try:
+        return bool(json.loads(marker.read_bytes()).get("cold") is True)
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        logger.warning("%s is damaged; reading epoch %d cold", marker, epoch)
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{marker.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    temporary.write_bytes(json.dumps({"cold": cold}).encode())
+    try:
+        os.link(temporary, marker)  # atomic, and fails if another process decided first
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    return bool(json.loads(marker.read_bytes()).get("cold") is True)

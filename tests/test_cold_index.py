@@ -1,0 +1,264 @@
+"""Cold start: sample counts from the sidecar indexes beside the shards, or counted once per cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from _helpers import DATACACHE, REPO, run_cli, with_stager
+from datacache.loaders import CachedIterableDataset
+from test_loader import write_wds
+
+from datacache.config import Settings, load_settings
+from datacache.errors import ShardReadError
+from datacache.indexing import WIDS_INDEX_NAME, ClusterIndex, IndexReport
+from datacache.sidecars import KnownCount
+from datacache.stager import Stager
+from datacache.tarindex import group_samples, index_to_json, scan_tar
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
+
+
+def counts_on_disk(origin: Path) -> dict[str, int]:
+    return {p.name: len(group_samples(scan_tar(p.read_bytes()))) for p in sorted(origin.glob("*.tar"))}
+
+
+def write_wids(
+    origin: Path, counts: dict[str, int], *, name: str = "train.json", sizes: dict[str, int] | None = None
+) -> None:
+    """A wids shard index, as its documented format (wids is not installed: it does not ship in webdataset 1.0)."""
+    document = {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "name": "train",
+        "shardlist": [
+            {"url": key, "nsamples": n, "filesize": (sizes or {}).get(key, (origin / key).stat().st_size)}
+            for key, n in counts.items()
+        ],
+    }
+    (origin / name).write_text(json.dumps(document))
+
+
+def write_dali(origin: Path, key: str) -> None:
+    """An index as DALI's tools/wds2idx.py writes it: 'v1.2 N', then per sample 'ext offset size name'."""
+    raw = (origin / key).read_bytes()
+    lines = []
+    for sample in group_samples(scan_tar(raw)):
+        parts = [f"{ext} {offset - 512} {size} {sample.key}.{ext}" for ext, offset, size in sample.fields]
+        lines.append(" ".join(parts))
+    (origin / (key[: key.index(".")] + ".idx")).write_text(f"v1.2 {len(lines)}\n" + "\n".join(lines) + "\n")
+
+
+def write_sidecars(kind: str, origin: Path, counts: dict[str, int]) -> None:
+    if kind == "wids":
+        write_wids(origin, counts)
+    elif kind == "open_clip":
+        (origin / "sizes.json").write_text(json.dumps(counts))
+        (origin / "__len__").write_text(str(sum(counts.values())))
+    elif kind == "img2dataset":
+        for key, n in counts.items():
+            stats = {"count": n + 3, "successes": n, "failed_to_download": 3, "failed_to_resize": 0}
+            (origin / key.replace(".tar", "_stats.json")).write_text(json.dumps(stats))
+    elif kind == "dali":
+        for key in counts:
+            write_dali(origin, key)
+    elif kind == "datacache":
+        for key in counts:
+            raw = (origin / key).read_bytes()
+            (origin / (key + ".idx.json")).write_bytes(index_to_json(group_samples(scan_tar(raw)), shard_size=len(raw)))
+
+
+def build_counts(settings: Settings, url: str) -> tuple[dict[str, KnownCount], IndexReport]:
+    async def body(stager: Stager) -> tuple[dict[str, KnownCount], IndexReport]:
+        handle = await stager.open(url)
+        return await ClusterIndex(handle.origin, handle.manifest, settings).build()
+
+    return with_stager(settings, body)
+
+
+@pytest.mark.parametrize("kind", ["wids", "open_clip", "img2dataset", "dali", "datacache"])
+def test_sidecar_counts_are_read_and_nothing_is_scanned(kind: str, tmp_path: Path, settings: Settings) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=57, per_shard=10)
+    truth = counts_on_disk(origin)
+    write_sidecars(kind, origin, truth)
+    found, report = build_counts(settings, str(origin))
+    assert report.scanned == 0, f"the {kind} index was not used"
+    assert {key: count.samples for key, count in found.items()} == truth
+    assert all(kind.split("_", maxsplit=1)[0] in count.source.lower() for count in found.values())
+
+
+def test_a_wrong_wids_count_is_caught_when_the_shard_is_read(tmp_path: Path, settings: Settings) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=57, per_shard=10)
+    truth = counts_on_disk(origin)
+    wrong = dict(truth)
+    wrong["train-0002.tar"] += 1
+    write_wids(origin, wrong)
+    dataset = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert len(dataset) == sum(wrong.values()), "the wids counts were used, without scanning"
+    with pytest.raises(ShardReadError, match=r"train-0002\.tar.*holds 10 samples.*wids index .*train\.json.* says 11"):
+        list(dataset)
+
+
+def test_a_stale_or_disagreeing_index_is_not_trusted(tmp_path: Path, settings: Settings) -> None:
+    """A wids entry whose file size is not the shard's, or two indexes that disagree: that shard is scanned."""
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=57, per_shard=10)
+    truth = counts_on_disk(origin)
+    wrong = dict(truth)
+    wrong["train-0001.tar"] += 5
+    wrong["train-0003.tar"] -= 1
+    write_wids(origin, wrong, sizes={"train-0001.tar": 1})
+    (origin / "sizes.json").write_text(json.dumps(truth))
+    found, report = build_counts(settings, str(origin))
+    assert report.scanned == 1, "only the shard whose two indexes disagree"
+    assert found["train-0003.tar"].source == "scanned"
+    assert found["train-0001.tar"].source.startswith("open_clip"), "the stale wids entry was dropped"
+    assert {key: count.samples for key, count in found.items()} == truth
+    dataset = CachedIterableDataset(
+        str(origin),
+        config=load_settings(
+            {}, overrides={"local_dir": str(tmp_path / "node2"), "shared_dir": str(tmp_path / "shared")}
+        ),
+        shuffle=False,
+    )
+    assert sorted(s["__key__"] for s in dataset) == sorted(expected)
+
+
+def node_env(s3: S3Bucket, tmp_path: Path, node: int, cache_env: dict[str, str]) -> dict[str, str]:
+    return {
+        **cache_env,
+        **s3.server.env(),
+        "DATACACHE_LOCAL_DIR": str(tmp_path / f"node-{node}"),
+        "DATACACHE_SHARED_DIR": str(tmp_path / "shared"),
+        "DATACACHE_CONCURRENCY": "2",
+    }
+
+
+def upload(s3: S3Bucket, tmp_path: Path, *, samples: int, per_shard: int) -> dict[str, int]:
+    source = tmp_path / "upload"
+    write_wds(source, samples=samples, per_shard=per_shard)
+    for path in sorted(source.glob("*.tar")):
+        s3.put(f"ds/{path.name}", path.read_bytes())
+    return counts_on_disk(source)
+
+
+def shard_gets(s3: S3Bucket) -> dict[str, int]:
+    head = f"GET /{s3.name}/ds/"
+    return {
+        k.removeprefix(head): v
+        for k, v in s3.server.request_counts().items()
+        if k.startswith(head) and k.endswith(".tar")
+    }
+
+
+def test_two_nodes_index_at_once_and_the_origin_serves_each_shard_once(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    truth = upload(s3, tmp_path, samples=600, per_shard=20)
+    s3.server.reset_counts()
+    processes = [
+        subprocess.Popen(
+            [*DATACACHE, "index", s3.url("ds"), "--json", "--no-write"],
+            env=node_env(s3, tmp_path, node, cache_env),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = [process.communicate(timeout=180) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr
+    reports = [json.loads(stdout) for stdout, _ in outputs]
+    assert all(r["samples"] == sum(truth.values()) for r in reports)
+    assert shard_gets(s3) == dict.fromkeys(truth, 1), "each shard read once in the whole cluster"
+    assert sum(r["scanned"] for r in reports) == len(truth)
+    assert all(r["scanned"] > 0 for r in reports), "both nodes took a share of the work"
+    for node in range(2):  # streamed: nothing staged on either node's local tier
+        data = tmp_path / f"node-{node}" / "data"
+        assert not data.exists() or not [p for p in data.rglob("*.tar")]
+
+
+def test_index_writes_a_wids_index_that_a_new_cluster_reads_instead_of_scanning(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    truth = upload(s3, tmp_path, samples=90, per_shard=20)
+    result = run_cli(["index", s3.url("ds")], node_env(s3, tmp_path, 0, cache_env), check=True)
+    assert f"wrote s3://{s3.name}/ds/{WIDS_INDEX_NAME}" in result.stdout
+    written = json.loads(s3.client.get_object(Bucket=s3.name, Key=f"ds/{WIDS_INDEX_NAME}")["Body"].read())
+    assert written["__kind__"] == "wids-shard-index-v1"
+    assert {e["url"]: e["nsamples"] for e in written["shardlist"]} == truth
+    s3.server.reset_counts()
+    fresh = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "other-cluster")})
+    found, report = asyncio.run(_counts_with_storage(fresh, s3))
+    assert report.scanned == 0
+    assert {k: c.samples for k, c in found.items()} == truth
+    assert shard_gets(s3) == {}, "no shard was read to count it"
+
+
+async def _counts_with_storage(settings: Settings, s3: S3Bucket) -> Any:
+    async with Stager(settings) as stager:
+        handle = await stager.open(s3.url("ds"))
+        return await ClusterIndex(handle.origin, handle.manifest, settings).build()
+
+
+def test_index_without_writing_beside_the_origin_keeps_the_counts_on_the_shared_tier(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=30, per_shard=10)
+    env = {
+        **cache_env,
+        "DATACACHE_LOCAL_DIR": str(tmp_path / "local"),
+        "DATACACHE_SHARED_DIR": str(tmp_path / "shared"),
+    }
+    result = run_cli(["index", str(origin), "--no-write"], env, check=True)
+    assert "3 shards, 30 samples; 3 scanned here" in result.stdout
+    assert list((tmp_path / "shared" / "indexes").rglob("batch-*.json"))
+    assert not (origin / WIDS_INDEX_NAME).exists()
+    again = run_cli(
+        ["index", str(origin), "--no-write"], {**env, "DATACACHE_LOCAL_DIR": str(tmp_path / "l2")}, check=True
+    )
+    assert "0 scanned here" in again.stdout, "a second node reuses the cluster's counts"
+
+
+def test_index_of_a_parquet_dataset_says_it_needs_none(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    origin = tmp_path / "pq"
+    origin.mkdir()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), origin / "a.parquet")
+    result = run_cli(["index", str(origin)], {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")})
+    assert result.returncode == 2
+    assert "tar shards only" in result.stderr
+
+
+def test_rescan_replaces_a_wrong_count_the_cluster_had_kept(
+    tmp_path: Path, settings: Settings, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=57, per_shard=10)
+    wrong = counts_on_disk(origin)
+    wrong["train-0004.tar"] -= 2
+    write_wids(origin, wrong)
+    with pytest.raises(ShardReadError, match=r"--rescan"):
+        list(CachedIterableDataset(str(origin), config=settings, shuffle=False))
+    (origin / "train.json").unlink()  # the bad index is gone, but the cluster kept what it said
+    env = {
+        **cache_env,
+        "DATACACHE_LOCAL_DIR": str(settings.local_dir),
+        "DATACACHE_SHARED_DIR": str(settings.shared_dir),
+    }
+    result = run_cli(["index", str(origin), "--rescan", "--no-write"], env, check=True)
+    assert "6 scanned here" in result.stdout
+    again = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert sorted(s["__key__"] for s in again) == sorted(expected)
