@@ -121,6 +121,9 @@ class UnitReaders:
     ) -> None:
         self.runtime = runtime
         self._future = future
+        self._opening: set[int] = set()
+        """Units being located and mapped now (by any thread): leased with the open ones."""
+        self._note_lock = threading.Lock()
         self._positions = future.key_positions(runtime.plan) if future is not None else {}
         self._epoch = epoch
         self._plan = runtime.plan
@@ -165,11 +168,14 @@ class UnitReaders:
         future, runtime = self._future, self.runtime
         if future is None:
             return
-        units = set(self.readers) if unit is None else {*self.readers, unit}
-        holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
-        position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
-        progress = ReaderProgress(future.reader, future.epoch, position, holding)
-        runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
+        # One note at a time, each with the holdings as they are when it is sent: a thread's
+        # older note never replaces another's newer one (dropping a unit it is opening).
+        with self._note_lock:
+            units = {*self.readers, *self._opening} if unit is None else {*self.readers, *self._opening, unit}
+            holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
+            position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
+            progress = ReaderProgress(future.reader, future.epoch, position, holding)
+            runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
@@ -230,6 +236,7 @@ class UnitReaders:
                 return reader
             if unit in self.skipped:
                 return None
+            self._opening.add(unit)
             try:
                 self._note_progress(unit)
                 reader = self._open(unit)
@@ -241,6 +248,8 @@ class UnitReaders:
                     self.skipped.add(unit)
                     self._row[Counter.SKIPPED_SHARDS] += 1
                 return None
+            finally:
+                self._opening.discard(unit)  # mapped by now (or failed): a later note may drop it
             self.readers[unit] = reader
             return reader
 
