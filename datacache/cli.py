@@ -460,7 +460,14 @@ async def _index(args: argparse.Namespace) -> int:
         if not args.no_write:
             writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
         try:
-            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+            engine = None
+            if args.engine != "local":
+                engine = (args.engine, args.scheduler, dataset.url, dict(dataset.storage_options))
+            elif args.scheduler:
+                raise ConfigError("--scheduler needs --engine dask or --engine ray")
+            outcome = await index_dataset(
+                handle.origin, writable, handle.manifest, settings, rescan=args.rescan, engine=engine
+            )
         finally:
             if writable is not None:
                 await writable.close()
@@ -690,6 +697,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forget the cluster's counts and the sidecar indexes; scan every shard again")
     index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
     index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--engine", choices=("local", "dask", "ray"), default="local",
+                       help="where shards are scanned: this node with the others (leases), or a Dask or Ray cluster")
+    index.add_argument("--scheduler", metavar="ADDRESS",
+                       help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
     index.add_argument("--json", action="store_true", help="one JSON summary line")
     _add_settings_flags(index)
     index.set_defaults(run=_index)
