@@ -465,8 +465,12 @@ class DaemonClient:
         shards: str | None = None,
         verify: bool = False,
         refresh: bool = False,
+        bandwidth: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Have the daemon stage a dataset; yield progress lines, the last ``{"event": "done"}``."""
+        """Have the daemon stage a dataset (``bandwidth``: bytes/s for this warm); yield its lines.
+
+        The last line is the summary, ``warm_report_to_wire``'s form (``{"event": "done", ...}``).
+        """
         config = (
             dataset
             if isinstance(dataset, DatasetConfig)
@@ -478,6 +482,7 @@ class DaemonClient:
             "shards": shards,
             "verify": verify,
             "refresh": refresh,
+            "bandwidth": bandwidth,
         }
         session = self._http()
         try:
