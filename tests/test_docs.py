@@ -36,7 +36,9 @@ from datacache.config import load_settings
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-COMMANDS = ("datacache", "make", "kubectl", "helm", "docker", "dask", "python", "pip", "sbatch", "torchrun")
+COMMANDS = frozenset(
+    ["datacache", "make", "kubectl", "helm", "docker", "dask", "python", "pip", "sbatch", "torchrun", "install"]
+)
 """First words that make a block without a language a shell block."""
 
 UNRUNNABLE: list[tuple[str, str]] = [
@@ -44,6 +46,10 @@ UNRUNNABLE: list[tuple[str, str]] = [
     (r"^kubectl\b", "no Kubernetes cluster here; the manifests are validated offline in tests/test_deploy.py"),
     (r"^helm\b", "no Kubernetes cluster here; the chart is rendered and validated in tests/test_deploy.py"),
     (r"^docker\b", "no container engine here; the image's entrypoint is run in tests/test_deploy.py"),
+    (
+        r"^install -d .*-g team\b",
+        "needs the cluster's group 'team'; tests/test_shared_files.py checks the same 2770 set-up with real users",
+    ),
     (r"^dask (scheduler|worker)\b", "starts a Dask cluster's long-running processes on other machines"),
     (r"--scheduler tcp://head:", "needs the Dask cluster at tcp://head started by the lines above"),
 ]
@@ -189,7 +195,8 @@ def _fill_bucket(s3: S3Bucket, tmp_path: Path) -> None:
     upload = tmp_path / "upload"
     write_wds(upload / "wds", samples=80, per_shard=20)
     for shard in sorted((upload / "wds").glob("*.tar")):
-        s3.client.put_object(Bucket="bucket", Key=f"imagenet-wds/{shard.name}", Body=shard.read_bytes())
+        for prefix in ("imagenet-wds", "laion-wds"):
+            s3.client.put_object(Bucket="bucket", Key=f"{prefix}/{shard.name}", Body=shard.read_bytes())
     for index, label in enumerate(["cat", "dog", "cat", "dog"]):
         s3.client.put_object(Bucket="bucket", Key=f"raw/{label}/{index:04d}.jpg", Body=os.urandom(300))
         s3.client.put_object(Bucket="bucket", Key=f"raw/{label}/{index:04d}.json", Body=b"{}")
