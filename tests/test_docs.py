@@ -26,13 +26,17 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from _helpers import REPO, wait_for
-from conftest import S3Bucket
 from test_loader import write_wds
 
 from datacache.config import load_settings
+
+if TYPE_CHECKING:
+    # Only for annotations: in the whole suite, `conftest` may resolve to tests/faults/conftest.py.
+    from conftest import S3Bucket
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 

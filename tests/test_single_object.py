@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _helpers import run_cli
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 
 from datacache.config import Settings
+
+if TYPE_CHECKING:
+    # Only for annotations: in the whole suite, `conftest` may resolve to tests/faults/conftest.py.
+    from conftest import S3Bucket
 
 
 def _parquet(rows: list[dict[str, int]]) -> bytes:
