@@ -527,12 +527,15 @@ class Daemon:
         moved = 0
         staged = 0
         wanted = {shard.key for shard in shards}
+        bypassed: dict[str, str] = {}
 
         def count(event: StagingEvent) -> None:
             nonlocal moved, staged
             if event.dataset != handle.id or event.tier != tier or event.key not in wanted:
                 return
-            if event.kind == "bytes":
+            if event.kind == "bypass" and event.error:
+                bypassed[event.key] = event.error
+            elif event.kind == "bytes":
                 moved += event.size
             elif event.kind == "staged":
                 staged += 1
@@ -601,9 +604,8 @@ class Daemon:
                     elif future.result().tier == tier:
                         resident += 1
                     else:
-                        failures.append(
-                            (shard.key, f"not kept on the {tier} tier (the tier is full)")
-                        )
+                        reason = bypassed.get(shard.key, "the tier is full")
+                        failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
                 now = time.monotonic()
                 if now - last_progress >= 1.0 or not (outstanding or not exhausted):
                     last_progress = now

@@ -407,9 +407,21 @@ class Stager:
             asyncio.ensure_future(self.ensure(handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH + index * 1e-6))
             for index, shard in enumerate(chosen)
         ]
+        bypassed: dict[str, str] = {}
+
+        def why(event: StagingEvent) -> None:
+            # The tier's own reason (a full device, a file too large), not a guess from its capacity.
+            if event.kind == "bypass" and event.dataset == handle.id and event.tier == tier and event.error:
+                bypassed[event.key] = event.error
+
+        self.add_listener(why)
+        try:
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self.remove_listener(why)
         resident = 0
         placed: list[Shard] = []
-        for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
+        for shard, outcome in zip(chosen, outcomes):
             if isinstance(outcome, BaseException):
                 if isinstance(outcome, asyncio.CancelledError):
                     raise outcome
@@ -417,7 +429,8 @@ class Stager:
             elif outcome.tier == tier:
                 placed.append(shard)
             else:
-                failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(tier)}"))
+                reason = bypassed.get(shard.key) or self._bypass_reason(tier)
+                failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
         # Honest to the end: a shard staged early may have been evicted by a later one.
         for shard in placed:
             if await self._is_resident(handle, shard, tier):
