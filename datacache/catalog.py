@@ -211,7 +211,7 @@ class Catalog:
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             _initialise(connection)

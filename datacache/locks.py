@@ -63,8 +63,8 @@ class NodeLock:
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
-        await asyncio.to_thread(self._path.parent.mkdir, parents=True, exist_ok=True)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        await asyncio.to_thread(self._path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,6 +111,19 @@ def _discard(dir_fd: int, name: str) -> None:
         pass
 
 
+def _died_here(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` (a lock's record) names a process of this host that no longer exists."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        pass
+    return False
+
+
 class LeaseLock:
     """An ``O_EXCL`` lock file with a lease, renewed while held, taken over when stale.
 
@@ -140,6 +153,8 @@ class LeaseLock:
         self._holder_seen_at = 0.0
         self.took_over = False
         """Whether this lock was taken from a dead or expired holder."""
+        self.holder_died_here = False
+        """Whether the holder taken over was a process on this host that is gone (its partial files are garbage)."""
 
     @property
     def _name(self) -> str:
@@ -185,6 +200,9 @@ class LeaseLock:
             pass  # unreadable, or being written this instant: its heartbeat decides
         if not isinstance(holder, dict):
             holder = {}
+        self.holder_died_here = _died_here(holder)
+        if self.holder_died_here:
+            return True, seen
         now = time.monotonic()
         if seen != self._seen:
             self._seen, self._seen_at = seen, now
@@ -198,13 +216,6 @@ class LeaseLock:
         if now - self._holder_seen_at > self._max_hold:
             logger.warning("lock %s held over %.0fs by %s; taking it over", self._place.path, self._max_hold, holder)
             return True, seen
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            try:
-                os.kill(holder["pid"], 0)
-            except ProcessLookupError:
-                return True, seen
-            except (PermissionError, OverflowError):
-                pass
         return False, seen
 
     def _remove_if(self, dir_fd: int, expected: Callable[[os.stat_result], bool]) -> bool:

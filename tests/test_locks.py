@@ -124,6 +124,16 @@ def test_live_lease_on_another_node_is_respected(tmp_path: Path) -> None:
     assert asyncio.run(body()) is True
 
 
+def _take(lock: LeaseLock) -> None:
+    """Take and release ``lock``; a waiter that hangs fails after 60 s instead of hanging the suite."""
+
+    async def body() -> None:
+        async with asyncio.timeout(60), lock.hold():
+            pass
+
+    asyncio.run(body())
+
+
 def test_a_lock_dated_in_the_future_is_taken_over(tmp_path: Path) -> None:
     """A lock file dated 2100 is no live heartbeat: it must not hang every warm of its shard."""
     path = tmp_path / "locks" / "a.lock"
@@ -132,11 +142,7 @@ def test_a_lock_dated_in_the_future_is_taken_over(tmp_path: Path) -> None:
     os.utime(path, (year_2100, year_2100))
     lock = LeaseLock(path, lease_seconds=3600)
 
-    async def body() -> None:
-        async with asyncio.timeout(60), lock.hold():
-            pass
-
-    asyncio.run(body())
+    _take(lock)
     assert lock.took_over
 
 
@@ -166,11 +172,7 @@ def test_a_lease_without_heartbeats_is_taken_over_after_one_lease_of_watching(tm
     _write_holder(path, "some-other-node", 1)  # fresh, but nobody renews it
     lock = LeaseLock(path, lease_seconds=0.5)
 
-    async def body() -> None:
-        async with asyncio.timeout(60), lock.hold():
-            pass
-
-    asyncio.run(body())
+    _take(lock)
     assert lock.took_over
 
 

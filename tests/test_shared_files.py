@@ -193,24 +193,24 @@ def test_planted_lock_files_are_taken_over_not_waited_on(kind: str, tmp_path: Pa
 # -- modes ----------------------------------------------------------------------------------
 
 
-def test_modes_do_not_depend_on_the_umask(tmp_path: Path) -> None:
-    """Local: private (0700/0600) under a lax umask. Shared: the group's (2770/0640) under a strict one."""
-    old = os.umask(0o022)
+def _put_under_umask(mask: int, tier: SharedTier | LocalTier, key: str) -> None:
+    old = os.umask(mask)
     try:
-        local = LocalTier(tmp_path / "local")
-        _put(local, "ds/sub/k", b"x", checksum="c")
+        _put(tier, key, b"x", checksum="c")
     finally:
         os.umask(old)
+
+
+def test_modes_do_not_depend_on_the_umask(tmp_path: Path) -> None:
+    """Local: private (0700/0600) under a lax umask. Shared: the group's (2770/0640) under a strict one."""
+    local = LocalTier(tmp_path / "local")
+    _put_under_umask(0o022, local, "ds/sub/k")
     for path in [local.root, local.root / "data", local.root / "data" / "ds", local.root / "meta" / "ds" / "sub"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     assert stat.S_IMODE((local.root / "data" / "ds" / "sub" / "k").stat().st_mode) == 0o600
     assert stat.S_IMODE((local.root / "meta" / "ds" / "sub" / "k.json").stat().st_mode) == 0o600
-    old = os.umask(0o077)
-    try:
-        shared = SharedTier(tmp_path / "shared")
-        _put(shared, "ds/k", b"x", checksum="c")
-    finally:
-        os.umask(old)
+    shared = SharedTier(tmp_path / "shared")
+    _put_under_umask(0o077, shared, "ds/k")
     for path in [shared.root / "data", shared.root / "data" / "ds", shared.root / "meta" / "ds"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o2770, path
     assert stat.S_IMODE((shared.root / "data" / "ds" / "k").stat().st_mode) == 0o640

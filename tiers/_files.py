@@ -15,7 +15,7 @@ from typing import Any
 
 import aiofiles
 import aiofiles.threadpool
-from datacache.tiers._dirfd import READ_FLAGS, DirHandle, Place, open_dir_async, server_now
+from datacache.tiers._dirfd import READ_FLAGS, DirHandle, Place, UnsafeFileError, open_dir_async, server_now
 
 __all__ = [
     "PARTIAL_NAME",
@@ -228,8 +228,8 @@ def remove_abandoned_partials(root: Path | Place, *, min_age: float = 30.0) -> l
     removed: list[Path] = []
     try:
         top = place.open_parent()
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
+    except (FileNotFoundError, NotADirectoryError, PermissionError, UnsafeFileError):
+        return removed  # nothing there, or nothing this user could have written there
     try:
         now = server_now(top)
         for directory, _, files, dir_fd in os.fwalk(place.name, dir_fd=top):
