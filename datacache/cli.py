@@ -65,6 +65,13 @@ def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **
     return load_settings(env, config_path=args.config, overrides=overrides)
 
 
+def _bandwidth_flag(args: argparse.Namespace) -> float | None:
+    """``--bandwidth`` in bytes/s, its errors naming the flag as typed."""
+    from datacache.units import parse_bandwidth
+
+    return None if args.bandwidth is None else parse_bandwidth(args.bandwidth, what="--bandwidth")
+
+
 def _progress_mode(args: argparse.Namespace) -> str:
     if getattr(args, "json", False):
         return "json"
@@ -78,7 +85,7 @@ def _progress_mode(args: argparse.Namespace) -> str:
 
 async def _warm(args: argparse.Namespace) -> int:
     settings = _settings(
-        args, concurrency=args.concurrency, bandwidth_limit=args.bandwidth
+        args, concurrency=args.concurrency, bandwidth_limit=_bandwidth_flag(args)
     )
     dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
     if args.tier == SHARED and settings.shared_dir is None:
@@ -502,7 +509,7 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         socket=args.socket,
         metrics_address=args.metrics_address,
         concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
+        bandwidth_limit=_bandwidth_flag(args),
     )
 
 
@@ -621,7 +628,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
-    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
+    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
