@@ -14,6 +14,7 @@ import grp
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -782,9 +783,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose, json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json")
     try:
         result: int = asyncio.run(args.run(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
     except KeyboardInterrupt:
         sys.stderr.write("datacache: interrupted; no partial file was left visible\n")
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     except DatacacheError as exc:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 2 if isinstance(exc, ConfigError) else 1
@@ -792,6 +796,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 1
     return result
+
+
+def _reader_gone() -> int:
+    """Whoever read our output left (`datacache ls | head -3`): end silently, as SIGPIPE would."""
+    # Python's flush of stdout at exit would raise again: point it at /dev/null first.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _one_line(exc: BaseException) -> str:
