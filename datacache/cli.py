@@ -14,6 +14,7 @@ import grp
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,6 +66,13 @@ def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **
     return load_settings(env, config_path=args.config, overrides=overrides)
 
 
+def _bandwidth_flag(args: argparse.Namespace) -> float | None:
+    """``--bandwidth`` in bytes/s, its errors naming the flag as typed."""
+    from datacache.units import parse_bandwidth
+
+    return None if args.bandwidth is None else parse_bandwidth(args.bandwidth, what="--bandwidth")
+
+
 def _progress_mode(args: argparse.Namespace) -> str:
     if getattr(args, "json", False):
         return "json"
@@ -78,7 +86,7 @@ def _progress_mode(args: argparse.Namespace) -> str:
 
 async def _warm(args: argparse.Namespace) -> int:
     settings = _settings(
-        args, concurrency=args.concurrency, bandwidth_limit=args.bandwidth
+        args, concurrency=args.concurrency, bandwidth_limit=_bandwidth_flag(args)
     )
     dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
     if args.tier == SHARED and settings.shared_dir is None:
@@ -509,7 +517,7 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         socket=args.socket,
         metrics_address=args.metrics_address,
         concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
+        bandwidth_limit=_bandwidth_flag(args),
     )
 
 
@@ -628,7 +636,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
-    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
+    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
@@ -786,9 +794,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose, json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json")
     try:
         result: int = asyncio.run(args.run(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
     except KeyboardInterrupt:
         sys.stderr.write("datacache: interrupted; no partial file was left visible\n")
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     except DatacacheError as exc:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 2 if isinstance(exc, ConfigError) else 1
@@ -796,6 +807,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 1
     return result
+
+
+def _reader_gone() -> int:
+    """Whoever read our output left (`datacache ls | head -3`): end silently, as SIGPIPE would."""
+    # Python's flush of stdout at exit would raise again: point it at /dev/null first.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _one_line(exc: BaseException) -> str:
