@@ -39,6 +39,7 @@ from datacache._protocol import (
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
 from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._limits import BodyBudget
 from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
@@ -91,6 +92,13 @@ class DaemonOptions:
         Whether such clients may send credentials (the daemon then uses theirs).
     socket_group
         The group that owns the socket (mode 0660), so that its members can connect.
+    request_timeout
+        Seconds a connection may take to send its headers, and again its body.
+    body_memory
+        Bytes of request bodies held at once, across all connections.
+    connections_per_client
+        Connections one uid may hold at once (default: a quarter of the daemon's budget,
+        which follows its open-file limit).
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
     """
@@ -104,6 +112,9 @@ class DaemonOptions:
     allow_endpoints: tuple[str, ...] = ()
     allow_client_credentials: bool = False
     socket_group: int | None = None
+    request_timeout: float = 10.0
+    body_memory: int = 256 << 20
+    connections_per_client: int | None = None
     client_ttl: float = 300.0
 
 
@@ -124,7 +135,13 @@ class Daemon:
         self.stager: Stager | None = None
         self.metrics = DaemonMetrics(self._stats)
         self.scheduler: PrefetchScheduler | None = None
-        self.lifecycle = Lifecycle(settings, self.options.drain_timeout, socket_group=self.options.socket_group)
+        self.lifecycle = Lifecycle(
+            settings,
+            self.options.drain_timeout,
+            socket_group=self.options.socket_group,
+            request_timeout=self.options.request_timeout,
+            connections_per_client=self.options.connections_per_client,
+        )
         self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
         policy = OriginPolicy(
             prefixes=self.options.allow_datasets,
@@ -230,6 +247,7 @@ class Daemon:
             client_max_size=MAX_BODY_BYTES,
             middlewares=[http.middleware(self.peers, self.metrics, self.lifecycle.unavailable)],
         )
+        app[http.BODY_LIMITS] = http.BodyLimits(BodyBudget(self.options.body_memory), self.options.request_timeout)
         app.router.add_get("/healthz", self._healthz, name="healthz")
         app.router.add_get("/readyz", self._readyz, name="readyz")
         app.router.add_get("/metrics", self._metrics, name="metrics")
@@ -463,9 +481,8 @@ class Daemon:
                 "'stall_fraction' within [0, 1]"
             )
         dataset = data.get("dataset") if isinstance(data.get("dataset"), str) else None
-        self.status.report(
-            name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic())
-        )
+        uid = self._peer(request).uid
+        self.status.report(name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic(), uid))
         return web.json_response({"client": name})
 
     async def _status(self, request: web.Request) -> web.Response:
