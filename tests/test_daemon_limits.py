@@ -131,27 +131,31 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
-def test_one_uid_flooding_connections_does_not_starve_another(
-    users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
+_STATUS_AS_CLIENT = (
+    "import sys, json; from _daemon import unix_request; "
+    "codes = [unix_request(sys.argv[1], 'GET', '/v1/status', timeout=60)[0] for _ in range(int(sys.argv[2]))]; "
+    "print(json.dumps(codes))"
+)
+
+
+def _flood_and_serve(
+    users: dict[str, User], world_dir: Path, cache_env: dict[str, str], *, connections: int, requests: int
 ) -> None:
+    """bob floods a daemon under ``ulimit -n 256`` with ``connections``; alice's ``requests`` must all succeed."""
     team = users["alice"].groups[0]
+    allow = ("--allow-gid", str(team), "--allow-uid", str(users["alice"].uid), "--allow-uid", str(users["bob"].uid))
     daemon = start_daemon(
         cache_env,
         world_dir / "cache",
         "--socket-group",
         str(team),
-        "--allow-gid",
-        str(team),
-        "--allow-uid",
-        str(users["alice"].uid),
-        "--allow-uid",
-        str(users["bob"].uid),
+        *allow,
         socket_path=world_dir / "run" / "daemon.sock",
         log=world_dir / "daemon.log",
         preexec_fn=_low_fd_limit,  # systemd's default LimitNOFILE is 1024; lower still here
     )
     flood = subprocess.Popen(
-        [sys.executable, "-c", _FLOOD, str(daemon.socket), "600"],
+        [sys.executable, "-c", _FLOOD, str(daemon.socket), str(connections)],
         user=users["bob"].uid,
         group=users["bob"].gid,
         extra_groups=[team],
@@ -163,16 +167,26 @@ def test_one_uid_flooding_connections_does_not_starve_another(
         assert flood.stdout is not None
         assert int(flood.stdout.readline()) > 256  # more connections than the daemon has fds
         done = run_as(
-            users["alice"],
-            [sys.executable, "-c", "import sys, json; from _daemon import unix_request; "
-             "print(json.dumps(unix_request(sys.argv[1], 'GET', '/v1/status', timeout=60)[0]))", str(daemon.socket)],
-            timeout=120,
+            users["alice"], [sys.executable, "-c", _STATUS_AS_CLIENT, str(daemon.socket), str(requests)], timeout=600
         )
         assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout) == 200
+        assert json.loads(done.stdout) == [200] * requests
         assert unix_request(daemon.socket, "GET", "/healthz")[0] == 200
         assert daemon.log.stat().st_size < 200_000, "the refusals are logged, not a traceback each"
     finally:
         flood.kill()
         flood.communicate()
         daemon.kill()
+
+
+def test_one_uid_flooding_connections_does_not_starve_another(
+    users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
+) -> None:
+    _flood_and_serve(users, world_dir, cache_env, connections=600, requests=1)
+
+
+@pytest.mark.faults
+def test_a_long_flood_does_not_starve_another_uid(
+    users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
+) -> None:
+    _flood_and_serve(users, world_dir, cache_env, connections=5000, requests=200)
