@@ -523,12 +523,13 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
-    from datacache.units import parse_bandwidth
+    from datacache.units import parse_bandwidth, parse_size
 
     # A daemon logs each event at info level: one line each, JSON with --log-json.
     configure_logging(
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
+        rate_limited=("asyncio",),  # an EMFILE storm is a few lines, not megabytes of tracebacks
     )
     settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
@@ -548,7 +549,12 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_endpoints=tuple(args.allow_endpoint or ()),
         allow_client_credentials=args.allow_client_credentials,
         socket_group=_group_id(args.socket_group) if args.socket_group else None,
+        request_timeout=args.request_timeout,
+        body_memory=parse_size(args.body_memory, what="--body-memory"),
+        connections_per_client=args.connections_per_client,
     )
+    if args.request_timeout <= 0 or (args.connections_per_client is not None and args.connections_per_client < 1):
+        raise ConfigError("--request-timeout and --connections-per-client must be positive")
     return await serve(settings, options)
 
 
@@ -740,6 +746,12 @@ def _parser() -> argparse.ArgumentParser:
         help="let other users' clients send credentials; the daemon then reads with theirs")
     add("--socket-group", metavar="GROUP",
         help="the group that owns the socket (mode 0660): its members can connect")
+    add("--request-timeout", metavar="SECONDS", type=float, default=10.0,
+        help="time a connection gets to send a request's headers, and again its body (default 10)")
+    add("--body-memory", metavar="SIZE", default="256MB",
+        help="request bodies held at once, all connections together (default 256MB)")
+    add("--connections-per-client", metavar="N", type=int,
+        help="connections one uid may hold (default: a quarter of what the open-file limit allows)")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
