@@ -28,7 +28,7 @@ from datacache.errors import (
     TransientOriginError,
     UnsupportedURLError,
 )
-from datacache.stager import Location
+from datacache.stager import Location, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 
 __all__ = [
@@ -43,6 +43,9 @@ __all__ = [
     "error_for",
     "exception_from_wire",
     "location_to_wire",
+    "warm_progress_to_wire",
+    "warm_report_from_wire",
+    "warm_report_to_wire",
 ]
 
 PROTOCOL_VERSION = 1
@@ -187,3 +190,55 @@ def client_label(value: Any, fallback: str) -> str:
     if not isinstance(value, str) or not value.strip():
         return fallback
     return _CLIENT_LABEL.sub("_", value.strip())[:64]
+
+
+def warm_report_to_wire(report: WarmReport, url: str) -> dict[str, Any]:
+    """The one form of a `WarmReport`: the daemon's last warm line and ``warm --json``'s summary."""
+    return {
+        "event": "done",
+        "dataset": report.dataset,
+        "url": redact_url(url),
+        "tier": report.tier,
+        "complete": report.complete,
+        "shards_requested": report.shards_requested,
+        "shards_resident": report.shards_resident,
+        "shards_transferred": report.shards_transferred,
+        "shards_verified": report.shards_verified,
+        "bytes_requested": report.bytes_requested,
+        "bytes_transferred": report.bytes_transferred,
+        "seconds": round(report.seconds, 3),
+        "rate_bytes_per_s": round(report.rate, 1),
+        "failures": [{"shard": key, "error": redact_url(error)} for key, error in report.failures],
+    }
+
+
+def warm_report_from_wire(document: Mapping[str, Any]) -> WarmReport:
+    """Parse `warm_report_to_wire`'s form; raise `DatacacheError` if a field is missing or wrong."""
+    try:
+        failures = tuple((str(f["shard"]), str(f["error"])) for f in document["failures"])
+        return WarmReport(
+            dataset=str(document["dataset"]),
+            tier=str(document["tier"]),
+            shards_requested=int(document["shards_requested"]),
+            shards_resident=int(document["shards_resident"]),
+            bytes_requested=int(document["bytes_requested"]),
+            bytes_transferred=int(document["bytes_transferred"]),
+            shards_transferred=int(document["shards_transferred"]),
+            shards_verified=int(document["shards_verified"]),
+            seconds=float(document["seconds"]),
+            failures=failures,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatacacheError(f"daemon: a malformed warm summary ({type(exc).__name__}: {exc})") from None
+
+
+def warm_progress_to_wire(progress: WarmProgress) -> dict[str, Any]:
+    """A warm's progress line (docs/DAEMON.md)."""
+    return {
+        "event": "progress",
+        "shards_done": progress.shards_done,
+        "shards_total": progress.shards_total,
+        "bytes_done": progress.bytes_done,
+        "bytes_transferred": progress.bytes_transferred,
+        "rate_bytes_per_s": round(progress.rate, 1),
+    }

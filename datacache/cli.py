@@ -15,12 +15,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datacache import __version__
 from datacache._logging import configure_logging
 from datacache._progress import Progress
+from datacache._protocol import warm_report_from_wire, warm_report_to_wire
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
@@ -29,7 +30,7 @@ from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args", "serve_settings"]
 
 logger = logging.getLogger("datacache.cli")
 
@@ -53,7 +54,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **extra: Any) -> Settings:
     overrides = {
         "local_dir": args.local_dir,
         "local_capacity": args.local_capacity,
@@ -61,7 +62,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "shared_capacity": args.shared_capacity,
         **extra,
     }
-    return load_settings(config_path=args.config, overrides=overrides)
+    return load_settings(env, config_path=args.config, overrides=overrides)
 
 
 def _progress_mode(args: argparse.Namespace) -> str:
@@ -86,7 +87,7 @@ async def _warm(args: argparse.Namespace) -> int:
         client = await _daemon_client(settings)
         if client is not None:
             try:
-                return await _warm_through(client, args, dataset)
+                return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
     out = sys.stdout
@@ -122,7 +123,9 @@ async def _warm(args: argparse.Namespace) -> int:
         stager.add_listener(listen)
         ticking = asyncio.create_task(ticker())
         try:
-            report = await stager.warm(handle, shards, tier=args.tier, verify=args.verify)
+            report = await stager.warm(
+                handle, shards, tier=args.tier, verify=args.verify, bandwidth=settings.bandwidth_limit
+            )
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -146,13 +149,20 @@ async def _daemon_client(settings: Settings) -> DaemonClient | None:
     return client
 
 
-async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig) -> int:
+async def _warm_through(
+    client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig, settings: Settings
+) -> int:
     """Have the node's daemon warm the dataset (one transfer per shard for every process of the node)."""
     progress: Progress | None = None
     done: dict[str, Any] = {}
     try:
         async for event in client.warm(
-            dataset, tier=args.tier, shards=args.shards, verify=args.verify, refresh=args.refresh
+            dataset,
+            tier=args.tier,
+            shards=args.shards,
+            verify=args.verify,
+            refresh=args.refresh,
+            bandwidth=settings.bandwidth_limit,
         ):
             kind = event.get("event")
             if kind == "start":
@@ -176,45 +186,14 @@ async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset:
             progress.close()
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
-    report = WarmReport(
-        dataset=str(done.get("dataset", dataset.id)),
-        tier=str(done.get("tier", args.tier)),
-        shards_requested=int(done.get("shards_requested", 0)),
-        shards_resident=int(done.get("shards_resident", 0)),
-        bytes_requested=int(done.get("bytes_requested", 0)),
-        bytes_transferred=int(done.get("bytes_transferred", 0)),
-        shards_transferred=int(done.get("shards_transferred", 0)),
-        shards_verified=int(done.get("shards_verified", 0)),
-        seconds=float(done.get("seconds", 0.0)),
-        failures=tuple((str(f.get("shard", "")), str(f.get("error", ""))) for f in done.get("failures", [])),
-    )
+    report = warm_report_from_wire(done)
     _print_warm_report(report, redact_url(dataset.url), args.json)
     return 0 if report.complete else 1
 
 
 def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "event": "done",
-                    "dataset": report.dataset,
-                    "url": url,
-                    "tier": report.tier,
-                    "complete": report.complete,
-                    "shards_requested": report.shards_requested,
-                    "shards_resident": report.shards_resident,
-                    "shards_transferred": report.shards_transferred,
-                    "shards_verified": report.shards_verified,
-                    "bytes_requested": report.bytes_requested,
-                    "bytes_transferred": report.bytes_transferred,
-                    "seconds": round(report.seconds, 3),
-                    "rate_bytes_per_s": round(report.rate, 1),
-                    "failures": [{"shard": k, "error": e} for k, e in report.failures],
-                }
-            )
-            + "\n"
-        )
+        sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
         return
     if report.bytes_transferred == 0 and report.complete:
         moved = "transferred 0 bytes: everything was already resident"
@@ -512,6 +491,21 @@ async def _index(args: argparse.Namespace) -> int:
 # -- serve, bench, plan -----------------------------------------------------------------------
 
 
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The settings `datacache serve` runs with: its flags over ``env`` over the config file.
+
+    ``env`` defaults to ``os.environ``; the deployment tests pass a container's environment.
+    """
+    return _settings(
+        args,
+        env,
+        socket=args.socket,
+        metrics_address=args.metrics_address,
+        concurrency=args.concurrency,
+        bandwidth_limit=args.bandwidth,
+    )
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
     from datacache.units import parse_bandwidth
@@ -521,13 +515,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
     )
-    settings = _settings(
-        args,
-        socket=args.socket,
-        metrics_address=args.metrics_address,
-        concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
-    )
+    settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
         raise ConfigError(f"--prefetch-slots: must be at least 1, got {args.prefetch_slots}")
     if args.drain_timeout <= 0:
@@ -631,7 +619,7 @@ def _parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
     warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
-    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP indexes, or key,key,...")
+    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
@@ -770,6 +758,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line (without the program name) as `main` does."""
+    return _parser().parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from datacache._protocol import (
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
-from datacache.manifest import Manifest
+from datacache.manifest import Manifest, reading_url
 from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
 from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
@@ -242,7 +242,8 @@ class DaemonClient:
         if origin is None:
             # Reads of shards not cached go to the origin directly, and a failing-over
             # reader's own stager fetches through it.
-            origin = open_origin(config.url, storage_options=config.storage_options, retry=self.settings.retry)
+            url = reading_url(config.url, manifest)
+            origin = open_origin(url, storage_options=config.storage_options, retry=self.settings.retry)
             self._origins[config.id] = origin
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
@@ -464,8 +465,12 @@ class DaemonClient:
         shards: str | None = None,
         verify: bool = False,
         refresh: bool = False,
+        bandwidth: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Have the daemon stage a dataset; yield progress lines, the last ``{"event": "done"}``."""
+        """Have the daemon stage a dataset (``bandwidth``: bytes/s for this warm); yield its lines.
+
+        The last line is the summary, ``warm_report_to_wire``'s form (``{"event": "done", ...}``).
+        """
         config = (
             dataset
             if isinstance(dataset, DatasetConfig)
@@ -477,6 +482,7 @@ class DaemonClient:
             "shards": shards,
             "verify": verify,
             "refresh": refresh,
+            "bandwidth": bandwidth,
         }
         session = self._http()
         try:

@@ -33,6 +33,7 @@ from datacache.tiers._files import atomic_write
 __all__ = [
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "OBJECT_KEY",
     "Manifest",
     "ManifestStore",
     "Shard",
@@ -40,6 +41,8 @@ __all__ = [
     "default_trusted_uids",
     "detect_format",
     "max_samples",
+    "object_url",
+    "reading_url",
     "take_manifest",
 ]
 
@@ -197,8 +200,19 @@ class Manifest:
         selected = []
         for key in (k.strip() for k in spec.split(",")):
             if key:
-                selected.append(self.shard(key))
+                selected.append(self._shard_or_index(key, spec))
         return selected
+
+    def _shard_or_index(self, key: str, spec: str) -> Shard:
+        """The shard named ``key``; a bare number that names no shard is an index (``--shards 3``)."""
+        if key in self._by_key or not key.lstrip("-").isdigit():
+            return self.shard(key)
+        index = int(key)
+        if not -len(self.shards) <= index < len(self.shards):
+            raise ConfigError(
+                f"--shards {spec}: index {index} is out of range (the dataset has {len(self.shards)} shards)"
+            )
+        return self.shards[index]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -268,16 +282,91 @@ def _shard_keys_for(fmt: ShardFormat, infos: list[ObjectInfo]) -> list[ObjectInf
     return infos
 
 
-async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
+OBJECT_KEY = "object"
+"""In a manifest's ``extra``: the dataset's URL names this one object, read as a key of the URL's parent."""
+
+
+def object_url(url: str) -> tuple[str, str] | None:
+    """``(parent URL, name)`` when ``url`` could name one object (no trailing slash, not a bare bucket)."""
+    if url.endswith("/"):
+        return None
+    rest = url.split("://", 1)[-1]
+    if "/" not in rest.strip("/"):
+        return None
+    parent, _, name = url.rpartition("/")
+    return (parent, name) if name not in ("", ".", "..") else None
+
+
+def reading_url(url: str, manifest: Manifest) -> str:
+    """The URL a dataset's shards are read under: its own, or its parent's when it names one object."""
+    if not manifest.extra.get(OBJECT_KEY):
+        return url
+    split = object_url(url)
+    if split is None:
+        raise ConfigError(f"dataset {manifest.dataset}: its manifest names one object, its URL a prefix")
+    return split[0]
+
+
+def _lists_itself(url: str, infos: list[ObjectInfo]) -> bool:
+    """Whether listing ``url`` found only the object ``url`` names (not a key under it)."""
+    split = object_url(url)
+    if split is None or len(infos) != 1:
+        return False
+    key = infos[0].key.lstrip("/")
+    return key != split[1] and url.endswith("/" + key)
+
+
+async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | None:
+    """The manifest of a dataset whose URL names one object (a shard, a Parquet file), else None."""
+    split = object_url(dataset.url)
+    if split is None:
+        return None
+    name = split[1]
+    try:
+        info = await parent.stat(name)
+    except InvalidKeyError:
+        return None
+    if info is None:
+        return None
+    fmt = ShardFormat(dataset.format) if dataset.format else detect_format([name])
+    shard = Shard(name, info.size, info.version)
+    return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
+
+
+def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: ShardFormat, infos: list[ObjectInfo]) -> None:
+    """Warn when a prefix holds shards of both formats and only one is read.
+
+    Not refused: img2dataset, for one, writes a ``.parquet`` of metadata beside each ``.tar``.
+    """
+    tars = sum(1 for info in infos if info.key.endswith(".tar"))
+    parquets = sum(1 for info in infos if info.key.endswith(".parquet"))
+    if fmt is ShardFormat.TAR and parquets:
+        logger.warning(
+            "dataset %s: %s holds %d .tar and %d .parquet files; reading the .tar shards only "
+            '(set format = "parquet" for the dataset in the config file to read the others)',
+            dataset.name,
+            redact_url(url),
+            tars,
+            parquets,
+        )
+
+
+async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | None = None) -> Manifest:
     """List ``origin`` once and return the dataset's manifest.
 
     If the origin holds a ``datacache-manifest.json`` (written by ``datacache
     shard``) it is used, after checking that every shard it names exists with
-    the recorded size. Raises `ShardNotFoundError` for a missing or empty
-    bucket or prefix.
+    the recorded size. With ``parent`` (the tier of the URL's parent), a URL
+    that names one object is a dataset of that one shard. Raises
+    `ShardNotFoundError` for a missing or empty bucket or prefix.
     """
     started = time.monotonic()
     infos = [info async for info in origin.list()]
+    if parent is not None and _lists_itself(dataset.url, infos):
+        # Listing a URL that names an object yields that object under its full path.
+        whole = await _single_object(dataset, parent)
+        if whole is not None:
+            return whole
     if not infos:
         raise ShardNotFoundError(
             f"dataset {dataset.name}: no objects under {origin.url} "
@@ -306,6 +395,8 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     else:
         fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
         chosen = _shard_keys_for(fmt, infos)
+        if not dataset.format:
+            _say_what_is_left_out(dataset, origin.url, fmt, infos)
         if not chosen:
             raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
         for info in chosen:

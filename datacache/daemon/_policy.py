@@ -14,7 +14,8 @@ otherwise borrow all of it (a confused deputy). For such a client:
 - the client may not name an endpoint (``--allow-endpoint``) or send credentials
   (``--allow-client-credentials``) unless the operator allowed it, nor any other
   storage option beyond a few harmless ones;
-- a dataset's id is derived from its origin, never a name the client chose.
+- a dataset's id is its canonical origin (`datacache.config.dataset_id_for`), so a
+  name a client chooses cannot point another user's dataset elsewhere.
 
 docs/SECURITY.md ("The daemon") describes the model and the operator's set-up.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import posixpath
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from datacache._protocol import CREDENTIAL_OPTIONS
-from datacache.config import DatasetConfig, Settings, dataset_id_for
+from datacache.config import DatasetConfig, Settings, canonical_origin
 from datacache.daemon._http import Forbidden
 from datacache.tiers import redact_url
 
@@ -45,22 +45,17 @@ _NETWORK_SCHEMES = frozenset({"http", "https"})
 
 
 def canonical_url(url: str) -> str:
-    """``url`` with its scheme and host lower-cased, its path normalised and, for files, resolved.
+    """``url`` as the allowlist compares it: `canonical_origin` without an endpoint.
 
-    Two spellings of one origin (``//``, ``/./``, ``..``, a symlinked directory) give one string;
-    credentials in the URL never appear in it.
+    Two spellings of one origin (``//``, ``/./``, ``..``, a symlinked directory, a
+    ``user:secret@``) give one string; a prefix with no host (``http://``) stays
+    a prefix of every URL of its scheme.
     """
-    if "://" not in url:
-        url = "file://" + os.path.abspath(os.path.expanduser(url))
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme in ("file", "local"):
-        path = os.path.realpath(parts.path or "/")
-        return "file://" + path
-    path = posixpath.normpath("/" + parts.path.lstrip("/")) if parts.path.strip("/") else "/"
-    host = (parts.hostname or "").lower()
-    port = f":{parts.port}" if parts.port else ""
-    return redact_url(f"{scheme}://{host}{port}{path}")
+    canonical = canonical_origin(url, {}, env={})
+    scheme = canonical.split("://", 1)[0]
+    if scheme != "file" and canonical == f"{scheme}:///":
+        return f"{scheme}://"
+    return canonical
 
 
 def _under(url: str, prefix: str) -> bool:
@@ -134,11 +129,6 @@ class OriginPolicy:
                 )
             if urlsplit(url).scheme in _NETWORK_SCHEMES:
                 self._public(url, named=_host(canonical_url(entry)))
-            if config.name != dataset_id_for(config.url):
-                raise Forbidden(
-                    f"dataset name {config.name!r}: a client may not name an unconfigured dataset "
-                    f"(its id is {dataset_id_for(config.url)!r})"
-                )
         self._options(client_options)
 
     def _options(self, options: Mapping[str, Any]) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 
 from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.daemon._http import BadRequest, Forbidden, Peer, string
-from datacache.daemon._policy import OriginPolicy, canonical_url
+from datacache.daemon._http import BadRequest, Peer, string
+from datacache.daemon._policy import OriginPolicy
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.stager import DatasetHandle, Stager
@@ -86,14 +86,6 @@ class DatasetRegistry:
             config = replace(config, pinned=True)
         return config
 
-    def check_binding(self, config: DatasetConfig, bound_url: str | None) -> None:
-        """Refuse to open ``config`` under an id already bound to another origin (a hijack)."""
-        if bound_url is not None and canonical_url(bound_url) != canonical_url(config.url):
-            raise Forbidden(
-                f"dataset id {config.id!r} belongs to another origin; a client cannot rebind it "
-                f"to {redact_url(config.url)}"
-            )
-
     def opened_by(self, peer: Peer, dataset_id: str) -> bool:
         """Whether ``peer`` may act on ``dataset_id``: an operator, or a uid that opened it."""
         return peer.is_operator or dataset_id in self.opened.get(peer.uid, ())
@@ -104,13 +96,6 @@ class DatasetRegistry:
         self, stager: Stager, config: DatasetConfig, peer: Peer, *, refresh: bool, snapshot: str | None
     ) -> DatasetHandle:
         """Open ``config`` for ``peer`` (at ``snapshot`` if it holds one) and remember its handle."""
-        if not peer.is_operator:
-            latest = self.latest.get(config.id)
-            bound = latest.config.url if latest is not None else None
-            if bound is None:
-                record = next((r for r in await stager.catalog.datasets() if r.id == config.id), None)
-                bound = record.url if record is not None else None
-            self.check_binding(config, bound)
         self.opened.setdefault(peer.uid, set()).add(config.id)
         if snapshot is not None and not refresh:
             known = self.handles.get((config.id, snapshot))

@@ -34,13 +34,27 @@ __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matche
 logger = logging.getLogger(__name__)
 
 
-def shared_copy_matches(info: ObjectInfo, shard: Shard) -> bool:
-    """Whether a shared-tier copy is this shard's version, complete, with a checksum recorded."""
+def shared_copy_matches(info: ObjectInfo, dataset_id: str, shard: Shard, trusted: frozenset[int]) -> bool:
+    """Whether a shared-tier copy may stand for this shard: its version, complete, vouched for.
+
+    ``shard.version`` came from the reader's own listing of the origin. The
+    copy's metadata binds (dataset, key, version, size, checksum) and counts
+    only if a trusted uid (this user, root, the daemon) wrote both the copy and
+    its metadata: anyone else who can write the shared directory could bind
+    any bytes to any version (docs/SECURITY.md, "Trust in cached data").
+    """
+    metadata = info.metadata
     return (
-        info.size == shard.size
-        and info.metadata.get("version") == str(shard.version)
-        and bool(info.metadata.get("checksum"))
-        and (shard.checksum is None or info.metadata.get("checksum") == shard.checksum)
+        info.writers is not None
+        and bool(info.writers)
+        and info.writers <= trusted
+        and info.size == shard.size
+        and metadata.get("dataset") == dataset_id
+        and metadata.get("key") == shard.key
+        and metadata.get("version") == str(shard.version)
+        and metadata.get("size") == str(shard.size)
+        and bool(metadata.get("checksum"))
+        and (shard.checksum is None or metadata.get("checksum") == shard.checksum)
     )
 
 
@@ -74,8 +88,10 @@ class SharedStager:
         events: Events,
         *,
         lease_seconds: float,
+        trusted: frozenset[int],
     ) -> None:
         self.tier = tier
+        self._trusted = trusted
         self._catalog = catalog
         self._transfer = transfer
         self._residency = residency
@@ -142,7 +158,7 @@ class SharedStager:
         shared = self.tier
         tier_key = handle.tier_key(shard.key)
         info = await shared.stat(tier_key)
-        if info is not None and shared_copy_matches(info, shard):
+        if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
             self._events.hit(SHARED)
             self._events.emit(StagingEvent("hit", handle.id, shard.key, SHARED, size=shard.size))
             return shared.path(tier_key), info.metadata["checksum"]
@@ -154,7 +170,7 @@ class SharedStager:
                 min_age = 0.0 if lock.holder_died_here else self._lease_seconds
                 await shared.remove_partials_of(tier_key, min_age=min_age)
             info = await shared.stat(tier_key)
-            if info is not None and shared_copy_matches(info, shard):
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 self._events.hit(SHARED)
                 return shared.path(tier_key), info.metadata["checksum"]
             await self._make_room(handle, shard)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
+import json
 import logging
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from datacache.catalog import Catalog, process_owner
 from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
-from datacache.manifest import ManifestStore, Shard, take_manifest
+from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
@@ -48,6 +49,7 @@ from datacache.staging.types import (
     StagingEvent,
     WarmReport,
 )
+from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, open_origin, redact_url
 from datacache.units import format_bytes
 
@@ -91,7 +93,8 @@ class Stager:
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:
             manifest_dirs.append(settings.shared_dir / "manifests")
-        self.manifests = ManifestStore(*manifest_dirs)
+        self._trusted = settings.trusted_uids
+        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted)
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
@@ -104,7 +107,7 @@ class Stager:
         self._parts: _Parts | None = None
         self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[str, Tier] = {}
+        self._origins: dict[tuple[str, str, str], Tier] = {}
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -174,7 +177,13 @@ class Stager:
         transfer = Transfer(settings, events)
         shared = (
             SharedStager(
-                self.shared, self.catalog, transfer, self._residency, events, lease_seconds=settings.lease_seconds
+                self.shared,
+                self.catalog,
+                transfer,
+                self._residency,
+                events,
+                lease_seconds=settings.lease_seconds,
+                trusted=self._trusted,
             )
             if self.shared is not None
             else None
@@ -229,12 +238,16 @@ class Stager:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def _origin_for(self, dataset: DatasetConfig) -> Tier:
-        origin = self._origins.get(dataset.id)
+    def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
+        """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
+        url = url or dataset.url
+        # One client per origin and credentials: a second set of options never rides on the first's.
+        ident = (dataset.id, _options_digest(dataset.storage_options), url)
+        origin = self._origins.get(ident)
         if origin is None:
-            self._check_origin_outside_tiers(dataset.url)
-            origin = open_origin(dataset.url, storage_options=dataset.storage_options, retry=self.settings.retry)
-            self._origins[dataset.id] = origin
+            self._check_origin_outside_tiers(url)
+            origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
+            self._origins[ident] = origin
         return origin
 
     def _check_origin_outside_tiers(self, url: str) -> None:
@@ -261,8 +274,11 @@ class Stager:
             async with parts.local.node_lock("manifests", config.id).hold():
                 manifest = None if refresh else await self.manifests.load(config.id)
                 if manifest is None:
-                    manifest = await take_manifest(config, origin)
+                    split = object_url(config.url)
+                    parent = self._origin_for(config, split[0]) if split is not None else None
+                    manifest = await take_manifest(config, origin, parent=parent)
                     await self.manifests.save(manifest)
+        origin = self._origin_for(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
             config.id,
             url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
@@ -362,7 +378,7 @@ class Stager:
                 info = await self.shared.stat(handle.tier_key(key))
             except InvalidKeyError:  # its path resolves outside the shared tier: never read through it
                 info = None
-            if info is not None and shared_copy_matches(info, shard):
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
         return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
 
@@ -384,62 +400,39 @@ class Stager:
         *,
         tier: str = LOCAL,
         verify: bool = False,
+        bandwidth: float | None = None,
+        progress: Callable[[WarmProgress], None] | None = None,
+        submit: Submit | None = None,
     ) -> WarmReport:
         """Stage ``shards`` (default: all) onto ``tier`` and report exactly what is resident.
 
         With ``verify``, shards already resident are re-hashed, and re-staged if
-        they do not match. Progress reaches the listeners as events.
+        they do not match. ``bandwidth`` (bytes/s) paces this warm's transfers;
+        ``progress`` hears after each shard. ``submit`` admits each shard's
+        transfer (default: this stager's queue; the daemon passes its prefetch gate).
+        This is the only warm: the CLI and the daemon adapt it, never re-implement it.
         """
         await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
         self._check_fits(handle, chosen, tier)
-        started = time.monotonic()
-        counters = self._events.counters
-        bytes_counter = "bytes_to_local" if tier == LOCAL else "bytes_to_shared"
-        staged_counter = "shards_staged" if tier == LOCAL else "shards_to_shared"
-        bytes_before, staged_before = counters[bytes_counter], counters[staged_counter]
-        verified = 0
-        failures: list[tuple[str, str]] = []
-        if verify:
-            results = await asyncio.gather(
-                *(self.verify_resident(handle, shard, tier=tier) for shard in chosen), return_exceptions=True
-            )
-            verified = sum(1 for result in results if result is True)
-        tasks = [
-            asyncio.ensure_future(self.ensure(handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH + index * 1e-6))
-            for index, shard in enumerate(chosen)
-        ]
-        resident = 0
-        placed: list[Shard] = []
-        for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                failures.append((shard.key, str(outcome)))
-            elif outcome.tier == tier:
-                placed.append(shard)
-            else:
-                failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(tier)}"))
-        # Honest to the end: a shard staged early may have been evicted by a later one.
-        for shard in placed:
-            if await self._is_resident(handle, shard, tier):
-                resident += 1
-            else:
-                failures.append(
-                    (shard.key, f"evicted from the {tier} tier during the warm-up: {self._bypass_reason(tier)}")
-                )
-        counters = self._events.counters
-        return WarmReport(
-            dataset=handle.id,
-            tier=tier,
-            shards_requested=len(chosen),
-            shards_resident=resident,
-            bytes_requested=sum(shard.size for shard in chosen),
-            bytes_transferred=counters[bytes_counter] - bytes_before,
-            shards_transferred=counters[staged_counter] - staged_before,
-            shards_verified=verified,
-            seconds=time.monotonic() - started,
-            failures=tuple(failures),
+
+        async def admit(shard: Shard, priority: float) -> Location:
+            return await self.ensure(handle, shard.key, tier=tier, priority=priority)
+
+        async def check(shard: Shard) -> bool:
+            return await self.verify_resident(handle, shard, tier=tier)
+
+        async def resident(shard: Shard) -> bool:
+            return await self._is_resident(handle, shard, tier)
+
+        steps = WarmSteps(
+            submit=submit or admit,
+            is_resident=resident,
+            verify=check if verify else None,
+            why_not_kept=lambda: self._bypass_reason(tier),
+        )
+        return await run_warm(
+            handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
         )
 
     def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
@@ -462,7 +455,7 @@ class Stager:
         if self.shared is None:
             return False
         info = await self.shared.stat(handle.tier_key(shard.key))
-        return info is not None and shared_copy_matches(info, shard)
+        return info is not None and shared_copy_matches(info, handle.id, shard, self._trusted)
 
     def _bypass_reason(self, tier: str) -> str:
         tier_object = self.local if tier == LOCAL else self.shared
@@ -483,7 +476,7 @@ class Stager:
             if self.shared is None:
                 return False
             info = await self.shared.stat(handle.tier_key(shard.key))
-            if info is None or not shared_copy_matches(info, shard):
+            if info is None or not shared_copy_matches(info, handle.id, shard, self._trusted):
                 return False
             path = self.shared.path(handle.tier_key(shard.key))
             expected = info.metadata["checksum"]
@@ -528,3 +521,9 @@ class Stager:
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _options_digest(options: Mapping[str, Any]) -> str:
+    """A digest of storage options (credentials among them), to key clients without holding secrets in keys."""
+    encoded = json.dumps(options, sort_keys=True, default=str).encode()
+    return hashlib.sha256(encoded).hexdigest()
