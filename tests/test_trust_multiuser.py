@@ -11,17 +11,16 @@ cached data".
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import xxhash
+from _helpers import tar_of
 from _users import User, cli_as, python_as, run_as, user_env, users, world_dir
 
 from datacache.manifest import Manifest, Shard, ShardFormat
@@ -36,14 +35,7 @@ SAMPLES = 5
 
 
 def _tar(text: str, shard: int, pad_to: int | None = None) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for index in range(SAMPLES):
-            data = f"{text} {shard}.{index}".encode()
-            info = tarfile.TarInfo(f"s{shard}{index:03d}.txt")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    raw = out.getvalue()
+    raw = tar_of({f"s{shard}{index:03d}.txt": f"{text} {shard}.{index}".encode() for index in range(SAMPLES)})
     if pad_to is not None:
         if len(raw) > pad_to:
             raise ValueError("the attacker's tar must fit the real shard's size")
@@ -59,11 +51,19 @@ def dataset(s3: S3Bucket) -> dict[str, bytes]:
     return shards
 
 
-def _shared(world: Path) -> Path:
-    shared = world / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)  # writable by every user: the threat model, not a recommendation
-    return shared
+@pytest.fixture
+def shared(world_dir: Path) -> Path:
+    """A shared tier's directory every user can write: the threat model, not a recommendation."""
+    path = world_dir / "shared"
+    path.mkdir()
+    path.chmod(0o777)
+    return path
+
+
+@pytest.fixture
+def url(s3: S3Bucket, dataset: dict[str, bytes]) -> str:
+    """The dataset alice may read: ``s3://<bucket>/wds/``."""
+    return s3.url("wds") + "/"
 
 
 def _env(user: User, s3: S3Bucket, shared: Path, *, credentials: bool) -> dict[str, str]:
@@ -137,11 +137,9 @@ def _plant(mallory: User, shared: Path, dataset_id: str, url: str, key: str, rea
 
 
 def test_planted_manifest_tar_and_meta_never_reach_alices_loader_or_warm(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     alice, mallory = users["alice"], users["mallory"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
     env = _env(alice, s3, shared, credentials=True)
     dataset_id = _dataset_id(alice, url, env)
     key = "shard-0000.tar"
@@ -165,11 +163,9 @@ def test_planted_manifest_tar_and_meta_never_reach_alices_loader_or_warm(
 
 
 def test_a_user_without_credentials_gets_the_origins_error_not_cached_bytes(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     alice, bob = users["alice"], users["bob"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
     done = cli_as(alice, "warm", url, "--tier", "shared", env=_env(alice, s3, shared, credentials=True))
     assert done.returncode == 0, done.stderr
     assert any((shared / "data").rglob("*.tar")), "alice's copies are on the shared tier"
@@ -190,12 +186,10 @@ def _shard_gets(s3: S3Bucket) -> int:
 
 
 def test_copies_the_configured_daemon_uid_wrote_are_used_and_nobody_elses(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     """The shared tier still saves origin reads: copies by a trusted uid (here bob, as the daemon's) count."""
     alice, bob = users["alice"], users["bob"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
     # Sample counts beside the shards (a wids index), so that no reader scans the origin's tars for them.
     shardlist = [{"url": key, "nsamples": SAMPLES, "filesize": len(data)} for key, data in dataset.items()]
     index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shardlist}
