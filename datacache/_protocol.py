@@ -28,11 +28,12 @@ from datacache.errors import (
     TransientOriginError,
     UnsupportedURLError,
 )
-from datacache.stager import Location
+from datacache.stager import Location, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 
 __all__ = [
     "API",
+    "CREDENTIAL_OPTIONS",
     "MAX_BODY_BYTES",
     "PROTOCOL_VERSION",
     "UnknownDatasetError",
@@ -42,6 +43,9 @@ __all__ = [
     "error_for",
     "exception_from_wire",
     "location_to_wire",
+    "warm_progress_to_wire",
+    "warm_report_from_wire",
+    "warm_report_to_wire",
 ]
 
 PROTOCOL_VERSION = 1
@@ -49,6 +53,24 @@ API = f"/v{PROTOCOL_VERSION}"
 """Every verb lives under this path; ``/healthz`` and ``/readyz`` do not."""
 MAX_BODY_BYTES = 64 << 20
 """The largest request body the daemon reads (a future order of ~1M keys fits)."""
+
+CREDENTIAL_OPTIONS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "profile",
+        "account_key",
+        "sas_token",
+        "connection_string",
+        "credential",
+        "client_secret",
+    }
+)
+"""Storage options that are, or name, credentials: never sent to a daemon of another user."""
 
 _CLIENT_LABEL = re.compile(r"[^A-Za-z0-9_.:@/-]+")
 
@@ -109,15 +131,20 @@ def exception_from_wire(code: str, message: str) -> DatacacheError:
     return error
 
 
-def config_to_wire(config: DatasetConfig) -> dict[str, Any]:
-    """A dataset configuration as the ``open`` request carries it."""
+def config_to_wire(config: DatasetConfig, *, credentials: bool = True) -> dict[str, Any]:
+    """A dataset configuration as the ``open`` request carries it (without credentials if told)."""
+    options = {
+        name: value
+        for name, value in config.storage_options.items()
+        if credentials or name not in CREDENTIAL_OPTIONS
+    }
     return {
         "name": config.name,
         "url": config.url,
         "policy": config.policy,
         "pinned": config.pinned,
         "format": config.format,
-        "storage_options": dict(config.storage_options),
+        "storage_options": options,
     }
 
 
@@ -163,3 +190,55 @@ def client_label(value: Any, fallback: str) -> str:
     if not isinstance(value, str) or not value.strip():
         return fallback
     return _CLIENT_LABEL.sub("_", value.strip())[:64]
+
+
+def warm_report_to_wire(report: WarmReport, url: str) -> dict[str, Any]:
+    """The one form of a `WarmReport`: the daemon's last warm line and ``warm --json``'s summary."""
+    return {
+        "event": "done",
+        "dataset": report.dataset,
+        "url": redact_url(url),
+        "tier": report.tier,
+        "complete": report.complete,
+        "shards_requested": report.shards_requested,
+        "shards_resident": report.shards_resident,
+        "shards_transferred": report.shards_transferred,
+        "shards_verified": report.shards_verified,
+        "bytes_requested": report.bytes_requested,
+        "bytes_transferred": report.bytes_transferred,
+        "seconds": round(report.seconds, 3),
+        "rate_bytes_per_s": round(report.rate, 1),
+        "failures": [{"shard": key, "error": redact_url(error)} for key, error in report.failures],
+    }
+
+
+def warm_report_from_wire(document: Mapping[str, Any]) -> WarmReport:
+    """Parse `warm_report_to_wire`'s form; raise `DatacacheError` if a field is missing or wrong."""
+    try:
+        failures = tuple((str(f["shard"]), str(f["error"])) for f in document["failures"])
+        return WarmReport(
+            dataset=str(document["dataset"]),
+            tier=str(document["tier"]),
+            shards_requested=int(document["shards_requested"]),
+            shards_resident=int(document["shards_resident"]),
+            bytes_requested=int(document["bytes_requested"]),
+            bytes_transferred=int(document["bytes_transferred"]),
+            shards_transferred=int(document["shards_transferred"]),
+            shards_verified=int(document["shards_verified"]),
+            seconds=float(document["seconds"]),
+            failures=failures,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatacacheError(f"daemon: a malformed warm summary ({type(exc).__name__}: {exc})") from None
+
+
+def warm_progress_to_wire(progress: WarmProgress) -> dict[str, Any]:
+    """A warm's progress line (docs/DAEMON.md)."""
+    return {
+        "event": "progress",
+        "shards_done": progress.shards_done,
+        "shards_total": progress.shards_total,
+        "bytes_done": progress.bytes_done,
+        "bytes_transferred": progress.bytes_transferred,
+        "rate_bytes_per_s": round(progress.rate, 1),
+    }

@@ -65,7 +65,8 @@ class ShardState(StrEnum):
     - ``STAGING`` -> ``RESIDENT``: the verified file was renamed into place.
     - ``STAGING`` -> absent: the transfer failed or was cancelled, or its process died.
     - ``RESIDENT`` -> ``EVICTING``: chosen as a victim to make room.
-    - ``EVICTING`` -> absent: its file was deleted.
+    - ``EVICTING`` -> absent: its file was deleted. Until then no process may reserve it again
+      (a live evictor's row refuses `Catalog.reserve`; a dead one's is taken over).
     - ``RESIDENT`` -> absent: its file was found missing or corrupt, or evicted by hand.
     """
 
@@ -192,7 +193,7 @@ class Catalog:
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             _initialise(connection)
@@ -349,13 +350,12 @@ class Catalog:
                 existing = c.execute(
                     "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
                 ).fetchone()
-                if (
-                    existing is not None
-                    and existing[0] == ShardState.STAGING
-                    and existing[1] != owner
-                    and _owner_alive(existing[1])
-                ):
-                    return Reservation(False, reason=f"being staged by {existing[1]}")
+                if existing is not None and _owner_alive(existing[1]):
+                    if existing[0] == ShardState.STAGING and existing[1] != owner:
+                        return Reservation(False, reason=f"being staged by {existing[1]}")
+                    if existing[0] == ShardState.EVICTING:
+                        # Its evictor will delete the file and the row: a new copy now would be deleted.
+                        return Reservation(False, reason=f"being evicted by {existing[1]}")
                 used = c.execute(
                     "SELECT coalesce(sum(size), 0) FROM shards WHERE state != ? AND NOT (dataset=? AND key=?)",
                     (ShardState.EVICTING.value, dataset, key),

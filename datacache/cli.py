@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import grp
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 from datacache import __version__
 from datacache._logging import configure_logging
 from datacache._progress import Progress
+from datacache._protocol import warm_report_from_wire, warm_report_to_wire
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
@@ -85,7 +87,7 @@ async def _warm(args: argparse.Namespace) -> int:
         client = await _daemon_client(settings)
         if client is not None:
             try:
-                return await _warm_through(client, args, dataset)
+                return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
     out = sys.stdout
@@ -121,7 +123,9 @@ async def _warm(args: argparse.Namespace) -> int:
         stager.add_listener(listen)
         ticking = asyncio.create_task(ticker())
         try:
-            report = await stager.warm(handle, shards, tier=args.tier, verify=args.verify)
+            report = await stager.warm(
+                handle, shards, tier=args.tier, verify=args.verify, bandwidth=settings.bandwidth_limit
+            )
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -145,13 +149,20 @@ async def _daemon_client(settings: Settings) -> DaemonClient | None:
     return client
 
 
-async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig) -> int:
+async def _warm_through(
+    client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig, settings: Settings
+) -> int:
     """Have the node's daemon warm the dataset (one transfer per shard for every process of the node)."""
     progress: Progress | None = None
     done: dict[str, Any] = {}
     try:
         async for event in client.warm(
-            dataset, tier=args.tier, shards=args.shards, verify=args.verify, refresh=args.refresh
+            dataset,
+            tier=args.tier,
+            shards=args.shards,
+            verify=args.verify,
+            refresh=args.refresh,
+            bandwidth=settings.bandwidth_limit,
         ):
             kind = event.get("event")
             if kind == "start":
@@ -175,45 +186,14 @@ async def _warm_through(client: DaemonClient, args: argparse.Namespace, dataset:
             progress.close()
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
-    report = WarmReport(
-        dataset=str(done.get("dataset", dataset.id)),
-        tier=str(done.get("tier", args.tier)),
-        shards_requested=int(done.get("shards_requested", 0)),
-        shards_resident=int(done.get("shards_resident", 0)),
-        bytes_requested=int(done.get("bytes_requested", 0)),
-        bytes_transferred=int(done.get("bytes_transferred", 0)),
-        shards_transferred=int(done.get("shards_transferred", 0)),
-        shards_verified=int(done.get("shards_verified", 0)),
-        seconds=float(done.get("seconds", 0.0)),
-        failures=tuple((str(f.get("shard", "")), str(f.get("error", ""))) for f in done.get("failures", [])),
-    )
+    report = warm_report_from_wire(done)
     _print_warm_report(report, redact_url(dataset.url), args.json)
     return 0 if report.complete else 1
 
 
 def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "event": "done",
-                    "dataset": report.dataset,
-                    "url": url,
-                    "tier": report.tier,
-                    "complete": report.complete,
-                    "shards_requested": report.shards_requested,
-                    "shards_resident": report.shards_resident,
-                    "shards_transferred": report.shards_transferred,
-                    "shards_verified": report.shards_verified,
-                    "bytes_requested": report.bytes_requested,
-                    "bytes_transferred": report.bytes_transferred,
-                    "seconds": round(report.seconds, 3),
-                    "rate_bytes_per_s": round(report.rate, 1),
-                    "failures": [{"shard": k, "error": e} for k, e in report.failures],
-                }
-            )
-            + "\n"
-        )
+        sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
         return
     if report.bytes_transferred == 0 and report.complete:
         moved = "transferred 0 bytes: everything was already resident"
@@ -541,8 +521,19 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_uids=frozenset(args.allow_uid or ()),
         allow_gids=frozenset(args.allow_gid or ()),
         allow_datasets=tuple(args.allow_dataset or ()),
+        allow_endpoints=tuple(args.allow_endpoint or ()),
+        allow_client_credentials=args.allow_client_credentials,
+        socket_group=_group_id(args.socket_group) if args.socket_group else None,
     )
     return await serve(settings, options)
+
+
+def _group_id(group: str) -> int:
+    """A group given by name or number, as a gid; a clear error if there is no such group."""
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group: no group named {group!r} on this machine") from None
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -619,7 +610,7 @@ def _parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
     warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
-    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP indexes, or key,key,...")
+    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
@@ -713,7 +704,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--allow-gid", metavar="GID", type=int, action="append",
         help="also accept clients with this gid (the daemon's gid always is)")
     add("--allow-dataset", metavar="PREFIX", action="append",
-        help="open only configured datasets and URLs starting with PREFIX (repeatable)")
+        help="origins other users' clients may open besides configured datasets (repeatable); "
+        "also limits the daemon's own user")
+    add("--allow-endpoint", metavar="URL", action="append",
+        help="an endpoint other users' clients may name in storage_options (repeatable)")
+    add("--allow-client-credentials", action="store_true",
+        help="let other users' clients send credentials; the daemon then reads with theirs")
+    add("--socket-group", metavar="GROUP",
+        help="the group that owns the socket (mode 0660): its members can connect")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,11 @@ from datacache._protocol import (
     config_to_wire,
     exception_from_wire,
 )
-from datacache._read import read_verified
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
-from datacache.manifest import Manifest
+from datacache.manifest import Manifest, reading_url
 from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
+from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
@@ -41,6 +42,36 @@ __all__ = ["DaemonClient"]
 logger = logging.getLogger(__name__)
 
 _BASE = "http://datacache"  # the host is ignored on a Unix socket
+_PEERCRED = struct.Struct("3i")
+
+
+class _VerifiedUnixConnector(aiohttp.UnixConnector):
+    """Connects to the daemon's socket and, before a byte is sent, checks who listens there.
+
+    Whoever can create the socket path could pose as the daemon and collect what
+    clients send: the listener must be root, this process's own uid, or the
+    configured daemon uid (``daemon.daemon_uid``), by ``SO_PEERCRED``.
+    """
+
+    def __init__(self, path: str, trusted: frozenset[int]) -> None:
+        super().__init__(path=path, force_close=True)
+        self.trusted = trusted
+        self.server_uid: int | None = None
+
+    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:  # noqa: ASYNC109 - aiohttp's signature
+        protocol = await super()._create_connection(req, traces, timeout)
+        sock = protocol.transport.get_extra_info("socket") if protocol.transport is not None else None
+        uid = -1
+        if sock is not None:
+            uid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+        if uid not in self.trusted:
+            protocol.close()
+            raise DaemonUnavailableError(
+                f"the process listening on {self._path} runs as uid {uid}, not as root, this user or "
+                "the configured daemon uid (daemon.daemon_uid): not talking to it"
+            )
+        self.server_uid = uid
+        return protocol
 
 
 class DaemonClient:
@@ -77,6 +108,7 @@ class DaemonClient:
 
     def _reset_runtime(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._connector: _VerifiedUnixConnector | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._pid = os.getpid()
         self._manifests: dict[tuple[str, str], Manifest] = {}
@@ -117,7 +149,10 @@ class DaemonClient:
             session = None
         if session is None or session.closed:
             # One connection per request: nothing to go stale when the daemon restarts.
-            connector = aiohttp.UnixConnector(path=str(self.socket_path), force_close=True)
+            daemon_uid = self.settings.daemon_uid
+            trusted = frozenset({0, os.getuid()} | ({daemon_uid} if daemon_uid is not None else set()))
+            connector = _VerifiedUnixConnector(str(self.socket_path), trusted)
+            self._connector = connector
             session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
@@ -130,6 +165,11 @@ class DaemonClient:
         return self.client_name or f"{socket.gethostname()}:{os.getpid()}"
 
     def _unavailable(self, exc: BaseException) -> DaemonUnavailableError:
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, DaemonUnavailableError):
+                return cause  # already says why (an impostor on the socket), under aiohttp's wrapper
+            cause = cause.__cause__ or cause.__context__
         reason = getattr(exc, "strerror", None) or type(exc).__name__
         return DaemonUnavailableError(
             f"the datacache daemon on {self.socket_path} is unreachable ({reason})"
@@ -202,14 +242,15 @@ class DaemonClient:
         if origin is None:
             # Reads of shards not cached go to the origin directly, and a failing-over
             # reader's own stager fetches through it.
-            origin = open_origin(config.url, storage_options=config.storage_options, retry=self.settings.retry)
+            url = reading_url(config.url, manifest)
+            origin = open_origin(url, storage_options=config.storage_options, retry=self.settings.retry)
             self._origins[config.id] = origin
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
     async def _open_remote(
         self, config: DatasetConfig, *, refresh: bool = False, snapshot: str | None = None
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"dataset": config_to_wire(config), "refresh": refresh}
+        body: dict[str, Any] = {"dataset": await self._wire(config), "refresh": refresh}
         if snapshot is not None:
             body["snapshot"] = snapshot
         reply = await self._call("POST", f"{API}/open", body)
@@ -218,6 +259,13 @@ class DaemonClient:
                 f"daemon: opened dataset {reply.get('dataset_id')!r}, not {config.id!r}"
             )
         return reply
+
+    async def _wire(self, config: DatasetConfig) -> dict[str, Any]:
+        """``config`` as sent: with credentials only to a daemon running as this very user."""
+        if self._connector is None or self._connector.server_uid is None:
+            await self.health(within=self.request_timeout)  # learns (and checks) who serves the socket
+        same_user = self._connector is not None and self._connector.server_uid == os.getuid()
+        return config_to_wire(config, credentials=same_user)
 
     async def _manifest(self, reply: dict[str, Any]) -> Manifest:
         dataset, snapshot, path = (
@@ -417,19 +465,24 @@ class DaemonClient:
         shards: str | None = None,
         verify: bool = False,
         refresh: bool = False,
+        bandwidth: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Have the daemon stage a dataset; yield progress lines, the last ``{"event": "done"}``."""
+        """Have the daemon stage a dataset (``bandwidth``: bytes/s for this warm); yield its lines.
+
+        The last line is the summary, ``warm_report_to_wire``'s form (``{"event": "done", ...}``).
+        """
         config = (
             dataset
             if isinstance(dataset, DatasetConfig)
             else resolve_dataset(dataset, self.settings)
         )
         body = {
-            "dataset": config_to_wire(config),
+            "dataset": await self._wire(config),
             "tier": tier,
             "shards": shards,
             "verify": verify,
             "refresh": refresh,
+            "bandwidth": bandwidth,
         }
         session = self._http()
         try:

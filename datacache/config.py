@@ -171,7 +171,14 @@ def _seconds(value: Any, what: str) -> float:
     return number
 
 
-def _user(value: Any, what: str) -> int:
+def _address(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value) or int(value.rsplit(":", 1)[1]) > 65535:
+        raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
+    return value
+
+
+def _uid(value: Any, what: str) -> int:
+    """A uid given as a number or a user name."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str) and value.isdigit():
@@ -181,13 +188,7 @@ def _user(value: Any, what: str) -> int:
             return pwd.getpwnam(value).pw_uid
         except KeyError:
             raise ConfigError(f"{what}: no user named {value!r} on this machine") from None
-    raise ConfigError(f"{what}: expected a user name or uid, got {value!r}")
-
-
-def _address(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value) or int(value.rsplit(":", 1)[1]) > 65535:
-        raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
-    return value
+    raise ConfigError(f"{what}: expected a uid or a user name, got {value!r}")
 
 
 _SETTINGS: dict[str, tuple[str, Any]] = {
@@ -206,7 +207,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "default_policy": ("staging", _policy),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
-    "daemon_uid": ("daemon", _user),
+    "daemon_uid": ("daemon", _uid),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}

@@ -19,6 +19,7 @@ __all__ = [
     "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "TierAccessError",
     "TierFullError",
     "TransientOriginError",
     "UnsupportedURLError",
@@ -75,6 +76,10 @@ class DatasetTooLargeError(DatacacheError, MemoryError):
 
 class SampleDecodeError(DatacacheError, ValueError):
     """A decoder failed on a sample; the message names the dataset, shard, key and field."""
+
+
+class TierAccessError(DatacacheError, PermissionError):
+    """This user cannot use a tier (cannot write it, or it is unsafe): it is read around, never fatal to a read."""
 
 
 class TierFullError(DatacacheError, OSError):

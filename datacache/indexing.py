@@ -37,7 +37,6 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from datacache.config import Settings
 from datacache.errors import DatacacheError, ShardReadError
@@ -53,10 +52,9 @@ __all__ = [
     "ClusterIndex",
     "IndexReport",
     "count_tar_samples",
-    "counts_of",
+    "decide_cold",
     "index_dataset",
     "index_dir",
-    "known_counts",
     "node_plan_path",
 ]
 
@@ -114,7 +112,8 @@ def _batch_size(shards: int, concurrency: int) -> int:
     return max(1, min(_BATCH_MAX, shards // max(1, 4 * concurrency)))
 
 
-def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
+def _parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
+    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
     try:
         document = json.loads(raw)
     except ValueError:
@@ -124,7 +123,28 @@ def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
     ):
         raise ShardReadError(f"{where}: not a datacache count batch")
-    return counts
+    sources = document.get("sources")
+    source_of = document.get("source_of")
+    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
+        sources, source_of = [], [-1] * len(counts)
+    found: dict[str, KnownCount] = {}
+    for (key, samples), which in zip(counts.items(), source_of):
+        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
+        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
+    return found
+
+
+def _encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
+    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
+    number = {source: i for i, source in enumerate(sources)}
+    document = {
+        "host": socket.gethostname(),
+        "written": time.time(),
+        "counts": {key: count.samples for key, count in counts.items()},
+        "sources": sources,
+        "source_of": [number.get(count.source, -1) for count in counts.values()],
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
 
 
 class ClusterIndex:
@@ -146,15 +166,14 @@ class ClusterIndex:
         self.origin = origin
         self.manifest = manifest
         self.settings = settings
-        self.directory = index_dir(settings.shared_dir, manifest) if settings.shared_dir is not None else None
+        # Without a shared tier the node is the cluster: its processes share the work the same way.
+        self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
         self._where = f"dataset {manifest.dataset}"
         self.ignore_sidecars = False
         """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
 
     def forget(self) -> None:
         """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
-        if self.directory is None:
-            return
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -164,13 +183,11 @@ class ClusterIndex:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / name)
 
-    def _batch_path(self, number: int) -> Path | None:
-        return None if self.directory is None else self.directory / f"batch-{number:06d}.json"
+    def _batch_path(self, number: int) -> Path:
+        return self.directory / f"batch-{number:06d}.json"
 
     def _read_done(self) -> dict[str, KnownCount]:
         found: dict[str, KnownCount] = {}
-        if self.directory is None:
-            return found
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -184,15 +201,11 @@ class ClusterIndex:
             except (OSError, ShardReadError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            for key, samples in counts.items():
-                if key in self.manifest:
-                    found[key] = KnownCount(samples, f"cluster index {path}")
+            found.update((key, count) for key, count in counts.items() if key in self.manifest)
         return found
 
-    async def _write(self, path: Path, counts: Mapping[str, int]) -> None:
-        encoded = json.dumps(
-            {"host": socket.gethostname(), "written": time.time(), "counts": dict(counts)}, separators=(",", ":")
-        ).encode()
+    async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
+        encoded = _encode_batch(counts)
 
         async def body() -> AsyncIterator[bytes]:
             yield encoded
@@ -215,18 +228,16 @@ class ClusterIndex:
         return found
 
     def _sidecars_done(self) -> bool:
-        return self.directory is not None and (self.directory / "sidecars.json").exists()
+        return (self.directory / "sidecars.json").exists()
 
     async def _sidecars(self) -> dict[str, KnownCount]:
         """Read the sidecar indexes once per cluster, keeping what they say in the cluster index."""
-        path = None if self.directory is None else self.directory / "sidecars.json"
-        if path is None:
-            return await self._read_sidecars()
+        path = self.directory / "sidecars.json"
         async with LeaseLock(path.with_suffix(".lock"), lease_seconds=self.settings.lease_seconds).hold():
             if path.exists():
                 return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
             counts = await self._read_sidecars()
-            await self._write(path, {key: count.samples for key, count in counts.items()})
+            await self._write(path, counts)
             return counts
 
     async def _read_sidecars(self) -> dict[str, KnownCount]:
@@ -312,8 +323,6 @@ class ClusterIndex:
     ) -> dict[str, KnownCount] | None:
         """Count one batch under its lease; None if another node holds it and ``wait`` is false."""
         path = self._batch_path(number)
-        if path is None:
-            return await self._count_batch(batch, found, report, on_count)
         lock_path = path.with_suffix(".lock")
         done = await asyncio.to_thread(self._load_batch, path)
         if done is not None:
@@ -325,7 +334,7 @@ class ClusterIndex:
             if done is not None:
                 return done
             counted = await self._count_batch(batch, found, report, on_count)
-            await self._write(path, {key: count.samples for key, count in counted.items()})
+            await self._write(path, counted)
             return counted
 
     def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
@@ -336,7 +345,7 @@ class ClusterIndex:
         except (OSError, ShardReadError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        return {k: KnownCount(v, f"cluster index {path}") for k, v in counts.items() if k in self.manifest}
+        return {key: count for key, count in counts.items() if key in self.manifest}
 
     async def _count_batch(
         self,
@@ -375,23 +384,14 @@ def _held_by_another(lock_path: Path, lease_seconds: float) -> bool:
     return age <= lease_seconds
 
 
-async def known_counts(origin: Tier, manifest: Manifest, settings: Settings) -> dict[str, KnownCount]:
-    """The counts known without scanning anything (see `ClusterIndex.known`)."""
-    return await ClusterIndex(origin, manifest, settings).known()
-
-
-def counts_of(found: Mapping[str, KnownCount]) -> dict[str, Any]:
-    """Plain ``key -> samples`` of a result, for JSON."""
-    return {key: count.samples for key, count in found.items()}
-
-
 @dataclass
 class IndexOutcome:
     """What `index_dataset` did: the counts, how they were found, and where the index was kept."""
 
     counts: dict[str, KnownCount]
     report: IndexReport
-    shared: Path | None
+    shared: Path
+    """The cluster index (on the shared tier; without one, the node's own)."""
     beside_origin: str | None
     not_beside_origin: str | None = None
 
@@ -431,3 +431,34 @@ async def index_dataset(
     else:
         outcome.beside_origin = f"{origin.url.rstrip('/')}/{WIDS_INDEX_NAME}"
     return outcome
+
+
+def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
+    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
+
+    The first process to ask decides (``cold``: its counts were incomplete)
+    and records it beside the cluster index; every later one, on any node,
+    reads that record, so that no two ranks deal one epoch two ways. A rerun
+    of the same seed and epoch reads it the same way again.
+    """
+    directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+    if not cold and not directory.exists():
+        return False  # every count came from the manifest: no process could have started cold
+    marker = directory / f"epoch-{seed}-{epoch}.json"
+    try:
+        return bool(json.loads(marker.read_bytes()).get("cold") is True)
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        logger.warning("%s is damaged; reading epoch %d cold", marker, epoch)
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{marker.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    temporary.write_bytes(json.dumps({"cold": cold}).encode())
+    try:
+        os.link(temporary, marker)  # atomic, and fails if another process decided first
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    return bool(json.loads(marker.read_bytes()).get("cold") is True)

@@ -18,6 +18,7 @@ from datacache.staging import (
     Stager,
     StagerStats,
     StagingEvent,
+    WarmProgress,
     WarmReport,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "Stager",
     "StagerStats",
     "StagingEvent",
+    "WarmProgress",
     "WarmReport",
     "checksum_of",
     "new_hasher",

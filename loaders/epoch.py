@@ -9,8 +9,9 @@ index within that unit, and the order in which units are first and last used
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,9 +25,35 @@ from datacache.loaders.order import (
     worker_positions,
 )
 
-__all__ = ["EpochPlan", "auto_window", "initial_prefetch", "plan_epoch"]
+__all__ = ["EpochPlan", "ReadPlan", "auto_window", "initial_prefetch", "plan_epoch"]
 
 IntArray = npt.NDArray[np.int64]
+
+
+class ReadPlan(Protocol):
+    """What readers need of a plan: an `EpochPlan`, or a cold epoch's plan that grows as it is read."""
+
+    @property
+    def unit_of(self) -> IntArray: ...
+
+    @property
+    def local(self) -> IntArray: ...
+
+    @property
+    def padded(self) -> int: ...
+
+    @property
+    def first_use(self) -> Mapping[int, int]: ...
+
+    @property
+    def last_use(self) -> Mapping[int, int]: ...
+
+    @property
+    def unit_sequence(self) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def units_from(self, produced: int) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +96,14 @@ def plan_epoch(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
+    order: IntArray | None = None,
 ) -> EpochPlan:
-    """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed."""
-    order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
+
+    ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
+    """
+    if order is None:
+        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
     sequence = remaining_sequence(order, cursors, window)
     total = len(sequence)
     own = rank_positions(total, layout.world_size, layout.rank, window)

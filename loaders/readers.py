@@ -245,7 +245,7 @@ class TarReader(_BufferReader):
                         raise
                     raise ShardReadError(f"{where}: {exc}") from None
             table = SpanTable.from_spans(spans, shard_size=len(self._view))
-            if len(table) != unit.count:
+            if unit.count >= 0 and len(table) != unit.count:  # a negative count: not known yet (a cold epoch)
                 said = f" ({', '.join(sources)})" if sources else ""
                 raise ShardReadError(
                     f"{where}: holds {len(table)} samples, its sample index{said} says {unit.count}: "

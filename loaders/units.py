@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     SpanCache,
@@ -62,6 +62,8 @@ class Runtime:
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
+    book: Any = None
+    """The `coldplan.CountBook` while some shard's sample count is unknown."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -83,7 +85,7 @@ class UnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: EpochPlan,
+        epoch: ReadPlan,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
@@ -162,7 +164,10 @@ class UnitReaders:
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
-        unit = int(self._epoch.unit_of[position])
+        return self.reader_for(int(self._epoch.unit_of[position]))
+
+    def reader_for(self, unit: int) -> UnitReader | None:
+        """The open reader of ``unit`` (opened now if need be); None if it was skipped as bad."""
         reader = self.readers.get(unit)
         if reader is not None:
             return reader

@@ -47,3 +47,48 @@ def test_warm_and_evict_through_the_daemon(tmp_path: Path, cache_env: dict[str, 
         assert catalog_rows(local) == []
     finally:
         daemon.stop()
+
+
+# -- one warm: the stager's, through the daemon (issue 12 item 8) ----------------------------
+
+
+def _summary(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    document = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(document, dict) and document["event"] == "done", done.stdout
+    return document
+
+
+def test_warm_bandwidth_is_honoured_through_the_daemon(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    origin = tmp_path / "origin"
+    shards = make_shards(origin, 8, 500_000)
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        done = run(daemon.env, "warm", str(origin), "--bandwidth", "1MB/s", "--json")
+        assert done.returncode == 0, done.stderr
+        summary = _summary(done)
+        assert summary["bytes_transferred"] == sum(map(len, shards.values()))
+        # An upper bound only (a slow machine is slower still): 4 MB at 1 MB/s, with at most one
+        # second's burst, cannot take under 3 s; unpaced, the daemon moves it in a fraction of that.
+        assert float(summary["rate_bytes_per_s"]) <= 1.5e6, summary  # type: ignore[arg-type]
+    finally:
+        daemon.stop()
+
+
+def test_the_daemons_warm_is_not_complete_when_a_shard_was_evicted_during_it(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    make_shards(origin, 4, 1_000_000)
+    # One transfer at a time: each new shard makes room by evicting (LRU) one the warm staged before.
+    daemon = start_daemon(cache_env, tmp_path / "local", "--local-capacity", "2500000", "--concurrency", "1")
+    try:
+        done = run(daemon.env, "warm", str(origin), "--policy", "lru", "--json")
+        summary = _summary(done)
+        resident = int(summary["shards_resident"])  # type: ignore[call-overload]
+        assert resident <= 2, summary  # 2.5 MB hold two 1 MB shards, whatever the daemon said per shard
+        assert summary["complete"] is False and done.returncode == 1, summary
+        assert len(summary["failures"]) == 4 - resident, summary  # type: ignore[arg-type]
+        embedded = run(daemon.env, "warm", str(origin), "--policy", "lru", "--json", "--no-daemon")
+        assert set(_summary(embedded)) == set(summary)  # one wire form, whichever ran the warm
+    finally:
+        daemon.stop()

@@ -240,3 +240,25 @@ def test_index_of_a_parquet_dataset_says_it_needs_none(tmp_path: Path, cache_env
     result = run_cli(["index", str(origin)], {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")})
     assert result.returncode == 2
     assert "tar shards only" in result.stderr
+
+
+def test_rescan_replaces_a_wrong_count_the_cluster_had_kept(
+    tmp_path: Path, settings: Settings, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=57, per_shard=10)
+    wrong = counts_on_disk(origin)
+    wrong["train-0004.tar"] -= 2
+    write_wids(origin, wrong)
+    with pytest.raises(ShardReadError, match=r"--rescan"):
+        list(CachedIterableDataset(str(origin), config=settings, shuffle=False))
+    (origin / "train.json").unlink()  # the bad index is gone, but the cluster kept what it said
+    env = {
+        **cache_env,
+        "DATACACHE_LOCAL_DIR": str(settings.local_dir),
+        "DATACACHE_SHARED_DIR": str(settings.shared_dir),
+    }
+    result = run_cli(["index", str(origin), "--rescan", "--no-write"], env, check=True)
+    assert "6 scanned here" in result.stdout
+    again = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert sorted(s["__key__"] for s in again) == sorted(expected)

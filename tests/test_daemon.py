@@ -227,17 +227,21 @@ def test_bad_requests_get_clear_errors_and_the_daemon_stays_up(
 
 def test_peer_and_dataset_allowlists(tmp_path: Path, cache_env: dict[str, str]) -> None:
     from datacache.daemon import Daemon, DaemonOptions
+    from datacache.daemon._http import Peer
 
     settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "cache")})
     daemon = Daemon(settings, DaemonOptions(allow_uids=frozenset({4242}), allow_datasets=("s3://ok-bucket/",)))
     stranger = os.getuid() + 1000 if os.getuid() != 0 else 1000
     with pytest.raises(ConfigError, match="may not use this daemon"):
-        daemon.peers.check(1, stranger, stranger + 1)
-    daemon.peers.check(1, 4242, 4242)
-    daemon.peers.check(1, os.getuid(), os.getgid())
-    daemon.registry.allowed(DatasetConfig(name="a", url="s3://ok-bucket/imagenet"))
+        daemon.peers.check(Peer(1, stranger, stranger + 1))
+    daemon.peers.check(Peer(1, 4242, 4242))
+    daemon.peers.check(Peer(1, os.getuid(), os.getgid()))
+    admit = daemon.registry.policy.admit
+    admit(DatasetConfig(name="a", url="s3://ok-bucket/imagenet"), {}, configured=False, operator=True)
     with pytest.raises(ConfigError, match="allowlist"):
-        daemon.registry.allowed(DatasetConfig(name="b", url="s3://other-bucket/x"))
+        admit(DatasetConfig(name="b", url="s3://other-bucket/x"), {}, configured=False, operator=True)
+    with pytest.raises(ConfigError, match="allowlist"):
+        admit(DatasetConfig(name="c", url="s3://ok-bucket-evil/x"), {}, configured=False, operator=True)
 
 
 # -- one daemon, one node --------------------------------------------------------------------

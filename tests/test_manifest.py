@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,6 +157,26 @@ def test_select() -> None:
     assert len(manifest.select(None)) == 10
     with pytest.raises(ShardNotFoundError, match=r"no shard 'x\.tar'"):
         manifest.select("x.tar")
+
+
+def test_select_a_bare_number_is_an_index() -> None:
+    manifest = Manifest("d", "u", ShardFormat.TAR, tuple(Shard(f"part-{i}.tar", 1) for i in range(10)))
+    assert [s.key for s in manifest.select("3")] == ["part-3.tar"]
+    assert [s.key for s in manifest.select("-1")] == ["part-9.tar"]
+    assert [s.key for s in manifest.select("0,3")] == ["part-0.tar", "part-3.tar"]
+    with pytest.raises(ConfigError, match=r"--shards 10: .*10 shards"):
+        manifest.select("10")
+    named = Manifest("d", "u", ShardFormat.FILES, (Shard("3", 1), Shard("4", 1)))
+    assert [s.key for s in named.select("4")] == ["4"], "a key that is a number is still that key"
+
+
+def test_a_prefix_with_tars_and_parquet_says_which_it_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fill_dir(tmp_path / "o", {"a.tar": b"x" * 512, "b.tar": b"x" * 512, "a.parquet": b"p"})
+    with caplog.at_level(logging.WARNING, logger="datacache.manifest"):
+        manifest = manifest_of(str(tmp_path / "o"))
+    assert [s.key for s in manifest.shards] == ["a.tar", "b.tar"]
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "2 .tar" in warned and "1 .parquet" in warned and "format" in warned, warned
 
 
 def test_manifest_store_ignores_unreadable_files(tmp_path: Path) -> None:

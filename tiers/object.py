@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
+from datacache.tiers._backends import close_filesystem, filesystem_class, pinned_cat, version_of
+from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
@@ -66,7 +68,7 @@ class ObjectTier(Tier):
         protocol, _ = fsspec.core.split_protocol(url)
         self._protocol = protocol or "file"
         try:
-            self._fs_class = fsspec.get_filesystem_class(self._protocol)
+            self._fs_class = filesystem_class(self._protocol)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open {redact_url(url)}: {exc}") from None
         try:
@@ -179,9 +181,8 @@ class ObjectTier(Tier):
 
     async def close(self) -> None:
         fs, self._fs, self._fs_loop = self._fs, None, None
-        s3 = getattr(fs, "_s3", None) if fs is not None else None
-        if s3 is not None:
-            await s3.__aexit__(None, None, None)
+        if fs is not None:
+            await close_filesystem(getattr(fs, "fs", fs))  # an AsyncFileSystemWrapper holds the sync one
         pool, client = self._get_pool, self._get_client
         self._get_pool = self._get_client = None
         if pool is not None:
@@ -210,11 +211,10 @@ class ObjectTier(Tier):
             self._counters["errors"] += 1
             raise
 
-    @staticmethod
-    def _version(info: Mapping[str, Any]) -> str | None:
-        etag = info.get("ETag") or info.get("etag")
-        if etag:
-            return str(etag).strip('"')
+    def _version(self, info: Mapping[str, Any]) -> str | None:
+        version = version_of(self._protocol, info)
+        if version:
+            return version
         mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
         if isinstance(mtime, datetime):
             mtime = mtime.timestamp()
@@ -266,22 +266,40 @@ class ObjectTier(Tier):
 
             data = await self._call(where, get_object)
         else:
-            if version is not None:
-                current = await self.stat(key)
-                if current is None:
-                    raise ShardNotFoundError(f"{where}: not found at the origin")
-                if current.version != version:
-                    raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
-
-            async def cat() -> bytes:
-                result: bytes = await fs._cat_file(path, start=span.start or None, end=span.end)
-                return result
-
-            data = await self._call(where, cat)
+            data = await self._get_other(fs, key, span, version)
         if span.end is not None and len(data) > span.end - span.start:
             data = data[: span.end - span.start]
         self._counters["bytes_read"] += len(data)
         return data
+
+    async def _get_other(self, fs: Any, key: str, span: ByteRange, version: str | None) -> bytes:
+        """A read from a backend other than S3: pinned where the backend can name a version."""
+        path, where = self._path(key), f"{self.url}/{key}"
+        if span.end is not None and span.end == span.start:
+            return b""
+        if version is not None:
+            pinned = await self._call(
+                where, lambda: pinned_cat(fs, self._protocol, path, span.start, span.end, version, where)
+            )
+            if pinned is not None:
+                return pinned
+            # No pinned read here (files): compare, then read; the manifest's checksum catches the rest.
+            current = await self.stat(key)
+            if current is None:
+                raise ShardNotFoundError(f"{where}: not found at the origin")
+            if current.version != version:
+                raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+
+        async def cat() -> bytes:
+            try:
+                result: bytes = await fs._cat_file(path, start=span.start or None, end=span.end)
+            except Exception as exc:
+                if backend_past_the_end(exc):
+                    return b""  # a range at or past the end: no bytes, as on S3 and files
+                raise
+            return result
+
+        return await self._call(where, cat)
 
     async def stream(
         self,

@@ -7,6 +7,7 @@ the middleware turns what they raise into one JSON error line (docs/DAEMON.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ __all__ = [
     "STARTING",
     "BadRequest",
     "Forbidden",
+    "Peer",
     "PeerPolicy",
     "body",
     "error",
@@ -81,25 +83,39 @@ class Forbidden(ConfigError):
 
 
 @dataclass(frozen=True)
+class Peer:
+    """The process at the other end of the socket, by ``SO_PEERCRED``."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @property
+    def is_operator(self) -> bool:
+        """Root or the daemon's own uid: nothing the daemon holds is more than it holds itself."""
+        return self.uid in (0, os.getuid())
+
+
+@dataclass(frozen=True)
 class PeerPolicy:
     """Who may use the daemon, by the peer's ``SO_PEERCRED``: root, the daemon's uid and gid, and these."""
 
     allow_uids: frozenset[int] = frozenset()
     allow_gids: frozenset[int] = frozenset()
 
-    def check(self, pid: int, uid: int, gid: int) -> None:
-        if uid in (0, os.getuid()) or uid in self.allow_uids:
+    def check(self, peer: Peer) -> None:
+        """Raise `Forbidden` unless ``peer`` may use the daemon."""
+        if peer.is_operator or peer.uid in self.allow_uids:
             return
-        if gid == os.getgid() or gid in self.allow_gids:
+        if peer.gid == os.getgid() or peer.gid in self.allow_gids:
             return
         raise Forbidden(
-            f"uid {uid} gid {gid} may not use this daemon (allow it: --allow-uid or --allow-gid)"
+            f"uid {peer.uid} gid {peer.gid} may not use this daemon (allow it: --allow-uid or --allow-gid)"
         )
 
 
-def peer(request: web.Request) -> tuple[int, int, int] | None:
-    """The (pid, uid, gid) of the process at the other end of a Unix socket; None over TCP."""
-    transport = request.transport
+def peer(transport: asyncio.BaseTransport | None) -> Peer | None:
+    """The process at the other end of a Unix socket; None over TCP."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or sock.family != socket.AF_UNIX:
         return None
@@ -108,7 +124,7 @@ def peer(request: web.Request) -> tuple[int, int, int] | None:
     except OSError:
         return None
     pid, uid, gid = _PEERCRED.unpack(raw)
-    return pid, uid, gid
+    return Peer(pid, uid, gid)
 
 
 def error(code: str, status: int, message: str) -> web.Response:
@@ -182,10 +198,12 @@ def middleware(
         started = time.monotonic()
         code = "ok"
         try:
-            who = peer(request)
+            who = peer(request.transport)
             if who is not None:
-                peers.check(*who)
-                request["peer_pid"] = who[0]
+                peers.check(who)
+                request["peer"] = who
+            elif verb not in _ALWAYS:
+                raise Forbidden("cannot tell which user is calling (no SO_PEERCRED on this connection)")
             if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
                 code = "too_large"
                 return error(code, 413, f"request body over {MAX_BODY_BYTES} bytes")

@@ -61,10 +61,13 @@ class Lifecycle:
         Where the cache, the socket and the metrics port are.
     drain_timeout
         On a stop, how long running requests may take before they are abandoned.
+    socket_group
+        The gid that owns the socket, so that its members may connect (default: the daemon's).
     """
 
-    def __init__(self, settings: Settings, drain_timeout: float) -> None:
+    def __init__(self, settings: Settings, drain_timeout: float, *, socket_group: int | None = None) -> None:
         self.settings = settings
+        self.socket_group = socket_group
         self.drain_timeout = drain_timeout
         self.metrics_address: str | None = None
         self.ready = False
@@ -176,6 +179,8 @@ class Lifecycle:
             raise DatacacheError(f"cannot create the socket {path}: {exc.strerror}") from None
         finally:
             os.umask(previous)
+        if self.socket_group is not None:
+            os.chown(path, -1, self.socket_group)
         path.chmod(0o660)
         sock.listen(256)
         sock.setblocking(False)

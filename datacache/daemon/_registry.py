@@ -19,7 +19,8 @@ from typing import Any
 
 from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.daemon._http import BadRequest, Forbidden, string
+from datacache.daemon._http import BadRequest, Peer, string
+from datacache.daemon._policy import OriginPolicy
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.stager import DatasetHandle, Stager
@@ -37,63 +38,65 @@ class DatasetRegistry:
     ----------
     settings
         The daemon's settings: configured datasets and per-scheme storage options.
-    allow_datasets
-        If not empty, only configured datasets and URLs starting with one of these may be opened.
+    policy
+        What clients other than the daemon's own user may have it open.
     snapshot_dir
         Where each served snapshot's manifest is written for clients to read.
     """
 
-    def __init__(self, settings: Settings, allow_datasets: tuple[str, ...], snapshot_dir: Path) -> None:
+    def __init__(self, settings: Settings, policy: OriginPolicy, snapshot_dir: Path) -> None:
         self.settings = settings
-        self.allow_datasets = allow_datasets
+        self.policy = policy
         self.snapshot_dir = snapshot_dir
         self.handles: dict[tuple[str, str], DatasetHandle] = {}
         self.latest: dict[str, DatasetHandle] = {}
         self.pins: set[str] = set()
+        # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
+        self.opened: dict[int, set[str]] = {}
 
     # -- what a client may open -----------------------------------------------------------
 
-    def allowed(self, config: DatasetConfig) -> None:
-        prefixes = self.allow_datasets
-        if not prefixes:
-            return
-        configured = self.settings.datasets.get(config.name)
-        if configured is not None and configured.url == config.url:
-            return
-        url = redact_url(config.url)
-        if any(url.startswith(prefix) or config.url.startswith(prefix) for prefix in prefixes):
-            return
-        raise Forbidden(f"dataset {url} is not in this daemon's allowlist (--allow-dataset)")
+    def config(self, data: Mapping[str, Any], peer: Peer) -> DatasetConfig:
+        """The configuration a request's ``dataset`` (a name, URL or wire form) stands for.
 
-    def config(self, data: Mapping[str, Any]) -> DatasetConfig:
-        """The configuration a request's ``dataset`` (a name, URL or wire form) stands for."""
+        Raise `Forbidden` if ``peer`` may not have the daemon open it (see `OriginPolicy`).
+        """
         spec = data.get("dataset")
+        client_options: dict[str, Any] = {}
         if isinstance(spec, str):
             config = resolve_dataset(spec, self.settings)
+            configured = spec in self.settings.datasets
         else:
             config = config_from_wire(spec)
             validate_key(config.name)
-            configured = self.settings.datasets.get(config.name)
-            if configured is not None and configured.url.rstrip("/") != config.url.rstrip("/"):
+            client_options = dict(config.storage_options)
+            known = self.settings.datasets.get(config.name)
+            if known is not None and known.url.rstrip("/") != config.url.rstrip("/"):
                 raise ConfigError(
                     f"dataset name {config.name!r} is configured in the daemon for another URL "
-                    f"({redact_url(configured.url)})"
+                    f"({redact_url(known.url)})"
                 )
+            configured = known is not None
             scheme = config.url.split("://", 1)[0] if "://" in config.url else "file"
-            defaults = self.settings.storage_options.get(scheme, {})
-            if defaults:
-                config = replace(config, storage_options={**defaults, **config.storage_options})
-        self.allowed(config)
+            base = {**self.settings.storage_options.get(scheme, {}), **(known.storage_options if known else {})}
+            if base:
+                config = replace(config, storage_options={**base, **client_options})
+        self.policy.admit(config, client_options, configured=configured, operator=peer.is_operator)
         if config.id in self.pins and not config.pinned:
             config = replace(config, pinned=True)
         return config
 
+    def opened_by(self, peer: Peer, dataset_id: str) -> bool:
+        """Whether ``peer`` may act on ``dataset_id``: an operator, or a uid that opened it."""
+        return peer.is_operator or dataset_id in self.opened.get(peer.uid, ())
+
     # -- handles --------------------------------------------------------------------------
 
     async def open(
-        self, stager: Stager, config: DatasetConfig, *, refresh: bool, snapshot: str | None
+        self, stager: Stager, config: DatasetConfig, peer: Peer, *, refresh: bool, snapshot: str | None
     ) -> DatasetHandle:
-        """Open ``config`` (at ``snapshot`` if a client holds one) and remember its handle."""
+        """Open ``config`` for ``peer`` (at ``snapshot`` if it holds one) and remember its handle."""
+        self.opened.setdefault(peer.uid, set()).add(config.id)
         if snapshot is not None and not refresh:
             known = self.handles.get((config.id, snapshot))
             if known is not None:
@@ -113,19 +116,18 @@ class DatasetRegistry:
         await asyncio.to_thread(self._save_snapshot, handle.manifest)
         return handle
 
-    def handle(self, data: Mapping[str, Any]) -> DatasetHandle:
-        """The open handle a request's ``dataset`` and ``snapshot`` name."""
+    def handle(self, data: Mapping[str, Any], peer: Peer) -> DatasetHandle:
+        """The open handle a request's ``dataset`` and ``snapshot`` name, if ``peer`` opened it."""
         dataset = string(data, "dataset")
         snapshot = data.get("snapshot")
-        if snapshot is None:
-            handle = self.latest.get(dataset)
-        elif isinstance(snapshot, str):
-            handle = self.handles.get((dataset, snapshot))
-        else:
+        if snapshot is not None and not isinstance(snapshot, str):
             raise BadRequest("'snapshot' must be a string")
+        handle = None
+        if self.opened_by(peer, dataset):
+            handle = self.latest.get(dataset) if snapshot is None else self.handles.get((dataset, snapshot))
         if handle is None:
             which = f"dataset {dataset!r}" + (f" at snapshot {snapshot}" if snapshot else "")
-            raise UnknownDatasetError(f"{which} is not open in this daemon; open it first")
+            raise UnknownDatasetError(f"{which} is not open in this daemon for uid {peer.uid}; open it first")
         return handle
 
     @staticmethod

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,19 @@ from typing import Any
 from aiohttp import web
 
 from datacache import __version__
-from datacache._protocol import API, MAX_BODY_BYTES, client_label, error_for, location_to_wire
+from datacache._protocol import (
+    API,
+    MAX_BODY_BYTES,
+    client_label,
+    error_for,
+    location_to_wire,
+    warm_progress_to_wire,
+    warm_report_to_wire,
+)
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
 from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
 from datacache.daemon._status import ClientReport, StatusBoard, log_event
@@ -44,8 +54,9 @@ from datacache.stager import (
     DatasetHandle,
     Location,
     Stager,
-    StagingEvent,
+    WarmProgress,
 )
+from datacache.staging.warm import Submit
 from datacache.tiers import redact_url, validate_key
 
 __all__ = ["Daemon", "DaemonOptions", "serve"]
@@ -71,8 +82,15 @@ class DaemonOptions:
         Peers (by ``SO_PEERCRED``) allowed besides root, the daemon's own
         uid and its primary gid.
     allow_datasets
-        If set, only configured dataset names and URLs starting with one of
-        these prefixes may be opened.
+        Origin URL prefixes that clients other than the daemon's own user (and
+        root) may open besides configured datasets; if set, the daemon's own
+        user is limited to them too.
+    allow_endpoints
+        Endpoints such clients may name in ``storage_options.endpoint_url``.
+    allow_client_credentials
+        Whether such clients may send credentials (the daemon then uses theirs).
+    socket_group
+        The group that owns the socket (mode 0660), so that its members can connect.
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
     """
@@ -83,6 +101,9 @@ class DaemonOptions:
     allow_uids: frozenset[int] = frozenset()
     allow_gids: frozenset[int] = frozenset()
     allow_datasets: tuple[str, ...] = ()
+    allow_endpoints: tuple[str, ...] = ()
+    allow_client_credentials: bool = False
+    socket_group: int | None = None
     client_ttl: float = 300.0
 
 
@@ -103,11 +124,15 @@ class Daemon:
         self.stager: Stager | None = None
         self.metrics = DaemonMetrics(self._stats)
         self.scheduler: PrefetchScheduler | None = None
-        self.lifecycle = Lifecycle(settings, self.options.drain_timeout)
+        self.lifecycle = Lifecycle(settings, self.options.drain_timeout, socket_group=self.options.socket_group)
         self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
-        self.registry = DatasetRegistry(
-            settings, self.options.allow_datasets, self.lifecycle.snapshot_dir
+        policy = OriginPolicy(
+            prefixes=self.options.allow_datasets,
+            endpoints=self.options.allow_endpoints,
+            client_credentials=self.options.allow_client_credentials,
+            own_endpoints=own_endpoints(settings),
         )
+        self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
 
     @property
@@ -232,6 +257,19 @@ class Daemon:
         app.router.add_get("/readyz", self._readyz)
         return app
 
+    @staticmethod
+    def _peer(request: web.Request) -> http.Peer:
+        who = request.get("peer")
+        if not isinstance(who, http.Peer):
+            raise http.Forbidden("cannot tell which user is calling (no SO_PEERCRED on this connection)")
+        return who
+
+    def _may_change(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """Only an operator, or a uid that opened ``dataset_id``, may change it."""
+        peer = self._peer(request)
+        if not self.registry.opened_by(peer, dataset_id):
+            raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
+
     def _stager(self) -> Stager:
         if self.stager is None:
             raise DaemonUnavailableError("the daemon is starting")
@@ -261,12 +299,14 @@ class Daemon:
 
     async def _open(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        config = self.registry.config(data)
+        peer = self._peer(request)
+        config = await asyncio.to_thread(self.registry.config, data, peer)
         snapshot = data.get("snapshot")
         if snapshot is not None and not isinstance(snapshot, str):
             raise http.BadRequest("'snapshot' must be a string")
+        refresh = bool(data.get("refresh", False))
         handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, refresh=bool(data.get("refresh", False)), snapshot=snapshot)
+            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot)
         )
         manifest = handle.manifest
         return web.json_response(
@@ -284,7 +324,7 @@ class Daemon:
 
     async def _ensure(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         tier = http.tier(data)
@@ -303,7 +343,7 @@ class Daemon:
 
     async def _locate(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         location = await self._stager().locate(handle, key)
@@ -311,7 +351,7 @@ class Daemon:
 
     async def _prefetch(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         keys = http.keys(data)
         for key in keys:
             self.registry.shard(handle, key)
@@ -324,14 +364,14 @@ class Daemon:
 
     async def _future_order(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         keys = http.keys(data)
         await self._stager().set_future_order(handle, keys)
         return web.json_response({"keys": len(keys)})
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data)
+        handle = self.registry.handle(data, self._peer(request))
         key = http.string(data, "key")
         shard = self.registry.shard(handle, key)
         tier = http.tier(data)
@@ -357,6 +397,10 @@ class Daemon:
         tier = data.get("tier", LOCAL)
         if tier not in (LOCAL, SHARED, "all"):
             raise http.BadRequest(f"unknown tier {tier!r} (choose local, shared or all)")
+        self._may_change(request, dataset_id, "evict")
+        if tier != LOCAL and not self._peer(request).is_operator:
+            # The shared tier serves every node of the cluster: only an operator empties it.
+            raise http.Forbidden(f"only root or the daemon's uid may evict from the {tier} tier")
         count = size = 0
         if tier in (LOCAL, "all"):
             c, s = await self.lifecycle.tracked(stager.evict(dataset_id, keys))
@@ -386,6 +430,7 @@ class Daemon:
         data = await http.body(request)
         dataset = http.string(data, "dataset")
         validate_key(dataset)
+        self._may_change(request, dataset, "pin" if pinned else "unpin")
         if not await self._stager().catalog.set_pinned(dataset, pinned):
             raise ShardNotFoundError(
                 f"dataset {dataset!r} is unknown to this node (open or warm it first)"
@@ -407,7 +452,7 @@ class Daemon:
 
     async def _report(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        pid = request.get("peer_pid")
+        pid = self._peer(request).pid
         name = client_label(data.get("client"), f"pid-{pid}" if pid else "unknown")
         bandwidth = http.number(data, "delivered_bytes_per_s", 0.0)
         stall = http.number(data, "stall_fraction", 0.0)
@@ -443,168 +488,108 @@ class Daemon:
 
     async def _warm(self, request: web.Request) -> web.StreamResponse:
         data = await http.body(request)
-        config = self.registry.config(data)
+        peer = self._peer(request)
+        config = await asyncio.to_thread(self.registry.config, data, peer)
         tier = http.tier(data)
         spec = data.get("shards")
         if spec is not None and not isinstance(spec, str):
             raise http.BadRequest("'shards' must be a string such as '0:10' or 'a.tar,b.tar'")
+        bandwidth = data.get("bandwidth")
+        if bandwidth is not None and (http.number(data, "bandwidth", 0.0) <= 0 or math.isinf(bandwidth)):
+            raise http.BadRequest("'bandwidth' must be a positive number of bytes per second")
+        refresh = bool(data.get("refresh", False))
         handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, refresh=bool(data.get("refresh", False)), snapshot=None)
+            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=None)
         )
         shards = handle.manifest.select(spec)
         if not shards:
             raise ConfigError(f"shards {spec!r} select no shard of {handle.id}")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
+        lines = _Lines(response)
+        total = sum(shard.size for shard in shards)
+        await lines.send({"event": "start", "dataset": handle.id, "tier": tier, "shards": len(shards), "bytes": total})
         warm = asyncio.ensure_future(
-            self._run_warm(handle, shards, tier, bool(data.get("verify")), response)
+            self._stager().warm(
+                handle,
+                shards,
+                tier=tier,
+                verify=bool(data.get("verify")),
+                bandwidth=float(bandwidth) if bandwidth is not None else None,
+                progress=lines.progress,
+                submit=self._gated(handle, tier),
+            )
         )
         self.lifecycle.track(warm)
+        lines.on_gone = warm.cancel  # the client went away: stop queueing its shards
         try:
-            await asyncio.shield(warm)
+            report = await asyncio.shield(warm)
         except asyncio.CancelledError:
             warm.cancel()
             raise
-        except ConnectionResetError:
-            warm.cancel()  # the client went away: stop queueing its shards
-            return response
         except Exception as exc:  # the reply has begun: the error travels as the last line
             code, _ = error_for(exc)
             line = redact_url((str(exc) or type(exc).__name__).strip().splitlines()[0])
-            await response.write(
-                (json.dumps({"event": "error", "code": code, "message": line}) + "\n").encode()
-            )
-        await response.write_eof()
+            report = None
+            await lines.send({"event": "error", "code": code, "message": line})
+        try:
+            if report is not None:
+                await lines.close(warm_report_to_wire(report, handle.config.url))
+            await response.write_eof()
+        except ConnectionResetError:
+            warm.cancel()  # the client went away: stop queueing its shards
         return response
 
-    async def _run_warm(
-        self,
-        handle: DatasetHandle,
-        shards: Sequence[Shard],
-        tier: str,
-        verify: bool,
-        response: web.StreamResponse,
-    ) -> None:
-        stager = self._stager()
+    def _gated(self, handle: DatasetHandle, tier: str) -> Submit:
+        """A warm's shards pass the prefetch gate: readers always find free workers."""
         scheduler = self._scheduler()
-        started = time.monotonic()
-        moved = 0
-        staged = 0
-        wanted = {shard.key for shard in shards}
 
-        def count(event: StagingEvent) -> None:
-            nonlocal moved, staged
-            if event.dataset != handle.id or event.tier != tier or event.key not in wanted:
+        async def submit(shard: Shard, priority: float) -> Location:
+            future = scheduler.submit(handle, shard.key, tier=tier, priority=priority, wait=True)
+            if future is None:  # pragma: no cover - waited submissions are never dropped
+                raise DatacacheError("the prefetch backlog is full")
+            return await future
+
+        return submit
+
+
+class _Lines:
+    """A warm's reply: JSON lines, progress at most once a second, written in order by one task."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._last = 0.0
+        self._writer: asyncio.Task[None] | None = None
+        self.on_gone: Callable[[], object] = lambda: None
+
+    async def send(self, document: dict[str, Any]) -> None:
+        await self._response.write((json.dumps(document) + "\n").encode())
+
+    def progress(self, progress: WarmProgress) -> None:
+        now = time.monotonic()
+        if now - self._last < 1.0 and progress.shards_done < progress.shards_total:
+            return
+        self._last = now
+        if self._writer is None:
+            self._writer = asyncio.ensure_future(self._write())
+        self._queue.put_nowait(warm_progress_to_wire(progress))
+
+    async def _write(self) -> None:
+        while (document := await self._queue.get()) is not None:
+            try:
+                await self.send(document)
+            except ConnectionResetError:
+                self.on_gone()
                 return
-            if event.kind == "bytes":
-                moved += event.size
-            elif event.kind == "staged":
-                staged += 1
 
-        async def send(document: dict[str, Any]) -> None:
-            await response.write((json.dumps(document) + "\n").encode())
+    async def close(self, last: dict[str, Any]) -> None:
+        """Flush the progress lines, then write ``last``."""
+        if self._writer is not None:
+            self._queue.put_nowait(None)
+            await self._writer
+        await self.send(last)
 
-        await send(
-            {
-                "event": "start",
-                "dataset": handle.id,
-                "tier": tier,
-                "shards": len(shards),
-                "bytes": sum(s.size for s in shards),
-            }
-        )
-        verified = 0
-        if verify:
-            gate = asyncio.Semaphore(4)
-
-            async def check(shard: Shard) -> bool:
-                async with gate:
-                    return await stager.verify_resident(handle, shard, tier=tier)
-
-            results = await asyncio.gather(
-                *(check(shard) for shard in shards), return_exceptions=True
-            )
-            verified = sum(1 for result in results if result is True)
-        stager.add_listener(count)
-        done = resident = done_bytes = 0
-        failures: list[tuple[str, str]] = []
-        window = max(4 * scheduler.slots, 64)
-        outstanding: dict[asyncio.Future[Location], Shard] = {}
-        last_progress = time.monotonic()
-        try:
-            queue = iter(enumerate(shards))
-            exhausted = False
-            while outstanding or not exhausted:
-                while not exhausted and len(outstanding) < window:
-                    try:
-                        index, shard = next(queue)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    future = scheduler.submit(
-                        handle,
-                        shard.key,
-                        tier=tier,
-                        priority=PRIORITY_PREFETCH + index * 1e-6,
-                        wait=True,
-                    )
-                    if future is not None:
-                        outstanding[future] = shard
-                if not outstanding:
-                    break
-                finished, _ = await asyncio.wait(
-                    outstanding, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-                )
-                for future in finished:
-                    shard = outstanding.pop(future)
-                    done += 1
-                    done_bytes += shard.size
-                    error = future.exception()
-                    if error is not None:
-                        failures.append((shard.key, str(error)))
-                    elif future.result().tier == tier:
-                        resident += 1
-                    else:
-                        failures.append(
-                            (shard.key, f"not kept on the {tier} tier (the tier is full)")
-                        )
-                now = time.monotonic()
-                if now - last_progress >= 1.0 or not (outstanding or not exhausted):
-                    last_progress = now
-                    elapsed = max(now - started, 1e-6)
-                    await send(
-                        {
-                            "event": "progress",
-                            "shards_done": done,
-                            "shards_total": len(shards),
-                            "bytes_done": done_bytes,
-                            "bytes_transferred": moved,
-                            "rate_bytes_per_s": round(moved / elapsed, 1),
-                        }
-                    )
-        finally:
-            stager.remove_listener(count)
-            for future in outstanding:
-                future.cancel()
-        seconds = time.monotonic() - started
-        await send(
-            {
-                "event": "done",
-                "dataset": handle.id,
-                "url": redact_url(handle.config.url),
-                "tier": tier,
-                "complete": resident == len(shards) and not failures,
-                "shards_requested": len(shards),
-                "shards_resident": resident,
-                "shards_verified": verified,
-                "shards_transferred": staged,
-                "bytes_requested": sum(s.size for s in shards),
-                "bytes_transferred": moved,
-                "seconds": round(seconds, 3),
-                "rate_bytes_per_s": round(moved / seconds, 1) if seconds > 0 else 0.0,
-                "failures": [{"shard": key, "error": redact_url(error)} for key, error in failures],
-            }
-        )
 
 async def serve(settings: Settings, options: DaemonOptions | None = None) -> int:
     """Run a daemon until SIGTERM or SIGINT, then stop it gracefully; return the exit status."""

@@ -4,7 +4,9 @@
 ``types`` (value types) <- ``events`` (listeners, counters) <- ``queue`` (the
 job queue), ``transfer`` (one copy in a memory budget), ``residency`` (what
 eviction keeps) <- ``shared`` (the shared tier) <- ``local`` (the local tier);
-``recovery`` repairs what killed processes left. No part imports the facade.
+``recovery`` repairs what killed processes left; ``warm`` is the one warm, run by
+the facade with the queue or by the daemon with its prefetch gate. No part imports
+the facade.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from datacache.staging.types import (
     StagingEvent,
     WarmReport,
 )
+from datacache.staging.warm import WarmProgress
 
 __all__ = [
     "LOCAL",
@@ -34,5 +37,6 @@ __all__ = [
     "Stager",
     "StagerStats",
     "StagingEvent",
+    "WarmProgress",
     "WarmReport",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from datacache.catalog import Catalog, CatalogEntry
 from datacache.config import Settings
-from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierFullError
+from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
 from datacache.locks import NodeLock, lock_name
 from datacache.manifest import Shard
 from datacache.staging.events import Events
@@ -152,8 +152,8 @@ class LocalStager:
         if self._shared is not None:
             try:
                 _, checksum = await self._shared.ensure(handle, shard)
-            except (TierFullError, InvalidKeyError) as exc:
-                # Full, or its path resolves outside the tier (a symlink planted there): go around it.
+            except (TierFullError, TierAccessError, InvalidKeyError) as exc:
+                # Full, not this user's to write, or a link planted on its way: go around it.
                 logger.info("dataset %s: shard %r bypasses the shared tier: %s", handle.id, shard.key, exc)
             else:
                 return self._shared.tier, handle.tier_key(shard.key), checksum, SHARED
@@ -165,7 +165,7 @@ class LocalStager:
         if self._shared is not None:
             try:
                 path, checksum = await self._shared.ensure(handle, shard)
-            except (TierFullError, InvalidKeyError):
+            except (TierFullError, TierAccessError, InvalidKeyError):
                 pass
             else:
                 return Location(SHARED, path, shard, checksum)

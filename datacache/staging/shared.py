@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.catalog import Catalog
-from datacache.errors import TierFullError
+from datacache.errors import TierAccessError, TierFullError
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
@@ -27,6 +28,8 @@ from datacache.tiers import ObjectInfo, SharedTier
 from datacache.units import format_bytes
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
+
+logger = logging.getLogger(__name__)
 
 
 def shared_copy_matches(info: ObjectInfo, dataset_id: str, shard: Shard, trusted: frozenset[int]) -> bool:
@@ -95,9 +98,35 @@ class SharedStager:
         self._flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
         self._room = asyncio.Lock()
         self._reserved: dict[tuple[str, str], int] = {}
+        self._refusal: str | None = None
+        self._checked = False
+
+    async def check(self) -> None:
+        """Check once, at start-up, that this user can use the tier; warn what is wrong; refuse it if unwritable."""
+        if self._checked:
+            return
+        self._checked = True
+        access = await asyncio.to_thread(self.tier.check_access)
+        if access.writable:
+            for problem in access.problems:
+                logger.warning("%s", problem)
+        else:
+            self._refusal = "; ".join(access.problems) or f"shared tier {self.tier.root}: not writable"
+            logger.warning("not using the shared tier, reading around it: %s", self._refusal)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this user does not use the shared tier, or None."""
+        return self._refusal
 
     async def ensure(self, handle: DatasetHandle, shard: Shard) -> tuple[Path, str | None]:
-        """Make the shard resident on the shared tier, once per process and once per cluster."""
+        """Make the shard resident on the shared tier, once per process and once per cluster.
+
+        Raises `TierAccessError` if this user cannot use the tier (callers read around it).
+        """
+        await self.check()
+        if self._refusal is not None:
+            raise TierAccessError(f"the shared tier {self.tier.root} is not used: {self._refusal}")
         ident = (handle.id, shard.key)
         flight = self._flights.get(ident)
         if flight is not None:
@@ -105,7 +134,14 @@ class SharedStager:
         flight = asyncio.get_running_loop().create_future()
         self._flights[ident] = flight
         try:
-            result = await self._stage(handle, shard)
+            try:
+                result = await self._stage(handle, shard)
+            except PermissionError as exc:
+                if isinstance(exc, TierAccessError):
+                    raise
+                # A directory another member created without the group's modes, say: go around it.
+                logger.warning("dataset %s: shard %r cannot use the shared tier: %s", handle.id, shard.key, exc)
+                raise TierAccessError(f"shared tier {self.tier.root}: {exc}") from exc
         except BaseException as exc:
             flight.set_exception(exc)
             flight.exception()  # retrieved: waiters re-raise it, nobody else needs to
@@ -124,11 +160,13 @@ class SharedStager:
             self._events.hit(SHARED)
             self._events.emit(StagingEvent("hit", handle.id, shard.key, SHARED, size=shard.size))
             return shared.path(tier_key), info.metadata["checksum"]
-        lock = LeaseLock(shared.lock_path(tier_key), lease_seconds=self._lease_seconds)
+        lock = LeaseLock(shared.lock_place(tier_key), lease_seconds=self._lease_seconds)
         async with lock.hold():
             if lock.took_over:
                 # Only the lock's holder writes this key: a dead holder's temporary file is garbage.
-                await shared.remove_partials_of(tier_key)
+                # A holder on another node may only be slow: its file is kept while written within a lease.
+                min_age = 0.0 if lock.holder_died_here else self._lease_seconds
+                await shared.remove_partials_of(tier_key, min_age=min_age)
             info = await shared.stat(tier_key)
             if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 self._events.hit(SHARED)

@@ -17,21 +17,21 @@ import contextlib
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from datacache.catalog import Catalog, process_owner
-from datacache.checksum import checksum_of, hash_file, new_hasher
+from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
-from datacache.manifest import ManifestStore, Shard, take_manifest
+from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.queue import JobQueue
+from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
 from datacache.staging.transfer import Transfer
@@ -49,6 +49,7 @@ from datacache.staging.types import (
     StagingEvent,
     WarmReport,
 )
+from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, open_origin, redact_url
 from datacache.units import format_bytes
 
@@ -104,9 +105,9 @@ class Stager:
         # Loop- and process-bound state, created lazily and never pickled.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._parts: _Parts | None = None
-        self._reconciled = False
+        self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[str, Tier] = {}
+        self._origins: dict[tuple[str, str, str], Tier] = {}
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -146,7 +147,8 @@ class Stager:
 
     # -- runtime set-up -------------------------------------------------------------------
 
-    async def _ready(self) -> _Parts:
+    def _runtime(self) -> _Parts:
+        """The parts bound to the running loop, built on first use in it."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise DatacacheError("the stager is closed")
@@ -155,10 +157,20 @@ class Stager:
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
-        if self._reconcile_wanted and not self._reconciled:
-            self._reconciled = True
-            await self.reconcile()
         return self._parts
+
+    async def _ready(self) -> _Parts:
+        parts = self._runtime()
+        if parts.shared is not None:
+            await parts.shared.check()  # start-up, once: warn what is wrong with the shared tier
+        if self._reconcile_wanted:
+            if self._reconciling is None:
+                self._reconciling = parts.loop.create_task(self._reconcile(parts))
+                await self._reconciling
+            elif not self._reconciling.done():
+                # Every verb waits for the one reconcile: nothing is staged while it repairs.
+                await asyncio.shield(self._reconciling)
+        return parts
 
     def _build_parts(self, loop: asyncio.AbstractEventLoop) -> _Parts:
         settings, events = self.settings, self._events
@@ -226,13 +238,15 @@ class Stager:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def _origin_for(self, dataset: DatasetConfig) -> Tier:
+    def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
+        """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
+        url = url or dataset.url
         # One client per origin and credentials: a second set of options never rides on the first's.
-        ident = f"{dataset.id}\0{_options_digest(dataset.storage_options)}"
+        ident = (dataset.id, url, _options_digest(dataset.storage_options))
         origin = self._origins.get(ident)
         if origin is None:
-            self._check_origin_outside_tiers(dataset.url)
-            origin = open_origin(dataset.url, storage_options=dataset.storage_options, retry=self.settings.retry)
+            self._check_origin_outside_tiers(url)
+            origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
             self._origins[ident] = origin
         return origin
 
@@ -260,8 +274,11 @@ class Stager:
             async with parts.local.node_lock("manifests", config.id).hold():
                 manifest = None if refresh else await self.manifests.load(config.id)
                 if manifest is None:
-                    manifest = await take_manifest(config, origin)
+                    split = object_url(config.url)
+                    parent = self._origin_for(config, split[0]) if split is not None else None
+                    manifest = await take_manifest(config, origin, parent=parent)
                     await self.manifests.save(manifest)
+        origin = self._origin_for(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
             config.id,
             url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
@@ -317,42 +334,33 @@ class Stager:
         """Read a shard (or a range of it) from the fastest tier that holds it, without staging it.
 
         A whole-shard read is checked against the shard's size and, when
-        known, its checksum.
+        known, its checksum; a bad cached copy is dropped and the shard read
+        again from below (`read_verified`, the one read of every access).
         """
         await self._ready()
-        data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem and location.tier != ORIGIN:
-            # A bad cached copy is dropped and never served: read it again from below.
-            await self.report_corrupt(handle, location)
-            data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem:
-            self._events.count("checksum_failures")
-            raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} from the {location.tier}: {problem}")
-        return data
-
-    async def _read_once(
-        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None
-    ) -> tuple[bytes, Location, str]:
-        """Read from the fastest tier; return the bytes, where from, and what is wrong with them."""
         shard = handle.manifest.shard(key)
-        location = await self.locate(handle, key)
-        if location.path is not None:
+
+        async def fetch(location: Location) -> bytes:
+            if location.path is None:
+                data = await handle.origin.get(key, byte_range, version=shard.version)
+                self._events.count("bytes_from_origin", len(data))
+                return data
             tier: Tier | None = self.local if location.tier == LOCAL else self.shared
             if tier is None:
                 raise DatacacheError(f"no {location.tier} tier is configured")
-            data = await tier.get(handle.tier_key(key), byte_range)
-        else:
-            data = await handle.origin.get(key, byte_range, version=shard.version)
-            self._events.count("bytes_from_origin", len(data))
-        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
-            if len(data) != shard.size:
-                return data, location, f"read {len(data)} bytes, the manifest says {shard.size}"
-            if location.checksum is not None:
-                hasher = new_hasher()
-                hasher.update(data)
-                if checksum_of(hasher) != location.checksum:
-                    return data, location, "does not match its checksum"
-        return data, location, ""
+            return await tier.get(handle.tier_key(key), byte_range)
+
+        try:
+            return await read_verified(
+                handle.id,
+                byte_range,
+                locate=lambda: self.locate(handle, key),
+                fetch=fetch,
+                report_corrupt=lambda location: self.report_corrupt(handle, location),
+            )
+        except ChecksumMismatchError:
+            self._events.count("checksum_failures")
+            raise
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         """Say where shard ``key`` can be read right now, without moving anything.
@@ -392,62 +400,39 @@ class Stager:
         *,
         tier: str = LOCAL,
         verify: bool = False,
+        bandwidth: float | None = None,
+        progress: Callable[[WarmProgress], None] | None = None,
+        submit: Submit | None = None,
     ) -> WarmReport:
         """Stage ``shards`` (default: all) onto ``tier`` and report exactly what is resident.
 
         With ``verify``, shards already resident are re-hashed, and re-staged if
-        they do not match. Progress reaches the listeners as events.
+        they do not match. ``bandwidth`` (bytes/s) paces this warm's transfers;
+        ``progress`` hears after each shard. ``submit`` admits each shard's
+        transfer (default: this stager's queue; the daemon passes its prefetch gate).
+        This is the only warm: the CLI and the daemon adapt it, never re-implement it.
         """
         await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
         self._check_fits(handle, chosen, tier)
-        started = time.monotonic()
-        counters = self._events.counters
-        bytes_counter = "bytes_to_local" if tier == LOCAL else "bytes_to_shared"
-        staged_counter = "shards_staged" if tier == LOCAL else "shards_to_shared"
-        bytes_before, staged_before = counters[bytes_counter], counters[staged_counter]
-        verified = 0
-        failures: list[tuple[str, str]] = []
-        if verify:
-            results = await asyncio.gather(
-                *(self.verify_resident(handle, shard, tier=tier) for shard in chosen), return_exceptions=True
-            )
-            verified = sum(1 for result in results if result is True)
-        tasks = [
-            asyncio.ensure_future(self.ensure(handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH + index * 1e-6))
-            for index, shard in enumerate(chosen)
-        ]
-        resident = 0
-        placed: list[Shard] = []
-        for shard, outcome in zip(chosen, await asyncio.gather(*tasks, return_exceptions=True)):
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                failures.append((shard.key, str(outcome)))
-            elif outcome.tier == tier:
-                placed.append(shard)
-            else:
-                failures.append((shard.key, f"not kept on the {tier} tier: {self._bypass_reason(tier)}"))
-        # Honest to the end: a shard staged early may have been evicted by a later one.
-        for shard in placed:
-            if await self._is_resident(handle, shard, tier):
-                resident += 1
-            else:
-                failures.append(
-                    (shard.key, f"evicted from the {tier} tier during the warm-up: {self._bypass_reason(tier)}")
-                )
-        counters = self._events.counters
-        return WarmReport(
-            dataset=handle.id,
-            tier=tier,
-            shards_requested=len(chosen),
-            shards_resident=resident,
-            bytes_requested=sum(shard.size for shard in chosen),
-            bytes_transferred=counters[bytes_counter] - bytes_before,
-            shards_transferred=counters[staged_counter] - staged_before,
-            shards_verified=verified,
-            seconds=time.monotonic() - started,
-            failures=tuple(failures),
+
+        async def admit(shard: Shard, priority: float) -> Location:
+            return await self.ensure(handle, shard.key, tier=tier, priority=priority)
+
+        async def check(shard: Shard) -> bool:
+            return await self.verify_resident(handle, shard, tier=tier)
+
+        async def resident(shard: Shard) -> bool:
+            return await self._is_resident(handle, shard, tier)
+
+        steps = WarmSteps(
+            submit=submit or admit,
+            is_resident=resident,
+            verify=check if verify else None,
+            why_not_kept=lambda: self._bypass_reason(tier),
+        )
+        return await run_warm(
+            handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
         )
 
     def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
@@ -520,7 +505,17 @@ class Stager:
         Runs under a node lock taken without waiting: if another process is
         reconciling, this one leaves it the job.
         """
-        return await recovery.reconcile(self.settings, self.local, self.shared, self.catalog, owner=self._owner)
+        parts = self._runtime()
+        if self._reconcile_wanted and self._reconciling is None:
+            # Asked for before any verb: this is the stager's one reconcile, verbs wait for it.
+            self._reconciling = parts.loop.create_task(self._reconcile(parts))
+            return await self._reconciling
+        return await self._reconcile(parts)
+
+    async def _reconcile(self, parts: _Parts) -> dict[str, int]:
+        return await recovery.reconcile(
+            self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
+        )
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:

@@ -1,0 +1,175 @@
+"""One warm: stage a dataset's shards onto a tier and report exactly what is resident.
+
+`Stager.warm` runs it in the process; the daemon runs the very same, handing
+its prefetch gate as ``submit`` and streaming ``progress`` to its client. What
+differs between them is how a shard's transfer is admitted, never what a warm
+means: the optional per-warm bandwidth cap, the re-check that a shard staged
+early was not evicted by a later one, and the counts in the `WarmReport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from datacache._rate import TokenBucket
+from datacache.manifest import Shard
+from datacache.staging.events import Events
+from datacache.staging.types import PRIORITY_PREFETCH, DatasetHandle, Location, StagingEvent, WarmReport
+
+__all__ = ["Submit", "WarmProgress", "WarmSteps", "run_warm"]
+
+Submit = Callable[[Shard, float], Awaitable[Location]]
+"""Start (or join) one shard's transfer at a priority; resolve to where the shard is."""
+
+
+@dataclass(frozen=True)
+class WarmProgress:
+    """Where a warm stands, after each shard it finished."""
+
+    shards_done: int
+    shards_total: int
+    bytes_done: int
+    bytes_total: int
+    bytes_transferred: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        """Bytes transferred per second so far."""
+        return self.bytes_transferred / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class WarmSteps:
+    """What a warm asks of whoever runs it (the `Stager`, with or without the daemon's gate)."""
+
+    submit: Submit
+    is_resident: Callable[[Shard], Awaitable[bool]]
+    verify: Callable[[Shard], Awaitable[bool]] | None
+    why_not_kept: Callable[[], str]
+
+
+class _Tally:
+    """Bytes and shards this warm moved, from the stager's events (other readers' are not counted)."""
+
+    def __init__(self, handle: DatasetHandle, tier: str, keys: set[str]) -> None:
+        self._dataset, self._tier, self._keys = handle.id, tier, keys
+        self.bytes = 0
+        self.staged = 0
+
+    def __call__(self, event: StagingEvent) -> None:
+        if event.dataset != self._dataset or event.tier != self._tier or event.key not in self._keys:
+            return
+        if event.kind == "bytes":
+            self.bytes += event.size
+        elif event.kind == "staged":
+            self.staged += 1
+
+
+async def run_warm(
+    handle: DatasetHandle,
+    shards: Sequence[Shard],
+    *,
+    tier: str,
+    events: Events,
+    steps: WarmSteps,
+    bandwidth: float | None = None,
+    progress: Callable[[WarmProgress], None] | None = None,
+) -> WarmReport:
+    """Stage ``shards`` onto ``tier`` through ``steps``; report what is resident at the end.
+
+    ``bandwidth`` (bytes/s) paces the start of each shard's transfer; ``progress``
+    hears after each shard.
+    """
+    started = time.monotonic()
+    tally = _Tally(handle, tier, {shard.key for shard in shards})
+    verified = await _verify(shards, steps.verify)
+    events.add_listener(tally)
+    try:
+        outcomes = await _stage(shards, steps.submit, bandwidth, _reporter(shards, tally, started, progress))
+    finally:
+        events.remove_listener(tally)
+    failures: list[tuple[str, str]] = []
+    placed: list[Shard] = []
+    for shard, outcome in zip(shards, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            failures.append((shard.key, str(outcome) or type(outcome).__name__))
+        elif outcome.tier == tier:
+            placed.append(shard)
+        else:
+            failures.append((shard.key, f"not kept on the {tier} tier: {steps.why_not_kept()}"))
+    resident = 0
+    for shard in placed:  # honest to the end: a shard staged early may have been evicted by a later one
+        if await steps.is_resident(shard):
+            resident += 1
+        else:
+            failures.append((shard.key, f"evicted from the {tier} tier during the warm-up: {steps.why_not_kept()}"))
+    return WarmReport(
+        dataset=handle.id,
+        tier=tier,
+        shards_requested=len(shards),
+        shards_resident=resident,
+        bytes_requested=sum(shard.size for shard in shards),
+        bytes_transferred=tally.bytes,
+        shards_transferred=tally.staged,
+        shards_verified=verified,
+        seconds=time.monotonic() - started,
+        failures=tuple(failures),
+    )
+
+
+async def _verify(shards: Sequence[Shard], verify: Callable[[Shard], Awaitable[bool]] | None) -> int:
+    """Re-hash resident copies (four at a time: it reads whole files); return how many were right."""
+    if verify is None:
+        return 0
+    gate = asyncio.Semaphore(4)
+
+    async def one(shard: Shard) -> bool:
+        async with gate:
+            return await verify(shard)
+
+    results = await asyncio.gather(*(one(shard) for shard in shards), return_exceptions=True)
+    return sum(1 for result in results if result is True)
+
+
+def _reporter(
+    shards: Sequence[Shard], tally: _Tally, started: float, progress: Callable[[WarmProgress], None] | None
+) -> Callable[[Shard], None]:
+    done = [0, 0]
+    total = sum(shard.size for shard in shards)
+
+    def finished(shard: Shard) -> None:
+        done[0] += 1
+        done[1] += shard.size
+        if progress is not None:
+            elapsed = time.monotonic() - started
+            progress(WarmProgress(done[0], len(shards), done[1], total, tally.bytes, elapsed))
+
+    return finished
+
+
+async def _stage(
+    shards: Sequence[Shard], submit: Submit, bandwidth: float | None, finished: Callable[[Shard], None]
+) -> list[Location | BaseException]:
+    """Submit every shard (paced by ``bandwidth``), the first ones soonest; gather the outcomes."""
+    bucket = TokenBucket(bandwidth) if bandwidth else None
+    tasks: list[asyncio.Future[Location]] = []
+    try:
+        for index, shard in enumerate(shards):
+            if bucket is not None:
+                await bucket.take(shard.size)
+            future = asyncio.ensure_future(submit(shard, PRIORITY_PREFETCH + index * 1e-6))
+            future.add_done_callback(lambda _, shard=shard: finished(shard))  # type: ignore[misc]
+            tasks.append(future)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:
+        for pending in tasks:
+            pending.cancel()
+        raise
+    for outcome in outcomes:
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+    return list(outcomes)
