@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datacache import __version__
@@ -30,7 +30,7 @@ from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args", "serve_settings"]
 
 logger = logging.getLogger("datacache.cli")
 
@@ -54,7 +54,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **extra: Any) -> Settings:
     overrides = {
         "local_dir": args.local_dir,
         "local_capacity": args.local_capacity,
@@ -62,7 +62,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "shared_capacity": args.shared_capacity,
         **extra,
     }
-    return load_settings(config_path=args.config, overrides=overrides)
+    return load_settings(env, config_path=args.config, overrides=overrides)
 
 
 def _progress_mode(args: argparse.Namespace) -> str:
@@ -491,6 +491,21 @@ async def _index(args: argparse.Namespace) -> int:
 # -- serve, bench, plan -----------------------------------------------------------------------
 
 
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The settings `datacache serve` runs with: its flags over ``env`` over the config file.
+
+    ``env`` defaults to ``os.environ``; the deployment tests pass a container's environment.
+    """
+    return _settings(
+        args,
+        env,
+        socket=args.socket,
+        metrics_address=args.metrics_address,
+        concurrency=args.concurrency,
+        bandwidth_limit=args.bandwidth,
+    )
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
     from datacache.units import parse_bandwidth
@@ -500,13 +515,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
     )
-    settings = _settings(
-        args,
-        socket=args.socket,
-        metrics_address=args.metrics_address,
-        concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
-    )
+    settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
         raise ConfigError(f"--prefetch-slots: must be at least 1, got {args.prefetch_slots}")
     if args.drain_timeout <= 0:
@@ -749,6 +758,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line (without the program name) as `main` does."""
+    return _parser().parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

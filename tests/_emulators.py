@@ -323,8 +323,8 @@ class AzureContainer:
 
     def put(self, key: str, data: bytes) -> str:
         """Write a blob; return its ETag."""
-        result = self.client.upload_blob(key, data, overwrite=True)
-        return str(result["etag"]).strip('"')
+        blob = self.client.upload_blob(key, data, overwrite=True)
+        return str(blob.get_blob_properties().etag).strip('"')
 
     def delete(self, key: str) -> None:
         self.client.delete_blob(key)

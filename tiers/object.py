@@ -22,7 +22,13 @@ from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, tra
 from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
-from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError, TransientOriginError
+from datacache.errors import (
+    ConfigError,
+    OriginChangedError,
+    OriginError,
+    ShardNotFoundError,
+    TransientOriginError,
+)
 
 __all__ = ["ObjectTier"]
 
@@ -223,7 +229,13 @@ class ObjectTier(Tier):
         return f"{int(float(mtime) * 1e9)}:{int(info.get('size') or 0)}"
 
     def _info_to_object(self, key: str, info: Mapping[str, Any]) -> ObjectInfo:
-        return ObjectInfo(key=key, size=int(info.get("size") or info.get("Size") or 0), version=self._version(info))
+        size = info.get("size", info.get("Size"))
+        if size is None:  # never taken as 0: an empty shard would be "cached" and pass verification
+            raise OriginError(
+                f"{self.url}/{key}: the size of this object cannot be known (the server sends no "
+                "Content-Length); datacache needs each shard's size"
+            )
+        return ObjectInfo(key=key, size=int(size), version=self._version(info))
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -275,7 +287,9 @@ class ObjectTier(Tier):
     async def _get_other(self, fs: Any, key: str, span: ByteRange, version: str | None) -> bytes:
         """A read from a backend other than S3: pinned where the backend can name a version."""
         path, where = self._path(key), f"{self.url}/{key}"
-        if span.end is not None and span.end == span.start:
+        if span.end is not None and span.end == span.start:  # no request for no bytes (Azure refuses one)
+            if await self.stat(key) is None:
+                raise ShardNotFoundError(f"{where}: not found at the origin")
             return b""
         if version is not None:
             pinned = await self._call(
@@ -376,6 +390,11 @@ class ObjectTier(Tier):
             key = self._key_of(path)
             if not key.startswith(prefix) or key == "":
                 continue
+            if details.get("size", details.get("Size")) is None:
+                stated = await self.stat(key)  # a listing page gives no sizes: ask each object (HEAD)
+                if stated is not None:
+                    yield stated
+                continue
             yield self._info_to_object(key, details)
 
     async def put(
@@ -412,7 +431,11 @@ class ObjectTier(Tier):
         metadata: Mapping[str, str] | None,
     ) -> int:
         bucket, object_key, _ = fs.split_path(path)
-        extra = {"Metadata": dict(metadata)} if metadata else {}
+        sent: dict[str, str] = {}  # metadata as sent with create_multipart_upload
+
+        def extra() -> dict[str, Any]:  # read when used: the writer may complete it while streaming
+            return {"Metadata": dict(metadata)} if metadata else {}
+
         buffer = bytearray()
         size = 0
         upload_id: str | None = None
@@ -437,7 +460,10 @@ class ObjectTier(Tier):
                     if upload_id is None:
 
                         async def create() -> Any:
-                            return await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=object_key, **extra)
+                            sent.update(extra().get("Metadata", {}))
+                            return await fs._call_s3(
+                                "create_multipart_upload", Bucket=bucket, Key=object_key, **extra()
+                            )
 
                         upload_id = (await self._call(where, create))["UploadId"]
                     part, buffer = bytes(buffer[: self._part_size]), buffer[self._part_size :]
@@ -446,7 +472,7 @@ class ObjectTier(Tier):
                 body = bytes(buffer)
 
                 async def put_object() -> Any:
-                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra)
+                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra())
 
                 await self._call(where, put_object)
                 return size
@@ -463,6 +489,16 @@ class ObjectTier(Tier):
                 )
 
             await self._call(where, complete)
+            if metadata and dict(metadata) != sent:  # completed after the upload began: set it now
+
+                async def replace_metadata() -> Any:
+                    source = {"Bucket": bucket, "Key": object_key}
+                    return await fs._call_s3(
+                        "copy_object", Bucket=bucket, Key=object_key, CopySource=source,
+                        Metadata=dict(metadata), MetadataDirective="REPLACE",
+                    )
+
+                await self._call(where, replace_metadata)
             return size
         except BaseException:
             if upload_id is not None:

@@ -242,7 +242,7 @@ class Stager:
         """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
         url = url or dataset.url
         # One client per origin and credentials: a second set of options never rides on the first's.
-        ident = (dataset.id, url, _options_digest(dataset.storage_options))
+        ident = (dataset.id, _options_digest(dataset.storage_options), url)
         origin = self._origins.get(ident)
         if origin is None:
             self._check_origin_outside_tiers(url)
