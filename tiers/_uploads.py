@@ -8,6 +8,8 @@ import tempfile
 from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from typing import Any
 
+from datacache.tiers._backends import set_metadata
+
 __all__ = ["multipart_upload", "spooled_upload"]
 
 # Runs one request under the tier's retry policy and counters (`ObjectTier._call` for one key).
@@ -109,7 +111,15 @@ async def multipart_upload(
             await asyncio.shield(call(abort))
         raise
 
-async def spooled_upload(fs: Any, path: str, chunks: AsyncIterable[bytes | memoryview], *, call: Call) -> int:
+async def spooled_upload(
+    fs: Any,
+    path: str,
+    chunks: AsyncIterable[bytes | memoryview],
+    metadata: Mapping[str, str] | None,
+    *,
+    protocol: str,
+    call: Call,
+) -> int:
     """Other backends: spool to a local temporary file (memory stays bounded), then one upload."""
     fd, spool = tempfile.mkstemp(prefix="datacache-upload-")
     try:
@@ -119,10 +129,16 @@ async def spooled_upload(fs: Any, path: str, chunks: AsyncIterable[bytes | memor
                 await asyncio.to_thread(out.write, chunk)
                 size += len(chunk)
 
+        final = dict(metadata or {})  # read now: the chunks are exhausted
+
         async def upload() -> Any:
+            if final and protocol in ("gs", "gcs"):
+                return await fs._put_file(spool, path, metadata=final)
             return await fs._put_file(spool, path)
 
         await call(upload)
+        if final and protocol not in ("gs", "gcs"):
+            await call(lambda: set_metadata(fs, protocol, path, final))
         return size
     finally:
         os.unlink(spool)

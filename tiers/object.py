@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
-from datacache.tiers._backends import close_filesystem, filesystem_class, pinned_cat, version_of
+from datacache.tiers._backends import close_filesystem, filesystem_class, metadata_of, pinned_cat, version_of
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
 from datacache.tiers._options import check_storage_options
@@ -234,7 +234,9 @@ class ObjectTier(Tier):
                 f"{self.url}/{key}: the size of this object cannot be known (the server sends no "
                 "Content-Length); datacache needs each shard's size"
             )
-        return ObjectInfo(key=key, size=int(size), version=self._version(info))
+        return ObjectInfo(
+            key=key, size=int(size), version=self._version(info), metadata=metadata_of(self._protocol, info)
+        )
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -243,6 +245,10 @@ class ObjectTier(Tier):
         fs = await self._filesystem()
 
         async def info() -> Any:
+            if self.is_s3:  # s3fs's info drops the user metadata: one HEAD that keeps it
+                bucket, object_key, _ = fs.split_path(path)
+                head = await fs._call_s3("head_object", Bucket=bucket, Key=object_key)
+                return {**head, "size": head["ContentLength"], "type": "file"}
             return await fs._info(path)
 
         try:
@@ -417,7 +423,9 @@ class ObjectTier(Tier):
                 fs, path, chunks, metadata, part_size=self._part_size, call=lambda op: self._call(where, op)
             )
         else:
-            size = await spooled_upload(fs, path, chunks, call=lambda op: self._call(where, op))
+            size = await spooled_upload(
+                fs, path, chunks, metadata, protocol=self._protocol, call=lambda op: self._call(where, op)
+            )
         self._counters["bytes_written"] += size
         info = await self.stat(key)
         return info or ObjectInfo(key=key, size=size)
