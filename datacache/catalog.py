@@ -22,9 +22,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from datacache.errors import TierFullError
 from datacache.eviction import Candidate
+from datacache.units import format_bytes
 
 __all__ = [
+    "CATALOG_ROOM",
     "Catalog",
     "CatalogEntry",
     "DatasetRecord",
@@ -35,6 +38,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+CATALOG_ROOM = 512 << 10
+"""Bytes every reservation leaves free on the local device for the catalog, its WAL and small files."""
+_SQLITE_FULL = 13
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS datasets (
@@ -176,6 +183,10 @@ def _initialise(connection: sqlite3.Connection) -> None:
             if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
+            # Keep the WAL small (checkpoint every 64 pages, truncated to half the room): its room
+            # is what reservations leave free on the device (`CATALOG_ROOM`), not 4 MB by default.
+            connection.execute("PRAGMA wal_autocheckpoint=64")
+            connection.execute(f"PRAGMA journal_size_limit={CATALOG_ROOM // 2}")
             connection.executescript(_SCHEMA)
             return
         except sqlite3.OperationalError as exc:
@@ -253,7 +264,13 @@ class Catalog:
             self._connection = None
             self._pid = os.getpid()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: function(self._connect()))
+        try:
+            return await loop.run_in_executor(self._executor, lambda: function(self._connect()))
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+                # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk.
+                raise TierFullError(f"the catalog {self._path} cannot grow: no space left on its device") from exc
+            raise
 
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""
@@ -410,8 +427,17 @@ class Catalog:
                 if capacity is not None:
                     need = used + size - capacity
                 free = device_free()
+                device_short = False
                 if free is not None:
-                    need = max(need, size + reserve_free - free)
+                    # Transfers reserved but not yet written will take their room too: six puts
+                    # at once must not all find the same free bytes.
+                    pending = c.execute(
+                        "SELECT coalesce(sum(size), 0) FROM shards WHERE state = ? AND NOT (dataset=? AND key=?)",
+                        (ShardState.STAGING.value, dataset, key),
+                    ).fetchone()[0]
+                    short = size + reserve_free - (free - pending)
+                    device_short = short > max(need, 0)
+                    need = max(need, short)
                 victims: list[CatalogEntry] = []
                 if need > 0:
                     pinned = {row[0] for row in c.execute("SELECT id FROM datasets WHERE pinned=1")}
@@ -427,7 +453,14 @@ class Catalog:
                     ]
                     chosen = choose(Candidate(dataset, key, size, time.time()), candidates, need)
                     if chosen is None:
-                        return Reservation(False, reason="no room without evicting what the policy keeps")
+                        if device_short and free is not None:
+                            where = (
+                                f"no space left on the local device ({format_bytes(free)} free, "
+                                f"{format_bytes(reserve_free)} kept for the catalog and the system)"
+                            )
+                        else:
+                            where = f"the tier is full ({format_bytes(used)} of its {format_bytes(capacity or 0)})"
+                        return Reservation(False, reason=f"{where}, and the policy keeps what is resident")
                     victims = [residents[(v.dataset, v.key)] for v in chosen]
                     c.executemany(
                         "UPDATE shards SET state=?, owner=? WHERE dataset=? AND key=?",

@@ -14,6 +14,7 @@ import grp
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,6 +66,13 @@ def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **
     return load_settings(env, config_path=args.config, overrides=overrides)
 
 
+def _bandwidth_flag(args: argparse.Namespace) -> float | None:
+    """``--bandwidth`` in bytes/s, its errors naming the flag as typed."""
+    from datacache.units import parse_bandwidth
+
+    return None if args.bandwidth is None else parse_bandwidth(args.bandwidth, what="--bandwidth")
+
+
 def _progress_mode(args: argparse.Namespace) -> str:
     if getattr(args, "json", False):
         return "json"
@@ -78,7 +86,7 @@ def _progress_mode(args: argparse.Namespace) -> str:
 
 async def _warm(args: argparse.Namespace) -> int:
     settings = _settings(
-        args, concurrency=args.concurrency, bandwidth_limit=args.bandwidth
+        args, concurrency=args.concurrency, bandwidth_limit=_bandwidth_flag(args)
     )
     dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
     if args.tier == SHARED and settings.shared_dir is None:
@@ -460,7 +468,14 @@ async def _index(args: argparse.Namespace) -> int:
         if not args.no_write:
             writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
         try:
-            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+            engine = None
+            if args.engine != "local":
+                engine = (args.engine, args.scheduler, dataset.url, dict(dataset.storage_options))
+            elif args.scheduler:
+                raise ConfigError("--scheduler needs --engine dask or --engine ray")
+            outcome = await index_dataset(
+                handle.origin, writable, handle.manifest, settings, rescan=args.rescan, engine=engine
+            )
         finally:
             if writable is not None:
                 await writable.close()
@@ -502,18 +517,19 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         socket=args.socket,
         metrics_address=args.metrics_address,
         concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
+        bandwidth_limit=_bandwidth_flag(args),
     )
 
 
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
-    from datacache.units import parse_bandwidth
+    from datacache.units import parse_bandwidth, parse_size
 
     # A daemon logs each event at info level: one line each, JSON with --log-json.
     configure_logging(
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
+        rate_limited=("asyncio",),  # an EMFILE storm is a few lines, not megabytes of tracebacks
     )
     settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
@@ -533,7 +549,12 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_endpoints=tuple(args.allow_endpoint or ()),
         allow_client_credentials=args.allow_client_credentials,
         socket_group=_group_id(args.socket_group) if args.socket_group else None,
+        request_timeout=args.request_timeout,
+        body_memory=parse_size(args.body_memory, what="--body-memory"),
+        connections_per_client=args.connections_per_client,
     )
+    if args.request_timeout <= 0 or (args.connections_per_client is not None and args.connections_per_client < 1):
+        raise ConfigError("--request-timeout and --connections-per-client must be positive")
     return await serve(settings, options)
 
 
@@ -621,7 +642,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
-    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
+    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
@@ -690,6 +711,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forget the cluster's counts and the sidecar indexes; scan every shard again")
     index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
     index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--engine", choices=("local", "dask", "ray"), default="local",
+                       help="where shards are scanned: this node with the others (leases), or a Dask or Ray cluster")
+    index.add_argument("--scheduler", metavar="ADDRESS",
+                       help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
     index.add_argument("--json", action="store_true", help="one JSON summary line")
     _add_settings_flags(index)
     index.set_defaults(run=_index)
@@ -721,6 +746,12 @@ def _parser() -> argparse.ArgumentParser:
         help="let other users' clients send credentials; the daemon then reads with theirs")
     add("--socket-group", metavar="GROUP",
         help="the group that owns the socket (mode 0660): its members can connect")
+    add("--request-timeout", metavar="SECONDS", type=float, default=10.0,
+        help="time a connection gets to send a request's headers, and again its body (default 10)")
+    add("--body-memory", metavar="SIZE", default="256MB",
+        help="request bodies held at once, all connections together (default 256MB)")
+    add("--connections-per-client", metavar="N", type=int,
+        help="connections one uid may hold (default: a quarter of what the open-file limit allows)")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 
@@ -775,9 +806,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose, json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json")
     try:
         result: int = asyncio.run(args.run(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
     except KeyboardInterrupt:
         sys.stderr.write("datacache: interrupted; no partial file was left visible\n")
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     except DatacacheError as exc:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 2 if isinstance(exc, ConfigError) else 1
@@ -785,6 +819,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
         return 1
     return result
+
+
+def _reader_gone() -> int:
+    """Whoever read our output left (`datacache ls | head -3`): end silently, as SIGPIPE would."""
+    # Python's flush of stdout at exit would raise again: point it at /dev/null first.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _one_line(exc: BaseException) -> str:

@@ -218,6 +218,9 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
             members.append(TarMember(name, data_start, size))
     if not ended and position < total:
         raise ShardReadError(f"{where}: truncated tar: {total - position} stray bytes at the end")
+    if not ended and position > total:
+        # Cut inside the last member's padding: a member (and any sample after it) is missing.
+        raise ShardReadError(f"{where}: truncated tar: it ends inside a member's padding ({total} bytes)")
     if not ended and position == 0 and total:
         raise ShardReadError(f"{where}: not a tar file")
     return members
@@ -321,6 +324,8 @@ class TarScanner:
                 )
             if self._pending:
                 raise ShardReadError(f"{where}: truncated tar: {len(self._pending)} stray bytes at the end")
+            if self._skip:
+                raise ShardReadError(f"{where}: truncated tar: it ends inside a member's padding ({self._seen} bytes)")
             if self._position == 0 and self._seen:
                 raise ShardReadError(f"{where}: not a tar file")
         return self._members

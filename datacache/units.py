@@ -61,12 +61,24 @@ def parse_size(value: str | int | float, *, what: str = "size") -> int:
 
 
 def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> float:
-    """Return bytes per second from ``value``: a number, or a string such as ``"1GB/s"``."""
+    """Return bytes per second from ``value``: a number, or a string with a unit such as ``"1GB/s"``.
+
+    A string needs its unit (``"10"`` is refused rather than read as 10 bytes/s);
+    ``"0"`` (no cap) needs none. A number is bytes per second.
+    """
     if isinstance(value, str):
         text = value.strip()
         if text.lower().endswith("/s") or text.lower().endswith("ps"):
             text = text[:-2]
-        return float(parse_size(text, what=what))
+        rate = float(parse_size(text, what=what))
+        match = _SIZE.match(text)
+        if rate > 0 and match is not None and not match.group(2):
+            # A bare "10" would be 10 bytes/s: almost never what was meant.
+            raise ConfigError(
+                f"{what}: {value!r} has no unit; write it with one, e.g. '{match.group(1)}MB/s' "
+                f"(or '{match.group(1)}B/s' for bytes)"
+            )
+        return rate
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{what}: expected a rate such as '1GB/s', got {value!r}")
     return float(value)

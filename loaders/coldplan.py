@@ -109,6 +109,9 @@ class CountBook:
                 found, report = build.result()
                 for key, count in found.items():
                     self.note_key(key, count.samples)
+                for key, reason in report.unreadable.items():
+                    self.unreadable.setdefault(key, reason)
+                    self.note_key(key, 0)
                 for unit in np.nonzero(self.counts < 0)[0].tolist():
                     # Uncountable (a truncated or foreign tar): no sample of it is dealt; on_error decides.
                     key = self._plan.units[unit].keys[0]

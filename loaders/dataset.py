@@ -625,8 +625,11 @@ class _EpochIterator:
     def _count_unit(self, unit: int) -> int:
         """A cold epoch's count of one of its shards: open it (it is read next) and count its samples."""
         reader = self._units.reader_for(unit)
-        if reader is None:
-            return 0  # skipped as unreadable (on_error="skip"): no sample of it is dealt
+        if reader is None:  # skipped as unreadable (on_error="skip"): no sample of it is dealt
+            book = self.runtime.book
+            if book is not None:
+                book.unreadable[self.runtime.plan.units[unit].keys[0]] = self._units.skipped_why.get(unit, "unreadable")
+            return 0
         if not isinstance(reader, TarReader):
             raise ConfigError(f"dataset {self.runtime.handle.id}: only tar shards are read before they are counted")
         return len(reader.spans)

@@ -136,6 +136,8 @@ class UnitReaders:
         self._in_consumer = in_consumer
         self.readers: dict[int, UnitReader] = {}
         self.skipped: set[int] = set()
+        self.skipped_why: dict[int, str] = {}
+        """Why each skipped unit could not be read (a cold epoch records it in the plan)."""
         self._unit_locks: dict[int, threading.Lock] = {}
         self._preopened: set[int] = set()
         self._sequence = epoch.unit_sequence
@@ -246,6 +248,7 @@ class UnitReaders:
                 logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
                 with self._lock:
                     self.skipped.add(unit)
+                    self.skipped_why[unit] = str(exc)
                     self._row[Counter.SKIPPED_SHARDS] += 1
                 return None
             finally:

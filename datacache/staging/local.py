@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from datacache.catalog import Catalog, CatalogEntry
+from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Reservation
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
 from datacache.locks import NodeLock, lock_name
@@ -59,6 +59,7 @@ class LocalStager:
         self._residency = residency
         self._events = events
         self._lock_waiters = lock_waiters
+        self._bypass_reported = False
 
     async def hit(self, handle: DatasetHandle, shard: Shard, *, touch: bool = True) -> Location | None:
         """The shard's local copy if the catalog has it resident and its file is whole; else None."""
@@ -99,24 +100,50 @@ class LocalStager:
                 self._events.hit(LOCAL)
                 return hit
             self._events.count("misses")
-            readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
-            reservation = await self._catalog.reserve(
-                handle.id,
-                shard.key,
-                size=shard.size,
-                version=shard.version,
-                owner=self._owner,
-                capacity=capacity,
-                device_free=lambda: device_free(self._settings.local_dir),
-                reserve_free=reserve_for(self._settings.local_dir),
-                choose=self._residency.chooser(handle, readers),
-            )
-            await self.delete_victims(reservation.victims)
-            if not reservation.granted:
-                self._events.count("bypassed")
-                self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL))
-                return await self.next_tier_location(handle, shard)
-            return await self._transfer_in(handle, shard)
+            # A full device behaves like a full capacity: make room by the policy, else read
+            # from the next tier. Twice: the device may fill between the reservation and the
+            # write (a writer that is not datacache); the second reservation sees that.
+            for attempt in (1, 2):
+                try:
+                    reservation = await self._reserve(handle, shard, capacity)
+                except TierFullError as exc:  # the catalog itself found no room
+                    return await self._bypass(handle, shard, str(exc))
+                await self.delete_victims(reservation.victims)
+                if not reservation.granted:
+                    return await self._bypass(handle, shard, reservation.reason)
+                try:
+                    return await self._transfer_in(handle, shard)
+                except TierFullError as exc:
+                    if attempt == 2:
+                        return await self._bypass(handle, shard, str(exc))
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _reserve(self, handle: DatasetHandle, shard: Shard, capacity: int | None) -> Reservation:
+        # Whatever a reader holds open or will open next is never a victim (issue 13).
+        readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
+        return await self._catalog.reserve(
+            handle.id,
+            shard.key,
+            size=shard.size,
+            version=shard.version,
+            owner=self._owner,
+            capacity=capacity,
+            device_free=lambda: device_free(self._settings.local_dir),
+            reserve_free=reserve_for(self._settings.local_dir),
+            choose=self._residency.chooser(handle, readers),
+        )
+
+    async def _bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:
+        """Read ``shard`` from the next tier, saying why the local tier could not take it."""
+        self._events.count("bypassed")
+        self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
+        location = await self.next_tier_location(handle, shard)
+        level = logging.WARNING if not self._bypass_reported else logging.DEBUG
+        self._bypass_reported = True
+        logger.log(
+            level, "dataset %s: shard %r is read from the %s tier: %s", handle.id, shard.key, location.tier, reason
+        )
+        return location
 
     async def _transfer_in(self, handle: DatasetHandle, shard: Shard) -> Location:
         """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
@@ -139,11 +166,13 @@ class LocalStager:
                 )
             await self._catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
         except BaseException as exc:
-            await asyncio.shield(self._catalog.abandon(handle.id, shard.key, self._owner))
+            try:
+                await asyncio.shield(self._catalog.abandon(handle.id, shard.key, self._owner))
+            except TierFullError as full:
+                # The row stays ours (reserved, never resident); reconcile drops it after this process.
+                logger.warning("dataset %s: shard %r: its reservation stays: %s", handle.id, shard.key, full)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise TierFullError(
-                    f"dataset {handle.id}: no space on the local tier for shard {shard.key!r} ({exc.strerror})"
-                ) from exc
+                raise TierFullError(f"the local device cannot take shard {shard.key!r} ({exc.strerror})") from exc
             raise
         self._events.count("shards_staged")
         self._events.count("bytes_to_local", info.size)
@@ -188,9 +217,9 @@ class LocalStager:
 
 
 def reserve_for(directory: Path) -> int:
-    """Bytes to leave free on the device: 2% of it, at most 10 GB."""
+    """Bytes to leave free on the device: 2% of it, at most 10 GB, and at least the catalog's room."""
     try:
         st = os.statvfs(directory)
     except OSError:
-        return 0
-    return min(st.f_blocks * st.f_frsize // 50, 10 * 10**9)
+        return CATALOG_ROOM
+    return max(CATALOG_ROOM, min(st.f_blocks * st.f_frsize // 50, 10 * 10**9))

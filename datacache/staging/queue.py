@@ -63,6 +63,9 @@ class JobQueue:
             job = Job(handle, shard, tier, priority, self._loop.create_future())
             self._jobs[ident] = job
             job.future.add_done_callback(lambda _: self._forget(ident, job))
+            # Its waiters may all be gone (a cancelled warm, Ctrl-C): the failure is theirs to see,
+            # never asyncio's "Future exception was never retrieved" at exit.
+            job.future.add_done_callback(_mark_retrieved)
         elif priority < job.priority and not job.started:
             job.priority = priority  # a reader now waits on it: it jumps the queue
         else:
@@ -111,5 +114,9 @@ class JobQueue:
         for job in self._jobs.values():
             if not job.future.done():
                 job.future.set_exception(DatacacheError("the stager closed before this shard was staged"))
-                job.future.exception()
         self._jobs.clear()
+
+
+def _mark_retrieved(future: asyncio.Future[Location]) -> None:
+    if not future.cancelled():
+        future.exception()

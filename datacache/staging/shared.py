@@ -11,12 +11,13 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.catalog import Catalog
-from datacache.errors import TierAccessError, TierFullError
+from datacache.errors import InvalidKeyError, TierAccessError, TierFullError
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
@@ -25,6 +26,7 @@ from datacache.staging.residency import Residency
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import ORIGIN, SHARED, DatasetHandle, StagingEvent
 from datacache.tiers import ObjectInfo, SharedTier
+from datacache.tiers._dirfd import Place
 from datacache.units import format_bytes
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
@@ -280,18 +282,25 @@ class _SharedResident:
 
 
 def _shared_candidates(shared: SharedTier) -> list[_SharedResident]:
+    """Every shard file on the shared tier, walked without following links (a linked ``data/`` lists nothing)."""
     found: list[_SharedResident] = []
-    root = shared.root / "data"
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            key = os.path.relpath(path, root).replace(os.sep, "/")
-            dataset, _, shard_key = key.partition("/")
-            if not shard_key or name.endswith(".partial"):
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+    try:
+        top = Place(shared.root, ("data",), ".").open_parent()
+    except (FileNotFoundError, NotADirectoryError, InvalidKeyError):
+        return found
+    try:
+        for directory, _, files, dir_fd in os.fwalk(".", dir_fd=top):
+            for name in files:
+                key = os.path.normpath(os.path.join(directory, name))
+                dataset, _, shard_key = key.partition("/")
+                if not shard_key or name.endswith(".partial"):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+    finally:
+        os.close(top)
     return found

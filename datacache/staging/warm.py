@@ -59,11 +59,15 @@ class _Tally:
         self._dataset, self._tier, self._keys = handle.id, tier, keys
         self.bytes = 0
         self.staged = 0
+        self.bypassed: dict[str, str] = {}
+        """Why the tier did not keep a shard, in its own words (a full device, a file too large)."""
 
     def __call__(self, event: StagingEvent) -> None:
         if event.dataset != self._dataset or event.tier != self._tier or event.key not in self._keys:
             return
-        if event.kind == "bytes":
+        if event.kind == "bypass" and event.error:
+            self.bypassed[event.key] = event.error
+        elif event.kind == "bytes":
             self.bytes += event.size
         elif event.kind == "staged":
             self.staged += 1
@@ -100,7 +104,8 @@ async def run_warm(
         elif outcome.tier == tier:
             placed.append(shard)
         else:
-            failures.append((shard.key, f"not kept on the {tier} tier: {steps.why_not_kept()}"))
+            reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
+            failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
     resident = 0
     for shard in placed:  # honest to the end: a shard staged early may have been evicted by a later one
         if await steps.is_resident(shard):

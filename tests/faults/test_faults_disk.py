@@ -199,6 +199,36 @@ def test_enospc_on_the_local_tier_fails_cleanly_and_recovers(
         record("enospc_local", resident_before=len(resident), partial_visible=0)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_full_local_disk_reads_from_the_next_tier(
+    workers: int, s3: S3Bucket, cache_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12 item 5: a 6 MB disk under a 15 MB dataset behaves like a full capacity, not a crash.
+
+    Every sample once, read from S3 where the disk has no room; no partial file; every
+    resident row has its file; the catalog's own writes never fail; the bypass is reported.
+    """
+    files, expected = make_dataset(15, 10, seed=5, size=(90_000, 110_000))
+    for name, data in files.items():
+        s3.put(f"ds/{name}", data)
+    with tiny_filesystem(tmp_path / "local", 6 * 1024 * 1024) as local:
+        env = disk_env(cache_env, s3, tmp_path, shared=False)
+        settings = load_settings(env)
+        dataset = CachedIterableDataset(
+            s3.url("ds"), config=settings, shuffle=False
+        )
+        items = dataset if workers == 0 else DataLoader(dataset, batch_size=None, num_workers=workers)
+        with caplog.at_level("WARNING", logger="datacache"):
+            seen = sample_pairs(items)
+        assert check_exactly_once(seen, expected) == (0, 0)
+        assert partials(local) == []
+        counts = check_cache(local, None, files)
+        assert 0 < counts["resident_rows"] < 15, "some shards fit, the rest were read from S3"
+        if workers == 0:  # worker processes log in their own process
+            assert "no space left on" in caplog.text.lower(), caplog.text
+        record("enospc_loader", workers=workers, resident=counts["resident_rows"], partial_visible=0)
+
+
 # -- bits flipped at rest -------------------------------------------------------------------
 
 
