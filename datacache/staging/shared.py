@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.catalog import Catalog
-from datacache.errors import InvalidKeyError, TierAccessError, TierFullError
+from datacache.errors import InvalidKeyError, OriginError, TierAccessError, TierFullError
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
@@ -140,7 +140,9 @@ class SharedStager:
             try:
                 result = await self._stage(handle, shard)
             except PermissionError as exc:
-                if isinstance(exc, TierAccessError):
+                # The origin refusing this user is the origin's answer, not a tier problem:
+                # reading around the tier would only ask the origin again.
+                if isinstance(exc, (TierAccessError, OriginError)):
                     raise
                 # A directory another member created without the group's modes, say: go around it.
                 logger.warning("dataset %s: shard %r cannot use the shared tier: %s", handle.id, shard.key, exc)

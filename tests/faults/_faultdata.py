@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import random
 import sqlite3
@@ -53,9 +54,17 @@ def make_dataset(
     return files, expected
 
 
-def upload(client: Any, bucket: str, prefix: str, files: Mapping[str, bytes]) -> None:
+def upload(client: Any, bucket: str, prefix: str, files: Mapping[str, bytes], *, per_shard: int | None = None) -> None:
+    """Put ``files`` under ``prefix``; with ``per_shard``, also open_clip's ``sizes.json`` of their sample counts.
+
+    Tests of the staging path give their shards counts, so that no shard is read for its
+    count (a cold first epoch streams each un-indexed shard once more, to count it).
+    """
     for name, data in files.items():
         client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    if per_shard is not None:
+        sizes = json.dumps(dict.fromkeys(files, per_shard)).encode()
+        client.put_object(Bucket=bucket, Key=f"{prefix}/sizes.json", Body=sizes)
 
 
 def proxied_options(endpoint: str, *, read_timeout: float = 1.0) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def test_each_fault_kind_is_retried_counted_and_harmless(
     kind: str, s3: S3Bucket, proxy: FaultProxy, settings: Settings
 ) -> None:
     files, expected = make_dataset(4, 10, seed=1)
-    upload(s3.client, s3.name, "wds", files)
+    upload(s3.client, s3.name, "wds", files, per_shard=10)
     # The first two ranged GETs of one shard get the fault; everything else passes.
     proxy.force(rf"^GET /{s3.name}/wds/shard-0002\.tar$", kind, times=2)
     dataset = CachedIterableDataset(dataset_config(s3, proxy), config=small_parts(settings), shuffle=False)
@@ -98,7 +98,7 @@ def run_faulty_epochs(
 ) -> dict[str, int]:
     """Epochs through the loader with 10% of the origin's requests faulted; returns what happened."""
     files, expected = make_dataset(shards, per_shard, seed=seed)
-    upload(s3.client, s3.name, f"wds{seed}", files)
+    upload(s3.client, s3.name, f"wds{seed}", files, per_shard=per_shard)
     proxy.set_rates(FaultRates.spread(0.10))
     totals = {"samples": 0, "lost": 0, "corrupt": 0, "retries": 0, "epochs": 0}
     config = dataset_config(s3, proxy, f"wds{seed}")
@@ -165,7 +165,7 @@ def test_the_daemon_retries_and_counts_in_its_metrics(
     s3: S3Bucket, proxy: FaultProxy, tmp_path: Path, cache_env: dict[str, str]
 ) -> None:
     files, expected = make_dataset(6, 10, seed=3)
-    upload(s3.client, s3.name, "wds", files)
+    upload(s3.client, s3.name, "wds", files, per_shard=10)
     for key in sorted(files)[:3]:
         proxy.force(rf"^GET /{s3.name}/wds/{key}$", "slowdown")
         proxy.force(rf"^GET /{s3.name}/wds/{key}$", "reset")
@@ -195,7 +195,7 @@ def daemon_faulty_epochs(
 ) -> dict[str, int]:
     """Epochs through a daemon whose origin has 10% of its requests faulted; cold each epoch."""
     files, expected = make_dataset(10, 12, seed=seed)
-    upload(s3.client, s3.name, f"d{seed}", files)
+    upload(s3.client, s3.name, f"d{seed}", files, per_shard=12)
     config_file = tmp_path / "daemon.toml"
     config_file.write_text('[staging]\npart_size = "8kB"\nmemory_budget = "128kB"\n')  # faults mid-transfer
     daemon = start_daemon(cache_env, tmp_path / "cache", "--concurrency", "3", "--config", str(config_file))
@@ -254,7 +254,7 @@ def test_a_permanent_fault_fails_fast_and_clearly(
     status: int, code: str, error: type[Exception], s3: S3Bucket, proxy: FaultProxy, settings: Settings
 ) -> None:
     files, _ = make_dataset(6, 8, seed=2)
-    upload(s3.client, s3.name, "wds", files)
+    upload(s3.client, s3.name, "wds", files, per_shard=8)
     bad = "shard-0003.tar"
     proxy.add_rule(rf"^GET /{s3.name}/wds/{bad}$", status, code)
     dataset = CachedIterableDataset(dataset_config(s3, proxy), config=settings, shuffle=False)
