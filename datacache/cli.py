@@ -199,6 +199,10 @@ async def _warm_through(
     return 0 if report.complete else 1
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
@@ -207,13 +211,16 @@ def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
         moved = "transferred 0 bytes: everything was already resident"
     else:
         moved = (
-            f"transferred {format_bytes(report.bytes_transferred)} in {report.shards_transferred} shards, "
+            f"transferred {format_bytes(report.bytes_transferred)} in {_count(report.shards_transferred, 'shard')}, "
             f"{report.seconds:.1f}s ({format_rate(report.rate)})"
         )
     verified = f", {report.shards_verified} re-verified" if report.shards_verified else ""
+    held = format_bytes(report.bytes_resident)
+    if report.bytes_resident != report.bytes_requested:
+        held += f" of {format_bytes(report.bytes_requested)}"
     sys.stdout.write(
         f"warm {url} -> {report.tier}: {report.shards_resident}/{report.shards_requested} shards resident "
-        f"({format_bytes(report.bytes_requested)}){verified}; {moved}\n"
+        f"({held}){verified}; {moved}\n"
     )
     for key, error in report.failures[:10]:
         sys.stderr.write(f"datacache: shard {key}: {error}\n")
