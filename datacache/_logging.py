@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "RateLimit", "configure_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,8 +31,41 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, default=str)
 
 
-def configure_logging(verbosity: int = 0, *, json_format: bool = False) -> None:
-    """Send datacache's logs to stderr: warnings by default, ``-v`` info, ``-vv`` debug."""
+class RateLimit(logging.Filter):
+    """At most ``burst`` lines per message template every ``window`` seconds; then one line says how many were dropped.
+
+    A storm (every accept failing with EMFILE, a client sending garbage in a loop)
+    costs a few lines, not the disk.
+    """
+
+    def __init__(self, burst: int = 10, window: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.window = burst, window
+        self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        start, passed, dropped = self._seen.get(key, (now, 0, 0))
+        if now - start >= self.window:
+            if dropped:
+                record.msg = f"{record.msg} ({dropped} more like this in the last {self.window:g}s were not logged)"
+            start, passed, dropped = now, 0, 0
+        if passed >= self.burst:
+            self._seen[key] = (start, passed, dropped + 1)
+            return False
+        self._seen[key] = (start, passed + 1, dropped)
+        if len(self._seen) > 4096:  # bounded: forget the oldest templates
+            self._seen.pop(next(iter(self._seen)))
+        return True
+
+
+def configure_logging(verbosity: int = 0, *, json_format: bool = False, rate_limited: tuple[str, ...] = ()) -> None:
+    """Send datacache's logs to stderr: warnings by default, ``-v`` info, ``-vv`` debug.
+
+    ``rate_limited``: also route these loggers (``asyncio``) through the same handler; with
+    any given, every line passes a `RateLimit` (the daemon's choice).
+    """
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     handler = logging.StreamHandler(sys.stderr)
     if json_format:
@@ -43,3 +76,9 @@ def configure_logging(verbosity: int = 0, *, json_format: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    if rate_limited:
+        handler.addFilter(RateLimit())
+    for name in rate_limited:
+        other = logging.getLogger(name)
+        other.handlers[:] = [handler]
+        other.propagate = False

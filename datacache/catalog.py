@@ -31,6 +31,7 @@ __all__ = [
     "Catalog",
     "CatalogEntry",
     "DatasetRecord",
+    "ReaderRow",
     "Reservation",
     "ShardState",
     "process_owner",
@@ -67,6 +68,22 @@ CREATE TABLE IF NOT EXISTS shards (
     PRIMARY KEY (dataset, key)
 );
 CREATE INDEX IF NOT EXISTS shards_by_state ON shards (state, last_access);
+CREATE TABLE IF NOT EXISTS readers (
+    dataset TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (dataset, reader)
+);
+CREATE TABLE IF NOT EXISTS leases (
+    dataset TEXT NOT NULL,
+    key TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    PRIMARY KEY (dataset, key, reader)
+);
 """
 
 
@@ -126,6 +143,15 @@ class Reservation:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ReaderRow:
+    """Where one reader of a dataset on this node is: its epoch and its position in its own sequence."""
+
+    reader: str
+    epoch: int
+    position: int
+
+
 def process_owner() -> str:
     """Identify this process for the rows it writes: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -168,6 +194,19 @@ def _initialise(connection: sqlite3.Connection) -> None:
                 raise
             time.sleep(min(0.5, 0.005 * (attempt + 1)))
     raise sqlite3.OperationalError("the catalog stayed locked while opening it")
+
+
+def _leased(c: sqlite3.Connection) -> set[tuple[str, str]]:
+    """Shards held by readers whose processes are alive (a dead reader's leases do not count)."""
+    rows = c.execute("SELECT dataset, key, owner FROM leases").fetchall()
+    alive: dict[str, bool] = {}
+    held: set[tuple[str, str]] = set()
+    for dataset, key, owner in rows:
+        if owner not in alive:
+            alive[owner] = _owner_alive(owner)
+        if alive[owner]:
+            held.add((dataset, key))
+    return held
 
 
 def _entry(row: Sequence[Any]) -> CatalogEntry:
@@ -406,7 +445,8 @@ class Catalog:
                         f"SELECT {_COLUMNS} FROM shards WHERE state=? AND NOT (dataset=? AND key=?)",
                         (ShardState.RESIDENT.value, dataset, key),
                     ).fetchall()
-                    residents = {(r[0], r[1]): _entry(r) for r in rows}
+                    leased = _leased(c)
+                    residents = {(r[0], r[1]): _entry(r) for r in rows if (r[0], r[1]) not in leased}
                     candidates = [
                         Candidate(e.dataset, e.key, e.size, e.last_access, e.dataset in pinned)
                         for e in residents.values()
@@ -508,6 +548,46 @@ class Catalog:
                 return [_entry(r) for r in rows]
 
         return await self._run(write)
+
+    # -- readers: progress and leases (eviction never takes a shard a live reader holds) -----
+
+    async def note_reader(
+        self, dataset: str, reader: str, *, owner: str, epoch: int, position: int, holding: Sequence[str]
+    ) -> None:
+        """Record where ``reader`` is, and replace the shards it holds (leases) with ``holding``."""
+
+        def write(c: sqlite3.Connection) -> None:
+            with self._transaction(c):
+                c.execute(
+                    "INSERT INTO readers (dataset, reader, owner, epoch, position, updated) VALUES (?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(dataset, reader) DO UPDATE SET owner=excluded.owner, epoch=excluded.epoch,"
+                    " position=excluded.position, updated=excluded.updated",
+                    (dataset, reader, owner, epoch, position, time.time()),
+                )
+                c.execute("DELETE FROM leases WHERE dataset=? AND reader=?", (dataset, reader))
+                c.executemany(
+                    "INSERT OR IGNORE INTO leases (dataset, key, reader, owner) VALUES (?, ?, ?, ?)",
+                    [(dataset, key, reader, owner) for key in holding],
+                )
+
+        await self._run(write)
+
+    async def readers(self, dataset: str) -> list[ReaderRow]:
+        """Every reader of the dataset this node has seen, with its last epoch and position.
+
+        Rows outlive their processes on purpose: a reader of the last epoch is a reader
+        of this node in the next one too, before it has said so.
+        """
+
+        def read(c: sqlite3.Connection) -> list[ReaderRow]:
+            rows = c.execute("SELECT reader, epoch, position FROM readers WHERE dataset=?", (dataset,))
+            return [ReaderRow(r[0], r[1], r[2]) for r in rows.fetchall()]
+
+        return await self._run(read)
+
+    async def leased(self) -> set[tuple[str, str]]:
+        """(dataset, key) of every shard a live reader holds."""
+        return await self._run(_leased)
 
     async def usage(self) -> tuple[int, int]:
         """Bytes and shards held or reserved on the local tier."""

@@ -473,7 +473,14 @@ async def _index(args: argparse.Namespace) -> int:
         if not args.no_write:
             writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
         try:
-            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+            engine = None
+            if args.engine != "local":
+                engine = (args.engine, args.scheduler, dataset.url, dict(dataset.storage_options))
+            elif args.scheduler:
+                raise ConfigError("--scheduler needs --engine dask or --engine ray")
+            outcome = await index_dataset(
+                handle.origin, writable, handle.manifest, settings, rescan=args.rescan, engine=engine
+            )
         finally:
             if writable is not None:
                 await writable.close()
@@ -521,12 +528,13 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
-    from datacache.units import parse_bandwidth
+    from datacache.units import parse_bandwidth, parse_size
 
     # A daemon logs each event at info level: one line each, JSON with --log-json.
     configure_logging(
         max(1, args.verbose),
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
+        rate_limited=("asyncio",),  # an EMFILE storm is a few lines, not megabytes of tracebacks
     )
     settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
@@ -546,7 +554,12 @@ async def _serve(args: argparse.Namespace) -> int:
         allow_endpoints=tuple(args.allow_endpoint or ()),
         allow_client_credentials=args.allow_client_credentials,
         socket_group=_group_id(args.socket_group) if args.socket_group else None,
+        request_timeout=args.request_timeout,
+        body_memory=parse_size(args.body_memory, what="--body-memory"),
+        connections_per_client=args.connections_per_client,
     )
+    if args.request_timeout <= 0 or (args.connections_per_client is not None and args.connections_per_client < 1):
+        raise ConfigError("--request-timeout and --connections-per-client must be positive")
     return await serve(settings, options)
 
 
@@ -703,6 +716,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forget the cluster's counts and the sidecar indexes; scan every shard again")
     index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
     index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--engine", choices=("local", "dask", "ray"), default="local",
+                       help="where shards are scanned: this node with the others (leases), or a Dask or Ray cluster")
+    index.add_argument("--scheduler", metavar="ADDRESS",
+                       help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
     index.add_argument("--json", action="store_true", help="one JSON summary line")
     _add_settings_flags(index)
     index.set_defaults(run=_index)
@@ -734,6 +751,12 @@ def _parser() -> argparse.ArgumentParser:
         help="let other users' clients send credentials; the daemon then reads with theirs")
     add("--socket-group", metavar="GROUP",
         help="the group that owns the socket (mode 0660): its members can connect")
+    add("--request-timeout", metavar="SECONDS", type=float, default=10.0,
+        help="time a connection gets to send a request's headers, and again its body (default 10)")
+    add("--body-memory", metavar="SIZE", default="256MB",
+        help="request bodies held at once, all connections together (default 256MB)")
+    add("--connections-per-client", metavar="N", type=int,
+        help="connections one uid may hold (default: a quarter of what the open-file limit allows)")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 

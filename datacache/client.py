@@ -33,7 +33,14 @@ from datacache._protocol import (
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest, reading_url
-from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
+from datacache.stager import (
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    DatasetHandle,
+    FutureOrder,
+    Location,
+    ReaderProgress,
+)
 from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
 
@@ -343,10 +350,15 @@ class DaemonClient:
                 within=self.request_timeout,
             )
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        """Tell the daemon's eviction the order in which shards will be read next."""
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        """Tell the daemon's eviction the node's future reads (or one order of keys)."""
+        body = {"order": keys.to_json()} if isinstance(keys, FutureOrder) else {"keys": list(keys)}
+        await self._call_for(handle, "future_order", body, within=self.request_timeout)
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        """Tell the daemon where a reader of this process is and which shards it holds."""
         await self._call_for(
-            handle, "future_order", {"keys": list(keys)}, within=self.request_timeout
+            handle, "progress", {"progress": progress.to_json()}, within=self.request_timeout
         )
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,20 +38,23 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from datacache.config import Settings
+from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
 from datacache.manifest import Manifest, Shard
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.tarindex import TarScanner, group_samples
-from datacache.tiers import Tier
+from datacache.tiers import Tier, open_origin
 from datacache.tiers._files import atomic_write
 
 __all__ = [
     "WIDS_INDEX_NAME",
     "ClusterIndex",
     "IndexReport",
+    "count_batch_sync",
     "count_tar_samples",
     "decide_cold",
     "index_dataset",
@@ -106,6 +110,29 @@ class IndexReport:
     sources: dict[str, int] = field(default_factory=dict)
     #: shards whose samples could not be counted (a truncated or foreign tar), with the reason
     unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def count_batch_sync(
+    number: int, url: str, storage_options: Mapping[str, Any], shards: Sequence[tuple[str, int, str | None]], where: str
+) -> tuple[int, dict[str, int | str]]:
+    """One batch as an engine task: each shard's sample count, or why it could not be counted."""
+
+    async def run() -> dict[str, int | str]:
+        origin = open_origin(url, storage_options=storage_options)
+        counts: dict[str, int | str] = {}
+        try:
+            for key, size, version in shards:
+                try:
+                    counts[key] = await count_tar_samples(
+                        origin, Shard(key, size, version), where=f"{where}: shard {key!r}"
+                    )
+                except ShardReadError as exc:
+                    counts[key] = str(exc)
+        finally:
+            await origin.close()
+        return counts
+
+    return number, asyncio.run(run())
 
 
 def _batch_size(shards: int, concurrency: int) -> int:
@@ -169,6 +196,8 @@ class ClusterIndex:
         # Without a shared tier the node is the cluster: its processes share the work the same way.
         self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
         self._where = f"dataset {manifest.dataset}"
+        self.engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None
+        """(``dask`` or ``ray``, scheduler address, origin URL, storage options): scan on that engine."""
         self.ignore_sidecars = False
         """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
 
@@ -260,11 +289,59 @@ class ClusterIndex:
         wanted = set(only) if only is not None else None
         shards = [s for s in self.manifest.shards if wanted is None or s.key in wanted]
         missing = [s for s in shards if s.key not in found]
-        if missing:
+        if missing and self.engine is not None:
+            found.update(await self._scan_on_engine(missing, found, report))
+        elif missing:
             scanned = await self._scan_shared(missing, found, report, on_count)
             found.update(scanned)
         report.seconds = time.monotonic() - started
         return found, report
+
+    def _batches(self, missing: Sequence[Shard]) -> list[tuple[int, list[Shard]]]:
+        """The batches holding a missing shard; cut over the whole manifest, so every node cuts the same ones."""
+        everything = list(self.manifest.shards)
+        size = _batch_size(len(everything), self.settings.concurrency)
+        missing_keys = {s.key for s in missing}
+        return [
+            (number, everything[start : start + size])
+            for number, start in enumerate(range(0, len(everything), size))
+            if any(s.key in missing_keys for s in everything[start : start + size])
+        ]
+
+    async def _scan_on_engine(
+        self, missing: Sequence[Shard], found: Mapping[str, KnownCount], report: IndexReport
+    ) -> dict[str, KnownCount]:
+        """Count on Dask or Ray, one task per batch; the engine, not leases, divides the work."""
+        engine, scheduler, url, options = self.engine or ("", None, "", {})
+        batches = self._batches(missing)
+        calls = [
+            (number, url, dict(options), [(s.key, s.size, s.version) for s in batch if s.key not in found], self._where)
+            for number, batch in batches
+        ]
+        done: list[tuple[int, dict[str, int | str]]] = []
+        workers = max(1, self.settings.concurrency)
+        if engine == "dask":
+            names = [f"datacache-index-{self.manifest.snapshot}-{number}" for number, _ in batches]
+            runner = functools.partial(map_dask, names=names)
+        else:
+            runner = functools.partial(map_ray)
+        await asyncio.to_thread(
+            runner, count_batch_sync, calls, scheduler=scheduler, workers=workers, on_result=done.append
+        )
+        results: dict[str, KnownCount] = {}
+        by_number = dict(batches)
+        for number, counts in done:
+            counted = {s.key: found[s.key] for s in by_number[number] if s.key in found}
+            for key, value in counts.items():
+                if isinstance(value, str):
+                    report.unreadable[key] = value
+                    continue
+                counted[key] = KnownCount(value, "scanned")
+                report.scanned += 1
+                report.scanned_bytes += self.manifest.shard(key).size
+            await self._write(self._batch_path(number), counted)
+            results.update(counted)
+        return results
 
     async def _scan_shared(
         self,
@@ -273,15 +350,7 @@ class ClusterIndex:
         report: IndexReport,
         on_count: Callable[[str, int], None] | None,
     ) -> dict[str, KnownCount]:
-        # Batches are cut over the whole manifest, so that every node cuts the same ones.
-        everything = list(self.manifest.shards)
-        size = _batch_size(len(everything), self.settings.concurrency)
-        missing_keys = {s.key for s in missing}
-        batches = [
-            (number, everything[start : start + size])
-            for number, start in enumerate(range(0, len(everything), size))
-            if any(s.key in missing_keys for s in everything[start : start + size])
-        ]
+        batches = self._batches(missing)
         if not batches:
             return {}
         logger.info(
@@ -397,7 +466,13 @@ class IndexOutcome:
 
 
 async def index_dataset(
-    origin: Tier, writable_origin: Tier | None, manifest: Manifest, settings: Settings, *, rescan: bool = False
+    origin: Tier,
+    writable_origin: Tier | None,
+    manifest: Manifest,
+    settings: Settings,
+    *,
+    rescan: bool = False,
+    engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None,
 ) -> IndexOutcome:
     """Count every shard of ``manifest`` once per cluster and keep the counts for every later reader.
 
@@ -408,6 +483,7 @@ async def index_dataset(
     a wrong count was reported).
     """
     index = ClusterIndex(origin, manifest, settings)
+    index.engine = engine
     if rescan:
         await asyncio.to_thread(index.forget)
         index.ignore_sidecars = True

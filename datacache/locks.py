@@ -64,6 +64,22 @@ class NodeLock:
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         await asyncio.to_thread(self._path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
+        while True:
+            fd = await self._lock_once()
+            if _still_linked(fd, self._path):
+                break
+            os.close(fd)  # the holder before us removed this file: lock the one there now
+        try:
+            yield
+        finally:
+            # Removed while still held, so no lock file stays behind per shard; a waiter that
+            # opened this file sees it unlinked once it gets the lock, and tries again.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(fd)  # releases the flock
+
+    async def _lock_once(self) -> int:
+        """Open the lock file and wait for its flock; return the descriptor holding it."""
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,13 +92,23 @@ class NodeLock:
                 # The thread may still take the lock; closing the fd then releases it.
                 waiting.add_done_callback(lambda _: os.close(fd))
                 raise
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
             os.close(fd)
             raise
-        try:
-            yield
-        finally:
-            os.close(fd)  # releases the flock
+        return fd
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not unlinked, nor replaced, by a previous holder)."""
+    held = os.fstat(fd)
+    try:
+        current = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
 
 
 LOCK_LIMIT = 64 << 10

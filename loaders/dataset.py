@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from datacache.loaders.batching import SKIPPED, BatchBuilder, Decoder, ReadAhead, sample_bytes
 from datacache.loaders.coldplan import ColdEpochPlan, CountBook, complete_runtime, epoch_is_cold, epoch_plan
-from datacache.loaders.epoch import auto_window, initial_prefetch
+from datacache.loaders.epoch import auto_window, initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import SpanCache, TarReader
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable, mode_code
-from datacache.loaders.units import Runtime, UnitReaders
+from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
@@ -511,6 +511,7 @@ class _EpochIterator:
             lock=self._lock,
             skip_bad=dataset.on_error == "skip",
             in_consumer=self._in_consumer,
+            future=self._node_future(),
         )
         self._builder = BatchBuilder(
             self._units,
@@ -526,6 +527,27 @@ class _EpochIterator:
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
+
+    def _node_future(self) -> NodeFuture | None:
+        """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
+
+        None in a cold epoch (its order grows as shards are counted): each reader then
+        hands over its own order, as before.
+        """
+        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
+            return None
+        dataset, runtime = self.dataset, self.runtime
+        units = node_unit_sequences(
+            runtime.plan.counts,
+            seed=dataset.seed,
+            epoch=self.epoch,
+            shuffle=dataset.shuffle,
+            window=runtime.window,
+            cursors=self.cursors,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+        )
+        return NodeFuture(reader_name(self.layout), self.epoch, units)
 
     def _start_row(self) -> None:
         row = self._row

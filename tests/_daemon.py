@@ -92,15 +92,20 @@ def raw_exchange(path: Path, data: bytes, *, timeout: float = 10.0) -> bytes:
     try:
         sock.connect(str(path))
         sock.sendall(data)
-        received = b""
-        while b"\r\n" not in received:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            received += chunk
-        return received
+        return read_reply(sock, until=b"\r\n")
     finally:
         sock.close()
+
+
+def read_reply(sock: socket.socket, *, until: bytes = b"\r\n\r\n") -> bytes:
+    """What arrives on ``sock`` up to ``until`` (the end of the status line or of the headers), or its end."""
+    received = b""
+    while until not in received:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+    return received
 
 
 @dataclass
@@ -164,6 +169,7 @@ def start_daemon(
     socket_path: Path | None = None,
     log: Path | None = None,
     wait: bool = True,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> DaemonProcess:
     """Start ``datacache serve`` (metrics on a free loopback port) and wait until it is ready."""
     socket_path = socket_path or local_dir / "daemon.sock"
@@ -176,6 +182,7 @@ def start_daemon(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - only resource limits, before exec
         )
     daemon = DaemonProcess(process=process, local_dir=local_dir, socket=socket_path, log=log, env=env)
     if wait:

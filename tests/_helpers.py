@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import random
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -28,6 +30,17 @@ def make_shards(
     """``count`` shards of ``size`` random bytes each, the same for the same seed."""
     rng = random.Random(seed)
     return {f"{prefix}-{i:04d}{suffix}": rng.randbytes(size) for i in range(count)}
+
+
+def tar_of(members: Mapping[str, bytes]) -> bytes:
+    """A USTAR tar holding ``members`` (name -> bytes), in order: a WebDataset shard."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 def checksum(data: bytes) -> str:

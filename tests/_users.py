@@ -11,6 +11,7 @@ Where neither root nor `useradd` is available the fixtures skip with the reason.
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import os
 import pwd
@@ -101,6 +102,11 @@ def users() -> Iterator[dict[str, User]]:
     made: dict[str, User] = {}
     base = Path(tempfile.mkdtemp(prefix="datacache-homes-"))
     base.chmod(0o755)
+    # Test sessions run side by side on one machine: each holds this lock shared while it needs the
+    # search bits, and the last one out (the one that can take it exclusively) restores them.
+    lock_path = os.path.join(tempfile.gettempdir(), "datacache-users-traverse.lock")
+    in_use = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(in_use, fcntl.LOCK_SH)
     opened = _open_traverse([Path(os.path.realpath(sys.executable)).parent, Path(sys.prefix), REPO])
     try:
         for role in ("alice", "bob", "mallory"):
@@ -122,8 +128,14 @@ def users() -> Iterator[dict[str, User]]:
                 subprocess.run(["groupdel", user.name], capture_output=True, check=False)
         subprocess.run(["groupdel", group], capture_output=True, check=False)
         shutil.rmtree(base, ignore_errors=True)
+        fcntl.flock(in_use, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            opened = []  # another session still runs as these users: leave the search bits
         for path, mode in reversed(opened):
             path.chmod(mode)
+        os.close(in_use)
 
 
 @pytest.fixture

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
 
 
 def upload(s3: S3Bucket, tmp_path: Path, *, samples: int, per_shard: int) -> dict[str, dict[str, bytes]]:

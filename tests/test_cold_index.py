@@ -262,3 +262,19 @@ def test_rescan_replaces_a_wrong_count_the_cluster_had_kept(
     assert "6 scanned here" in result.stdout
     again = CachedIterableDataset(str(origin), config=settings, shuffle=False)
     assert sorted(s["__key__"] for s in again) == sorted(expected)
+
+
+def test_index_on_a_dask_cluster_reads_each_shard_once(s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]) -> None:
+    truth = upload(s3, tmp_path, samples=200, per_shard=20)
+    s3.server.reset_counts()
+    result = run_cli(
+        ["index", s3.url("ds"), "--engine", "dask", "--json", "--no-write"],
+        node_env(s3, tmp_path, 0, cache_env),
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(result.stdout)
+    assert report["samples"] == sum(truth.values()) and report["scanned"] == len(truth)
+    assert shard_gets(s3) == dict.fromkeys(truth, 1)
+    again = run_cli(["index", s3.url("ds"), "--json", "--no-write"], node_env(s3, tmp_path, 1, cache_env), check=True)
+    assert json.loads(again.stdout)["scanned"] == 0, "the engine's counts are the cluster's"

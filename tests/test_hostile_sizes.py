@@ -10,16 +10,15 @@ manifest claiming 2,000,000,000 samples (MemoryError).
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import tar_of
 
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
 
@@ -104,13 +103,7 @@ def test_a_zarr_chunk_no_bytes_back_is_a_named_error_that_skip_skips(tmp_path: P
 
 
 def _tar(samples: int) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for index in range(samples):
-            info = tarfile.TarInfo(f"{index:06d}.txt")
-            info.size = 5
-            tar.addfile(info, io.BytesIO(b"hello"))
-    return out.getvalue()
+    return tar_of({f"{index:06d}.txt": b"hello" for index in range(samples)})
 
 
 def _with_manifest(origin: Path, fmt: ShardFormat, shards: dict[str, tuple[bytes, int]]) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _emulators import AzureContainer, GcsBucket, azure, azurite_server, gcs, gcs_server
+from _helpers import make_shards, run_cli
 from datacache.tiers import ObjectTier, Tier
 from datacache.tiers.testing import TierTests
+
+from datacache.config import dataset_id_for
 
 __all__ = ["azure", "azurite_server", "gcs", "gcs_server"]  # fixtures, imported to be found
 
@@ -28,12 +34,8 @@ class TestAzureObjectTier(TierTests):
 # -- datacache warm, as a user runs it --------------------------------------------------------------
 
 
-import json  # noqa: E402
-import os  # noqa: E402
 
-from _helpers import make_shards, run_cli  # noqa: E402
 
-from datacache.config import dataset_id_for  # noqa: E402
 
 Origin = GcsBucket | AzureContainer
 
@@ -79,6 +81,7 @@ def test_warm_reads_each_shard_once_and_prints_no_credential(origin: Origin, ori
     assert json.loads(again.stdout.strip().splitlines()[-1])["bytes_transferred"] == 0
     assert {key: data_reads(origin, f"ds/{key}") for key in shards} == dict.fromkeys(shards, 1)
     output = result.stdout + result.stderr + again.stdout + again.stderr
+    assert "Exception ignored" not in output and "Unclosed" not in output, output  # a clean exit
     secret = origin_env.get("AZURE_STORAGE_CONNECTION_STRING", "")
     assert "AccountKey" not in output and (not secret or secret.split("AccountKey=")[1][:20] not in output)
 
@@ -123,8 +126,6 @@ def test_a_corrupted_cached_copy_is_read_again_from_the_origin(
 @pytest.mark.parametrize("size", [1000, 6 << 20], ids=["single-part", "multipart"])
 def test_s3_put_reads_metadata_once_the_chunks_are_consumed(request: pytest.FixtureRequest, size: int) -> None:
     """`Tier.put` contract: metadata is read when the chunks are exhausted (a checksum learned at the end)."""
-    import asyncio
-
     bucket = request.getfixturevalue("s3")
     tier = ObjectTier(bucket.url("p"), storage_options=bucket.storage_options, writable=True, part_size=5 << 20)
     metadata: dict[str, str] = {}
@@ -145,3 +146,25 @@ def test_s3_put_reads_metadata_once_the_chunks_are_consumed(request: pytest.Fixt
     head = bucket.client.head_object(Bucket=bucket.name, Key="p/late")
     assert head["Metadata"] == {"checksum": "learned-at-the-end"}
     assert head["ContentLength"] == size
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
+def test_stat_returns_the_metadata_a_put_completed_while_streaming(request: pytest.FixtureRequest, store: str) -> None:
+    bucket = request.getfixturevalue(store)
+    tier = ObjectTier(bucket.url("p"), storage_options=bucket.storage_options, writable=True)
+    metadata: dict[str, str] = {}
+
+    async def produce() -> Any:
+        yield b"abc"
+        metadata["checksum"] = "learned-at-the-end"
+
+    async def body() -> Any:
+        try:
+            await tier.put("m", produce(), metadata=metadata)
+            return await tier.stat("m")
+        finally:
+            await tier.close()
+
+    info = asyncio.run(body())
+    assert info is not None and info.size == 3
+    assert dict(info.metadata) == {"checksum": "learned-at-the-end"}

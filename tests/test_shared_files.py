@@ -265,3 +265,18 @@ def test_a_live_writers_partial_survives_a_lease_takeover(tmp_path: Path) -> Non
     os.utime(partial, (old, old))
     assert asyncio.run(tier.remove_partials_of("ds/k", min_age=30)) == 1
     assert not partial.exists()
+
+
+def test_eviction_never_lists_files_through_a_linked_data_directory(tmp_path: Path) -> None:
+    from datacache.staging.shared import _shared_candidates
+
+    outside = tmp_path / "outside"
+    (outside / "ds").mkdir(parents=True)
+    (outside / "ds" / "k").write_bytes(b"someone else's")
+    root = tmp_path / "shared"
+    root.mkdir()
+    (root / "data").symlink_to(outside, target_is_directory=True)
+    assert _shared_candidates(SharedTier(root)) == []
+    (root / "data").unlink()
+    _put(SharedTier(root), "ds/mine", b"12345")
+    assert [(c.dataset, c.key, c.size) for c in _shared_candidates(SharedTier(root))] == [("ds", "mine", 5)]

@@ -2,7 +2,8 @@
 
 Real users (tests/_users.py): mallory, who can write the shared directory, exchanges
 (``renameat2(RENAME_EXCHANGE)``) ``shared/data/<dataset>`` and ``shared/data`` itself with
-symlinks to a directory in alice's home, as fast as she can, while alice puts objects
+symlinks to a directory in alice's home (and ``shared/locks/<dataset>``, where the lease
+files go), as fast as she can, while alice puts objects
 through the tier API and runs ``datacache warm --tier shared``. Every write alice makes must
 land in the tier or be refused: her directory must stay empty (no shard, no ``.partial``).
 A short run is in ``make test``; a long one under the ``faults`` marker.
@@ -30,13 +31,15 @@ import ctypes, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 shared, dataset, target, stop, seconds = sys.argv[1:6]
-data = os.path.join(shared, "data")
-os.mkdir(os.path.join(data, dataset))
-os.chmod(os.path.join(data, dataset), 0o777)
-os.symlink(target, os.path.join(data, ".bait"))
+data, locks = os.path.join(shared, "data"), os.path.join(shared, "locks")
+for area in (data, locks):
+    os.mkdir(os.path.join(area, dataset))
+    os.chmod(os.path.join(area, dataset), 0o777)
+    os.symlink(target, os.path.join(area, ".bait"))
 os.symlink(target, os.path.join(shared, ".bait"))
 pairs = [
     (os.path.join(data, dataset).encode(), os.path.join(data, ".bait").encode()),
+    (os.path.join(locks, dataset).encode(), os.path.join(locks, ".bait").encode()),
     (data.encode(), os.path.join(shared, ".bait").encode()),
 ]
 print("ready", flush=True)
@@ -53,6 +56,7 @@ print(swaps, flush=True)
 _WRITER = """
 import asyncio, json
 from datacache.errors import DatacacheError
+from datacache.locks import LeaseLock
 from datacache.tiers import SharedTier
 
 async def chunks(i):
@@ -62,8 +66,10 @@ async def main(puts):
     tier = SharedTier({shared!r})
     ok = refused = 0
     for i in range(puts):
+        key = {dataset!r} + "/k%d" % (i % 40)
         try:
-            await tier.put({dataset!r} + "/k%d" % (i % 40), chunks(i), metadata={{"checksum": "c"}})
+            async with LeaseLock(tier.lock_place(key)).hold():  # as the stager does
+                await tier.put(key, chunks(i), metadata={{"checksum": "c"}})
             ok += 1
         except (DatacacheError, OSError):
             refused += 1
@@ -97,7 +103,8 @@ def _race(users: dict[str, User], world_dir: Path, *, puts: int, warms: int, sec
     alice, mallory = users["alice"], users["mallory"]
     shared = world_dir / "shared"
     (shared / "data").mkdir(parents=True)
-    for directory in (shared, shared / "data"):
+    (shared / "locks").mkdir()
+    for directory in (shared, shared / "data", shared / "locks"):
         directory.chmod(0o777)  # a shared directory anyone can write: the attacker's way in
     origin = world_dir / "origin"
     make_shards(origin, 4, 20_000)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _helpers import run_cli
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 
 from datacache.config import Settings
+
+if TYPE_CHECKING:
+    # Only for annotations: in the whole suite, `conftest` may resolve to tests/faults/conftest.py.
+    from conftest import S3Bucket
 
 
 def _parquet(rows: list[dict[str, int]]) -> bytes:
@@ -53,3 +57,23 @@ def test_read_one_local_file(tmp_path: Path, settings: Settings) -> None:
     for spec in (str(path), f"file://{path}"):
         got = keys_of(CachedIterableDataset(spec, config=settings, shuffle=False))
         assert got == sorted(expected)[5:10], spec
+
+
+def test_one_file_through_the_daemon_and_after_its_death(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    from _daemon import start_daemon
+
+    from datacache.config import load_settings
+
+    expected = write_wds(tmp_path / "data", samples=30, per_shard=10)
+    path = tmp_path / "data" / "train-0002.tar"
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        settings = load_settings(daemon.env)
+        dataset = CachedIterableDataset(str(path), config=settings, shuffle=False)
+        assert keys_of(dataset) == sorted(expected)[20:]
+        assert dataset.stats().mode == "daemon"
+        daemon.kill()  # the reader goes on with its own stager, through the same parent
+        again = CachedIterableDataset(str(path), config=settings, shuffle=False)
+        assert keys_of(again) == sorted(expected)[20:]
+    finally:
+        daemon.kill()

@@ -9,15 +9,13 @@ docs/SECURITY.md, "Trust in cached data", states the rules these tests hold.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _daemon import make_shards
-from _helpers import run_cli
+from _helpers import run_cli, tar_of
 from datacache.tiers import open_origin, redact_url
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -32,15 +30,8 @@ def write_tars(directory: Path, shards: int, samples: int, text: str) -> dict[st
     directory.mkdir(parents=True, exist_ok=True)
     written = {}
     for shard in range(shards):
-        out = io.BytesIO()
-        with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for index in range(samples):
-                data = f"{text} {shard}.{index}".encode()
-                info = tarfile.TarInfo(f"s{shard:03d}{index:04d}.txt")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
         name = f"shard-{shard:04d}.tar"
-        written[name] = out.getvalue()
+        written[name] = tar_of({f"s{shard:03d}{i:04d}.txt": f"{text} {shard}.{i}".encode() for i in range(samples)})
         (directory / name).write_bytes(written[name])
     return written
 

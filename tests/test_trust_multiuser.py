@@ -11,18 +11,16 @@ cached data".
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import sys
-import tarfile
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import xxhash
-from _users import User, cli_as, python_as, run_as, user_env, users, world_dir
+from _helpers import tar_of
+from _users import User, cli_as, python_as, user_env, users, world_dir
 
 from datacache.manifest import Manifest, Shard, ShardFormat
 
@@ -36,14 +34,7 @@ SAMPLES = 5
 
 
 def _tar(text: str, shard: int, pad_to: int | None = None) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for index in range(SAMPLES):
-            data = f"{text} {shard}.{index}".encode()
-            info = tarfile.TarInfo(f"s{shard}{index:03d}.txt")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    raw = out.getvalue()
+    raw = tar_of({f"s{shard}{index:03d}.txt": f"{text} {shard}.{index}".encode() for index in range(SAMPLES)})
     if pad_to is not None:
         if len(raw) > pad_to:
             raise ValueError("the attacker's tar must fit the real shard's size")
@@ -59,11 +50,29 @@ def dataset(s3: S3Bucket) -> dict[str, bytes]:
     return shards
 
 
-def _shared(world: Path) -> Path:
-    shared = world / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)  # writable by every user: the threat model, not a recommendation
-    return shared
+@pytest.fixture
+def shared(world_dir: Path) -> Path:
+    """A shared tier's directory every user can write: the threat model, not a recommendation."""
+    path = world_dir / "shared"
+    path.mkdir()
+    path.chmod(0o777)
+    return path
+
+
+@pytest.fixture
+def team_shared(world_dir: Path, users: dict[str, User]) -> Path:
+    """A shared tier set up as docs/SECURITY.md says: ``install -d -m 2770 -g team``."""
+    path = world_dir / "team-shared"
+    path.mkdir()
+    os.chown(path, 0, users["alice"].groups[0])
+    path.chmod(0o2770)
+    return path
+
+
+@pytest.fixture
+def url(s3: S3Bucket, dataset: dict[str, bytes]) -> str:
+    """The dataset alice may read: ``s3://<bucket>/wds/``."""
+    return s3.url("wds") + "/"
 
 
 def _env(user: User, s3: S3Bucket, shared: Path, *, credentials: bool) -> dict[str, str]:
@@ -86,7 +95,9 @@ try:
     texts = [bytes(s["txt"]).decode() for s in CachedIterableDataset({url!r}, shuffle=False)]
     print(json.dumps({{"texts": texts}}))
 except Exception as exc:
-    print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
+    import traceback
+    trace = traceback.format_exc()
+    print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}", "trace": trace}}))
 """
 
 
@@ -137,11 +148,9 @@ def _plant(mallory: User, shared: Path, dataset_id: str, url: str, key: str, rea
 
 
 def test_planted_manifest_tar_and_meta_never_reach_alices_loader_or_warm(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     alice, mallory = users["alice"], users["mallory"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
     env = _env(alice, s3, shared, credentials=True)
     dataset_id = _dataset_id(alice, url, env)
     key = "shard-0000.tar"
@@ -165,11 +174,10 @@ def test_planted_manifest_tar_and_meta_never_reach_alices_loader_or_warm(
 
 
 def test_a_user_without_credentials_gets_the_origins_error_not_cached_bytes(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], team_shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     alice, bob = users["alice"], users["bob"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
+    shared = team_shared  # bob may read everything alice writes there: the origin still says no
     done = cli_as(alice, "warm", url, "--tier", "shared", env=_env(alice, s3, shared, credentials=True))
     assert done.returncode == 0, done.stderr
     assert any((shared / "data").rglob("*.tar")), "alice's copies are on the shared tier"
@@ -177,7 +185,7 @@ def test_a_user_without_credentials_gets_the_origins_error_not_cached_bytes(
     bob_env = _env(bob, s3, shared, credentials=False)
     result = _read_as(bob, url, bob_env)
     assert "texts" not in result, f"bob read {len(result['texts'])} samples he may not read"
-    assert "credentials" in result["error"], result
+    assert "credentials" in result["error"], result.get("trace")
     refused = cli_as(bob, "warm", url, env=bob_env)
     assert refused.returncode != 0 and "credentials" in refused.stderr, refused.stderr
     assert "resident" not in refused.stdout
@@ -190,20 +198,17 @@ def _shard_gets(s3: S3Bucket) -> int:
 
 
 def test_copies_the_configured_daemon_uid_wrote_are_used_and_nobody_elses(
-    users: dict[str, User], world_dir: Path, s3: S3Bucket, dataset: dict[str, bytes]
+    users: dict[str, User], team_shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
 ) -> None:
     """The shared tier still saves origin reads: copies by a trusted uid (here bob, as the daemon's) count."""
     alice, bob = users["alice"], users["bob"]
-    shared = _shared(world_dir)
-    url = s3.url("wds") + "/"
+    shared = team_shared
     # Sample counts beside the shards (a wids index), so that no reader scans the origin's tars for them.
     shardlist = [{"url": key, "nsamples": SAMPLES, "filesize": len(data)} for key, data in dataset.items()]
     index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shardlist}
     s3.put("wds/wids-index.json", json.dumps(index).encode())
     bob_env = _env(bob, s3, shared, credentials=True)
-    # umask 0: bob's directories let alice replace his copies later (a group setup does it with setgid dirs).
-    warm = ["sh", "-c", 'umask 0 && exec "$0" -m datacache.cli warm "$1" --tier shared', sys.executable, url]
-    done = run_as(bob, warm, env=bob_env)
+    done = cli_as(bob, "warm", url, "--tier", "shared", env=bob_env)
     assert done.returncode == 0, done.stderr
 
     trusting = _env(alice, s3, shared, credentials=True)

@@ -13,7 +13,18 @@ from typing import Any
 
 from datacache.errors import OriginChangedError
 
-__all__ = ["close_filesystem", "filesystem_class", "past_the_end", "pinned_cat", "version_of"]
+__all__ = [
+    "close_filesystem",
+    "filesystem_class",
+    "metadata_of",
+    "past_the_end",
+    "pinned_cat",
+    "set_metadata",
+    "version_of",
+]
+
+
+_AZURE = ("az", "abfs", "abfss")
 
 
 def filesystem_class(protocol: str) -> Any:
@@ -67,6 +78,24 @@ def version_of(protocol: str, info: Any) -> str | None:
     return str(etag).strip('"') if etag else None
 
 
+def metadata_of(protocol: str, info: Any) -> dict[str, str]:
+    """The user metadata in a backend's info (S3 as `ObjectTier.stat` reads it, GCS, Azure)."""
+    found = info.get("Metadata") or info.get("metadata") or {}
+    if not isinstance(found, dict):
+        return {}
+    # adlfs marks every blob it writes with is_directory; that is adlfs's, not the writer's.
+    return {str(k): str(v) for k, v in found.items() if not (protocol in _AZURE and k == "is_directory")}
+
+
+async def set_metadata(fs: Any, protocol: str, path: str, metadata: dict[str, str]) -> None:
+    """Attach ``metadata`` to an object an upload just wrote, where the upload could not (Azure)."""
+    if protocol in _AZURE:
+        container, blob, _ = fs.split_path(path)
+        client = fs.service_client.get_blob_client(container, blob)
+        async with client:
+            await client.set_blob_metadata({"is_directory": "false", **metadata})
+
+
 def past_the_end(exc: BaseException) -> bool:
     """Whether ``exc`` is a backend's 416: a range at or past the object's end (no bytes, not an error)."""
     return any(getattr(exc, name, None) == 416 for name in ("code", "status", "status_code"))
@@ -86,7 +115,7 @@ async def pinned_cat(
     try:
         if protocol in ("gs", "gcs"):
             return await _gcs_generation(fs, path, start, end, version, where)
-        if protocol in ("az", "abfs", "abfss"):
+        if protocol in _AZURE:
             return await _azure_if_match(fs, path, start, end, version, where)
     except Exception as exc:
         if past_the_end(exc):

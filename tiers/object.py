@@ -7,19 +7,18 @@ writable (``datacache shard`` writes its output through one).
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
-from datacache.tiers._backends import close_filesystem, filesystem_class, pinned_cat, version_of
+from datacache.tiers._backends import close_filesystem, filesystem_class, metadata_of, pinned_cat, version_of
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
 from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
+from datacache.tiers._uploads import multipart_upload, spooled_upload
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import (
@@ -235,7 +234,9 @@ class ObjectTier(Tier):
                 f"{self.url}/{key}: the size of this object cannot be known (the server sends no "
                 "Content-Length); datacache needs each shard's size"
             )
-        return ObjectInfo(key=key, size=int(size), version=self._version(info))
+        return ObjectInfo(
+            key=key, size=int(size), version=self._version(info), metadata=metadata_of(self._protocol, info)
+        )
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -244,6 +245,10 @@ class ObjectTier(Tier):
         fs = await self._filesystem()
 
         async def info() -> Any:
+            if self.is_s3:  # s3fs's info drops the user metadata: one HEAD that keeps it
+                bucket, object_key, _ = fs.split_path(path)
+                head = await fs._call_s3("head_object", Bucket=bucket, Key=object_key)
+                return {**head, "size": head["ContentLength"], "type": "file"}
             return await fs._info(path)
 
         try:
@@ -414,118 +419,16 @@ class ObjectTier(Tier):
 
             size = await atomic_write(path, chunks)
         elif self.is_s3:
-            size = await self._multipart_upload(fs, path, chunks, where, metadata)
+            size = await multipart_upload(
+                fs, path, chunks, metadata, part_size=self._part_size, call=lambda op: self._call(where, op)
+            )
         else:
-            # Other backends: spool to a local temporary file so memory stays bounded.
-            size = await self._spooled_upload(fs, path, chunks, where)
+            size = await spooled_upload(
+                fs, path, chunks, metadata, protocol=self._protocol, call=lambda op: self._call(where, op)
+            )
         self._counters["bytes_written"] += size
         info = await self.stat(key)
         return info or ObjectInfo(key=key, size=size)
-
-    async def _multipart_upload(
-        self,
-        fs: Any,
-        path: str,
-        chunks: AsyncIterable[bytes | memoryview],
-        where: str,
-        metadata: Mapping[str, str] | None,
-    ) -> int:
-        bucket, object_key, _ = fs.split_path(path)
-        sent: dict[str, str] = {}  # metadata as sent with create_multipart_upload
-
-        def extra() -> dict[str, Any]:  # read when used: the writer may complete it while streaming
-            return {"Metadata": dict(metadata)} if metadata else {}
-
-        buffer = bytearray()
-        size = 0
-        upload_id: str | None = None
-        parts: list[dict[str, Any]] = []
-
-        async def send_part(data: bytes) -> None:
-            number = len(parts) + 1
-
-            async def upload() -> Any:
-                return await fs._call_s3(
-                    "upload_part", Bucket=bucket, Key=object_key, UploadId=upload_id, PartNumber=number, Body=data
-                )
-
-            response = await self._call(where, upload)
-            parts.append({"PartNumber": number, "ETag": response["ETag"]})
-
-        try:
-            async for chunk in chunks:
-                buffer += chunk
-                size += len(chunk)
-                while len(buffer) >= self._part_size:
-                    if upload_id is None:
-
-                        async def create() -> Any:
-                            sent.update(extra().get("Metadata", {}))
-                            return await fs._call_s3(
-                                "create_multipart_upload", Bucket=bucket, Key=object_key, **extra()
-                            )
-
-                        upload_id = (await self._call(where, create))["UploadId"]
-                    part, buffer = bytes(buffer[: self._part_size]), buffer[self._part_size :]
-                    await send_part(part)
-            if upload_id is None:
-                body = bytes(buffer)
-
-                async def put_object() -> Any:
-                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra())
-
-                await self._call(where, put_object)
-                return size
-            if buffer:
-                await send_part(bytes(buffer))
-
-            async def complete() -> Any:
-                return await fs._call_s3(
-                    "complete_multipart_upload",
-                    Bucket=bucket,
-                    Key=object_key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-
-            await self._call(where, complete)
-            if metadata and dict(metadata) != sent:  # completed after the upload began: set it now
-
-                async def replace_metadata() -> Any:
-                    source = {"Bucket": bucket, "Key": object_key}
-                    return await fs._call_s3(
-                        "copy_object", Bucket=bucket, Key=object_key, CopySource=source,
-                        Metadata=dict(metadata), MetadataDirective="REPLACE",
-                    )
-
-                await self._call(where, replace_metadata)
-            return size
-        except BaseException:
-            if upload_id is not None:
-                abort_id = upload_id
-
-                async def abort() -> Any:
-                    return await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=abort_id)
-
-                await asyncio.shield(self._call(where, abort))
-            raise
-
-    async def _spooled_upload(self, fs: Any, path: str, chunks: AsyncIterable[bytes | memoryview], where: str) -> int:
-        fd, spool = tempfile.mkstemp(prefix="datacache-upload-")
-        try:
-            size = 0
-            with os.fdopen(fd, "wb") as out:
-                async for chunk in chunks:
-                    await asyncio.to_thread(out.write, chunk)
-                    size += len(chunk)
-
-            async def upload() -> Any:
-                return await fs._put_file(spool, path)
-
-            await self._call(where, upload)
-            return size
-        finally:
-            os.unlink(spool)
 
     async def delete(self, key: str) -> bool:
         if not self._writable:

@@ -83,6 +83,10 @@ class SharedTier(DirectoryTier):
                     problems.append(f"shared tier: {exc}")
                     writable = False
                     continue
+                except PermissionError:  # another user's directory, not shared with this user's groups
+                    problems.append(f"shared tier {self._root / area}: {who} cannot enter it")
+                    writable = False
+                    continue
                 st = os.stat(area, dir_fd=root, follow_symlinks=False)
                 if not os.access(self._root / area, os.W_OK | os.X_OK):
                     problems.append(f"shared tier {self._root / area}: {who} cannot write it ({_owner_text(st)})")

@@ -22,15 +22,18 @@ from typing import Any
 from aiohttp import web
 
 from datacache._protocol import MAX_BODY_BYTES, error_for
+from datacache.daemon._limits import BodyBudget
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.metrics import DaemonMetrics
 from datacache.stager import LOCAL, SHARED
 from datacache.tiers import redact_url, validate_key
 
 __all__ = [
+    "BODY_LIMITS",
     "DRAINING",
     "STARTING",
     "BadRequest",
+    "BodyLimits",
     "Forbidden",
     "Peer",
     "PeerPolicy",
@@ -136,9 +139,39 @@ def error(code: str, status: int, message: str) -> web.Response:
 # -- request parsing ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BodyLimits:
+    """How much body memory all requests may hold, and how long a body may take to arrive."""
+
+    budget: BodyBudget
+    timeout: float
+
+
+BODY_LIMITS = web.AppKey("datacache_body_limits", BodyLimits)
+
+
 async def body(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object (an empty body is an empty object)."""
-    raw = await request.read()
+    """The request's JSON object (an empty body is an empty object), read within the app's limits."""
+    limits = request.app.get(BODY_LIMITS)
+    if limits is None or not request.body_exists:
+        return _parse(await request.read())
+    size = request.content_length if request.content_length is not None else MAX_BODY_BYTES
+    if not limits.budget.take(size):
+        raise DaemonUnavailableError(
+            f"the daemon holds request bodies of {limits.budget.held} bytes already (limit {limits.budget.limit}); "
+            "go on without it and try again"
+        )
+    try:
+        async with asyncio.timeout(limits.timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {limits.timeout:g}s") from None
+    finally:
+        limits.budget.give(size)
+    return _parse(raw)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
     if not raw:
         return {}
     try:

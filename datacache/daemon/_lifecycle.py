@@ -24,6 +24,7 @@ from aiohttp import web
 
 from datacache.config import Settings
 from datacache.daemon._http import DRAINING, STARTING, http_logger
+from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
 from datacache.errors import DatacacheError
 
 __all__ = ["Lifecycle"]
@@ -63,11 +64,27 @@ class Lifecycle:
         On a stop, how long running requests may take before they are abandoned.
     socket_group
         The gid that owns the socket, so that its members may connect (default: the daemon's).
+    request_timeout
+        Seconds a connection may take to send a request's headers (aiohttp's keep-alive
+        timer, which also runs while headers arrive).
+    connections_per_client
+        Connections one uid may hold; default a quarter of the file-descriptor budget.
     """
 
-    def __init__(self, settings: Settings, drain_timeout: float, *, socket_group: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        drain_timeout: float,
+        *,
+        socket_group: int | None = None,
+        request_timeout: float = 10.0,
+        connections_per_client: int | None = None,
+    ) -> None:
         self.settings = settings
         self.socket_group = socket_group
+        self.request_timeout = request_timeout
+        self.connections_per_client = connections_per_client
+        self.gate: ConnectionGate | None = None
         self.drain_timeout = drain_timeout
         self.metrics_address: str | None = None
         self.ready = False
@@ -109,16 +126,31 @@ class Lifecycle:
             unix_sock.close()
             raise
         self.metrics_address = "{}:{}".format(*metrics_sock.getsockname()[:2])
-        await self._serve(app, unix_sock, shutdown_timeout=2.0)
+        limit, budget = fd_budget()
+        per_client = self.connections_per_client or max(4, budget // 4)
+        self.gate = ConnectionGate(total=budget, per_client=per_client)
+        logger.info(
+            "open-file limit %d: up to %d connections, %d per client uid", limit, budget, per_client,
+            extra={"event": "limits", "nofile": limit, "connections": budget, "per_client": per_client},
+        )
+        await self._serve(app, unix_sock, shutdown_timeout=2.0, gate=self.gate)
         await self._serve(metrics_app, metrics_sock, shutdown_timeout=1.0)
 
-    async def _serve(self, app: web.Application, sock: socket.socket, *, shutdown_timeout: float) -> None:
+    async def _serve(
+        self, app: web.Application, sock: socket.socket, *, shutdown_timeout: float, gate: ConnectionGate | None = None
+    ) -> None:
         runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout, logger=http_logger
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout,
+            logger=http_logger,
+            keepalive_timeout=self.request_timeout,  # also bounds a request's headers (slowloris)
         )
         await runner.setup()
         self._runners.append(runner)
-        await web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout).start()
+        site = web.SockSite(runner, sock) if gate is None else GatedSite(runner, sock, gate)
+        await site.start()
 
     def _prepare_directories(self) -> None:
         local = self.settings.local_dir

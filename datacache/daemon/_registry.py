@@ -42,13 +42,28 @@ class DatasetRegistry:
         What clients other than the daemon's own user may have it open.
     snapshot_dir
         Where each served snapshot's manifest is written for clients to read.
+    max_handles
+        Handles kept in memory, the least recently used dropped first (a client whose
+        handle was dropped gets ``unknown_dataset`` and opens it again).
+    keep_snapshots
+        Snapshot files kept per dataset besides those of handles in memory (the newest).
     """
 
-    def __init__(self, settings: Settings, policy: OriginPolicy, snapshot_dir: Path) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        policy: OriginPolicy,
+        snapshot_dir: Path,
+        *,
+        max_handles: int = 256,
+        keep_snapshots: int = 8,
+    ) -> None:
         self.settings = settings
         self.policy = policy
         self.snapshot_dir = snapshot_dir
-        self.handles: dict[tuple[str, str], DatasetHandle] = {}
+        self.max_handles = max_handles
+        self.keep_snapshots = keep_snapshots
+        self.handles: dict[tuple[str, str], DatasetHandle] = {}  # least recently used first
         self.latest: dict[str, DatasetHandle] = {}
         self.pins: set[str] = set()
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
@@ -112,9 +127,25 @@ class DatasetRegistry:
             handle = DatasetHandle(config=handle.config, manifest=manifest, origin=handle.origin)
         else:
             self.latest[config.id] = handle
-        self.handles[(config.id, handle.manifest.snapshot)] = handle
-        await asyncio.to_thread(self._save_snapshot, handle.manifest)
+        self._remember(handle)
+        held = {snapshot for dataset, snapshot in self.handles if dataset == config.id}
+        await asyncio.to_thread(self._save_snapshot, handle.manifest, held)
         return handle
+
+    def _remember(self, handle: DatasetHandle) -> None:
+        """Keep ``handle`` as the most recently used; drop the least recently used beyond the bound."""
+        ident = (handle.id, handle.manifest.snapshot)
+        self.handles.pop(ident, None)
+        self.handles[ident] = handle
+        while len(self.handles) > self.max_handles:
+            (dataset, snapshot), _ = next(iter(self.handles.items()))
+            del self.handles[(dataset, snapshot)]
+            latest = self.latest.get(dataset)
+            if latest is not None and latest.manifest.snapshot == snapshot:
+                del self.latest[dataset]
+            if not any(held == dataset for held, _ in self.handles):
+                for ids in self.opened.values():
+                    ids.discard(dataset)
 
     def handle(self, data: Mapping[str, Any], peer: Peer) -> DatasetHandle:
         """The open handle a request's ``dataset`` and ``snapshot`` name, if ``peer`` opened it."""
@@ -128,6 +159,9 @@ class DatasetRegistry:
         if handle is None:
             which = f"dataset {dataset!r}" + (f" at snapshot {snapshot}" if snapshot else "")
             raise UnknownDatasetError(f"{which} is not open in this daemon for uid {peer.uid}; open it first")
+        ident = (handle.id, handle.manifest.snapshot)
+        if ident in self.handles:  # used: the last to be dropped
+            self.handles[ident] = self.handles.pop(ident)
         return handle
 
     @staticmethod
@@ -155,13 +189,20 @@ class DatasetRegistry:
         validate_key(snapshot)
         return self.snapshot_dir / f"{dataset_id}@{snapshot}.json"
 
-    def _save_snapshot(self, manifest: Manifest) -> Path:
+    def _save_snapshot(self, manifest: Manifest, held: set[str]) -> Path:
+        """Write ``manifest``'s snapshot file; prune the dataset's oldest ones but ``held``."""
         path = self.snapshot_path(manifest.dataset, manifest.snapshot)
         if not path.exists():
             temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
             temporary.write_bytes(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
             temporary.chmod(0o644)
             temporary.replace(path)
+        prefix = f"{manifest.dataset}@"  # ids hold no '@': no other dataset's file matches
+        files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]
+        files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[self.keep_snapshots :]:
+            if old.name[len(prefix) : -len(".json")] not in held | {manifest.snapshot}:
+                old.unlink(missing_ok=True)
         return path
 
     def _load_snapshot(self, dataset_id: str, snapshot: str) -> Manifest | None:

@@ -13,13 +13,12 @@ errors), `DatasetRegistry` (configurations, handles, pins, snapshots) and
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
 import signal
+import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,33 +30,30 @@ from datacache._protocol import (
     API,
     MAX_BODY_BYTES,
     client_label,
-    error_for,
     location_to_wire,
-    warm_progress_to_wire,
-    warm_report_to_wire,
 )
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
 from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._limits import BodyBudget
 from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
 from datacache.daemon._status import ClientReport, StatusBoard, log_event
+from datacache.daemon._warm import WarmRun
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
-from datacache.manifest import Shard
 from datacache.metrics import CONTENT_TYPE, DaemonMetrics
 from datacache.stager import (
     LOCAL,
     PRIORITY_PREFETCH,
     PRIORITY_URGENT,
     SHARED,
-    DatasetHandle,
+    FutureOrder,
     Location,
+    ReaderProgress,
     Stager,
-    WarmProgress,
 )
-from datacache.staging.warm import Submit
-from datacache.tiers import redact_url, validate_key
+from datacache.tiers import validate_key
 
 __all__ = ["Daemon", "DaemonOptions", "serve"]
 
@@ -91,6 +87,13 @@ class DaemonOptions:
         Whether such clients may send credentials (the daemon then uses theirs).
     socket_group
         The group that owns the socket (mode 0660), so that its members can connect.
+    request_timeout
+        Seconds a connection may take to send its headers, and again its body.
+    body_memory
+        Bytes of request bodies held at once, across all connections.
+    connections_per_client
+        Connections one uid may hold at once (default: a quarter of the daemon's budget,
+        which follows its open-file limit).
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
     """
@@ -104,6 +107,9 @@ class DaemonOptions:
     allow_endpoints: tuple[str, ...] = ()
     allow_client_credentials: bool = False
     socket_group: int | None = None
+    request_timeout: float = 10.0
+    body_memory: int = 256 << 20
+    connections_per_client: int | None = None
     client_ttl: float = 300.0
 
 
@@ -124,7 +130,13 @@ class Daemon:
         self.stager: Stager | None = None
         self.metrics = DaemonMetrics(self._stats)
         self.scheduler: PrefetchScheduler | None = None
-        self.lifecycle = Lifecycle(settings, self.options.drain_timeout, socket_group=self.options.socket_group)
+        self.lifecycle = Lifecycle(
+            settings,
+            self.options.drain_timeout,
+            socket_group=self.options.socket_group,
+            request_timeout=self.options.request_timeout,
+            connections_per_client=self.options.connections_per_client,
+        )
         self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
         policy = OriginPolicy(
             prefixes=self.options.allow_datasets,
@@ -230,6 +242,7 @@ class Daemon:
             client_max_size=MAX_BODY_BYTES,
             middlewares=[http.middleware(self.peers, self.metrics, self.lifecycle.unavailable)],
         )
+        app[http.BODY_LIMITS] = http.BodyLimits(BodyBudget(self.options.body_memory), self.options.request_timeout)
         app.router.add_get("/healthz", self._healthz, name="healthz")
         app.router.add_get("/readyz", self._readyz, name="readyz")
         app.router.add_get("/metrics", self._metrics, name="metrics")
@@ -240,6 +253,7 @@ class Daemon:
             ("locate", self._locate),
             ("prefetch", self._prefetch),
             ("future_order", self._future_order),
+            ("progress", self._progress),
             ("report_corrupt", self._report_corrupt),
             ("warm", self._warm),
             ("evict", self._evict),
@@ -365,9 +379,35 @@ class Daemon:
     async def _future_order(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         handle = self.registry.handle(data, self._peer(request))
-        keys = http.keys(data)
-        await self._stager().set_future_order(handle, keys)
-        return web.json_response({"keys": len(keys)})
+        if "order" not in data:
+            keys = http.keys(data)
+            await self._stager().set_future_order(handle, keys)
+            return web.json_response({"keys": len(keys)})
+        try:
+            order = FutureOrder.from_json(data["order"])
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        for sequence in order.readers.values():
+            for key in set(sequence):
+                validate_key(key)
+        await self._stager().set_future_order(handle, order)
+        return web.json_response({"readers": len(order.readers)})
+
+    async def _progress(self, request: web.Request) -> web.Response:
+        """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        try:
+            progress = ReaderProgress.from_json(data.get("progress"))
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        if progress.owner.rpartition(":")[0] != socket.gethostname():
+            # A lease names a process of this node, whose death ends it; another host's never would.
+            raise http.BadRequest("reader progress must name a process of this node as its owner")
+        for key in progress.holding:
+            validate_key(key)
+        await self._stager().note_progress(handle, progress)
+        return web.json_response({"holding": len(progress.holding)})
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
         data = await http.body(request)
@@ -463,9 +503,8 @@ class Daemon:
                 "'stall_fraction' within [0, 1]"
             )
         dataset = data.get("dataset") if isinstance(data.get("dataset"), str) else None
-        self.status.report(
-            name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic())
-        )
+        uid = self._peer(request).uid
+        self.status.report(name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic(), uid))
         return web.json_response({"client": name})
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -504,91 +543,9 @@ class Daemon:
         shards = handle.manifest.select(spec)
         if not shards:
             raise ConfigError(f"shards {spec!r} select no shard of {handle.id}")
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-        lines = _Lines(response)
-        total = sum(shard.size for shard in shards)
-        await lines.send({"event": "start", "dataset": handle.id, "tier": tier, "shards": len(shards), "bytes": total})
-        warm = asyncio.ensure_future(
-            self._stager().warm(
-                handle,
-                shards,
-                tier=tier,
-                verify=bool(data.get("verify")),
-                bandwidth=float(bandwidth) if bandwidth is not None else None,
-                progress=lines.progress,
-                submit=self._gated(handle, tier),
-            )
-        )
-        self.lifecycle.track(warm)
-        lines.on_gone = warm.cancel  # the client went away: stop queueing its shards
-        try:
-            report = await asyncio.shield(warm)
-        except asyncio.CancelledError:
-            warm.cancel()
-            raise
-        except Exception as exc:  # the reply has begun: the error travels as the last line
-            code, _ = error_for(exc)
-            line = redact_url((str(exc) or type(exc).__name__).strip().splitlines()[0])
-            report = None
-            await lines.send({"event": "error", "code": code, "message": line})
-        try:
-            if report is not None:
-                await lines.close(warm_report_to_wire(report, handle.config.url))
-            await response.write_eof()
-        except ConnectionResetError:
-            warm.cancel()  # the client went away: stop queueing its shards
-        return response
-
-    def _gated(self, handle: DatasetHandle, tier: str) -> Submit:
-        """A warm's shards pass the prefetch gate: readers always find free workers."""
-        scheduler = self._scheduler()
-
-        async def submit(shard: Shard, priority: float) -> Location:
-            future = scheduler.submit(handle, shard.key, tier=tier, priority=priority, wait=True)
-            if future is None:  # pragma: no cover - waited submissions are never dropped
-                raise DatacacheError("the prefetch backlog is full")
-            return await future
-
-        return submit
-
-
-class _Lines:
-    """A warm's reply: JSON lines, progress at most once a second, written in order by one task."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        self._response = response
-        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self._last = 0.0
-        self._writer: asyncio.Task[None] | None = None
-        self.on_gone: Callable[[], object] = lambda: None
-
-    async def send(self, document: dict[str, Any]) -> None:
-        await self._response.write((json.dumps(document) + "\n").encode())
-
-    def progress(self, progress: WarmProgress) -> None:
-        now = time.monotonic()
-        if now - self._last < 1.0 and progress.shards_done < progress.shards_total:
-            return
-        self._last = now
-        if self._writer is None:
-            self._writer = asyncio.ensure_future(self._write())
-        self._queue.put_nowait(warm_progress_to_wire(progress))
-
-    async def _write(self) -> None:
-        while (document := await self._queue.get()) is not None:
-            try:
-                await self.send(document)
-            except ConnectionResetError:
-                self.on_gone()
-                return
-
-    async def close(self, last: dict[str, Any]) -> None:
-        """Flush the progress lines, then write ``last``."""
-        if self._writer is not None:
-            self._queue.put_nowait(None)
-            await self._writer
-        await self.send(last)
+        warm = WarmRun(self._stager(), self._scheduler(), handle, tier)
+        pace = float(bandwidth) if bandwidth is not None else None
+        return await warm.stream(request, shards, self.lifecycle, verify=bool(data.get("verify")), bandwidth=pace)
 
 
 async def serve(settings: Settings, options: DaemonOptions | None = None) -> int:

@@ -35,6 +35,7 @@ class ClientReport:
     dataset: str | None
     pid: int | None
     seen: float
+    uid: int = -1
 
 
 class StatusBoard:
@@ -48,17 +49,27 @@ class StatusBoard:
         The daemon's Prometheus registry.
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
+    names_per_uid
+        Client names one uid may have in the metrics (each name is a label: the set stays bounded).
     """
 
-    def __init__(self, settings: Settings, metrics: DaemonMetrics, client_ttl: float) -> None:
+    def __init__(
+        self, settings: Settings, metrics: DaemonMetrics, client_ttl: float, *, names_per_uid: int = 64
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.client_ttl = client_ttl
-        self.clients: dict[str, ClientReport] = {}
+        self.names_per_uid = names_per_uid
+        self.clients: dict[str, ClientReport] = {}  # in the order they last reported
         self._shared_usage: tuple[float, Any] | None = None
 
     def report(self, name: str, report: ClientReport) -> None:
-        """Record a reader's report (``/v1/report``)."""
+        """Record a reader's report (``/v1/report``); each uid keeps at most its newest names."""
+        self.clients.pop(name, None)
+        mine = [other for other, known in self.clients.items() if known.uid == report.uid]
+        for other in mine[: max(0, len(mine) - self.names_per_uid + 1)]:  # oldest first: dicts keep order
+            del self.clients[other]
+            self.metrics.forget_client(other)
         self.clients[name] = report
         self.metrics.client_report(
             name,

@@ -72,6 +72,9 @@ class LocalStager:
         except FileNotFoundError:
             size = -1
         if size != shard.size:
+            again = await self._catalog.get(handle.id, shard.key)
+            if again is None or again.state != "resident":
+                return None  # evicted between the two looks: gone by the rules, not vanished
             logger.warning("dataset %s: shard %r vanished or changed on the local tier", handle.id, shard.key)
             await self._catalog.remove(handle.id, shard.key)
             return None
@@ -102,7 +105,7 @@ class LocalStager:
             # write (a writer that is not datacache); the second reservation sees that.
             for attempt in (1, 2):
                 try:
-                    reservation = await self._reserve(handle, shard)
+                    reservation = await self._reserve(handle, shard, capacity)
                 except TierFullError as exc:  # the catalog itself found no room
                     return await self._bypass(handle, shard, str(exc))
                 await self.delete_victims(reservation.victims)
@@ -115,17 +118,19 @@ class LocalStager:
                         return await self._bypass(handle, shard, str(exc))
             raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reserve(self, handle: DatasetHandle, shard: Shard) -> Reservation:
+    async def _reserve(self, handle: DatasetHandle, shard: Shard, capacity: int | None) -> Reservation:
+        # Whatever a reader holds open or will open next is never a victim (issue 13).
+        readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
         return await self._catalog.reserve(
             handle.id,
             shard.key,
             size=shard.size,
             version=shard.version,
             owner=self._owner,
-            capacity=self.tier.capacity,
+            capacity=capacity,
             device_free=lambda: device_free(self._settings.local_dir),
             reserve_free=reserve_for(self._settings.local_dir),
-            choose=self._residency.chooser(handle),
+            choose=self._residency.chooser(handle, readers),
         )
 
     async def _bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:

@@ -11,12 +11,13 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.catalog import Catalog
-from datacache.errors import TierAccessError, TierFullError
+from datacache.errors import InvalidKeyError, TierAccessError, TierFullError
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
@@ -25,6 +26,7 @@ from datacache.staging.residency import Residency
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import ORIGIN, SHARED, DatasetHandle, StagingEvent
 from datacache.tiers import ObjectInfo, SharedTier
+from datacache.tiers._dirfd import Place
 from datacache.units import format_bytes
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
@@ -98,6 +100,7 @@ class SharedStager:
         self._flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
         self._room = asyncio.Lock()
         self._reserved: dict[tuple[str, str], int] = {}
+        self._index = _SharedIndex()
         self._refusal: str | None = None
         self._checked = False
 
@@ -184,8 +187,10 @@ class SharedStager:
                         f"dataset {handle.id}: no space on the shared tier for shard {shard.key!r} ({exc.strerror})"
                     ) from exc
                 raise
+            else:
+                self._index.added(handle.id, shard.key, info.size)
             finally:
-                # Written (and now counted by the tier's usage) or abandoned.
+                # Written (and now counted by the index) or abandoned.
                 self._reserved.pop((handle.id, shard.key), None)
             self._events.count("bytes_to_shared", info.size)
             self._events.count("shards_to_shared")
@@ -206,15 +211,15 @@ class SharedStager:
         # One decision at a time, counting the transfers this process has in flight:
         # otherwise concurrent transfers all see the same free space and overfill the tier.
         async with self._room:
-            usage = await shared.usage()
+            if await self._index.refresh(shared):
+                self._events.count("shared_scans")
             reserved = sum(self._reserved.values())
-            need = usage.used_bytes + reserved + shard.size - shared.capacity
+            need = self._index.used + reserved + shard.size - shared.capacity
             if need > 0:
-                residents = await asyncio.to_thread(_shared_candidates, shared)
                 pinned = {record.id for record in await self._catalog.datasets() if record.pinned}
                 candidates = [
                     Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
-                    for c in residents
+                    for c in self._index.residents.values()
                     if not (c.dataset == handle.id and c.key == shard.key)
                 ]
                 victims = self._residency.chooser(handle)(
@@ -226,8 +231,46 @@ class SharedStager:
                     )
                 for victim in victims:
                     await shared.delete(f"{victim.dataset}/{victim.key}")
+                    self._index.removed(victim.dataset, victim.key)
                     self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
             self._reserved[(handle.id, shard.key)] = shard.size
+
+
+class _SharedIndex:
+    """The shared tier's residents as this process knows them: one walk, then kept up to date.
+
+    Walking the whole shared tree per shard (under the room lock) made each shard cost more
+    than the last. This process's own writes and evictions update the index as they happen;
+    what other processes and nodes write is picked up by a new walk every `REFRESH_SECONDS`.
+    """
+
+    REFRESH_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self.residents: dict[tuple[str, str], _SharedResident] = {}
+        self.used = 0
+        self._walked_at: float | None = None
+
+    async def refresh(self, shared: SharedTier) -> bool:
+        """Walk the tier if never walked or the last walk is stale; return whether it walked."""
+        now = time.monotonic()
+        if self._walked_at is not None and now - self._walked_at < self.REFRESH_SECONDS:
+            return False
+        found = await asyncio.to_thread(_shared_candidates, shared)
+        self.residents = {(r.dataset, r.key): r for r in found}
+        self.used = sum(r.size for r in found)
+        self._walked_at = now
+        return True
+
+    def added(self, dataset: str, key: str, size: int) -> None:
+        self.removed(dataset, key)
+        self.residents[(dataset, key)] = _SharedResident(dataset, key, size, time.time())
+        self.used += size
+
+    def removed(self, dataset: str, key: str) -> None:
+        old = self.residents.pop((dataset, key), None)
+        if old is not None:
+            self.used -= old.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,18 +282,25 @@ class _SharedResident:
 
 
 def _shared_candidates(shared: SharedTier) -> list[_SharedResident]:
+    """Every shard file on the shared tier, walked without following links (a linked ``data/`` lists nothing)."""
     found: list[_SharedResident] = []
-    root = shared.root / "data"
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            key = os.path.relpath(path, root).replace(os.sep, "/")
-            dataset, _, shard_key = key.partition("/")
-            if not shard_key or name.endswith(".partial"):
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+    try:
+        top = Place(shared.root, ("data",), ".").open_parent()
+    except (FileNotFoundError, NotADirectoryError, InvalidKeyError):
+        return found
+    try:
+        for directory, _, files, dir_fd in os.fwalk(".", dir_fd=top):
+            for name in files:
+                key = os.path.normpath(os.path.join(directory, name))
+                dataset, _, shard_key = key.partition("/")
+                if not shard_key or name.endswith(".partial"):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+    finally:
+        os.close(top)
     return found

@@ -43,8 +43,10 @@ from datacache.staging.types import (
     SHARED,
     TIERS,
     DatasetHandle,
+    FutureOrder,
     Job,
     Location,
+    ReaderProgress,
     StagerStats,
     StagingEvent,
     WarmReport,
@@ -291,9 +293,29 @@ class Stager:
         )
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        """Tell eviction the order in which the dataset's shards will be read next (Belady)."""
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        """Tell eviction the node's future reads of the dataset (Belady).
+
+        A `FutureOrder` holds every reader's sequence, the same from every reader;
+        their positions come with `note_progress`. A plain sequence of keys is
+        one reader's order, read from its start.
+        """
         self._residency.set_future_order(handle.id, keys)
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        """Record where a reader is in its `FutureOrder` sequence, and lease the shards it holds.
+
+        Shared by the node's processes through the catalog: eviction never takes a
+        shard a live reader holds, and Belady counts from the readers' positions.
+        """
+        await self.catalog.note_reader(
+            handle.id,
+            progress.reader,
+            owner=progress.owner,
+            epoch=progress.epoch,
+            position=progress.position,
+            holding=progress.holding,
+        )
 
     # -- the public verbs -----------------------------------------------------------------
 

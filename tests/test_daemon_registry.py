@@ -1,0 +1,41 @@
+"""The daemon's dataset registry stays bounded however long it runs (issue 12 item 22)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from _daemon import make_shards
+
+from datacache.config import load_settings, resolve_dataset
+from datacache.daemon._http import Peer
+from datacache.daemon._policy import OriginPolicy
+from datacache.daemon._registry import DatasetRegistry
+from datacache.stager import Stager
+
+
+def test_handles_and_snapshot_files_are_bounded(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "cache")})
+    origin = tmp_path / "origin"
+    make_shards(origin, 1, 1_000)
+    snapshots_dir = tmp_path / "snapshots"
+    snapshots_dir.mkdir()
+
+    async def main() -> tuple[DatasetRegistry, list[str]]:
+        async with Stager(settings) as stager:
+            registry = DatasetRegistry(settings, OriginPolicy(), snapshots_dir, max_handles=3, keep_snapshots=2)
+            config = resolve_dataset(str(origin), settings)
+            operator = Peer(1, 0, 0)
+            seen = []
+            for i in range(7):  # each refresh after a new shard is a new snapshot
+                (origin / f"shard-extra-{i}.tar").write_bytes(b"x" * (i + 1))
+                handle = await registry.open(stager, config, operator, refresh=True, snapshot=None)
+                seen.append(handle.manifest.snapshot)
+            return registry, seen
+
+    registry, seen = asyncio.run(main())
+    assert len(set(seen)) == 7
+    assert [snapshot for _, snapshot in registry.handles] == seen[-3:]  # the most recently used
+    assert next(iter(registry.latest.values())).manifest.snapshot == seen[-1]
+    kept = sorted(path.name.split("@", 1)[1].removesuffix(".json") for path in snapshots_dir.glob("*.json"))
+    assert kept == sorted(seen[-3:])  # the held ones (more than keep_snapshots) and nothing older
