@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from datacache._rate import RateMeter
@@ -32,6 +33,7 @@ class Progress:
         stream: IO[str],
         interval: float = 2.0,
         item_name: str = "shards",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.what = what
         self.total_items = total_items
@@ -43,8 +45,12 @@ class Progress:
         self._stream = stream
         self._interval = interval
         self._item_name = item_name
-        self._started = time.monotonic()
-        self._last_render = 0.0
+        self._clock = clock
+        self._started = clock()
+        # No line before a first interval has passed: work that ends sooner says nothing (the
+        # summary does), and a first line has a rate measured over seconds, not guessed from 0.1.
+        self._last_render = self._started
+        self._rendered = False
         self._meter = RateMeter(window=5.0)
         self._item_meter = RateMeter(window=5.0)
         self._bar: Any = None
@@ -73,7 +79,7 @@ class Progress:
         """Bytes transferred (counted toward the rate)."""
         self.moved_bytes += amount
         self.done_bytes += amount
-        self._meter.add(amount)
+        self._meter.add(amount, self._clock())
         if self._bar is not None:
             self._bar.update(amount)
         self._maybe_render()
@@ -82,7 +88,7 @@ class Progress:
         """``items`` finished; ``size - transferred`` of their bytes were already in place."""
         self.done_items += items
         if transferred:
-            self._item_meter.add(items)
+            self._item_meter.add(items, self._clock())
         already = max(0, size - transferred)
         self.done_bytes += already
         if self._bar is not None:
@@ -100,7 +106,7 @@ class Progress:
         delta = max(0, moved_bytes - self.moved_bytes)
         if delta:
             self.moved_bytes = moved_bytes
-            self._meter.add(delta)
+            self._meter.add(delta, self._clock())
         if self._bar is not None:
             self._bar.update(max(0, done_bytes - self.done_bytes))
             self._bar.set_postfix_str(f"{done_items}/{self.total_items} {self._item_name}", refresh=False)
@@ -109,10 +115,11 @@ class Progress:
         self._maybe_render()
 
     def snapshot(self) -> dict[str, Any]:
-        elapsed = time.monotonic() - self._started
-        rate = self._meter.rate()
+        now = self._clock()
+        elapsed = now - self._started
+        rate = self._meter.rate(now)
         remaining = max(0, self.total_bytes - self.done_bytes)
-        eta = remaining / rate if rate > 0 else None
+        eta = 0.0 if remaining == 0 else remaining / rate if rate > 0 else None
         return {
             "event": "progress",
             "what": self.what,
@@ -122,16 +129,17 @@ class Progress:
             "bytes_total": self.total_bytes,
             "bytes_transferred": self.moved_bytes,
             "rate_bytes_per_s": round(rate, 1),
-            f"{self._item_name}_per_s": round(self._item_meter.rate(), 1),
+            f"{self._item_name}_per_s": round(self._item_meter.rate(now), 1),
             "eta_s": round(eta, 1) if eta is not None else None,
             "elapsed_s": round(elapsed, 3),
         }
 
     def _maybe_render(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self._mode in ("bar", "quiet") or (not force and now - self._last_render < self._interval):
             return
         self._last_render = now
+        self._rendered = True
         snap = self.snapshot()
         if self._mode == "json":
             self._stream.write(json.dumps(snap) + "\n")
@@ -150,6 +158,9 @@ class Progress:
         self._maybe_render()
 
     def close(self) -> None:
+        """End the display; where lines were shown, the last one shows the final totals."""
+        if self._rendered:
+            self._maybe_render(force=True)
         if self._bar is not None:
             self._bar.close()
             self._bar = None

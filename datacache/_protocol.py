@@ -205,6 +205,7 @@ def warm_report_to_wire(report: WarmReport, url: str) -> dict[str, Any]:
         "shards_transferred": report.shards_transferred,
         "shards_verified": report.shards_verified,
         "bytes_requested": report.bytes_requested,
+        "bytes_resident": report.bytes_resident,
         "bytes_transferred": report.bytes_transferred,
         "seconds": round(report.seconds, 3),
         "rate_bytes_per_s": round(report.rate, 1),
@@ -227,6 +228,7 @@ def warm_report_from_wire(document: Mapping[str, Any]) -> WarmReport:
             shards_verified=int(document["shards_verified"]),
             seconds=float(document["seconds"]),
             failures=failures,
+            bytes_resident=int(document["bytes_resident"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DatacacheError(f"daemon: a malformed warm summary ({type(exc).__name__}: {exc})") from None

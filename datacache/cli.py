@@ -27,7 +27,7 @@ from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
-from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
+from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
@@ -98,49 +98,51 @@ async def _warm(args: argparse.Namespace) -> int:
                 return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
-    out = sys.stdout
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
         shards = handle.manifest.select(args.shards)
         if not shards:
             raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
-        progress = Progress(
-            what=f"warm {dataset.name}",
-            total_items=len(shards),
-            total_bytes=sum(s.size for s in shards),
-            mode=_progress_mode(args),
-            stream=sys.stderr if not args.json else out,
-        )
-        wanted = {s.key for s in shards}
+        display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
 
-        def listen(event: StagingEvent) -> None:
-            if event.dataset != handle.id or event.key not in wanted or event.tier != args.tier:
-                return
-            if event.kind == "bytes":
-                progress.moved(event.size)
-            elif event.kind == "hit":
-                progress.item_done(event.size, transferred=0)
-            elif event.kind == "staged":
-                progress.item_done(event.size, transferred=event.size)
+        def follow(progress: WarmProgress) -> None:
+            display.advance_to(
+                done_items=progress.shards_done, done_bytes=progress.bytes_done, moved_bytes=progress.bytes_transferred
+            )
 
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(1.0)
-                progress.tick()
+                display.tick()
 
-        stager.add_listener(listen)
         ticking = asyncio.create_task(ticker())
         try:
             report = await stager.warm(
-                handle, shards, tier=args.tier, verify=args.verify, bandwidth=settings.bandwidth_limit
+                handle,
+                shards,
+                tier=args.tier,
+                verify=args.verify,
+                bandwidth=settings.bandwidth_limit,
+                progress=follow,
             )
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticking
-            progress.close()
+            display.close()
     _print_warm_report(report, redact_url(dataset.url), args.json)
     return 0 if report.complete else 1
+
+
+def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes: int) -> Progress:
+    """The progress display of a warm, in-process or through the daemon alike."""
+    return Progress(
+        what=what,
+        total_items=shards,
+        total_bytes=total_bytes,
+        mode=_progress_mode(args),
+        stream=sys.stderr if not args.json else sys.stdout,
+    )
 
 
 async def _daemon_client(settings: Settings) -> DaemonClient | None:
@@ -174,12 +176,8 @@ async def _warm_through(
         ):
             kind = event.get("event")
             if kind == "start":
-                progress = Progress(
-                    what=f"warm {dataset.name} (daemon)",
-                    total_items=int(event.get("shards", 0)),
-                    total_bytes=int(event.get("bytes", 0)),
-                    mode=_progress_mode(args),
-                    stream=sys.stderr if not args.json else sys.stdout,
+                progress = _warm_display(
+                    args, f"warm {dataset.name} (daemon)", int(event.get("shards", 0)), int(event.get("bytes", 0))
                 )
             elif kind == "progress" and progress is not None:
                 progress.advance_to(
@@ -199,6 +197,10 @@ async def _warm_through(
     return 0 if report.complete else 1
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
@@ -207,13 +209,16 @@ def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
         moved = "transferred 0 bytes: everything was already resident"
     else:
         moved = (
-            f"transferred {format_bytes(report.bytes_transferred)} in {report.shards_transferred} shards, "
+            f"transferred {format_bytes(report.bytes_transferred)} in {_count(report.shards_transferred, 'shard')}, "
             f"{report.seconds:.1f}s ({format_rate(report.rate)})"
         )
     verified = f", {report.shards_verified} re-verified" if report.shards_verified else ""
+    held = format_bytes(report.bytes_resident)
+    if report.bytes_resident != report.bytes_requested:
+        held += f" of {format_bytes(report.bytes_requested)}"
     sys.stdout.write(
         f"warm {url} -> {report.tier}: {report.shards_resident}/{report.shards_requested} shards resident "
-        f"({format_bytes(report.bytes_requested)}){verified}; {moved}\n"
+        f"({held}){verified}; {moved}\n"
     )
     for key, error in report.failures[:10]:
         sys.stderr.write(f"datacache: shard {key}: {error}\n")

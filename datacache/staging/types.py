@@ -124,6 +124,8 @@ class WarmReport:
     shards_verified: int
     seconds: float
     failures: tuple[tuple[str, str], ...] = ()
+    bytes_resident: int = 0
+    """Bytes of the requested shards resident at the end (``bytes_requested`` when complete)."""
 
     @property
     def complete(self) -> bool:

@@ -106,10 +106,11 @@ async def run_warm(
         else:
             reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
             failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
-    resident = 0
+    resident = resident_bytes = 0
     for shard in placed:  # honest to the end: a shard staged early may have been evicted by a later one
         if await steps.is_resident(shard):
             resident += 1
+            resident_bytes += shard.size
         else:
             failures.append((shard.key, f"evicted from the {tier} tier during the warm-up: {steps.why_not_kept()}"))
     return WarmReport(
@@ -123,6 +124,7 @@ async def run_warm(
         shards_verified=verified,
         seconds=time.monotonic() - started,
         failures=tuple(failures),
+        bytes_resident=resident_bytes,
     )
 
 

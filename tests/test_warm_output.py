@@ -1,0 +1,81 @@
+"""What `datacache warm` prints (issue 12 item 12): honest totals, no stale or guessed progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+from _helpers import fill_dir, make_shards, run_cli
+
+from datacache._progress import Progress
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def progress(mode: str, clock: Clock) -> tuple[Progress, io.StringIO]:
+    stream = io.StringIO()
+    shown = Progress(
+        what="warm ds", total_items=4, total_bytes=4000, mode=mode, stream=stream, interval=2.0, clock=clock
+    )
+    return shown, stream
+
+
+def test_work_done_within_the_first_interval_prints_no_progress_line() -> None:
+    """A warm with nothing to do printed a stale `1/8 shards ... 0.0 MB/s` line."""
+    clock = Clock()
+    for mode in ("lines", "json"):
+        shown, stream = progress(mode, clock)
+        for _ in range(4):
+            clock.now += 0.01
+            shown.item_done(1000, transferred=0)
+        shown.close()
+        assert stream.getvalue() == "", mode
+
+
+def test_the_first_line_waits_for_a_measured_rate_and_the_last_one_is_final() -> None:
+    """The first line's rate and ETA were guesses from 0.1 s of transfer."""
+    clock = Clock()
+    shown, stream = progress("json", clock)
+    clock.now += 0.1
+    shown.moved(500)
+    assert stream.getvalue() == "", "no line after 0.1 s"
+    clock.now += 2.4
+    shown.moved(500)
+    shown.item_done(1000, transferred=1000)
+    first = json.loads(stream.getvalue().splitlines()[0])
+    assert first["rate_bytes_per_s"] == round(1000 / 2.4, 1), "measured over the 2.4 s it took"
+    assert first["eta_s"] is not None and first["eta_s"] > 0
+    clock.now += 0.5
+    shown.moved(3000)
+    shown.item_done(3000, transferred=3000, items=3)
+    shown.close()
+    last = json.loads(stream.getvalue().splitlines()[-1])
+    assert (last["shards"], last["bytes"], last["eta_s"]) == (4, 4000, 0.0), "a line was shown: the last is final"
+
+
+def test_the_summary_says_what_is_resident_and_why_not_the_rest(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(5, 100_000))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    result = run_cli(["warm", str(origin), "--local-capacity", "250kB"], env)
+    assert result.returncode == 1
+    # Not the whole dataset's size as if resident: what is, out of what was asked.
+    assert "2/5 shards resident (200.00 kB of 500.00 kB)" in result.stdout, result.stdout
+    reasons = [line for line in result.stderr.splitlines() if line.startswith("datacache: shard ")]
+    assert len(reasons) == 3 and all("the tier is full (200.00 kB of its 250.00 kB)" in r for r in reasons), reasons
+
+
+def test_one_shard_is_one_shard(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(1, 10_000))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    result = run_cli(["warm", str(origin)], env, check=True)
+    assert re.search(r"transferred 10\.00 kB in 1 shard, ", result.stdout), result.stdout
+    again = run_cli(["warm", str(origin)], env, check=True)
+    assert again.stderr == "", "nothing to do: no progress line at all"
