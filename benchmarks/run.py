@@ -21,6 +21,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    ``datacache shard`` and the loader over its output;
 5. a training-like job: N rank processes, each consuming at a fixed
    bytes/s target, reporting the data-stall fraction;
+5b. the cold-start curve (``benchmarks/cold_start.py``): time to the first
+   batch at 1x, 4x and 16x the shards, with and without a wids index;
 6. writes ``benchmarks/RESULTS.md``, ``benchmarks/results.json`` and
    ``benchmarks/throughput.png`` (``RESULTS-quick.md`` etc. for ``--quick``).
 """
@@ -42,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _data, _limits
+from benchmarks import _data, _limits, cold_start
 from benchmarks._common import (
     BATCH_SIZE,
     NUM_WORKERS,
@@ -357,6 +359,8 @@ class Bench:
             self.loaders()
             self.small_files()
             self.training()
+            cold = cold_start.measure(self.endpoint, self.work / "cold-start", quick=self.args.quick)
+            self.results["cold_start"] = cold
         finally:
             server.terminate()
             server.wait(timeout=10)
@@ -590,17 +594,23 @@ def main() -> None:
         "--report-only", action="store_true", help="rewrite RESULTS.md and the plot from the saved results.json"
     )
     args = parser.parse_args()
+    from benchmarks import bigger
     from benchmarks._report import write_report
 
+    report = args.out / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
+    kept = bigger.saved_table(report)  # write_report rewrites the file; the scenario's table stays
     if args.report_only:
         saved = args.out / ("results-quick.json" if args.quick else "results.json")
         written = write_report(json.loads(saved.read_text()), args.out)
+        bigger.write_table(kept, report)
         log(f"rewrote {', '.join(_shown(p) for p in written)} from {saved.name}")
         return
 
     results = Bench(args).run()
     written = write_report(results, args.out)
     log(f"done in {results['seconds']:.0f}s; wrote {', '.join(_shown(p) for p in written)}")
+    log("the bigger-than-the-cache scenario (benchmarks/bigger.py)")
+    bigger.main([*(["--quick"] if args.quick else []), "--results", str(report)])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,15 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import DaemonUnavailableError
-from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location, Stager
+from datacache.stager import (
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    DatasetHandle,
+    FutureOrder,
+    Location,
+    ReaderProgress,
+    Stager,
+)
 from datacache.tiers import ByteRange
 
 __all__ = [
@@ -62,8 +70,12 @@ class ShardAccess(Protocol):
         """Queue shards for staging, the first ones soonest."""
         ...
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        """The order in which shards will be read next (for Belady eviction)."""
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        """The node's future reads: every reader's order, or one order of keys (for Belady eviction)."""
+        ...
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        """Where a reader is in its order, and the shards it holds (never evicted while it lives)."""
         ...
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
@@ -138,7 +150,7 @@ class FailoverAccess:
         self._fallback: Stager | None = None
         self._down_until: float | None = None
         self._down = False
-        self._orders: dict[str, tuple[DatasetHandle, list[str]]] = {}
+        self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
         self.failovers = 0
         self.reconnects = 0
 
@@ -217,13 +229,16 @@ class FailoverAccess:
     ) -> None:
         await self._route(lambda access: access.prefetch(handle, keys, priority=priority))
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        order = list(keys)
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        order = keys if isinstance(keys, FutureOrder) else list(keys)
         self._orders[handle.id] = (handle, order)
         was_down = self._down
         await self._route(lambda access: access.set_future_order(handle, order))
         if self._down and not was_down:
             await self._fallback_stager().set_future_order(handle, order)
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        await self._route(lambda access: access.note_progress(handle, progress))
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         return await self._route(lambda access: access.locate(handle, key))

@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 
 from datacache.eviction import Candidate
 
-__all__ = ["Catalog", "CatalogEntry", "DatasetRecord", "Reservation", "ShardState", "process_owner"]
+__all__ = [
+    "Catalog",
+    "CatalogEntry",
+    "DatasetRecord",
+    "ReaderRow",
+    "Reservation",
+    "ShardState",
+    "process_owner",
+]
 
 T = TypeVar("T")
 
@@ -53,6 +61,22 @@ CREATE TABLE IF NOT EXISTS shards (
     PRIMARY KEY (dataset, key)
 );
 CREATE INDEX IF NOT EXISTS shards_by_state ON shards (state, last_access);
+CREATE TABLE IF NOT EXISTS readers (
+    dataset TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (dataset, reader)
+);
+CREATE TABLE IF NOT EXISTS leases (
+    dataset TEXT NOT NULL,
+    key TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    PRIMARY KEY (dataset, key, reader)
+);
 """
 
 
@@ -65,7 +89,8 @@ class ShardState(StrEnum):
     - ``STAGING`` -> ``RESIDENT``: the verified file was renamed into place.
     - ``STAGING`` -> absent: the transfer failed or was cancelled, or its process died.
     - ``RESIDENT`` -> ``EVICTING``: chosen as a victim to make room.
-    - ``EVICTING`` -> absent: its file was deleted.
+    - ``EVICTING`` -> absent: its file was deleted. Until then no process may reserve it again
+      (a live evictor's row refuses `Catalog.reserve`; a dead one's is taken over).
     - ``RESIDENT`` -> absent: its file was found missing or corrupt, or evicted by hand.
     """
 
@@ -111,6 +136,15 @@ class Reservation:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ReaderRow:
+    """Where one reader of a dataset on this node is: its epoch and its position in its own sequence."""
+
+    reader: str
+    epoch: int
+    position: int
+
+
 def process_owner() -> str:
     """Identify this process for the rows it writes: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -149,6 +183,19 @@ def _initialise(connection: sqlite3.Connection) -> None:
                 raise
             time.sleep(min(0.5, 0.005 * (attempt + 1)))
     raise sqlite3.OperationalError("the catalog stayed locked while opening it")
+
+
+def _leased(c: sqlite3.Connection) -> set[tuple[str, str]]:
+    """Shards held by readers whose processes are alive (a dead reader's leases do not count)."""
+    rows = c.execute("SELECT dataset, key, owner FROM leases").fetchall()
+    alive: dict[str, bool] = {}
+    held: set[tuple[str, str]] = set()
+    for dataset, key, owner in rows:
+        if owner not in alive:
+            alive[owner] = _owner_alive(owner)
+        if alive[owner]:
+            held.add((dataset, key))
+    return held
 
 
 def _entry(row: Sequence[Any]) -> CatalogEntry:
@@ -192,7 +239,7 @@ class Catalog:
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             _initialise(connection)
@@ -349,13 +396,12 @@ class Catalog:
                 existing = c.execute(
                     "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
                 ).fetchone()
-                if (
-                    existing is not None
-                    and existing[0] == ShardState.STAGING
-                    and existing[1] != owner
-                    and _owner_alive(existing[1])
-                ):
-                    return Reservation(False, reason=f"being staged by {existing[1]}")
+                if existing is not None and _owner_alive(existing[1]):
+                    if existing[0] == ShardState.STAGING and existing[1] != owner:
+                        return Reservation(False, reason=f"being staged by {existing[1]}")
+                    if existing[0] == ShardState.EVICTING:
+                        # Its evictor will delete the file and the row: a new copy now would be deleted.
+                        return Reservation(False, reason=f"being evicted by {existing[1]}")
                 used = c.execute(
                     "SELECT coalesce(sum(size), 0) FROM shards WHERE state != ? AND NOT (dataset=? AND key=?)",
                     (ShardState.EVICTING.value, dataset, key),
@@ -373,7 +419,8 @@ class Catalog:
                         f"SELECT {_COLUMNS} FROM shards WHERE state=? AND NOT (dataset=? AND key=?)",
                         (ShardState.RESIDENT.value, dataset, key),
                     ).fetchall()
-                    residents = {(r[0], r[1]): _entry(r) for r in rows}
+                    leased = _leased(c)
+                    residents = {(r[0], r[1]): _entry(r) for r in rows if (r[0], r[1]) not in leased}
                     candidates = [
                         Candidate(e.dataset, e.key, e.size, e.last_access, e.dataset in pinned)
                         for e in residents.values()
@@ -468,6 +515,46 @@ class Catalog:
                 return [_entry(r) for r in rows]
 
         return await self._run(write)
+
+    # -- readers: progress and leases (eviction never takes a shard a live reader holds) -----
+
+    async def note_reader(
+        self, dataset: str, reader: str, *, owner: str, epoch: int, position: int, holding: Sequence[str]
+    ) -> None:
+        """Record where ``reader`` is, and replace the shards it holds (leases) with ``holding``."""
+
+        def write(c: sqlite3.Connection) -> None:
+            with self._transaction(c):
+                c.execute(
+                    "INSERT INTO readers (dataset, reader, owner, epoch, position, updated) VALUES (?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(dataset, reader) DO UPDATE SET owner=excluded.owner, epoch=excluded.epoch,"
+                    " position=excluded.position, updated=excluded.updated",
+                    (dataset, reader, owner, epoch, position, time.time()),
+                )
+                c.execute("DELETE FROM leases WHERE dataset=? AND reader=?", (dataset, reader))
+                c.executemany(
+                    "INSERT OR IGNORE INTO leases (dataset, key, reader, owner) VALUES (?, ?, ?, ?)",
+                    [(dataset, key, reader, owner) for key in holding],
+                )
+
+        await self._run(write)
+
+    async def readers(self, dataset: str) -> list[ReaderRow]:
+        """Every reader of the dataset this node has seen, with its last epoch and position.
+
+        Rows outlive their processes on purpose: a reader of the last epoch is a reader
+        of this node in the next one too, before it has said so.
+        """
+
+        def read(c: sqlite3.Connection) -> list[ReaderRow]:
+            rows = c.execute("SELECT reader, epoch, position FROM readers WHERE dataset=?", (dataset,))
+            return [ReaderRow(r[0], r[1], r[2]) for r in rows.fetchall()]
+
+        return await self._run(read)
+
+    async def leased(self) -> set[tuple[str, str]]:
+        """(dataset, key) of every shard a live reader holds."""
+        return await self._run(_leased)
 
     async def usage(self) -> tuple[int, int]:
         """Bytes and shards held or reserved on the local tier."""

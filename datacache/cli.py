@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datacache import __version__
@@ -30,7 +30,7 @@ from datacache.stager import LOCAL, SHARED, Stager, StagingEvent, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
-__all__ = ["main"]
+__all__ = ["main", "parse_args", "serve_settings"]
 
 logger = logging.getLogger("datacache.cli")
 
@@ -54,7 +54,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+def _settings(args: argparse.Namespace, env: Mapping[str, str] | None = None, **extra: Any) -> Settings:
     overrides = {
         "local_dir": args.local_dir,
         "local_capacity": args.local_capacity,
@@ -62,7 +62,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
         "shared_capacity": args.shared_capacity,
         **extra,
     }
-    return load_settings(config_path=args.config, overrides=overrides)
+    return load_settings(env, config_path=args.config, overrides=overrides)
 
 
 def _progress_mode(args: argparse.Namespace) -> str:
@@ -460,7 +460,14 @@ async def _index(args: argparse.Namespace) -> int:
         if not args.no_write:
             writable = open_origin(dataset.url, storage_options=dataset.storage_options, writable=True)
         try:
-            outcome = await index_dataset(handle.origin, writable, handle.manifest, settings, rescan=args.rescan)
+            engine = None
+            if args.engine != "local":
+                engine = (args.engine, args.scheduler, dataset.url, dict(dataset.storage_options))
+            elif args.scheduler:
+                raise ConfigError("--scheduler needs --engine dask or --engine ray")
+            outcome = await index_dataset(
+                handle.origin, writable, handle.manifest, settings, rescan=args.rescan, engine=engine
+            )
         finally:
             if writable is not None:
                 await writable.close()
@@ -491,6 +498,21 @@ async def _index(args: argparse.Namespace) -> int:
 # -- serve, bench, plan -----------------------------------------------------------------------
 
 
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The settings `datacache serve` runs with: its flags over ``env`` over the config file.
+
+    ``env`` defaults to ``os.environ``; the deployment tests pass a container's environment.
+    """
+    return _settings(
+        args,
+        env,
+        socket=args.socket,
+        metrics_address=args.metrics_address,
+        concurrency=args.concurrency,
+        bandwidth_limit=args.bandwidth,
+    )
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
     from datacache.units import parse_bandwidth, parse_size
@@ -501,13 +523,7 @@ async def _serve(args: argparse.Namespace) -> int:
         json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json",
         rate_limited=("asyncio",),  # an EMFILE storm is a few lines, not megabytes of tracebacks
     )
-    settings = _settings(
-        args,
-        socket=args.socket,
-        metrics_address=args.metrics_address,
-        concurrency=args.concurrency,
-        bandwidth_limit=args.bandwidth,
-    )
+    settings = serve_settings(args)
     if args.prefetch_slots is not None and args.prefetch_slots < 1:
         raise ConfigError(f"--prefetch-slots: must be at least 1, got {args.prefetch_slots}")
     if args.drain_timeout <= 0:
@@ -616,7 +632,7 @@ def _parser() -> argparse.ArgumentParser:
     warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
     warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
-    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP indexes, or key,key,...")
+    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, e.g. 200MB/s")
     warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
@@ -687,6 +703,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="forget the cluster's counts and the sidecar indexes; scan every shard again")
     index.add_argument("--no-write", action="store_true", help=f"do not write {WIDS_INDEX_NAME} beside the shards")
     index.add_argument("--refresh", action="store_true", help="list the origin again before indexing")
+    index.add_argument("--engine", choices=("local", "dask", "ray"), default="local",
+                       help="where shards are scanned: this node with the others (leases), or a Dask or Ray cluster")
+    index.add_argument("--scheduler", metavar="ADDRESS",
+                       help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
     index.add_argument("--json", action="store_true", help="one JSON summary line")
     _add_settings_flags(index)
     index.set_defaults(run=_index)
@@ -761,6 +781,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan)
 
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line (without the program name) as `main` does."""
+    return _parser().parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

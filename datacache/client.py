@@ -30,11 +30,18 @@ from datacache._protocol import (
     config_to_wire,
     exception_from_wire,
 )
-from datacache._read import read_verified
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
-from datacache.manifest import Manifest
-from datacache.stager import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, Location
+from datacache.manifest import Manifest, reading_url
+from datacache.stager import (
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    DatasetHandle,
+    FutureOrder,
+    Location,
+    ReaderProgress,
+)
+from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
@@ -242,7 +249,8 @@ class DaemonClient:
         if origin is None:
             # Reads of shards not cached go to the origin directly, and a failing-over
             # reader's own stager fetches through it.
-            origin = open_origin(config.url, storage_options=config.storage_options, retry=self.settings.retry)
+            url = reading_url(config.url, manifest)
+            origin = open_origin(url, storage_options=config.storage_options, retry=self.settings.retry)
             self._origins[config.id] = origin
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
@@ -342,10 +350,15 @@ class DaemonClient:
                 within=self.request_timeout,
             )
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        """Tell the daemon's eviction the order in which shards will be read next."""
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        """Tell the daemon's eviction the node's future reads (or one order of keys)."""
+        body = {"order": keys.to_json()} if isinstance(keys, FutureOrder) else {"keys": list(keys)}
+        await self._call_for(handle, "future_order", body, within=self.request_timeout)
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        """Tell the daemon where a reader of this process is and which shards it holds."""
         await self._call_for(
-            handle, "future_order", {"keys": list(keys)}, within=self.request_timeout
+            handle, "progress", {"progress": progress.to_json()}, within=self.request_timeout
         )
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:

@@ -104,6 +104,14 @@ class Settings:
         """The daemon's Unix socket: configured, else ``<local_dir>/daemon.sock``."""
         return self.socket_path or self.local_dir / "daemon.sock"
 
+    @property
+    def trusted_uids(self) -> frozenset[int]:
+        """Whose files on a shared tier are believed without re-checking: this user, root, the daemon."""
+        trusted = {os.geteuid(), 0}
+        if self.daemon_uid is not None:
+            trusted.add(self.daemon_uid)
+        return frozenset(trusted)
+
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (flags given on the command line)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "DaemonUnavailableError",
     "DatacacheError",
+    "DatasetTooLargeError",
     "InvalidKeyError",
     "OriginChangedError",
     "OriginError",
@@ -18,6 +19,7 @@ __all__ = [
     "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "TierAccessError",
     "TierFullError",
     "TransientOriginError",
     "UnsupportedURLError",
@@ -68,8 +70,16 @@ class ShardReadError(DatacacheError):
     """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
 
 
+class DatasetTooLargeError(DatacacheError, MemoryError):
+    """A dataset declares more samples (or a shard more bytes) than this machine can hold to read it."""
+
+
 class SampleDecodeError(DatacacheError, ValueError):
     """A decoder failed on a sample; the message names the dataset, shard, key and field."""
+
+
+class TierAccessError(DatacacheError, PermissionError):
+    """This user cannot use a tier (cannot write it, or it is unsafe): it is read around, never fatal to a read."""
 
 
 class TierFullError(DatacacheError, OSError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -40,23 +41,24 @@ from pathlib import Path
 from typing import Any
 
 from datacache.config import Settings
+from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
 from datacache.manifest import Manifest, Shard
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.tarindex import TarScanner, group_samples
-from datacache.tiers import Tier
+from datacache.tiers import Tier, open_origin
 from datacache.tiers._files import atomic_write
 
 __all__ = [
     "WIDS_INDEX_NAME",
     "ClusterIndex",
     "IndexReport",
+    "count_batch_sync",
     "count_tar_samples",
-    "counts_of",
+    "decide_cold",
     "index_dataset",
     "index_dir",
-    "known_counts",
     "node_plan_path",
 ]
 
@@ -106,13 +108,39 @@ class IndexReport:
     scanned_bytes: int = 0
     seconds: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)
+    #: shards whose samples could not be counted (a truncated or foreign tar), with the reason
+    unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def count_batch_sync(
+    number: int, url: str, storage_options: Mapping[str, Any], shards: Sequence[tuple[str, int, str | None]], where: str
+) -> tuple[int, dict[str, int | str]]:
+    """One batch as an engine task: each shard's sample count, or why it could not be counted."""
+
+    async def run() -> dict[str, int | str]:
+        origin = open_origin(url, storage_options=storage_options)
+        counts: dict[str, int | str] = {}
+        try:
+            for key, size, version in shards:
+                try:
+                    counts[key] = await count_tar_samples(
+                        origin, Shard(key, size, version), where=f"{where}: shard {key!r}"
+                    )
+                except ShardReadError as exc:
+                    counts[key] = str(exc)
+        finally:
+            await origin.close()
+        return counts
+
+    return number, asyncio.run(run())
 
 
 def _batch_size(shards: int, concurrency: int) -> int:
     return max(1, min(_BATCH_MAX, shards // max(1, 4 * concurrency)))
 
 
-def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
+def _parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
+    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
     try:
         document = json.loads(raw)
     except ValueError:
@@ -122,7 +150,28 @@ def _parse_batch(raw: bytes, where: str) -> dict[str, int]:
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
     ):
         raise ShardReadError(f"{where}: not a datacache count batch")
-    return counts
+    sources = document.get("sources")
+    source_of = document.get("source_of")
+    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
+        sources, source_of = [], [-1] * len(counts)
+    found: dict[str, KnownCount] = {}
+    for (key, samples), which in zip(counts.items(), source_of):
+        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
+        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
+    return found
+
+
+def _encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
+    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
+    number = {source: i for i, source in enumerate(sources)}
+    document = {
+        "host": socket.gethostname(),
+        "written": time.time(),
+        "counts": {key: count.samples for key, count in counts.items()},
+        "sources": sources,
+        "source_of": [number.get(count.source, -1) for count in counts.values()],
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
 
 
 class ClusterIndex:
@@ -144,15 +193,16 @@ class ClusterIndex:
         self.origin = origin
         self.manifest = manifest
         self.settings = settings
-        self.directory = index_dir(settings.shared_dir, manifest) if settings.shared_dir is not None else None
+        # Without a shared tier the node is the cluster: its processes share the work the same way.
+        self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
         self._where = f"dataset {manifest.dataset}"
+        self.engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None
+        """(``dask`` or ``ray``, scheduler address, origin URL, storage options): scan on that engine."""
         self.ignore_sidecars = False
         """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
 
     def forget(self) -> None:
         """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
-        if self.directory is None:
-            return
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -162,13 +212,11 @@ class ClusterIndex:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / name)
 
-    def _batch_path(self, number: int) -> Path | None:
-        return None if self.directory is None else self.directory / f"batch-{number:06d}.json"
+    def _batch_path(self, number: int) -> Path:
+        return self.directory / f"batch-{number:06d}.json"
 
     def _read_done(self) -> dict[str, KnownCount]:
         found: dict[str, KnownCount] = {}
-        if self.directory is None:
-            return found
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -182,15 +230,11 @@ class ClusterIndex:
             except (OSError, ShardReadError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            for key, samples in counts.items():
-                if key in self.manifest:
-                    found[key] = KnownCount(samples, f"cluster index {path}")
+            found.update((key, count) for key, count in counts.items() if key in self.manifest)
         return found
 
-    async def _write(self, path: Path, counts: Mapping[str, int]) -> None:
-        encoded = json.dumps(
-            {"host": socket.gethostname(), "written": time.time(), "counts": dict(counts)}, separators=(",", ":")
-        ).encode()
+    async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
+        encoded = _encode_batch(counts)
 
         async def body() -> AsyncIterator[bytes]:
             yield encoded
@@ -213,18 +257,16 @@ class ClusterIndex:
         return found
 
     def _sidecars_done(self) -> bool:
-        return self.directory is not None and (self.directory / "sidecars.json").exists()
+        return (self.directory / "sidecars.json").exists()
 
     async def _sidecars(self) -> dict[str, KnownCount]:
         """Read the sidecar indexes once per cluster, keeping what they say in the cluster index."""
-        path = None if self.directory is None else self.directory / "sidecars.json"
-        if path is None:
-            return await self._read_sidecars()
+        path = self.directory / "sidecars.json"
         async with LeaseLock(path.with_suffix(".lock"), lease_seconds=self.settings.lease_seconds).hold():
             if path.exists():
                 return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
             counts = await self._read_sidecars()
-            await self._write(path, {key: count.samples for key, count in counts.items()})
+            await self._write(path, counts)
             return counts
 
     async def _read_sidecars(self) -> dict[str, KnownCount]:
@@ -247,11 +289,59 @@ class ClusterIndex:
         wanted = set(only) if only is not None else None
         shards = [s for s in self.manifest.shards if wanted is None or s.key in wanted]
         missing = [s for s in shards if s.key not in found]
-        if missing:
+        if missing and self.engine is not None:
+            found.update(await self._scan_on_engine(missing, found, report))
+        elif missing:
             scanned = await self._scan_shared(missing, found, report, on_count)
             found.update(scanned)
         report.seconds = time.monotonic() - started
         return found, report
+
+    def _batches(self, missing: Sequence[Shard]) -> list[tuple[int, list[Shard]]]:
+        """The batches holding a missing shard; cut over the whole manifest, so every node cuts the same ones."""
+        everything = list(self.manifest.shards)
+        size = _batch_size(len(everything), self.settings.concurrency)
+        missing_keys = {s.key for s in missing}
+        return [
+            (number, everything[start : start + size])
+            for number, start in enumerate(range(0, len(everything), size))
+            if any(s.key in missing_keys for s in everything[start : start + size])
+        ]
+
+    async def _scan_on_engine(
+        self, missing: Sequence[Shard], found: Mapping[str, KnownCount], report: IndexReport
+    ) -> dict[str, KnownCount]:
+        """Count on Dask or Ray, one task per batch; the engine, not leases, divides the work."""
+        engine, scheduler, url, options = self.engine or ("", None, "", {})
+        batches = self._batches(missing)
+        calls = [
+            (number, url, dict(options), [(s.key, s.size, s.version) for s in batch if s.key not in found], self._where)
+            for number, batch in batches
+        ]
+        done: list[tuple[int, dict[str, int | str]]] = []
+        workers = max(1, self.settings.concurrency)
+        if engine == "dask":
+            names = [f"datacache-index-{self.manifest.snapshot}-{number}" for number, _ in batches]
+            runner = functools.partial(map_dask, names=names)
+        else:
+            runner = functools.partial(map_ray)
+        await asyncio.to_thread(
+            runner, count_batch_sync, calls, scheduler=scheduler, workers=workers, on_result=done.append
+        )
+        results: dict[str, KnownCount] = {}
+        by_number = dict(batches)
+        for number, counts in done:
+            counted = {s.key: found[s.key] for s in by_number[number] if s.key in found}
+            for key, value in counts.items():
+                if isinstance(value, str):
+                    report.unreadable[key] = value
+                    continue
+                counted[key] = KnownCount(value, "scanned")
+                report.scanned += 1
+                report.scanned_bytes += self.manifest.shard(key).size
+            await self._write(self._batch_path(number), counted)
+            results.update(counted)
+        return results
 
     async def _scan_shared(
         self,
@@ -260,15 +350,7 @@ class ClusterIndex:
         report: IndexReport,
         on_count: Callable[[str, int], None] | None,
     ) -> dict[str, KnownCount]:
-        # Batches are cut over the whole manifest, so that every node cuts the same ones.
-        everything = list(self.manifest.shards)
-        size = _batch_size(len(everything), self.settings.concurrency)
-        missing_keys = {s.key for s in missing}
-        batches = [
-            (number, everything[start : start + size])
-            for number, start in enumerate(range(0, len(everything), size))
-            if any(s.key in missing_keys for s in everything[start : start + size])
-        ]
+        batches = self._batches(missing)
         if not batches:
             return {}
         logger.info(
@@ -310,8 +392,6 @@ class ClusterIndex:
     ) -> dict[str, KnownCount] | None:
         """Count one batch under its lease; None if another node holds it and ``wait`` is false."""
         path = self._batch_path(number)
-        if path is None:
-            return await self._count_batch(batch, found, report, on_count)
         lock_path = path.with_suffix(".lock")
         done = await asyncio.to_thread(self._load_batch, path)
         if done is not None:
@@ -323,7 +403,7 @@ class ClusterIndex:
             if done is not None:
                 return done
             counted = await self._count_batch(batch, found, report, on_count)
-            await self._write(path, {key: count.samples for key, count in counted.items()})
+            await self._write(path, counted)
             return counted
 
     def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
@@ -334,7 +414,7 @@ class ClusterIndex:
         except (OSError, ShardReadError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        return {k: KnownCount(v, f"cluster index {path}") for k, v in counts.items() if k in self.manifest}
+        return {key: count for key, count in counts.items() if key in self.manifest}
 
     async def _count_batch(
         self,
@@ -349,7 +429,13 @@ class ClusterIndex:
                 # Kept in the batch file too, so the file alone says the whole batch is done.
                 counted[shard.key] = found[shard.key]
                 continue
-            samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+            try:
+                samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+            except ShardReadError as exc:
+                # Left out of the batch (every node finds it uncounted), not raised: whether a bad
+                # shard is skipped or fatal is each reader's on_error.
+                report.unreadable[shard.key] = str(exc)
+                continue
             report.scanned += 1
             report.scanned_bytes += shard.size
             counted[shard.key] = KnownCount(samples, "scanned")
@@ -367,29 +453,26 @@ def _held_by_another(lock_path: Path, lease_seconds: float) -> bool:
     return age <= lease_seconds
 
 
-async def known_counts(origin: Tier, manifest: Manifest, settings: Settings) -> dict[str, KnownCount]:
-    """The counts known without scanning anything (see `ClusterIndex.known`)."""
-    return await ClusterIndex(origin, manifest, settings).known()
-
-
-def counts_of(found: Mapping[str, KnownCount]) -> dict[str, Any]:
-    """Plain ``key -> samples`` of a result, for JSON."""
-    return {key: count.samples for key, count in found.items()}
-
-
 @dataclass
 class IndexOutcome:
     """What `index_dataset` did: the counts, how they were found, and where the index was kept."""
 
     counts: dict[str, KnownCount]
     report: IndexReport
-    shared: Path | None
+    shared: Path
+    """The cluster index (on the shared tier; without one, the node's own)."""
     beside_origin: str | None
     not_beside_origin: str | None = None
 
 
 async def index_dataset(
-    origin: Tier, writable_origin: Tier | None, manifest: Manifest, settings: Settings, *, rescan: bool = False
+    origin: Tier,
+    writable_origin: Tier | None,
+    manifest: Manifest,
+    settings: Settings,
+    *,
+    rescan: bool = False,
+    engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None,
 ) -> IndexOutcome:
     """Count every shard of ``manifest`` once per cluster and keep the counts for every later reader.
 
@@ -400,6 +483,7 @@ async def index_dataset(
     a wrong count was reported).
     """
     index = ClusterIndex(origin, manifest, settings)
+    index.engine = engine
     if rescan:
         await asyncio.to_thread(index.forget)
         index.ignore_sidecars = True
@@ -423,3 +507,34 @@ async def index_dataset(
     else:
         outcome.beside_origin = f"{origin.url.rstrip('/')}/{WIDS_INDEX_NAME}"
     return outcome
+
+
+def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
+    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
+
+    The first process to ask decides (``cold``: its counts were incomplete)
+    and records it beside the cluster index; every later one, on any node,
+    reads that record, so that no two ranks deal one epoch two ways. A rerun
+    of the same seed and epoch reads it the same way again.
+    """
+    directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+    if not cold and not directory.exists():
+        return False  # every count came from the manifest: no process could have started cold
+    marker = directory / f"epoch-{seed}-{epoch}.json"
+    try:
+        return bool(json.loads(marker.read_bytes()).get("cold") is True)
+    except FileNotFoundError:
+        pass
+    except (ValueError, AttributeError):
+        logger.warning("%s is damaged; reading epoch %d cold", marker, epoch)
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{marker.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    temporary.write_bytes(json.dumps({"cold": cold}).encode())
+    try:
+        os.link(temporary, marker)  # atomic, and fails if another process decided first
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    return bool(json.loads(marker.read_bytes()).get("cold") is True)

@@ -22,18 +22,22 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import random
 import socket
+import stat as stat_module
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from datacache.tiers import validate_key
+from datacache.tiers._dirfd import Place, UnsafeFileError, open_dir_async, read_bounded_at, server_now
 
 __all__ = ["LeaseLock", "NodeLock", "lock_name"]
 
@@ -59,8 +63,24 @@ class NodeLock:
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
-        await asyncio.to_thread(self._path.parent.mkdir, parents=True, exist_ok=True)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        await asyncio.to_thread(self._path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
+        while True:
+            fd = await self._lock_once()
+            if _still_linked(fd, self._path):
+                break
+            os.close(fd)  # the holder before us removed this file: lock the one there now
+        try:
+            yield
+        finally:
+            # Removed while still held, so no lock file stays behind per shard; a waiter that
+            # opened this file sees it unlinked once it gets the lock, and tries again.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(fd)  # releases the flock
+
+    async def _lock_once(self) -> int:
+        """Open the lock file and wait for its flock; return the descriptor holding it."""
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -72,116 +92,230 @@ class NodeLock:
                 # The thread may still take the lock; closing the fd then releases it.
                 waiting.add_done_callback(lambda _: os.close(fd))
                 raise
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
             os.close(fd)
             raise
+        return fd
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not unlinked, nor replaced, by a previous holder)."""
+    held = os.fstat(fd)
+    try:
+        current = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
+
+
+LOCK_LIMIT = 64 << 10
+"""The largest lock file read: a holder's record is ~150 bytes; a planted one may be anything."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """A lock file as a waiter saw it: which file, and its heartbeat."""
+
+    device: int
+    inode: int
+    mtime_ns: int
+
+
+def _discard(dir_fd: int, name: str) -> None:
+    """Remove ``name``, a file or (planted where a lock goes) an empty directory; leave what cannot be removed."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except IsADirectoryError:
         try:
-            yield
-        finally:
-            os.close(fd)  # releases the flock
+            os.rmdir(name, dir_fd=dir_fd)
+        except OSError as exc:
+            logger.warning("could not remove %s planted where a lock goes: %s", name, exc)
+    except FileNotFoundError:
+        pass
+
+
+def _died_here(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` (a lock's record) names a process of this host that no longer exists."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        pass
+    return False
 
 
 class LeaseLock:
-    """An ``O_EXCL`` lock file with a lease, renewed while held, taken over when stale."""
+    """An ``O_EXCL`` lock file with a lease, renewed while held, taken over when stale.
 
-    def __init__(self, path: Path, *, lease_seconds: float = 30.0) -> None:
-        self._path = path
+    Staleness never compares this node's clock with the file server's: the age
+    of the holder's heartbeat is measured against the server's own clock (the
+    mtime of a file created there just now), and a waiter also times, on its
+    own monotonic clock, how long the holder's file has gone without a
+    heartbeat. A lock dated in the future, or one no heartbeat touched for a
+    lease, is stale; so is any lock held for more than ``max_hold`` seconds of
+    the waiter's watch, however it is kept alive (a hostile heartbeat cannot hang
+    a warm). The lock directory is opened once and every step acts inside it
+    (`Place`): a swapped directory or a planted link, FIFO or huge file cannot
+    make a waiter touch or read anything outside it.
+    """
+
+    def __init__(
+        self, place: Place | Path, *, lease_seconds: float = 30.0, max_hold: float | None = None
+    ) -> None:
+        self._place = place if isinstance(place, Place) else Place.of(place)
         self._lease = lease_seconds
+        self._max_hold = max_hold if max_hold is not None else 20 * lease_seconds
         self._token = uuid.uuid4().hex
+        self._mine: int | None = None  # our lock file while we hold it: the heartbeat touches it, not a path
+        self._seen: _Seen | None = None
+        self._seen_at = 0.0  # when (monotonic) the holder's file last changed, as watched from here
+        self._holder_since: tuple[int, int] | None = None
+        self._holder_seen_at = 0.0
         self.took_over = False
         """Whether this lock was taken from a dead or expired holder."""
+        self.holder_died_here = False
+        """Whether the holder taken over was a process on this host that is gone (its partial files are garbage)."""
+
+    @property
+    def _name(self) -> str:
+        return self._place.name
 
     def _record(self) -> bytes:
         return json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "token": self._token, "since": time.time()}
         ).encode()
 
-    def _try_create(self) -> bool:
+    def _try_create(self, dir_fd: int) -> bool:
         try:
-            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(
+                self._name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd
+            )
         except FileExistsError:
             return False
         try:
+            os.fchmod(fd, 0o640)  # the group may read who holds it
             os.write(fd, self._record())
-        finally:
+        except BaseException:
             os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._name, dir_fd=dir_fd)
+            raise
+        self._mine = fd
         return True
 
-    def _holder_is_stale(self) -> tuple[bool, Any]:
+    def _holder_is_stale(self, dir_fd: int) -> tuple[bool, Any]:
         try:
-            st = os.lstat(self._path)
-            raw = self._path.read_bytes()
+            st = os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return False, None
+        seen = _Seen(st.st_dev, st.st_ino, st.st_mtime_ns)
+        if not stat_module.S_ISREG(st.st_mode):
+            return True, seen  # a link, FIFO or directory planted as a lock: nobody holds it
+        holder: Any = {}
         try:
-            holder = json.loads(raw)
-        except ValueError:
-            holder = {}
+            holder = json.loads(read_bounded_at(dir_fd, self._name, LOCK_LIMIT))
+        except UnsafeFileError:
+            return True, seen  # larger than any holder's record: not a lock
+        except (OSError, ValueError):
+            pass  # unreadable, or being written this instant: its heartbeat decides
         if not isinstance(holder, dict):
             holder = {}
-        if time.time() - st.st_mtime > self._lease:
-            return True, holder
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-            try:
-                os.kill(holder["pid"], 0)
-            except ProcessLookupError:
-                return True, holder
-            except PermissionError:
-                pass
-        return False, holder
+        self.holder_died_here = _died_here(holder)
+        if self.holder_died_here:
+            return True, seen
+        now = time.monotonic()
+        if seen != self._seen:
+            self._seen, self._seen_at = seen, now
+        if (st.st_dev, st.st_ino) != self._holder_since:
+            self._holder_since, self._holder_seen_at = (st.st_dev, st.st_ino), now
+        age = server_now(dir_fd) - st.st_mtime
+        if age > self._lease or age < -self._lease:
+            return True, seen  # no heartbeat for a lease, or dated in the future by no live heartbeat
+        if now - self._seen_at > self._lease:
+            return True, seen  # watched for a lease: no heartbeat came
+        if now - self._holder_seen_at > self._max_hold:
+            logger.warning("lock %s held over %.0fs by %s; taking it over", self._place.path, self._max_hold, holder)
+            return True, seen
+        return False, seen
 
-    def _break_stale(self, holder: Any) -> None:
-        # Rename first: of several waiters that judged the lock stale, one wins.
-        aside = self._path.with_name(f"{self._path.name}.{self._token}.stale")
+    def _remove_if(self, dir_fd: int, expected: Callable[[os.stat_result], bool]) -> bool:
+        """Remove the lock file if it is the one ``expected`` says; return whether it was.
+
+        Rename first, then look: of several processes acting on the same lock, one
+        moves it, and a file that turns out not to be the expected one (a fresh lock
+        another waiter just created) is put back. Checking, then unlinking by name,
+        could remove a lock created in between.
+        """
+        aside = f"{self._name}.{self._token}.stale"
         try:
-            os.rename(self._path, aside)
+            os.rename(self._name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except FileNotFoundError:
-            return
+            return False
         try:
-            current = json.loads(aside.read_bytes())
-        except (OSError, ValueError):
-            current = {}
-        if isinstance(holder, dict) and isinstance(current, dict) and current.get("token") != holder.get("token"):
-            # We moved a fresh lock another waiter had just created: put it back.
-            with contextlib.suppress(OSError):
-                os.link(aside, self._path)
-        with contextlib.suppress(FileNotFoundError):
-            aside.unlink()
+            matches = expected(os.stat(aside, dir_fd=dir_fd, follow_symlinks=False))
+            if not matches:
+                with contextlib.suppress(OSError):
+                    os.link(aside, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            return matches
+        finally:
+            _discard(dir_fd, aside)
 
-    def _release(self) -> None:
-        try:
-            holder = json.loads(self._path.read_bytes())
-        except (OSError, ValueError):
+    def _break_stale(self, dir_fd: int, *, seen: _Seen) -> None:
+        self._remove_if(dir_fd, lambda st: (st.st_dev, st.st_ino) == (seen.device, seen.inode))
+        self._seen = self._holder_since = None
+
+    def _release(self, dir_fd: int) -> None:
+        mine, self._mine = self._mine, None
+        if mine is None:
             return
-        if isinstance(holder, dict) and holder.get("token") == self._token:
-            with contextlib.suppress(FileNotFoundError):
-                self._path.unlink()
+        try:
+            own = os.fstat(mine)
+            self._remove_if(dir_fd, lambda st: (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino))
+        finally:
+            os.close(mine)
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self._lease / 3)
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(os.utime, self._path)
+            mine = self._mine
+            if mine is not None:
+                # The file we created, by descriptor: if our lease was taken over meanwhile,
+                # the new holder's file is not touched. No time given: the server's clock sets it.
+                touch = asyncio.get_running_loop().run_in_executor(None, os.utime, mine)
+                try:
+                    await asyncio.shield(touch)
+                except asyncio.CancelledError:
+                    await asyncio.wait([touch])  # the release closes the file: not before this touch ends
+                    raise
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
-        await asyncio.to_thread(self._path.parent.mkdir, parents=True, exist_ok=True)
-        delay = 0.005
-        while not await asyncio.to_thread(self._try_create):
-            stale, holder = await asyncio.to_thread(self._holder_is_stale)
-            if stale:
-                logger.info("taking over stale lock %s from %s", self._path, holder)
-                await asyncio.to_thread(self._break_stale, holder)
-                self.took_over = True
-                continue
-            # Another process (maybe on another node) is transferring this shard.
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, max(0.05, self._lease / 10))
-        heartbeat = asyncio.create_task(self._heartbeat())
+        directory = await open_dir_async(self._place, create=True)
         try:
-            yield
+            delay = 0.005
+            while not await directory.run(self._try_create):
+                stale, seen = await directory.run(self._holder_is_stale)
+                if stale:
+                    logger.info("taking over stale lock %s", self._place.path)
+                    await directory.run(functools.partial(self._break_stale, seen=seen))
+                    self.took_over = True
+                    continue
+                # Another process (maybe on another node) is transferring this shard.
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, max(0.05, self._lease / 10))
+            heartbeat = asyncio.create_task(self._heartbeat())
+            try:
+                yield
+            finally:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+                await directory.run(self._release)
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-            await asyncio.to_thread(self._release)
+            directory.close()

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,18 +26,23 @@ from typing import Any
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DatacacheError, InvalidKeyError, ShardNotFoundError
-from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers import LocalTier, ObjectInfo, SharedTier, Tier, redact_url, validate_key
+from datacache.tiers._dirfd import Place, read_bounded_stat
 from datacache.tiers._files import atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "OBJECT_KEY",
     "Manifest",
     "ManifestStore",
     "Shard",
     "ShardFormat",
     "default_trusted_uids",
     "detect_format",
+    "max_samples",
+    "object_url",
+    "reading_url",
     "take_manifest",
 ]
 
@@ -98,6 +102,47 @@ class Shard:
         return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
 
 
+TAR_BLOCK = 512
+"""A tar member takes one header block at least: a tar of N bytes holds at most N // 512 samples."""
+PARQUET_MAX_ROWS_PER_BYTE = 1024
+"""Parquet encodes a constant column in almost nothing (5M rows in 22 KB); more than this is a lie."""
+
+
+def max_samples(fmt: ShardFormat, size: int) -> int | None:
+    """The most samples ``size`` bytes of ``fmt`` can hold (None: no bound from the bytes alone).
+
+    A declared count above it is not backed by bytes: trusting it would let a
+    small file make every reader allocate for billions of samples.
+    """
+    if fmt is ShardFormat.TAR:
+        return size // TAR_BLOCK
+    if fmt is ShardFormat.PARQUET:
+        return max(size, 1) * PARQUET_MAX_ROWS_PER_BYTE
+    if fmt is ShardFormat.FILES:
+        return 1
+    return None
+
+
+def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> tuple[Shard, ...]:
+    """``shards`` with every count their bytes cannot back dropped (counted from the shard itself later)."""
+    checked = []
+    for shard in shards:
+        bound = max_samples(fmt, shard.size)
+        if shard.samples is not None and bound is not None and shard.samples > bound:
+            logger.warning(
+                "%s: shard %r claims %d samples in %d bytes (at most %d); counting them instead",
+                where,
+                shard.key,
+                shard.samples,
+                shard.size,
+                bound,
+            )
+            checked.append(Shard(shard.key, shard.size, shard.version, shard.checksum, None))
+        else:
+            checked.append(shard)
+    return tuple(checked)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A dataset's shards at one moment; an epoch reads one manifest, never two."""
@@ -155,8 +200,19 @@ class Manifest:
         selected = []
         for key in (k.strip() for k in spec.split(",")):
             if key:
-                selected.append(self.shard(key))
+                selected.append(self._shard_or_index(key, spec))
         return selected
+
+    def _shard_or_index(self, key: str, spec: str) -> Shard:
+        """The shard named ``key``; a bare number that names no shard is an index (``--shards 3``)."""
+        if key in self._by_key or not key.lstrip("-").isdigit():
+            return self.shard(key)
+        index = int(key)
+        if not -len(self.shards) <= index < len(self.shards):
+            raise ConfigError(
+                f"--shards {spec}: index {index} is out of range (the dataset has {len(self.shards)} shards)"
+            )
+        return self.shards[index]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -186,7 +242,7 @@ class Manifest:
         extra = data.get("extra", {})
         if not isinstance(extra, dict):
             raise ConfigError(f"{where}: 'extra' must be an object")
-        parsed = tuple(Shard.from_json(entry, where) for entry in shards)
+        parsed = _backed_counts(fmt, tuple(Shard.from_json(entry, where) for entry in shards), where)
         if len({s.key for s in parsed}) != len(parsed):
             raise ConfigError(f"{where}: duplicate shard keys")
         created = data.get("created", 0.0)
@@ -226,16 +282,91 @@ def _shard_keys_for(fmt: ShardFormat, infos: list[ObjectInfo]) -> list[ObjectInf
     return infos
 
 
-async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
+OBJECT_KEY = "object"
+"""In a manifest's ``extra``: the dataset's URL names this one object, read as a key of the URL's parent."""
+
+
+def object_url(url: str) -> tuple[str, str] | None:
+    """``(parent URL, name)`` when ``url`` could name one object (no trailing slash, not a bare bucket)."""
+    if url.endswith("/"):
+        return None
+    rest = url.split("://", 1)[-1]
+    if "/" not in rest.strip("/"):
+        return None
+    parent, _, name = url.rpartition("/")
+    return (parent, name) if name not in ("", ".", "..") else None
+
+
+def reading_url(url: str, manifest: Manifest) -> str:
+    """The URL a dataset's shards are read under: its own, or its parent's when it names one object."""
+    if not manifest.extra.get(OBJECT_KEY):
+        return url
+    split = object_url(url)
+    if split is None:
+        raise ConfigError(f"dataset {manifest.dataset}: its manifest names one object, its URL a prefix")
+    return split[0]
+
+
+def _lists_itself(url: str, infos: list[ObjectInfo]) -> bool:
+    """Whether listing ``url`` found only the object ``url`` names (not a key under it)."""
+    split = object_url(url)
+    if split is None or len(infos) != 1:
+        return False
+    key = infos[0].key.lstrip("/")
+    return key != split[1] and url.endswith("/" + key)
+
+
+async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | None:
+    """The manifest of a dataset whose URL names one object (a shard, a Parquet file), else None."""
+    split = object_url(dataset.url)
+    if split is None:
+        return None
+    name = split[1]
+    try:
+        info = await parent.stat(name)
+    except InvalidKeyError:
+        return None
+    if info is None:
+        return None
+    fmt = ShardFormat(dataset.format) if dataset.format else detect_format([name])
+    shard = Shard(name, info.size, info.version)
+    return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
+
+
+def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: ShardFormat, infos: list[ObjectInfo]) -> None:
+    """Warn when a prefix holds shards of both formats and only one is read.
+
+    Not refused: img2dataset, for one, writes a ``.parquet`` of metadata beside each ``.tar``.
+    """
+    tars = sum(1 for info in infos if info.key.endswith(".tar"))
+    parquets = sum(1 for info in infos if info.key.endswith(".parquet"))
+    if fmt is ShardFormat.TAR and parquets:
+        logger.warning(
+            "dataset %s: %s holds %d .tar and %d .parquet files; reading the .tar shards only "
+            '(set format = "parquet" for the dataset in the config file to read the others)',
+            dataset.name,
+            redact_url(url),
+            tars,
+            parquets,
+        )
+
+
+async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | None = None) -> Manifest:
     """List ``origin`` once and return the dataset's manifest.
 
     If the origin holds a ``datacache-manifest.json`` (written by ``datacache
     shard``) it is used, after checking that every shard it names exists with
-    the recorded size. Raises `ShardNotFoundError` for a missing or empty
-    bucket or prefix.
+    the recorded size. With ``parent`` (the tier of the URL's parent), a URL
+    that names one object is a dataset of that one shard. Raises
+    `ShardNotFoundError` for a missing or empty bucket or prefix.
     """
     started = time.monotonic()
     infos = [info async for info in origin.list()]
+    if parent is not None and _lists_itself(dataset.url, infos):
+        # Listing a URL that names an object yields that object under its full path.
+        whole = await _single_object(dataset, parent)
+        if whole is not None:
+            return whole
     if not infos:
         raise ShardNotFoundError(
             f"dataset {dataset.name}: no objects under {origin.url} "
@@ -264,6 +395,8 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier) -> Manifest:
     else:
         fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
         chosen = _shard_keys_for(fmt, infos)
+        if not dataset.format:
+            _say_what_is_left_out(dataset, origin.url, fmt, infos)
         if not chosen:
             raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
         for info in chosen:
@@ -301,11 +434,14 @@ def default_trusted_uids() -> frozenset[int]:
 class ManifestStore:
     """Persisted manifests, one JSON file per dataset in each given directory.
 
-    The first directory is this node's own (the local tier): only it is read
-    back, and only a regular file owned by a trusted uid. The others (on the
-    shared tier) are written for tools and other nodes to inspect, never taken
-    as a snapshot: whoever can write there could name any shards and versions,
-    so each reader takes its own listing of the origin (docs/SECURITY.md).
+    The first directory is this node's own (the local tier, private: 0700/0600):
+    only it is read back, and only a regular file owned by a trusted uid, of at
+    most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
+    link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
+    The others (on the shared tier, the group's: 2770/0640) are written for
+    tools and other nodes to inspect, never taken as a snapshot: whoever can
+    write there could name any shards and versions, so each reader takes its
+    own listing of the origin (docs/SECURITY.md).
     """
 
     def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
@@ -314,43 +450,41 @@ class ManifestStore:
         self._directories = directories
         self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
-    def _path(self, directory: Path, dataset_id: str) -> Path:
+    def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
-        return directory / f"{dataset_id}.json"
+        directory = self._directories[position]
+        dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
+        return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
 
-    def _read_trusted(self, path: Path) -> bytes | None:
-        """The bytes of ``path`` if it is a regular file of a trusted owner, not too large; else None."""
+    def _file_mode(self, position: int) -> int | None:
+        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
+
+    def _read_trusted(self, place: Place) -> bytes | None:
+        """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
+            st, raw = read_bounded_stat(place, MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:
-            logger.warning("ignoring manifest %s: cannot open it (%s)", path, exc.strerror)
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("ignoring manifest %s: %s", place.path, exc)
             return None
-        with os.fdopen(fd, "rb") as handle:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid not in self._trusted or st.st_size > MAX_MANIFEST_BYTES:
-                logger.warning(
-                    "ignoring manifest %s: not a regular file of this user, root or the daemon, "
-                    "or larger than %d bytes",
-                    path,
-                    MAX_MANIFEST_BYTES,
-                )
-                return None
-            return handle.read(MAX_MANIFEST_BYTES + 1)
+        if st.st_uid not in self._trusted:
+            logger.warning("ignoring manifest %s: not a file of this user, root or the daemon", place.path)
+            return None
+        return raw
 
     def _load_sync(self, dataset_id: str) -> Manifest | None:
-        path = self._path(self._directories[0], dataset_id)
-        raw = self._read_trusted(path)
+        place = self._place(0, dataset_id)
+        raw = self._read_trusted(place)
         if raw is None:
             return None
         try:
-            manifest = Manifest.from_json(json.loads(raw), str(path))
+            manifest = Manifest.from_json(json.loads(raw), str(place.path))
         except (ValueError, DatacacheError) as exc:
-            logger.warning("ignoring unreadable manifest %s: %s", path, exc)
+            logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
             return None
         if manifest.dataset != dataset_id:
-            logger.warning("ignoring manifest %s: it describes dataset %r", path, manifest.dataset)
+            logger.warning("ignoring manifest %s: it describes dataset %r", place.path, manifest.dataset)
             return None
         return manifest
 
@@ -365,13 +499,21 @@ class ManifestStore:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        for directory in self._directories:
+        for position, directory in enumerate(self._directories):
+            place = self._place(position, manifest.dataset)
             try:
-                await atomic_write(self._path(directory, manifest.dataset), body(), durable=False)
-            except OSError as exc:
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+            except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 
     async def delete(self, dataset_id: str) -> None:
-        for directory in self._directories:
-            with contextlib.suppress(FileNotFoundError):
-                await asyncio.to_thread(os.unlink, self._path(directory, dataset_id))
+        def unlink(place: Place) -> None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, InvalidKeyError):
+                fd = place.open_parent()
+                try:
+                    os.unlink(place.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+
+        for position in range(len(self._directories)):
+            await asyncio.to_thread(unlink, self._place(position, dataset_id))

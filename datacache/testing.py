@@ -77,6 +77,15 @@ def _corrupt(path: Path) -> None:
         file.write(bytes(b ^ 0xFF for b in head))
 
 
+async def _stage_and_corrupt(access: ShardAccess, url: str, key: str) -> tuple[DatasetHandle, Location]:
+    handle = await access.open(url)
+    location = await access.ensure(handle, key)
+    if location.path is None:
+        raise AssertionError(f"ensure left {key} on the {location.tier} tier")
+    _corrupt(location.path)
+    return handle, location
+
+
 class ShardAccessTests:
     """The contract of `ShardAccess`; subclass with a ``node`` fixture and `make_access`."""
 
@@ -196,11 +205,7 @@ class ShardAccessTests:
         key = origin.keys[0]
 
         async def body(access: ShardAccess) -> tuple[bytes, Location]:
-            handle = await access.open(origin.url)
-            location = await access.ensure(handle, key)
-            if location.path is None:
-                raise AssertionError(f"ensure left {key} on the {location.tier} tier")
-            _corrupt(location.path)
+            handle, _ = await _stage_and_corrupt(access, origin.url, key)
             data = await access.read(handle, key)
             return data, await access.ensure(handle, key)
 
@@ -213,11 +218,7 @@ class ShardAccessTests:
         key = origin.keys[2]
 
         async def body(access: ShardAccess) -> tuple[Location, Location]:
-            handle = await access.open(origin.url)
-            location = await access.ensure(handle, key)
-            if location.path is None:
-                raise AssertionError(f"ensure left {key} on the {location.tier} tier")
-            _corrupt(location.path)
+            handle, location = await _stage_and_corrupt(access, origin.url, key)
             await access.report_corrupt(handle, location)
             return await access.locate(handle, key), await access.ensure(handle, key)
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
@@ -50,7 +50,7 @@ class BatchBuilder:
     def __init__(
         self,
         units: UnitReaders,
-        epoch: EpochPlan,
+        epoch: ReadPlan,
         *,
         decode: Decoder,
         row: npt.NDArray[np.float64],

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 from datacache.loaders.batching import SKIPPED, BatchBuilder, Decoder, ReadAhead, sample_bytes
-from datacache.loaders.epoch import auto_window, initial_prefetch, plan_epoch
+from datacache.loaders.coldplan import ColdEpochPlan, CountBook, complete_runtime, epoch_is_cold, epoch_plan
+from datacache.loaders.epoch import auto_window, initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
-from datacache.loaders.plan import load_or_build_plan
+from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import SpanCache
+from datacache.loaders.readers import SpanCache, TarReader
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable, mode_code
-from datacache.loaders.units import Runtime, UnitReaders
+from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
@@ -169,7 +170,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         try:
             access = loop.run(open_access(settings, reconcile=not in_worker))
             handle = loop.run(access.open(self.dataset))
-            plan = loop.run(load_or_build_plan(access, handle, settings))
+            plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         except BaseException:
             if access is not None:
                 # Stop its transfers cleanly (no temporary file left open) and close its sessions.
@@ -178,8 +179,12 @@ class CachedIterableDataset(IterableDataset[Any]):
             loop.close()
             raise
         spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
-        window = self.shuffle_buffer or auto_window(plan.total, len(plan.units))
+        known = complete(plan)
+        # Without every count the default window waits for the index (`coldplan.complete_runtime`).
+        window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
         runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
+        if not known:
+            runtime.book = CountBook(plan, handle, settings, loop)
         self._runtime = runtime
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
@@ -213,9 +218,14 @@ class CachedIterableDataset(IterableDataset[Any]):
     def epoch(self) -> int:
         return self._epoch
 
+    def _complete(self) -> Runtime:
+        runtime = self._prepare()
+        complete_runtime(runtime, self.shuffle_buffer)
+        return runtime
+
     def __len__(self) -> int:
-        """Samples (or batches, in batch mode) this rank delivers per epoch."""
-        total = self._prepare().plan.total
+        """Samples (or batches, in batch mode) this rank delivers per epoch (waits for every count)."""
+        total = self._complete().plan.total
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)
         if self.batch_size:
@@ -277,6 +287,9 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
+        if not self._cursors and epoch_is_cold(self._prepare(), seed=self.seed, epoch=self._epoch):
+            # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
+            cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor))
 
     def _loader_batch(self, batch_size: int | None, workers: int) -> int:
@@ -300,7 +313,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         return 1
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
-        runtime = self._prepare()
+        runtime = self._complete()
         return {
             "version": _STATE_VERSION,
             "dataset": runtime.handle.id,
@@ -337,7 +350,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"unsupported state version {version!r}")
         ours = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if "shuffle_buffer" in state:
-            ours["shuffle_buffer"] = self._prepare().window
+            ours["shuffle_buffer"] = self._complete().window
         for name, value in ours.items():
             if name in state and state[name] != value:
                 raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
@@ -423,7 +436,13 @@ def _state_from_iterators(states: list[Mapping[str, Any]]) -> dict[str, Any]:
     produced = [0] * int(layout["num_workers"])
     for entry in states:
         produced[int(entry["layout"]["worker"])] = int(entry["produced"])
-    cursor = Cursor(int(layout["world_size"]), int(layout["num_workers"]), int(layout["chunk"]), tuple(produced))
+    cursor = Cursor(
+        int(layout["world_size"]),
+        int(layout["num_workers"]),
+        int(layout["chunk"]),
+        tuple(produced),
+        cold=first.get("cold") is True,
+    )
     return {
         "version": _STATE_VERSION,
         "epoch": int(first["epoch"]),
@@ -454,21 +473,24 @@ class _EpochIterator:
         self.epoch = epoch
         self.cursors = cursors
         self.produced = 0
-        plan = runtime.plan
-        self._plan = plan_epoch(
-            plan.counts,
+        self._plan = epoch_plan(
+            runtime,
+            layout,
             seed=dataset.seed,
             epoch=epoch,
             shuffle=dataset.shuffle,
-            window=runtime.window,
-            cursors=cursors,
-            layout=layout,
             drop_last=dataset.drop_last,
+            shuffle_buffer=dataset.shuffle_buffer,
+            cursors=cursors,
+            count_unit=self._count_unit,
         )
+        plan = runtime.plan
         share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
         self.controller = PrefetchController(
             fixed=dataset.prefetch,
-            initial=initial_prefetch(plan.total, len(plan.units), runtime.window, runtime.settings.concurrency),
+            initial=initial_prefetch(
+                max(plan.total, len(plan.units)), len(plan.units), runtime.window or 1, runtime.settings.concurrency
+            ),
             target=share,
             unit_bytes=runtime.handle.manifest.total_bytes / max(1, len(plan.units)),
             where=f"dataset {runtime.handle.id} reader {layout.worker}",
@@ -489,6 +511,7 @@ class _EpochIterator:
             lock=self._lock,
             skip_bad=dataset.on_error == "skip",
             in_consumer=self._in_consumer,
+            future=self._node_future(),
         )
         self._builder = BatchBuilder(
             self._units,
@@ -500,9 +523,31 @@ class _EpochIterator:
             in_consumer=self._in_consumer,
             skip_bad=dataset.on_error == "skip",
         )
-        self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=runtime.window) if threads else None
+        window = runtime.window or 256
+        self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
+
+    def _node_future(self) -> NodeFuture | None:
+        """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
+
+        None in a cold epoch (its order grows as shards are counted): each reader then
+        hands over its own order, as before.
+        """
+        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
+            return None
+        dataset, runtime = self.dataset, self.runtime
+        units = node_unit_sequences(
+            runtime.plan.counts,
+            seed=dataset.seed,
+            epoch=self.epoch,
+            shuffle=dataset.shuffle,
+            window=runtime.window,
+            cursors=self.cursors,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+        )
+        return NodeFuture(reader_name(self.layout), self.epoch, units)
 
     def _start_row(self) -> None:
         row = self._row
@@ -536,6 +581,7 @@ class _EpochIterator:
             "epoch": self.epoch,
             "seed": self.dataset.seed,
             "produced": self.produced,
+            "cold": isinstance(self._plan, ColdEpochPlan),
             "cursors": [c.to_json() for c in self.cursors],
             "layout": {
                 "world_size": self.layout.world_size,
@@ -567,8 +613,23 @@ class _EpochIterator:
     def _skip_to(self, produced: int) -> None:
         if self._ahead is not None:
             self._ahead.drain()
-        self.produced = min(produced, len(self._plan))
+        self.produced = min(produced, self._known(produced))
         self._units.restart(self.produced)
+
+    def _known(self, length: int) -> int:
+        """Positions the plan holds, once it holds ``length`` or is complete (a cold plan grows here)."""
+        if isinstance(self._plan, ColdEpochPlan):
+            return self._plan.ensure(length)
+        return len(self._plan)
+
+    def _count_unit(self, unit: int) -> int:
+        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples."""
+        reader = self._units.reader_for(unit)
+        if reader is None:
+            return 0  # skipped as unreadable (on_error="skip"): no sample of it is dealt
+        if not isinstance(reader, TarReader):
+            raise ConfigError(f"dataset {self.runtime.handle.id}: only tar shards are read before they are counted")
+        return len(reader.spans)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -590,7 +651,7 @@ class _EpochIterator:
 
     def _next_sample(self) -> Any:
         while True:
-            if self.produced >= len(self._plan):
+            if self.produced >= self._known(self.produced + 1):
                 self._finish()
                 raise StopIteration
             position = self.produced
@@ -611,11 +672,14 @@ class _EpochIterator:
 
     def _next_batch(self, size: int) -> Any:
         while True:
-            total = len(self._plan)
-            if self.produced >= total:
+            known = self._known(self.produced + size)
+            if self.produced >= known:
                 self._finish()
                 raise StopIteration
             begin = self.produced
+            total = known
+            if isinstance(self._plan, ColdEpochPlan) and not self._plan.final:
+                total = begin + (known - begin) // size * size  # read ahead only whole batches laid out
             if self._ahead is not None:
                 built = self._ahead.take(begin, size, total)
             else:
@@ -684,6 +748,8 @@ class _EpochIterator:
         )
 
     def _finish(self) -> None:
+        self._row[Counter.PADDED] = self._plan.padded  # a cold plan knows them once it settled
+        self._row[Counter.TOTAL] = len(self._plan)
         self._units.note_retries()
         self._report()
         if self._ahead is not None:

@@ -9,8 +9,9 @@ index within that unit, and the order in which units are first and last used
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,9 +25,43 @@ from datacache.loaders.order import (
     worker_positions,
 )
 
-__all__ = ["EpochPlan", "auto_window", "initial_prefetch", "plan_epoch"]
+__all__ = [
+    "EpochPlan",
+    "ReadPlan",
+    "auto_window",
+    "initial_prefetch",
+    "node_unit_sequences",
+    "plan_epoch",
+    "reader_name",
+]
 
 IntArray = npt.NDArray[np.int64]
+
+
+class ReadPlan(Protocol):
+    """What readers need of a plan: an `EpochPlan`, or a cold epoch's plan that grows as it is read."""
+
+    @property
+    def unit_of(self) -> IntArray: ...
+
+    @property
+    def local(self) -> IntArray: ...
+
+    @property
+    def padded(self) -> int: ...
+
+    @property
+    def first_use(self) -> Mapping[int, int]: ...
+
+    @property
+    def last_use(self) -> Mapping[int, int]: ...
+
+    @property
+    def unit_sequence(self) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def units_from(self, produced: int) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,21 +104,25 @@ def plan_epoch(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
+    order: IntArray | None = None,
 ) -> EpochPlan:
-    """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed."""
-    order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
+
+    ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
+    """
+    if order is None:
+        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
     sequence = remaining_sequence(order, cursors, window)
-    total = len(sequence)
-    own = rank_positions(total, layout.world_size, layout.rank, window)
-    natural = len(own)
-    positions, _ = equalize(own, total, layout.world_size, drop_last=drop_last)
-    padded = np.arange(len(positions)) >= natural
-    indexes = np.arange(len(positions), dtype=np.int64)
-    mine = worker_positions(indexes, layout.num_workers, layout.worker, layout.chunk)
-    ids = sequence[positions[mine]]
+    return _deal(sequence, counts, window=window, layout=layout, drop_last=drop_last)
+
+
+def _deal(
+    sequence: IntArray, counts: Sequence[int] | IntArray, *, window: int, layout: Layout, drop_last: bool
+) -> EpochPlan:
+    """The part of the epoch's remaining ``sequence`` that reader ``layout`` reads."""
+    ids, padded = _reader_ids(sequence, window=window, layout=layout, drop_last=drop_last)
+    unit_of = _units_of(ids, counts)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    # Units with no samples share a start with the next one; searchsorted picks the last of them.
-    unit_of = np.searchsorted(starts, ids, side="right") - 1
     local = ids - starts[unit_of]
     last_use: dict[int, int] = {}
     first_use: dict[int, int] = {}
@@ -94,11 +133,65 @@ def plan_epoch(
         ids=ids,
         unit_of=unit_of,
         local=local,
-        padded=int(padded[mine].sum()),
+        padded=padded,
         first_use=first_use,
         last_use=last_use,
         unit_sequence=tuple(sorted(first_use, key=first_use.__getitem__)),
     )
+
+
+def _reader_ids(sequence: IntArray, *, window: int, layout: Layout, drop_last: bool) -> tuple[IntArray, int]:
+    """The sample ids reader ``layout`` yields, in order, and how many of them are padding."""
+    total = len(sequence)
+    own = rank_positions(total, layout.world_size, layout.rank, window)
+    natural = len(own)
+    positions, _ = equalize(own, total, layout.world_size, drop_last=drop_last)
+    padded = np.arange(len(positions)) >= natural
+    indexes = np.arange(len(positions), dtype=np.int64)
+    mine = worker_positions(indexes, layout.num_workers, layout.worker, layout.chunk)
+    return sequence[positions[mine]], int(padded[mine].sum())
+
+
+def _units_of(ids: IntArray, counts: Sequence[int] | IntArray) -> IntArray:
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    # Units with no samples share a start with the next one; searchsorted picks the last of them.
+    units: IntArray = np.searchsorted(starts, ids, side="right") - 1
+    return units
+
+
+def reader_name(layout: Layout) -> str:
+    """How a reader is named in the node's future order: ``"rank.worker"``."""
+    return f"{layout.rank}.{layout.worker}"
+
+
+def node_unit_sequences(
+    counts: Sequence[int] | IntArray,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    window: int,
+    cursors: tuple[Cursor, ...],
+    layout: Layout,
+    drop_last: bool,
+) -> dict[str, tuple[int, ...]]:
+    """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
+
+    This epoch's remaining units, then the next epoch's, so that eviction near the end of
+    an epoch keeps what the next one reads first. Every reader computes the same value.
+    """
+    found: dict[str, list[int]] = {}
+    for current, done in ((epoch, cursors), (epoch + 1, ())):
+        order = epoch_order(counts, seed=seed, epoch=current, shuffle=shuffle, window=window)
+        sequence = remaining_sequence(order, done, window)
+        for rank in range(layout.world_size):
+            for worker in range(layout.num_workers):
+                reader = Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk)
+                ids, _ = _reader_ids(sequence, window=window, layout=reader, drop_last=drop_last)
+                unit_of = _units_of(ids, counts)
+                _, first = np.unique(unit_of, return_index=True)
+                found.setdefault(reader_name(reader), []).extend(unit_of[np.sort(first)].tolist())
+    return {name: tuple(units) for name, units in found.items()}
 
 
 def auto_window(total: int, units: int) -> int:

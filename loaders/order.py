@@ -71,14 +71,19 @@ class Cursor:
     num_workers: int
     chunk: int
     produced: tuple[int, ...]
+    cold: bool = False
+    """Whether the layout read a cold epoch (whole shards dealt, `datacache.loaders.coldorder`)."""
 
     def to_json(self) -> dict[str, object]:
-        return {
+        document: dict[str, object] = {
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "chunk": self.chunk,
             "produced": list(self.produced),
         }
+        if self.cold:
+            document["cold"] = True
+        return document
 
     @classmethod
     def from_json(cls, data: object) -> Cursor:
@@ -93,7 +98,7 @@ class Cursor:
             raise ValueError("a cursor needs world_size, num_workers, chunk and produced") from None
         if world < 1 or workers < 1 or chunk < 1 or len(produced) != workers or min(produced) < 0:
             raise ValueError("a cursor's numbers are out of range")
-        return cls(world, workers, chunk, produced)
+        return cls(world, workers, chunk, produced, cold=data.get("cold") is True)
 
 
 def epoch_order(

@@ -17,6 +17,8 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from datacache.loaders.readers import COUNT_SOURCES, Unit, UnitPlan, zarr_plan
@@ -25,13 +27,15 @@ from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ShardReadError
+from datacache.errors import DatasetTooLargeError, ShardReadError
 from datacache.indexing import ClusterIndex, node_plan_path
 from datacache.locks import NodeLock
-from datacache.manifest import ShardFormat
+from datacache.manifest import ShardFormat, max_samples
+from datacache.sidecars import KnownCount
 from datacache.stager import DatasetHandle
+from datacache.units import format_bytes
 
-__all__ = ["load_or_build_plan"]
+__all__ = ["complete", "load_or_build_plan", "save_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +59,14 @@ async def _parquet_rows(access: ShardAccess, handle: DatasetHandle, key: str, si
         metadata = pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(footer + 8) :]))
     except (pa.ArrowException, OSError) as exc:
         raise ShardReadError(f"{where}: corrupt Parquet footer ({exc})") from None
-    return int(metadata.num_rows)
+    rows = int(metadata.num_rows)
+    bound = max_samples(ShardFormat.PARQUET, size)
+    if bound is not None and rows > bound:
+        raise ShardReadError(f"{where}: its footer claims {rows} rows in {size} bytes (at most {bound})")
+    return rows
 
 
-async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
+async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings, *, wait: bool) -> UnitPlan:
     manifest = handle.manifest
     fmt = manifest.format
     if fmt is ShardFormat.ZARR:
@@ -70,7 +78,16 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
     if fmt is ShardFormat.FILES:
         return UnitPlan(tuple(Unit((s.key,), 1, s.key) for s in manifest.shards), {})
     if fmt is ShardFormat.TAR:
-        found, report = await ClusterIndex(handle.origin, manifest, settings).build()
+        index = ClusterIndex(handle.origin, manifest, settings)
+        if not wait:
+            found = await index.known()
+            if len(found) < len(manifest.shards):
+                # A cold epoch starts now; the counts are completed in the background (`coldplan`).
+                units = tuple(
+                    Unit((s.key,), found[s.key].samples if s.key in found else -1, s.key) for s in manifest.shards
+                )
+                return UnitPlan(units, _sources(found))
+        found, report = await index.build()
         if report.scanned:
             logger.info(
                 "dataset %s: scanned %d tar shards (%d bytes) in %.1fs for their sample counts; "
@@ -80,9 +97,14 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
                 report.scanned_bytes,
                 report.seconds,
             )
-        sources = sorted({count.source for count in found.values() if count.source != "scanned"})
-        units = tuple(Unit((s.key,), found[s.key].samples, s.key) for s in manifest.shards)
-        return UnitPlan(units, {COUNT_SOURCES: sources} if sources else {})
+        uncounted = "its samples could not be counted"
+        uncountable = {
+            s.key: report.unreadable.get(s.key, f"dataset {handle.id}: shard {s.key!r}: {uncounted}")
+            for s in manifest.shards
+            if s.key not in found
+        }
+        units = tuple(Unit((s.key,), found[s.key].samples if s.key in found else 0, s.key) for s in manifest.shards)
+        return UnitPlan(units, _sources(found), uncountable)
     known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
     missing = [s for s in manifest.shards if s.samples is None]
     unreadable: dict[str, str] = {}
@@ -105,8 +127,49 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings)
     return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
 
 
-async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, settings: Settings) -> UnitPlan:
-    """The dataset's unit plan: read from disk, or built once per node and saved."""
+PLAN_BYTES_PER_SAMPLE = 48
+"""What an epoch plan holds per sample (order, unit and offset arrays, and their temporaries)."""
+
+
+def _check_fits(plan: UnitPlan, handle: DatasetHandle) -> None:
+    """Refuse, before any epoch allocates for it, a sample count this machine's memory cannot plan."""
+    total = sum(unit.count for unit in plan.units)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total * PLAN_BYTES_PER_SAMPLE > memory // 2:
+        raise DatasetTooLargeError(
+            f"dataset {handle.id}: {total} samples declared; planning an epoch needs "
+            f"{format_bytes(total * PLAN_BYTES_PER_SAMPLE)}, over half this machine's memory ({format_bytes(memory)})"
+        )
+
+
+def _sources(found: Mapping[str, KnownCount]) -> dict[str, Any]:
+    sources = sorted({count.source for count in found.values() if count.source != "scanned"})
+    return {COUNT_SOURCES: sources} if sources else {}
+
+
+def complete(plan: UnitPlan) -> bool:
+    """Whether every unit's sample count is known (a cold epoch starts without some)."""
+    return all(unit.count >= 0 for unit in plan.units)
+
+
+async def save_plan(settings: Settings, handle: DatasetHandle, plan: UnitPlan) -> None:
+    """Keep a complete plan for every later reader on this node."""
+    encoded = json.dumps(plan.to_json(), separators=(",", ":")).encode()
+
+    async def body() -> Any:
+        yield encoded
+
+    await atomic_write(node_plan_path(settings.local_dir, handle.manifest), body(), durable=False)
+
+
+async def load_or_build_plan(
+    access: ShardAccess, handle: DatasetHandle, settings: Settings, *, wait: bool = True
+) -> UnitPlan:
+    """The dataset's unit plan: read from disk, or built once per node and saved.
+
+    With ``wait=False`` a tar dataset whose counts are not all known yet gets a
+    plan at once, its unknown counts -1 (a cold epoch completes them).
+    """
     path = node_plan_path(settings.local_dir, handle.manifest)
 
     def load() -> UnitPlan | None:
@@ -126,11 +189,8 @@ async def load_or_build_plan(access: ShardAccess, handle: DatasetHandle, setting
             plan = await asyncio.to_thread(load)
             if plan is not None:
                 return plan
-            plan = await _build(access, handle, settings)
-            encoded = json.dumps(plan.to_json(), separators=(",", ":")).encode()
-
-            async def body() -> Any:
-                yield encoded
-
-            await atomic_write(path, body(), durable=False)
+            plan = await _build(access, handle, settings, wait=wait)
+            if complete(plan):
+                _check_fits(plan, handle)
+                await save_plan(settings, handle, plan)
     return plan

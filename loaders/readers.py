@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import threading
@@ -28,6 +29,7 @@ from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest, ShardFormat
 from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar, split_key
+from datacache.units import format_bytes
 
 __all__ = [
     "COUNT_SOURCES",
@@ -243,7 +245,7 @@ class TarReader(_BufferReader):
                         raise
                     raise ShardReadError(f"{where}: {exc}") from None
             table = SpanTable.from_spans(spans, shard_size=len(self._view))
-            if len(table) != unit.count:
+            if unit.count >= 0 and len(table) != unit.count:  # a negative count: not known yet (a cold epoch)
                 said = f" ({', '.join(sources)})" if sources else ""
                 raise ShardReadError(
                     f"{where}: holds {len(table)} samples, its sample index{said} says {unit.count}: "
@@ -278,43 +280,35 @@ class FileReader(_BufferReader):
 
 
 class ParquetReader(UnitReader):
-    """A Parquet file: one sample per row, as a dict of column values."""
+    """A Parquet file: one sample per row, as a dict of column values, decoded a batch at a time."""
 
     def __init__(self, unit: Unit, where: str, buffer: mmap.mmap | bytes) -> None:
         super().__init__(unit, where)
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        from datacache.loaders._parquet import ParquetRows
 
         try:
-            self.table = pq.read_table(pa.py_buffer(buffer))
-            # Damage the decoder let through (a string that is not UTF-8) fails here, at open,
-            # rather than as a UnicodeDecodeError once samples are being served.
-            self.table.validate(full=True)
+            self._rows = ParquetRows(buffer)
         except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a column name that is not UTF-8
             raise ShardReadError(f"{where}: corrupt Parquet file ({exc})") from None
-        if self.table.num_rows != unit.count:
-            raise ShardReadError(f"{where}: holds {self.table.num_rows} rows, its footer said {unit.count}")
+        if self._rows.num_rows != unit.count:
+            self._rows.close()
+            raise ShardReadError(f"{where}: holds {self._rows.num_rows} rows, its footer said {unit.count}")
         self._buffer = buffer
-        self._rows: list[dict[str, Any]] | None = None
+        self._stem = unit.keys[0].removesuffix(".parquet")
 
     @property
     def packable(self) -> bool:
         return False
 
     def sample(self, index: int) -> dict[str, Any]:
-        if self._rows is None:
-            # One conversion per file: per-row slicing costs ~20x more.
-            rows = self.table.to_pylist()
-            stem = self.unit.keys[0].removesuffix(".parquet")
-            for number, row in enumerate(rows):
-                row.setdefault("__key__", f"{stem}/{number}")
-            self._rows = rows
-        return self._rows[index]
+        row = self._rows.row(index)
+        row.setdefault("__key__", f"{self._stem}/{index}")  # cached with its batch: set once
+        return row
 
     def close(self) -> None:
-        self._rows = None
+        self._rows.close()
         if isinstance(self._buffer, mmap.mmap):
-            del self.table
             # Arrow may still hold a view of the mapping (it frees its buffers lazily): then the
             # mapping is released with the last view instead of now.
             with contextlib.suppress(BufferError):
@@ -334,11 +328,15 @@ class ZarrReader(UnitReader):
         start = int(extra["row_starts"][int(unit.label)])
         stop = start + unit.count
         arrays: dict[str, Any] = {}
+        backing = sum(len(data) for data in files.values())
         try:
             for name in extra["arrays"]:
                 path = name if name else None
                 array = zarr.open_array(store=store, path=path or "", mode="r")
+                _check_backed(array, stop - start, backing, f"{where}: Zarr array {name or '/'}")
                 arrays[name or "data"] = np.asarray(array[start:stop])
+        except ShardReadError:
+            raise
         except Exception as exc:  # zarr raises many types for bad metadata or codecs
             raise ShardReadError(f"{where}: cannot read Zarr chunks ({type(exc).__name__}: {exc})") from None
         self._arrays = arrays
@@ -357,6 +355,24 @@ class ZarrReader(UnitReader):
     def rows(self, indexes: Sequence[int]) -> dict[str, Any]:
         """Several samples at once, stacked per array."""
         return {name: rows[np.asarray(indexes)] for name, rows in self._arrays.items()}
+
+
+ZARR_UNBACKED_BYTES = 64 << 20
+"""What a row of Zarr chunks may decode to whatever its stored bytes (missing chunks are fill values)."""
+ZARR_MAX_RATIO = 1024
+"""Beyond that, decoded bytes per stored byte, at most: a declared shape must be backed by data."""
+
+
+def _check_backed(array: Any, rows: int, backing: int, where: str) -> None:
+    """Refuse, before allocating, rows whose declared size no stored bytes back (a 157-byte
+    ``.zarray`` can declare an 8000x8000 chunk of float64: 512 MB of fill values)."""
+    declared = rows * math.prod(int(n) for n in array.shape[1:]) * np.dtype(array.dtype).itemsize
+    allowed = max(ZARR_UNBACKED_BYTES, ZARR_MAX_RATIO * backing)
+    if declared > allowed:
+        raise ShardReadError(
+            f"{where}: rows of {format_bytes(declared)} declared, backed by {format_bytes(backing)} of chunks "
+            f"(at most {format_bytes(ZARR_UNBACKED_BYTES)} or {ZARR_MAX_RATIO}x the stored bytes are decoded)"
+        )
 
 
 def open_unit_reader(

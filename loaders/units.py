@@ -17,13 +17,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     SpanCache,
@@ -41,9 +41,9 @@ from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, Location
+from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
 
-__all__ = ["Runtime", "UnitReaders"]
+__all__ = ["NodeFuture", "Runtime", "UnitReaders"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class Runtime:
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
+    book: Any = None
+    """The `coldplan.CountBook` while some shard's sample count is unknown."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -71,6 +73,31 @@ class Runtime:
             self.loop.run(self.access.close(), timeout=30)
         finally:
             self.loop.close()
+
+
+@dataclass(frozen=True)
+class NodeFuture:
+    """The node's future reads (every reader's units, from `epoch.node_unit_sequences`) and this reader's name."""
+
+    reader: str
+    epoch: int
+    units: Mapping[str, tuple[int, ...]]
+
+    def order(self, plan: UnitPlan) -> FutureOrder:
+        """The same future in shard keys, as the stager takes it."""
+        return FutureOrder(
+            self.epoch,
+            {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
+        )
+
+    def key_positions(self, plan: UnitPlan) -> dict[int, int]:
+        """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
+        found: dict[int, int] = {}
+        position = 0
+        for unit in self.units.get(self.reader, ()):
+            found.setdefault(unit, position)
+            position += len(plan.units[unit].keys)
+        return found
 
 
 class UnitReaders:
@@ -83,15 +110,18 @@ class UnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: EpochPlan,
+        epoch: ReadPlan,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         skip_bad: bool,
         in_consumer: bool,
+        future: NodeFuture | None = None,
     ) -> None:
         self.runtime = runtime
+        self._future = future
+        self._positions = future.key_positions(runtime.plan) if future is not None else {}
         self._epoch = epoch
         self._plan = runtime.plan
         self._format = runtime.handle.manifest.format
@@ -123,6 +153,26 @@ class UnitReaders:
         for reader in self.readers.values():
             reader.close()
         self.readers.clear()
+        if self._future is not None and self._future_told:
+            self._note_progress(None)  # holds nothing any more
+
+    def _note_progress(self, unit: int | None) -> None:
+        """Tell the stager where this reader is and lease what it holds: its open units and ``unit``.
+
+        Synchronous, before ``unit`` is located: from then until the next note, eviction
+        cannot take it between locate and map.
+        """
+        future, runtime = self._future, self.runtime
+        if future is None:
+            return
+        units = set(self.readers) if unit is None else {*self.readers, unit}
+        holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
+        position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
+        progress = ReaderProgress(future.reader, future.epoch, position, holding)
+        runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
+
+    def _plan_keys(self) -> list[tuple[str, ...]]:
+        return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
 
     def note_retries(self) -> None:
         """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
@@ -162,7 +212,10 @@ class UnitReaders:
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
-        unit = int(self._epoch.unit_of[position])
+        return self.reader_for(int(self._epoch.unit_of[position]))
+
+    def reader_for(self, unit: int) -> UnitReader | None:
+        """The open reader of ``unit`` (opened now if need be); None if it was skipped as bad."""
         reader = self.readers.get(unit)
         if reader is not None:
             return reader
@@ -178,6 +231,7 @@ class UnitReaders:
             if unit in self.skipped:
                 return None
             try:
+                self._note_progress(unit)
                 reader = self._open(unit)
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
@@ -204,8 +258,14 @@ class UnitReaders:
         runtime = self.runtime
         if not self._future_told:
             self._future_told = True
-            future = [key for u in sequence for key in self._plan.units[u].keys]
-            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
+            if self._future is not None:
+                # The whole node's future, the same from every reader: nothing to overwrite.
+                runtime.loop.run(runtime.access.set_future_order(runtime.handle, self._future.order(self._plan)))
+                # Say where this reader is before its prefetches ask for room.
+                self._note_progress(unit)
+            else:
+                future = [key for u in sequence for key in self._plan.units[u].keys]
+                runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
         if keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
 

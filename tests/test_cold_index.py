@@ -6,11 +6,10 @@ import asyncio
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _helpers import DATACACHE, REPO, run_cli, with_stager
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import write_wds
 
@@ -20,6 +19,9 @@ from datacache.indexing import WIDS_INDEX_NAME, ClusterIndex, IndexReport
 from datacache.sidecars import KnownCount
 from datacache.stager import Stager
 from datacache.tarindex import group_samples, index_to_json, scan_tar
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
 
 
 def counts_on_disk(origin: Path) -> dict[str, int]:
@@ -238,3 +240,41 @@ def test_index_of_a_parquet_dataset_says_it_needs_none(tmp_path: Path, cache_env
     result = run_cli(["index", str(origin)], {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")})
     assert result.returncode == 2
     assert "tar shards only" in result.stderr
+
+
+def test_rescan_replaces_a_wrong_count_the_cluster_had_kept(
+    tmp_path: Path, settings: Settings, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=57, per_shard=10)
+    wrong = counts_on_disk(origin)
+    wrong["train-0004.tar"] -= 2
+    write_wids(origin, wrong)
+    with pytest.raises(ShardReadError, match=r"--rescan"):
+        list(CachedIterableDataset(str(origin), config=settings, shuffle=False))
+    (origin / "train.json").unlink()  # the bad index is gone, but the cluster kept what it said
+    env = {
+        **cache_env,
+        "DATACACHE_LOCAL_DIR": str(settings.local_dir),
+        "DATACACHE_SHARED_DIR": str(settings.shared_dir),
+    }
+    result = run_cli(["index", str(origin), "--rescan", "--no-write"], env, check=True)
+    assert "6 scanned here" in result.stdout
+    again = CachedIterableDataset(str(origin), config=settings, shuffle=False)
+    assert sorted(s["__key__"] for s in again) == sorted(expected)
+
+
+def test_index_on_a_dask_cluster_reads_each_shard_once(s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]) -> None:
+    truth = upload(s3, tmp_path, samples=200, per_shard=20)
+    s3.server.reset_counts()
+    result = run_cli(
+        ["index", s3.url("ds"), "--engine", "dask", "--json", "--no-write"],
+        node_env(s3, tmp_path, 0, cache_env),
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(result.stdout)
+    assert report["samples"] == sum(truth.values()) and report["scanned"] == len(truth)
+    assert shard_gets(s3) == dict.fromkeys(truth, 1)
+    again = run_cli(["index", s3.url("ds"), "--json", "--no-write"], node_env(s3, tmp_path, 1, cache_env), check=True)
+    assert json.loads(again.stdout)["scanned"] == 0, "the engine's counts are the cluster's"

@@ -335,6 +335,20 @@ def dockerfile_env() -> dict[str, str]:
     return env
 
 
+def image_env() -> dict[str, str]:
+    """The image's ENV, with the files it names taken from where the image's COPY takes them."""
+    env = dockerfile_env()
+    copies = {}
+    for keyword, rest in dockerfile():
+        if keyword == "COPY":
+            *sources, target = shlex.split(rest)
+            if len(sources) == 1:
+                copies[target] = REPO / sources[0]
+    if "DATACACHE_CONFIG" in env:
+        env["DATACACHE_CONFIG"] = str(copies[env["DATACACHE_CONFIG"]])
+    return env
+
+
 def test_dockerfile_installs_like_make_without_torch_as_non_root() -> None:
     instructions = dockerfile()
     by_keyword: dict[str, list[str]] = {}
@@ -364,7 +378,11 @@ def test_dockerfile_installs_like_make_without_torch_as_non_root() -> None:
             if source != readme:
                 assert (REPO / source).exists(), source
     # The image's environment is settings datacache accepts.
-    load_settings({**dockerfile_env(), "HOME": "/nonexistent"})
+    settings = load_settings({**image_env(), "HOME": "/nonexistent"})
+    # The cache and socket come from the image's config file, never its ENV (which would beat
+    # the config a deployment mounts over it).
+    assert not {"DATACACHE_LOCAL_DIR", "DATACACHE_SOCKET", "DATACACHE_LOCAL_CAPACITY"} & set(dockerfile_env())
+    assert str(settings.local_dir) == "/var/cache/datacache"
 
 
 def test_the_image_entrypoint_serves_healthz(tmp_path: Path, cache_env: dict[str, str]) -> None:
@@ -377,7 +395,7 @@ def test_the_image_entrypoint_serves_healthz(tmp_path: Path, cache_env: dict[str
             command = json.loads(rest)
     executable = Path(sys.executable).parent / entrypoint[0]
     assert executable.exists(), "the console script the image's entrypoint names"
-    env = {**cache_env, **dockerfile_env()}
+    env = {**cache_env, **image_env()}
     env.update(
         {
             "DATACACHE_LOCAL_DIR": str(tmp_path / "cache"),

@@ -7,7 +7,6 @@ never become paths outside the cache.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import struct
@@ -290,8 +289,10 @@ def test_index_from_json_never_crashes(document: Any, size: int) -> None:
 @FUZZ
 @given(data=st.binary(max_size=400))
 def test_index_from_json_of_random_bytes(data: bytes) -> None:
-    with contextlib.suppress(DatacacheError):
-        index_from_json(data, where="x")
+    try:
+        index_from_json(data, where="fuzz.idx.json")
+    except DatacacheError as exc:
+        assert "fuzz.idx.json" in str(exc), f"the error does not name the index: {exc}"
 
 
 def test_index_round_trip() -> None:
@@ -346,9 +347,11 @@ def test_span_table_never_serves_a_span_outside_the_shard(
 @FUZZ
 @given(data=st.binary(max_size=400))
 def test_span_table_of_random_bytes(data: bytes) -> None:
-    with contextlib.suppress(DatacacheError):
-        SpanTable.from_bytes(data, where="x")
-        SpanTable.from_bytes(b"DCSPANS1" + data, where="x")
+    for raw in (data, b"DCSPANS1" + data):
+        try:
+            SpanTable.from_bytes(raw, where="fuzz.spans")
+        except DatacacheError as exc:
+            assert "fuzz.spans" in str(exc), f"the error does not name the table: {exc}"
 
 
 # -- Zarr metadata --------------------------------------------------------------------------

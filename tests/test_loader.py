@@ -118,9 +118,12 @@ def test_padding_gives_equal_counts_and_is_reported(
 
 
 def test_global_order_depends_only_on_seed_and_epoch(
-    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    origin, _ = wds_dataset
+    # Sample counts known up front (an un-indexed dataset's first epoch is dealt by whole shards,
+    # per world size: tests/test_cold_epoch.py).
+    origin = tmp_path / "indexed"
+    write_wds(origin, samples=157, per_shard=20, with_counts=True)
     dataset = CachedIterableDataset(str(origin), config=settings, seed=11, shuffle_buffer=16, drop_last=True)
     single = run_rank(dataset, monkeypatch, 0, 1, 0)
     # Told the batch size, the dataset deals chunks to workers in the order the

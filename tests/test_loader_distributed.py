@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections import Counter
 from pathlib import Path
 
 import torch.distributed as dist
@@ -19,17 +20,21 @@ def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         settings = pickle.loads(settings_blob)
-        dataset = CachedIterableDataset(origin, config=settings, seed=21, shuffle_buffer=16, drop_last=True)
-        keys = keys_of(DataLoader(dataset, batch_size=4, num_workers=1))
-        gathered: list[list[str] | None] = [None] * world
-        dist.all_gather_object(gathered, keys)
+        results: dict[str, list[str]] = {}
+        for drop_last, workers in ((True, 3), (False, 2)):
+            dataset = CachedIterableDataset(origin, config=settings, seed=21, shuffle_buffer=16, drop_last=drop_last)
+            results[f"{drop_last}-{workers}"] = keys_of(DataLoader(dataset, batch_size=4, num_workers=workers))
+        batched = CachedIterableDataset(origin, config=settings, seed=21, shuffle_buffer=16, batch_size=5)
+        results["False-batch"] = keys_of(DataLoader(batched, batch_size=None, num_workers=2))
+        gathered: list[dict[str, list[str]] | None] = [None] * world
+        dist.all_gather_object(gathered, results)
         if rank == 0:
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_split_the_epoch_exactly_once(tmp_path: Path, settings: Settings) -> None:
+def test_two_gloo_ranks_with_several_workers_read_each_sample_exactly_once(tmp_path: Path, settings: Settings) -> None:
     origin = tmp_path / "origin"
     expected = write_wds(origin, samples=83, per_shard=12)
     out = tmp_path / "result.json"
@@ -40,7 +45,17 @@ def test_two_gloo_ranks_split_the_epoch_exactly_once(tmp_path: Path, settings: S
         join=True,
     )
     per_rank = json.loads(out.read_text())
-    assert len(per_rank[0]) == len(per_rank[1]) == len(expected) // 2
-    everything = per_rank[0] + per_rank[1]
-    assert len(set(everything)) == len(everything)
-    assert set(everything) <= set(expected)
+    for case in per_rank[0]:
+        first, second = per_rank[0][case], per_rank[1][case]
+        everything = Counter(first + second)
+        assert set(everything) <= set(expected), case
+        if case.startswith("True"):
+            # drop_last: 41 samples each, all distinct; exactly one sample of 83 is left out.
+            assert len(first) == len(second) == len(expected) // 2, case
+            assert max(everything.values()) == 1, f"{case}: a sample was read twice"
+            assert len(everything) == len(expected) - 1, case
+        else:
+            # Padding: 42 each, every sample read, exactly one read twice to even out the ranks.
+            assert len(first) == len(second) == -(-len(expected) // 2), case
+            assert set(everything) == set(expected), f"{case}: a sample was never read"
+            assert sorted(everything.values(), reverse=True)[:2] == [2, 1], f"{case}: more than the padding repeats"

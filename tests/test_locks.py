@@ -122,3 +122,68 @@ def test_live_lease_on_another_node_is_respected(tmp_path: Path) -> None:
         return bool(results[1])
 
     assert asyncio.run(body()) is True
+
+
+def _take(lock: LeaseLock) -> None:
+    """Take and release ``lock``; a waiter that hangs fails after 60 s instead of hanging the suite."""
+
+    async def body() -> None:
+        async with asyncio.timeout(60), lock.hold():
+            pass
+
+    asyncio.run(body())
+
+
+def test_a_lock_dated_in_the_future_is_taken_over(tmp_path: Path) -> None:
+    """A lock file dated 2100 is no live heartbeat: it must not hang every warm of its shard."""
+    path = tmp_path / "locks" / "a.lock"
+    _write_holder(path, "some-other-node", 1)
+    year_2100 = 4_102_444_800.0
+    os.utime(path, (year_2100, year_2100))
+    lock = LeaseLock(path, lease_seconds=3600)
+
+    _take(lock)
+    assert lock.took_over
+
+
+def test_a_skewed_clock_never_takes_over_a_live_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This node's clock runs an hour ahead of the file server's: a live holder's lease is still live.
+
+    The skew is the environment, set by replacing ``time.time``; the lease's age must come from
+    the server's clock (the mtimes it sets), which the skew does not touch.
+    """
+    path = tmp_path / "locks" / "a.lock"
+
+    async def body() -> bool:
+        async with LeaseLock(path, lease_seconds=30).hold():
+            real = time.time
+            monkeypatch.setattr(time, "time", lambda: real() + 3600)
+            waiter = LeaseLock(path, lease_seconds=30)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(2), waiter.hold():
+                    pass
+            return waiter.took_over
+
+    assert asyncio.run(body()) is False
+
+
+def test_a_lease_without_heartbeats_is_taken_over_after_one_lease_of_watching(tmp_path: Path) -> None:
+    path = tmp_path / "locks" / "a.lock"
+    _write_holder(path, "some-other-node", 1)  # fresh, but nobody renews it
+    lock = LeaseLock(path, lease_seconds=0.5)
+
+    _take(lock)
+    assert lock.took_over
+
+
+def test_a_lease_kept_alive_forever_is_bounded(tmp_path: Path) -> None:
+    """A holder that heartbeats forever (hostile, or stuck) is taken over after ``max_hold`` of watching."""
+    path = tmp_path / "locks" / "a.lock"
+
+    async def body() -> bool:
+        async with LeaseLock(path, lease_seconds=0.3).hold():
+            waiter = LeaseLock(path, lease_seconds=0.3, max_hold=1.0)
+            async with asyncio.timeout(60), waiter.hold():
+                return waiter.took_over
+
+    assert asyncio.run(body()) is True

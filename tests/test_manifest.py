@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,7 @@ def test_empty_origin_is_an_error(tmp_path: Path) -> None:
 
 
 def test_written_manifest_is_used_with_its_checksums(tmp_path: Path) -> None:
-    shards = make_shards(2, 64)
+    shards = make_shards(2, 10 * 512)  # 10 samples take 10 tar blocks at least
     written = Manifest(
         dataset="whatever",
         url="elsewhere",
@@ -117,7 +118,7 @@ def test_manifest_json_round_trip_and_snapshot() -> None:
         "d",
         "s3://AKIA:hunter2@b/d",
         ShardFormat.TAR,
-        (Shard("a.tar", 5, "e1", "xxh3_64:00", 3), Shard("b.tar", 7, "e2")),
+        (Shard("a.tar", 3 * 512, "e1", "xxh3_64:00", 3), Shard("b.tar", 7, "e2")),
     )
     document = manifest.to_json()
     assert "hunter2" not in json.dumps(document)
@@ -156,6 +157,26 @@ def test_select() -> None:
     assert len(manifest.select(None)) == 10
     with pytest.raises(ShardNotFoundError, match=r"no shard 'x\.tar'"):
         manifest.select("x.tar")
+
+
+def test_select_a_bare_number_is_an_index() -> None:
+    manifest = Manifest("d", "u", ShardFormat.TAR, tuple(Shard(f"part-{i}.tar", 1) for i in range(10)))
+    assert [s.key for s in manifest.select("3")] == ["part-3.tar"]
+    assert [s.key for s in manifest.select("-1")] == ["part-9.tar"]
+    assert [s.key for s in manifest.select("0,3")] == ["part-0.tar", "part-3.tar"]
+    with pytest.raises(ConfigError, match=r"--shards 10: .*10 shards"):
+        manifest.select("10")
+    named = Manifest("d", "u", ShardFormat.FILES, (Shard("3", 1), Shard("4", 1)))
+    assert [s.key for s in named.select("4")] == ["4"], "a key that is a number is still that key"
+
+
+def test_a_prefix_with_tars_and_parquet_says_which_it_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fill_dir(tmp_path / "o", {"a.tar": b"x" * 512, "b.tar": b"x" * 512, "a.parquet": b"p"})
+    with caplog.at_level(logging.WARNING, logger="datacache.manifest"):
+        manifest = manifest_of(str(tmp_path / "o"))
+    assert [s.key for s in manifest.shards] == ["a.tar", "b.tar"]
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "2 .tar" in warned and "1 .parquet" in warned and "format" in warned, warned
 
 
 def test_manifest_store_ignores_unreadable_files(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from _helpers import checksum, fill_bucket, fill_dir, make_shards, partial_files
 from datacache.catalog import Catalog, ShardState
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import OriginChangedError, TierFullError
-from datacache.stager import DatasetHandle, Location, Stager, WarmReport
+from datacache.stager import DatasetHandle, Location, Stager, StagerStats, WarmReport
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -98,13 +98,21 @@ def test_concurrent_ensures_fetch_each_part_once(s3: S3Bucket, settings: Setting
     fill_bucket(s3.client, s3.name, "ds", shards)
     dataset = s3_dataset(s3, settings)
 
-    async def body(stager: Stager) -> list[Location]:
+    async def body(stager: Stager) -> tuple[list[Location], StagerStats, dict[str, int]]:
         handle = await stager.open(dataset)
         s3.server.reset_counts()
         calls = [stager.ensure(handle, key) for key in shards for _ in range(6)]
-        return await asyncio.gather(*calls)
+        locations = await asyncio.gather(*calls)
+        assert stager.shared is not None
+        written = {"local": stager.local.stats().bytes_written, "shared": stager.shared.stats().bytes_written}
+        return locations, stager.stats(), written
 
-    locations = with_stager(settings, body)
+    locations, stats, written = with_stager(settings, body)
+    # One transfer per shard and tier, however many asked (issue 12 item 26: the origin GETs alone
+    # let duplicates through, absorbed by the shared tier).
+    assert (stats.shards_staged, stats.bytes_to_local) == (3, 600_000)
+    assert (stats.shards_to_shared, stats.bytes_to_shared) == (3, 600_000)
+    assert written == {"local": 600_000, "shared": 600_000}
     assert {loc.tier for loc in locations} == {"local"}
     for location in locations:
         assert location.path is not None

@@ -208,3 +208,13 @@ def test_a_samples_url_carries_no_credential(tmp_path: Path, cache_env: dict[str
     finally:
         fs.rm(base, recursive=True)
     assert [s["__url__"] for s in samples] == [f"memory://{tmp_path.name}/ds/shard-0000.tar"] * 2
+
+
+def test_the_daemon_uid_setting_names_a_user_or_is_a_clear_error(cache_env: dict[str, str]) -> None:
+    import os
+
+    settings = load_settings({**cache_env, "DATACACHE_DAEMON_UID": "root"})
+    assert settings.daemon_uid == 0 and settings.trusted_uids == {os.geteuid(), 0}
+    assert load_settings({**cache_env, "DATACACHE_DAEMON_UID": "4242"}).trusted_uids >= {4242}
+    with pytest.raises(ConfigError, match="DATACACHE_DAEMON_UID: no user named 'no-such-user-x'"):
+        load_settings({**cache_env, "DATACACHE_DAEMON_UID": "no-such-user-x"})

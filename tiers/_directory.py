@@ -16,23 +16,32 @@ import json
 import os
 import shutil
 import stat as stat_module
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
-from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials
+from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
+from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials, remove_if_abandoned
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import InvalidKeyError, OriginChangedError, ShardNotFoundError
 
 __all__ = ["DirectoryTier"]
 
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+T = TypeVar("T")
+
+META_LIMIT = 1 << 20
+"""The largest metadata file read (a writer's is a few hundred bytes; a planted one may be anything)."""
 
 
 class DirectoryTier(Tier):
     """Objects as files under ``root``, written atomically, with an optional byte capacity."""
 
     kind = "directory"
+    dir_mode: int | None = None
+    """The exact mode of the directories this tier creates (``None``: the umask decides)."""
+    file_mode: int | None = None
+    """The exact mode of the files this tier writes (``None``: 0644 less the umask)."""
 
     def __init__(self, root: str | os.PathLike[str], *, capacity: int | None = None, durable: bool = True) -> None:
         if capacity is not None and capacity <= 0:
@@ -69,49 +78,71 @@ class DirectoryTier(Tier):
     def stats(self) -> TierStats:
         return TierStats(**self._counters)
 
-    # -- paths ----------------------------------------------------------------------------
+    # -- places: every file is reached by walking from the root, never by its path --------
+
+    def _place(self, area: str, key: str, suffix: str = "") -> Place:
+        validate_key(key)
+        *parents, name = (key + suffix).split("/")
+        return Place(self._root, (area, *parents), name, self.dir_mode)
+
+    def _data_place(self, key: str) -> Place:
+        return self._place("data", key)
+
+    def _meta_place(self, key: str) -> Place:
+        return self._place("meta", key, ".json")
 
     def _contained(self, base: Path, key: str, suffix: str = "") -> Path:
-        validate_key(key)
-        path = base / (key + suffix)
-        real_base = os.path.realpath(base)
-        real_parent = os.path.realpath(path.parent)
-        if real_parent != real_base and not real_parent.startswith(real_base + os.sep):
-            raise InvalidKeyError(f"invalid key {key!r}: its directory resolves outside {self._root} (a symlink?)")
-        return path
+        """The path of ``key`` under ``base`` (a directory of the root), after checking no link lies on its way."""
+        if base.parent != self._root:
+            raise InvalidKeyError(f"{base} is not a directory of the tier {self._root}")
+        place = self._place(base.name, key, suffix)
+        try:
+            os.close(place.open_parent())
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
+        return place.path
 
     def path(self, key: str) -> Path:
+        """Where ``key``'s file is, for a reader that opens it; checked for links now, not when it is opened."""
         return self._contained(self._data, key)
 
     def _meta_path(self, key: str) -> Path:
         return self._contained(self._meta, key, ".json")
 
+    def _in_parent(self, place: Place, act: Callable[[int, str], T], *, missing: T) -> T:
+        """``act(dir_fd, name)`` in ``place``'s directory; ``missing`` if a directory on the way is absent."""
+        try:
+            fd = place.open_parent()
+        except (FileNotFoundError, NotADirectoryError):
+            return missing
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key: {exc}") from None
+        try:
+            return act(fd, place.name)
+        finally:
+            os.close(fd)
+
     # -- synchronous helpers, run in threads ---------------------------------------------
 
     def _stat_sync(self, key: str) -> ObjectInfo | None:
-        path = self.path(key)
-        try:
-            fd = os.open(path, _READ_FLAGS | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
+        def look(fd: int, name: str) -> os.stat_result | None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
             return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink: never an object
-                return None
-            raise
-        try:
-            st = os.fstat(fd)  # the file opened, not whatever the path names a moment later
-        finally:
-            os.close(fd)
-        if not stat_module.S_ISREG(st.st_mode):
+
+        st = self._in_parent(self._data_place(key), look, missing=None)
+        if st is None or not stat_module.S_ISREG(st.st_mode):
             return None
         metadata: dict[str, str] = {}
         writers = {st.st_uid}
         with contextlib.suppress(OSError, ValueError):
-            raw, meta_uid = self._read_small(self._meta_path(key))
+            meta_st, raw = read_bounded_stat(self._meta_place(key), META_LIMIT)
             parsed = json.loads(raw)
             if isinstance(parsed, dict):
                 metadata = {str(k): str(v) for k, v in parsed.items()}
-                writers.add(meta_uid)
+                writers.add(meta_st.st_uid)
         return ObjectInfo(
             key=key,
             size=st.st_size,
@@ -120,28 +151,23 @@ class DirectoryTier(Tier):
             writers=frozenset(writers),
         )
 
-    @staticmethod
-    def _read_small(path: Path) -> tuple[bytes, int]:
-        """Read a small regular file (never a link, FIFO or device); return its bytes and owner."""
-        fd = os.open(path, _READ_FLAGS | os.O_NONBLOCK)
-        try:
-            st = os.fstat(fd)
-            if not stat_module.S_ISREG(st.st_mode):
-                raise OSError(errno.EINVAL, f"{path} is not a regular file")
-            return os.read(fd, 1 << 20), st.st_uid
-        finally:
-            os.close(fd)
-
     def _open_checked(self, key: str, version: str | None) -> int:
-        path = self.path(key)
-        try:
-            fd = os.open(path, _READ_FLAGS)
-        except (FileNotFoundError, NotADirectoryError):
-            raise ShardNotFoundError(f"{self._root}: no object {key!r}") from None
-        except OSError as exc:
-            if exc.errno == 40:  # ELOOP: the final component is a symlink
-                raise ShardNotFoundError(f"{self._root}: {key!r} is a symlink, not served") from None
-            raise
+        def open_file(dir_fd: int, name: str) -> int:
+            try:
+                return os.open(name, READ_FLAGS, dir_fd=dir_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                raise ShardNotFoundError(f"{self._root}: no object {key!r}") from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # the final component is a symlink
+                    raise ShardNotFoundError(f"{self._root}: {key!r} is a symlink, not served") from None
+                raise
+
+        def absent() -> int:
+            raise ShardNotFoundError(f"{self._root}: no object {key!r}")
+
+        fd = self._in_parent(self._data_place(key), open_file, missing=-1)
+        if fd < 0:
+            absent()
         st = os.fstat(fd)
         if not stat_module.S_ISREG(st.st_mode):
             os.close(fd)
@@ -162,25 +188,28 @@ class DirectoryTier(Tier):
 
     def _list_sync(self, prefix: str) -> list[ObjectInfo]:
         found: list[ObjectInfo] = []
-        base = self._data
-        start = base
-        if "/" in prefix:
-            start = base / prefix.rsplit("/", 1)[0]
-        for directory, dirnames, files in os.walk(start):
-            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(directory, d))]
-            for name in files:
-                if PARTIAL_NAME.match(name):
-                    continue
-                full = os.path.join(directory, name)
-                key = os.path.relpath(full, base).replace(os.sep, "/")
-                if not key.startswith(prefix):
-                    continue
-                try:
-                    st = os.lstat(full)
-                except FileNotFoundError:
-                    continue
-                if stat_module.S_ISREG(st.st_mode):
-                    found.append(ObjectInfo(key=key, size=st.st_size, version=f"{st.st_mtime_ns}:{st.st_size}"))
+        start = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        try:
+            top = Place(self._root, ("data", *filter(None, start.split("/"))), ".").open_parent()
+        except (FileNotFoundError, NotADirectoryError, UnsafeFileError):
+            return found
+        try:
+            # fwalk never descends through a link; each name is looked at in its directory's fd.
+            for directory, _, files, dir_fd in os.fwalk(".", dir_fd=top):
+                for name in files:
+                    if PARTIAL_NAME.match(name):
+                        continue
+                    key = os.path.normpath(os.path.join(start, directory, name))
+                    if not key.startswith(prefix):
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat_module.S_ISREG(st.st_mode):
+                        found.append(ObjectInfo(key=key, size=st.st_size, version=f"{st.st_mtime_ns}:{st.st_size}"))
+        finally:
+            os.close(top)
         found.sort(key=lambda info: info.key)
         return found
 
@@ -192,18 +221,20 @@ class DirectoryTier(Tier):
             count += 1
         free = None
         with contextlib.suppress(OSError):
-            self._root.mkdir(parents=True, exist_ok=True)
+            os.close(Place(self._root, (), ".", self.dir_mode).open_parent(create=True))
             free = shutil.disk_usage(self._root).free
         return TierUsage(used_bytes=used, object_count=count, capacity_bytes=self._capacity, device_free_bytes=free)
 
     def _delete_sync(self, key: str) -> bool:
-        existed = True
-        try:
-            self.path(key).unlink()
-        except FileNotFoundError:
-            existed = False
-        with contextlib.suppress(FileNotFoundError):
-            self._meta_path(key).unlink()
+        def unlink(fd: int, name: str) -> bool:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                return False
+            return True
+
+        existed = self._in_parent(self._data_place(key), unlink, missing=False)
+        self._in_parent(self._meta_place(key), unlink, missing=False)
         return existed
 
     # -- the protocol ---------------------------------------------------------------------
@@ -252,9 +283,12 @@ class DirectoryTier(Tier):
         *,
         metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
-        target = self.path(key)
+        target = self._data_place(key)
         self._counters["requests"] += 1
-        size = await atomic_write(target, chunks, durable=self._durable)
+        try:
+            size = await atomic_write(target, chunks, durable=self._durable, file_mode=self.file_mode)
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         self._counters["bytes_written"] += size
         if metadata:
             # After the data: a crash between the two leaves data without (or with
@@ -264,7 +298,10 @@ class DirectoryTier(Tier):
             async def one_chunk() -> AsyncIterator[bytes]:
                 yield encoded
 
-            await atomic_write(self._meta_path(key), one_chunk(), durable=False)
+            try:
+                await atomic_write(self._meta_place(key), one_chunk(), durable=False, file_mode=self.file_mode)
+            except UnsafeFileError as exc:
+                raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         info = await asyncio.to_thread(self._stat_sync, key)
         if info is None:
             raise ShardNotFoundError(f"{self._root}/{key}: vanished right after it was written")
@@ -281,31 +318,35 @@ class DirectoryTier(Tier):
     async def usage(self) -> TierUsage:
         return await asyncio.to_thread(self._usage_sync)
 
-    async def remove_partials_of(self, key: str) -> int:
-        """Delete the temporary files of writes to ``key`` (its writer is known to be dead)."""
+    async def remove_partials_of(self, key: str, *, min_age: float = 30.0) -> int:
+        """Delete the temporary files of writes to ``key`` whose writer is gone.
 
-        def remove() -> int:
-            target = self.path(key)
-            removed = 0
-            for base, name in ((target.parent, target.name), (self._meta_path(key).parent, target.name + ".json")):
-                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    for candidate in base.iterdir():
-                        if (
-                            candidate.name.startswith(f".{name}.")
-                            and PARTIAL_NAME.match(candidate.name)
-                            and candidate.name.count(".") == name.count(".") + 3
-                        ):
-                            with contextlib.suppress(FileNotFoundError):
-                                candidate.unlink()
-                                removed += 1
-            return removed
+        Called by the taker of a stale lease. A partial still locked by a writer on
+        this node, or written less than ``min_age`` seconds ago by the file
+        server's clock (a writer on another node still at work), is kept.
+        """
 
-        return await asyncio.to_thread(remove)
+        def remove(fd: int, name: str) -> int:
+            now = server_now(fd)
+            return sum(
+                remove_if_abandoned(fd, candidate, now, min_age)
+                for candidate in os.listdir(fd)
+                if candidate.startswith(f".{name}.")
+                and PARTIAL_NAME.match(candidate)
+                and candidate.count(".") == name.count(".") + 3
+            )
+
+        def remove_both() -> int:
+            return self._in_parent(self._data_place(key), remove, missing=0) + self._in_parent(
+                self._meta_place(key), remove, missing=0
+            )
+
+        return await asyncio.to_thread(remove_both)
 
     async def remove_abandoned_partials(self, *, min_age: float = 30.0) -> int:
         """Delete temporary files left by killed writers; return how many."""
         removed = 0
-        for base in (self._data, self._meta):
-            if base.exists():
-                removed += len(await asyncio.to_thread(remove_abandoned_partials, base, min_age=min_age))
+        for area in ("data", "meta"):
+            place = Place(self._root, (area,), ".")
+            removed += len(await asyncio.to_thread(remove_abandoned_partials, place, min_age=min_age))
         return removed

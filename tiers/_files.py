@@ -8,7 +8,6 @@ import fcntl
 import os
 import re
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterable
 from pathlib import Path
@@ -16,15 +15,16 @@ from typing import Any
 
 import aiofiles
 import aiofiles.threadpool
+from datacache.tiers._dirfd import READ_FLAGS, DirHandle, Place, UnsafeFileError, open_dir_async, server_now
 
 __all__ = [
     "PARTIAL_NAME",
     "atomic_write",
     "device_free",
-    "fsync_directory",
     "partial_name",
     "redact_url",
     "remove_abandoned_partials",
+    "remove_if_abandoned",
     "split_userinfo",
 ]
 
@@ -99,33 +99,29 @@ def device_free(directory: str | os.PathLike[str]) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def partial_name(target: Path) -> Path:
-    """The temporary name a write to ``target`` uses until it is complete."""
-    return target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def partial_name(name: str) -> str:
+    """The temporary name a write to ``name`` uses until it is complete (in the same directory)."""
+    return f".{name}.{uuid.uuid4().hex}.partial"
 
 
 class _CleanedUnderfoot(FileExistsError):
     """A cleaner removed a new temporary file between its creation and its lock."""
 
 
-def _create_exclusive(path: str, flags: int) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def _create_exclusive(dir_fd: int, name: str, mode: int | None) -> int:
+    fd = os.open(
+        name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if mode is not None else 0o644,
+        dir_fd=dir_fd,
+    )
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)  # exactly the tier's mode, whatever the umask
         # Held until the file is closed: a cleaner that can take this lock knows the
         # writer is gone. Between the open and the lock a cleaner may take it first
         # and unlink the file; waiting for its lock and then finding no link tells.
         fcntl.flock(fd, fcntl.LOCK_EX)
         if os.fstat(fd).st_nlink == 0:
-            raise _CleanedUnderfoot(path)
+            raise _CleanedUnderfoot(name)
     except BaseException:
         os.close(fd)
         raise
@@ -140,19 +136,27 @@ class _Opening:
     alive by then (a loop shut down during the open never receives it).
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, directory: DirHandle, name: str, mode: int | None) -> None:
+        self.name = name
+        self._directory = directory
+        self._mode = mode
         self._lock = threading.Lock()
         self._abandoned = False
         self._file: Any = None
 
     def open(self) -> Any:
-        raw = open(self.path, "xb", buffering=0, opener=_create_exclusive)  # noqa: SIM115 - closed by the writer
+        return self._directory.do(self._open_in)
+
+    def _open_in(self, dir_fd: int) -> Any:
+        def opener(name: str, flags: int) -> int:
+            return _create_exclusive(dir_fd, name, self._mode)
+
+        raw = open(self.name, "xb", buffering=0, opener=opener)  # noqa: SIM115 - closed by the writer
         with self._lock:
             if not self._abandoned:
                 self._file = raw
                 return raw
-        self._discard(raw)
+        self._discard(raw, dir_fd)
         return None
 
     def abandon(self) -> None:
@@ -160,17 +164,17 @@ class _Opening:
             self._abandoned = True
             raw, self._file = self._file, None
         if raw is not None:
-            self._discard(raw)
+            self._directory.do(lambda dir_fd: self._discard(raw, dir_fd))
 
-    def _discard(self, raw: Any) -> None:
+    def _discard(self, raw: Any, dir_fd: int) -> None:
         raw.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            os.unlink(self.name, dir_fd=dir_fd)
 
 
-async def _open_exclusive(temporary: Path) -> Any:
-    """Create ``temporary`` for writing; if the writer is cancelled meanwhile, nothing is left open or on disk."""
-    opening = _Opening(temporary)
+async def _open_exclusive(directory: DirHandle, name: str, mode: int | None) -> Any:
+    """Create ``name`` for writing; if the writer is cancelled meanwhile, nothing is left open or on disk."""
+    opening = _Opening(directory, name, mode)
     try:
         return await asyncio.to_thread(opening.open)
     except asyncio.CancelledError:
@@ -187,7 +191,29 @@ async def _close(raw: Any) -> None:
     await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, raw.close))
 
 
-def remove_abandoned_partials(root: Path, *, min_age: float = 30.0) -> list[Path]:
+def remove_if_abandoned(dir_fd: int, name: str, now: float, min_age: float) -> bool:
+    """Unlink the partial ``name`` in ``dir_fd`` if no writer holds its lock and it is ``min_age`` old at ``now``."""
+    try:
+        if now - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime < min_age:
+            return False
+        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    else:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_abandoned_partials(root: Path | Place, *, min_age: float = 30.0) -> list[Path]:
     """Delete the temporary files of writers that died; return what was removed.
 
     A partial is abandoned when no process holds its lock and it has not been
@@ -195,59 +221,67 @@ def remove_abandoned_partials(root: Path, *, min_age: float = 30.0) -> list[Path
     authoritative (``min_age=0`` is safe: a writer whose new file is removed
     before it locks it notices and starts over); on a shared filesystem, where
     ``flock`` may only see this node, ``min_age`` protects other nodes' writers.
+    ``root`` is walked without following links (a `Place` names a directory whose
+    own path must not be followed either).
     """
+    place = root if isinstance(root, Place) else Place(root, (), ".")
     removed: list[Path] = []
-    now = time.time()
-    for directory, _, files in os.walk(root):
-        for name in files:
-            if not PARTIAL_NAME.match(name):
-                continue
-            path = Path(directory, name)
-            try:
-                if now - path.lstat().st_mtime < min_age:
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-            try:
-                path.unlink()
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
+    try:
+        top = place.open_parent()
+    except (FileNotFoundError, NotADirectoryError, PermissionError, UnsafeFileError):
+        return removed  # nothing there, or nothing this user could have written there
+    try:
+        now = server_now(top)
+        for directory, _, files, dir_fd in os.fwalk(place.name, dir_fd=top):
+            for name in files:
+                if PARTIAL_NAME.match(name) and remove_if_abandoned(dir_fd, name, now, min_age):
+                    removed.append(place.root.joinpath(*place.parts, directory, name))
+    finally:
+        os.close(top)
     return removed
 
 
 async def atomic_write(
-    target: str | os.PathLike[str], chunks: AsyncIterable[bytes | memoryview], *, durable: bool = True
+    target: str | os.PathLike[str] | Place,
+    chunks: AsyncIterable[bytes | memoryview],
+    *,
+    durable: bool = True,
+    file_mode: int | None = None,
 ) -> int:
     """Write ``chunks`` to ``target`` atomically; return the number of bytes written.
 
     The bytes go to ``.<name>.<uuid>.partial`` in the same directory, are
-    fsynced (when ``durable``), and the file is renamed over ``target``. On any
-    error or cancellation the temporary file is removed, so a reader sees
-    either the old file, or the new one whole, never a partial one.
+    fsynced (when ``durable``), the file is renamed over ``target``, and the
+    rename is made durable by an fsync of the directory. On any error or
+    cancellation the temporary file is removed, so a reader sees either the old
+    file, or the new one whole, never a partial one. The directory is opened
+    once (a `Place` is walked to without following links) and every step acts
+    inside it, so neither the bytes nor the temporary file can land elsewhere.
+    ``file_mode``: the file's exact mode (``None``: 0644 less the umask).
     """
-    target = Path(target)
-    await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
-    temporary = partial_name(target)
+    place = target if isinstance(target, Place) else Place.of(target)
+    directory = await open_dir_async(place, create=True)
+    try:
+        return await _write_in(directory, place.name, chunks, durable=durable, file_mode=file_mode)
+    finally:
+        directory.close()
+
+
+async def _write_in(
+    directory: DirHandle, name: str, chunks: AsyncIterable[bytes | memoryview], *, durable: bool, file_mode: int | None
+) -> int:
+    temporary = partial_name(name)
     size = 0
     try:
         for _ in range(3):
             try:
-                raw = await _open_exclusive(temporary)
+                raw = await _open_exclusive(directory, temporary, file_mode)
             except _CleanedUnderfoot:
-                temporary = partial_name(target)
+                temporary = partial_name(name)
             else:
                 break
         else:
-            raise OSError(f"could not create a temporary file beside {target}")
+            raise OSError(f"could not create a temporary file beside {name}")
         try:
             out = aiofiles.threadpool.wrap(raw, loop=asyncio.get_running_loop())
             async for chunk in chunks:
@@ -260,11 +294,11 @@ async def atomic_write(
                 await asyncio.to_thread(os.fsync, raw.fileno())
         finally:
             await _close(raw)
-        await asyncio.to_thread(os.replace, temporary, target)
+        await directory.run(lambda fd: os.replace(temporary, name, src_dir_fd=fd, dst_dir_fd=fd))
         if durable:
-            await asyncio.to_thread(fsync_directory, target.parent)
+            await directory.run(os.fsync)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+        with contextlib.suppress(OSError):
+            directory.do(lambda fd: os.unlink(temporary, dir_fd=fd))
         raise
     return size

@@ -14,13 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
+from datacache.tiers._backends import close_filesystem, filesystem_class, pinned_cat, version_of
+from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
 from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
-from datacache.errors import ConfigError, OriginChangedError, ShardNotFoundError, TransientOriginError
+from datacache.errors import (
+    ConfigError,
+    OriginChangedError,
+    OriginError,
+    ShardNotFoundError,
+    TransientOriginError,
+)
 
 __all__ = ["ObjectTier"]
 
@@ -66,7 +74,7 @@ class ObjectTier(Tier):
         protocol, _ = fsspec.core.split_protocol(url)
         self._protocol = protocol or "file"
         try:
-            self._fs_class = fsspec.get_filesystem_class(self._protocol)
+            self._fs_class = filesystem_class(self._protocol)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open {redact_url(url)}: {exc}") from None
         try:
@@ -179,9 +187,8 @@ class ObjectTier(Tier):
 
     async def close(self) -> None:
         fs, self._fs, self._fs_loop = self._fs, None, None
-        s3 = getattr(fs, "_s3", None) if fs is not None else None
-        if s3 is not None:
-            await s3.__aexit__(None, None, None)
+        if fs is not None:
+            await close_filesystem(getattr(fs, "fs", fs))  # an AsyncFileSystemWrapper holds the sync one
         pool, client = self._get_pool, self._get_client
         self._get_pool = self._get_client = None
         if pool is not None:
@@ -210,11 +217,10 @@ class ObjectTier(Tier):
             self._counters["errors"] += 1
             raise
 
-    @staticmethod
-    def _version(info: Mapping[str, Any]) -> str | None:
-        etag = info.get("ETag") or info.get("etag")
-        if etag:
-            return str(etag).strip('"')
+    def _version(self, info: Mapping[str, Any]) -> str | None:
+        version = version_of(self._protocol, info)
+        if version:
+            return version
         mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
         if isinstance(mtime, datetime):
             mtime = mtime.timestamp()
@@ -223,7 +229,13 @@ class ObjectTier(Tier):
         return f"{int(float(mtime) * 1e9)}:{int(info.get('size') or 0)}"
 
     def _info_to_object(self, key: str, info: Mapping[str, Any]) -> ObjectInfo:
-        return ObjectInfo(key=key, size=int(info.get("size") or info.get("Size") or 0), version=self._version(info))
+        size = info.get("size", info.get("Size"))
+        if size is None:  # never taken as 0: an empty shard would be "cached" and pass verification
+            raise OriginError(
+                f"{self.url}/{key}: the size of this object cannot be known (the server sends no "
+                "Content-Length); datacache needs each shard's size"
+            )
+        return ObjectInfo(key=key, size=int(size), version=self._version(info))
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -266,22 +278,42 @@ class ObjectTier(Tier):
 
             data = await self._call(where, get_object)
         else:
-            if version is not None:
-                current = await self.stat(key)
-                if current is None:
-                    raise ShardNotFoundError(f"{where}: not found at the origin")
-                if current.version != version:
-                    raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
-
-            async def cat() -> bytes:
-                result: bytes = await fs._cat_file(path, start=span.start or None, end=span.end)
-                return result
-
-            data = await self._call(where, cat)
+            data = await self._get_other(fs, key, span, version)
         if span.end is not None and len(data) > span.end - span.start:
             data = data[: span.end - span.start]
         self._counters["bytes_read"] += len(data)
         return data
+
+    async def _get_other(self, fs: Any, key: str, span: ByteRange, version: str | None) -> bytes:
+        """A read from a backend other than S3: pinned where the backend can name a version."""
+        path, where = self._path(key), f"{self.url}/{key}"
+        if span.end is not None and span.end == span.start:  # no request for no bytes (Azure refuses one)
+            if await self.stat(key) is None:
+                raise ShardNotFoundError(f"{where}: not found at the origin")
+            return b""
+        if version is not None:
+            pinned = await self._call(
+                where, lambda: pinned_cat(fs, self._protocol, path, span.start, span.end, version, where)
+            )
+            if pinned is not None:
+                return pinned
+            # No pinned read here (files): compare, then read; the manifest's checksum catches the rest.
+            current = await self.stat(key)
+            if current is None:
+                raise ShardNotFoundError(f"{where}: not found at the origin")
+            if current.version != version:
+                raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+
+        async def cat() -> bytes:
+            try:
+                result: bytes = await fs._cat_file(path, start=span.start or None, end=span.end)
+            except Exception as exc:
+                if backend_past_the_end(exc):
+                    return b""  # a range at or past the end: no bytes, as on S3 and files
+                raise
+            return result
+
+        return await self._call(where, cat)
 
     async def stream(
         self,
@@ -358,6 +390,11 @@ class ObjectTier(Tier):
             key = self._key_of(path)
             if not key.startswith(prefix) or key == "":
                 continue
+            if details.get("size", details.get("Size")) is None:
+                stated = await self.stat(key)  # a listing page gives no sizes: ask each object (HEAD)
+                if stated is not None:
+                    yield stated
+                continue
             yield self._info_to_object(key, details)
 
     async def put(
@@ -394,7 +431,11 @@ class ObjectTier(Tier):
         metadata: Mapping[str, str] | None,
     ) -> int:
         bucket, object_key, _ = fs.split_path(path)
-        extra = {"Metadata": dict(metadata)} if metadata else {}
+        sent: dict[str, str] = {}  # metadata as sent with create_multipart_upload
+
+        def extra() -> dict[str, Any]:  # read when used: the writer may complete it while streaming
+            return {"Metadata": dict(metadata)} if metadata else {}
+
         buffer = bytearray()
         size = 0
         upload_id: str | None = None
@@ -419,7 +460,10 @@ class ObjectTier(Tier):
                     if upload_id is None:
 
                         async def create() -> Any:
-                            return await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=object_key, **extra)
+                            sent.update(extra().get("Metadata", {}))
+                            return await fs._call_s3(
+                                "create_multipart_upload", Bucket=bucket, Key=object_key, **extra()
+                            )
 
                         upload_id = (await self._call(where, create))["UploadId"]
                     part, buffer = bytes(buffer[: self._part_size]), buffer[self._part_size :]
@@ -428,7 +472,7 @@ class ObjectTier(Tier):
                 body = bytes(buffer)
 
                 async def put_object() -> Any:
-                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra)
+                    return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra())
 
                 await self._call(where, put_object)
                 return size
@@ -445,6 +489,16 @@ class ObjectTier(Tier):
                 )
 
             await self._call(where, complete)
+            if metadata and dict(metadata) != sent:  # completed after the upload began: set it now
+
+                async def replace_metadata() -> Any:
+                    source = {"Bucket": bucket, "Key": object_key}
+                    return await fs._call_s3(
+                        "copy_object", Bucket=bucket, Key=object_key, CopySource=source,
+                        Metadata=dict(metadata), MetadataDirective="REPLACE",
+                    )
+
+                await self._call(where, replace_metadata)
             return size
         except BaseException:
             if upload_id is not None:

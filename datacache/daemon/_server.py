@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,9 @@ from datacache.stager import (
     PRIORITY_PREFETCH,
     PRIORITY_URGENT,
     SHARED,
+    FutureOrder,
     Location,
+    ReaderProgress,
     Stager,
 )
 from datacache.tiers import validate_key
@@ -250,6 +253,7 @@ class Daemon:
             ("locate", self._locate),
             ("prefetch", self._prefetch),
             ("future_order", self._future_order),
+            ("progress", self._progress),
             ("report_corrupt", self._report_corrupt),
             ("warm", self._warm),
             ("evict", self._evict),
@@ -375,9 +379,35 @@ class Daemon:
     async def _future_order(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         handle = self.registry.handle(data, self._peer(request))
-        keys = http.keys(data)
-        await self._stager().set_future_order(handle, keys)
-        return web.json_response({"keys": len(keys)})
+        if "order" not in data:
+            keys = http.keys(data)
+            await self._stager().set_future_order(handle, keys)
+            return web.json_response({"keys": len(keys)})
+        try:
+            order = FutureOrder.from_json(data["order"])
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        for sequence in order.readers.values():
+            for key in set(sequence):
+                validate_key(key)
+        await self._stager().set_future_order(handle, order)
+        return web.json_response({"readers": len(order.readers)})
+
+    async def _progress(self, request: web.Request) -> web.Response:
+        """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        try:
+            progress = ReaderProgress.from_json(data.get("progress"))
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        if progress.owner.rpartition(":")[0] != socket.gethostname():
+            # A lease names a process of this node, whose death ends it; another host's never would.
+            raise http.BadRequest("reader progress must name a process of this node as its owner")
+        for key in progress.holding:
+            validate_key(key)
+        await self._stager().note_progress(handle, progress)
+        return web.json_response({"holding": len(progress.holding)})
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
         data = await http.body(request)

@@ -8,12 +8,10 @@ callback, so planning, resuming and the manifest do not depend on the engine.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from datacache.errors import ConfigError
+from datacache.engines import map_dask, map_ray
 from datacache.shard.job import ObjectCallback, ShardJob, UnitResult
 from datacache.shard.plan import UnitSpec
 from datacache.shard.units import ensure_unit, run_unit_sync
@@ -81,41 +79,11 @@ def run_dask(
     whose workers need datacache installed and access to both URLs; without
     it a `LocalCluster` of threads in this process (``workers`` of them) runs them.
     """
-    try:
-        distributed: Any = importlib.import_module("dask.distributed")
-    except ImportError:
-        raise ConfigError(
-            "--engine dask needs dask.distributed: pip install 'datacache[dask]'"
-        ) from None
-    cluster: Any = None
-    if scheduler:
-        client = distributed.Client(scheduler)
-    else:
-        cluster = distributed.LocalCluster(
-            processes=False,
-            n_workers=1,
-            threads_per_worker=job.options.workers,
-            dashboard_address=None,
-        )
-        client = distributed.Client(cluster)
-    try:
-        futures = [
-            client.submit(
-                run_unit_sync,
-                spec,
-                has_record,
-                job,
-                key=f"datacache-shard-{spec.digest}",
-                pure=False,
-            )
-            for spec, has_record in units
-        ]
-        for future in distributed.as_completed(futures):
-            on_result(future.result())
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    calls = [(spec, has_record, job) for spec, has_record in units]
+    names = [f"datacache-shard-{spec.digest}" for spec, _ in units]
+    map_dask(
+        run_unit_sync, calls, names=names, scheduler=scheduler, workers=job.options.workers, on_result=on_result
+    )
 
 
 def run_ray(
@@ -131,24 +99,5 @@ def run_ray(
     cluster; without it a local Ray instance with ``workers`` CPUs is started
     for this run and shut down after it.
     """
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("--engine ray needs ray: pip install 'datacache[ray]'") from None
-    started = False
-    if not ray.is_initialized():
-        if scheduler:
-            ray.init(address=scheduler, log_to_driver=False)
-        else:
-            ray.init(num_cpus=job.options.workers, include_dashboard=False, log_to_driver=False)
-        started = True
-    try:
-        task = ray.remote(run_unit_sync)
-        pending = [task.remote(spec, has_record, job) for spec, has_record in units]
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                on_result(ray.get(ref))
-    finally:
-        if started:
-            ray.shutdown()
+    calls = [(spec, has_record, job) for spec, has_record in units]
+    map_ray(run_unit_sync, calls, scheduler=scheduler, workers=job.options.workers, on_result=on_result)

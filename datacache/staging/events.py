@@ -31,6 +31,7 @@ COUNTERS = (
     "evicted_bytes",
     "checksum_failures",
     "failures",
+    "shared_scans",
 )
 """The counters `StagerStats` reports, besides hits per tier and the live queue."""
 

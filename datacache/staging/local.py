@@ -18,7 +18,7 @@ from pathlib import Path
 
 from datacache.catalog import Catalog, CatalogEntry
 from datacache.config import Settings
-from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierFullError
+from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
 from datacache.locks import NodeLock, lock_name
 from datacache.manifest import Shard
 from datacache.staging.events import Events
@@ -71,6 +71,9 @@ class LocalStager:
         except FileNotFoundError:
             size = -1
         if size != shard.size:
+            again = await self._catalog.get(handle.id, shard.key)
+            if again is None or again.state != "resident":
+                return None  # evicted between the two looks: gone by the rules, not vanished
             logger.warning("dataset %s: shard %r vanished or changed on the local tier", handle.id, shard.key)
             await self._catalog.remove(handle.id, shard.key)
             return None
@@ -96,6 +99,7 @@ class LocalStager:
                 self._events.hit(LOCAL)
                 return hit
             self._events.count("misses")
+            readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
             reservation = await self._catalog.reserve(
                 handle.id,
                 shard.key,
@@ -105,7 +109,7 @@ class LocalStager:
                 capacity=capacity,
                 device_free=lambda: device_free(self._settings.local_dir),
                 reserve_free=reserve_for(self._settings.local_dir),
-                choose=self._residency.chooser(handle),
+                choose=self._residency.chooser(handle, readers),
             )
             await self.delete_victims(reservation.victims)
             if not reservation.granted:
@@ -152,8 +156,8 @@ class LocalStager:
         if self._shared is not None:
             try:
                 _, checksum = await self._shared.ensure(handle, shard)
-            except (TierFullError, InvalidKeyError) as exc:
-                # Full, or its path resolves outside the tier (a symlink planted there): go around it.
+            except (TierFullError, TierAccessError, InvalidKeyError) as exc:
+                # Full, not this user's to write, or a link planted on its way: go around it.
                 logger.info("dataset %s: shard %r bypasses the shared tier: %s", handle.id, shard.key, exc)
             else:
                 return self._shared.tier, handle.tier_key(shard.key), checksum, SHARED
@@ -165,7 +169,7 @@ class LocalStager:
         if self._shared is not None:
             try:
                 path, checksum = await self._shared.ensure(handle, shard)
-            except (TierFullError, InvalidKeyError):
+            except (TierFullError, TierAccessError, InvalidKeyError):
                 pass
             else:
                 return Location(SHARED, path, shard, checksum)

@@ -2,7 +2,8 @@
 
 Stale catalog rows, files that vanished or changed under the catalog,
 abandoned partial files (local, shared, manifests), and files on the local
-tier the catalog does not know (adopted when their metadata proves them whole).
+tier the catalog does not know (adopted when their bytes hash to the checksum their
+metadata records).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import asyncio
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from datacache.catalog import Catalog
+from datacache.checksum import checksum_of, new_hasher
 from datacache.config import Settings
-from datacache.errors import DatacacheError
+from datacache.errors import DatacacheError, InvalidKeyError
+from datacache.locks import NodeLock
 from datacache.tiers import LocalTier, SharedTier
+from datacache.tiers._dirfd import Place
 from datacache.tiers._files import remove_abandoned_partials
 
 __all__ = ["manifest_dirs", "reconcile"]
@@ -25,17 +30,29 @@ logger = logging.getLogger(__name__)
 
 
 async def reconcile(
-    settings: Settings, local: LocalTier, shared: SharedTier | None, catalog: Catalog, *, owner: str
+    settings: Settings,
+    local: LocalTier,
+    shared: SharedTier | None,
+    catalog: Catalog,
+    *,
+    owner: str,
+    shard_lock: Callable[[str, str], NodeLock],
 ) -> dict[str, int]:
     """Repair the local tier and its catalog; return what was repaired, by kind.
 
     Runs under a node lock taken without waiting: if another process is
-    reconciling, this one leaves it the job.
+    reconciling, this one leaves it the job. Staging goes on meanwhile, so a
+    file missing from the catalog's snapshot is decided on only under its
+    shard's node lock (`shard_lock`, the one a transfer holds), and only if
+    the catalog still has no row for it.
     """
     counts = {"stale_rows": 0, "missing_files": 0, "partials": 0, "orphans_adopted": 0, "orphans_removed": 0}
-    lock_path = settings.local_dir / "locks" / "reconcile.lock"
-    await asyncio.to_thread(lock_path.parent.mkdir, parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        lock = Place(settings.local_dir, ("locks",), "reconcile.lock", local.dir_mode)
+        fd = await asyncio.to_thread(_open_lock, lock)
+    except (OSError, InvalidKeyError) as exc:
+        logger.warning("not reconciling %s: its lock file cannot be opened safely (%s)", settings.local_dir, exc)
+        return counts
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -46,14 +63,17 @@ async def reconcile(
         counts["partials"] = await local.remove_abandoned_partials(min_age=0)
         # Manifests are written atomically too; a killed save leaves its temporary file.
         for directory, min_age in manifest_dirs(settings):
-            if directory.exists():
-                removed = await asyncio.to_thread(remove_abandoned_partials, directory, min_age=min_age)
-                counts["partials"] += len(removed)
+            place = Place(directory.parent, (directory.name,), ".")  # its own path is not followed either
+            removed = await asyncio.to_thread(remove_abandoned_partials, place, min_age=min_age)
+            counts["partials"] += len(removed)
         async for info in local.list():
             dataset, _, key = info.key.partition("/")
             if (dataset, key) in known or not key:
                 continue
-            adopted = await _adopt(local, catalog, owner, dataset, key)
+            async with shard_lock(dataset, key).hold():
+                if await catalog.get(dataset, key) is not None:
+                    continue  # staged (or being staged) since the snapshot: not an orphan
+                adopted = await _adopt(local, catalog, owner, dataset, key)
             counts["orphans_adopted" if adopted else "orphans_removed"] += 1
         if shared is not None:
             counts["partials"] += await shared.remove_abandoned_partials()
@@ -62,6 +82,15 @@ async def reconcile(
     if any(counts.values()):
         logger.info("reconciled the local tier: %s", counts)
     return counts
+
+
+def _open_lock(place: Place) -> int:
+    """Open (create) the reconcile lock file: no link followed, in its directory or on the way to it."""
+    directory = place.open_parent(create=True)
+    try:
+        return os.open(place.name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+    finally:
+        os.close(directory)
 
 
 async def _repair_catalog(local: LocalTier, catalog: Catalog, counts: dict[str, int]) -> set[tuple[str, str]]:
@@ -98,10 +127,20 @@ def manifest_dirs(settings: Settings) -> list[tuple[Path, float]]:
 
 
 async def _adopt(local: LocalTier, catalog: Catalog, owner: str, dataset: str, key: str) -> bool:
-    """Catalog an unknown local file whose metadata proves it whole; delete it otherwise."""
+    """Catalog an unknown local file whose bytes hash to the checksum its metadata records; delete it otherwise.
+
+    The metadata alone proves nothing: a file half-rewritten, or planted with a copied
+    meta file, would be served as whole. Hashing costs one read of a file a killed
+    process left, once.
+    """
     full = await local.stat(f"{dataset}/{key}")
     metadata = full.metadata if full is not None else {}
-    if full is not None and metadata.get("checksum") and metadata.get("size") == str(full.size):
+    if (
+        full is not None
+        and metadata.get("checksum")
+        and metadata.get("size") == str(full.size)
+        and await _hashes_to(local, f"{dataset}/{key}", metadata["checksum"])
+    ):
         reservation = await catalog.reserve(
             dataset,
             key,
@@ -122,3 +161,15 @@ async def _adopt(local: LocalTier, catalog: Catalog, owner: str, dataset: str, k
             return True
     await local.delete(f"{dataset}/{key}")
     return False
+
+
+async def _hashes_to(local: LocalTier, key: str, checksum: str) -> bool:
+    """Whether the local file ``key`` hashes to ``checksum`` (read through a descriptor: no link followed)."""
+    hasher = new_hasher()
+    try:
+        async for chunk in local.stream(key):
+            hasher.update(chunk)
+    except (OSError, DatacacheError) as exc:
+        logger.info("orphan %s cannot be hashed: %s", key, exc)
+        return False
+    return checksum_of(hasher) == checksum

@@ -1,35 +1,96 @@
-"""What each tier keeps: the datasets' future read orders and the eviction choice they drive."""
+"""What each tier keeps: the node's future reads and the eviction choice they drive.
+
+Belady's rule needs, for every resident shard, how soon it is read next. The
+loader hands over the whole node's future (`FutureOrder`: every reader's
+sequence, identical from every reader) and each reader's progress goes to the
+catalog, shared by the node's processes. A shard's next use is then the
+fewest steps any live reader has to go, from where it is, to reach it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import bisect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from datacache.catalog import ReaderRow
 from datacache.eviction import Candidate, choose_victims
-from datacache.staging.types import DatasetHandle
+from datacache.staging.types import DatasetHandle, FutureOrder
 
-__all__ = ["Chooser", "Residency"]
+__all__ = ["Chooser", "Residency", "next_uses"]
 
 Chooser = Callable[[Candidate, list[Candidate], int], "list[Candidate] | None"]
 """Given the incoming shard, the residents and the bytes needed: the victims, or None to decline."""
 
+_ANONYMOUS = ""
+"""The one reader of an order handed over as a plain list of keys."""
+
+
+class _Uses:
+    """One `FutureOrder`, indexed: reader -> shard key -> the positions that read it, ascending."""
+
+    def __init__(self, order: FutureOrder) -> None:
+        self.epoch = order.epoch
+        self.positions: dict[str, dict[str, list[int]]] = {}
+        for reader, keys in order.readers.items():
+            index: dict[str, list[int]] = {}
+            for position, key in enumerate(keys):
+                index.setdefault(key, []).append(position)
+            self.positions[reader] = index
+
+
+def next_uses(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int]) -> dict[str, int]:
+    """Steps until each shard is read next by any reader, from the readers' positions in ``where``.
+
+    Readers absent from ``where`` are not reading on this node: they count for nothing.
+    A shard no reader reaches again is absent from the result (never read again).
+    """
+    found: dict[str, int] = {}
+    for reader, position in where.items():
+        for key, positions in uses.get(reader, {}).items():
+            at = bisect.bisect_left(positions, position)
+            if at < len(positions):
+                steps = positions[at] - position
+                if steps < found.get(key, steps + 1):
+                    found[key] = steps
+    return found
+
 
 class Residency:
-    """The future read order per dataset (for Belady), and the victim chooser per dataset."""
+    """The future reads per dataset (for Belady), and the victim chooser per dataset."""
 
     def __init__(self) -> None:
-        self._future_order: dict[str, dict[str, int]] = {}
+        self._orders: dict[str, _Uses] = {}
 
-    def set_future_order(self, dataset_id: str, keys: Iterable[str]) -> None:
-        """Record the order in which ``dataset_id``'s shards will be read next."""
-        order: dict[str, int] = {}
-        for position, key in enumerate(keys):
-            order.setdefault(key, position)
-        self._future_order[dataset_id] = order
+    def set_future_order(self, dataset_id: str, keys: Iterable[str] | FutureOrder) -> None:
+        """Record the node's future reads of ``dataset_id``: a `FutureOrder`, or one plain sequence of keys."""
+        order = keys if isinstance(keys, FutureOrder) else FutureOrder(0, {_ANONYMOUS: tuple(keys)})
+        self._orders[dataset_id] = _Uses(order)
 
-    def chooser(self, handle: DatasetHandle) -> Chooser:
-        """The eviction choice for a shard of ``handle`` coming in, by the dataset's policy."""
-        policy = handle.config.policy
-        next_use = self._future_order.get(handle.id)
+    def knows(self, dataset_id: str) -> bool:
+        """Whether a future order was handed over for the dataset."""
+        return dataset_id in self._orders
+
+    def chooser(self, handle: DatasetHandle, readers: Sequence[ReaderRow] = ()) -> Chooser:
+        """The eviction choice for a shard of ``handle`` coming in, by the dataset's policy.
+
+        ``readers`` are this node's readers as the catalog knows them: one whose last
+        report is of the order's epoch is where it said; one last seen in another epoch
+        will read this one from its start. Readers of the order never seen on this node
+        read on other nodes and count for nothing; with none seen, all read from the start.
+        """
+        uses = self._orders.get(handle.id)
+        # A known order is Belady's even when nothing resident is read again (an empty next_use).
+        policy = "belady" if handle.config.policy == "auto" and uses is not None else handle.config.policy
+        next_use: dict[str, int] | None = None
+        if uses is not None:
+            where = {
+                row.reader: row.position if row.epoch == uses.epoch else 0
+                for row in readers
+                if row.reader in uses.positions
+            }
+            if not where:
+                where = dict.fromkeys(uses.positions, 0)
+            next_use = next_uses(uses.positions, where)
 
         def choose(incoming: Candidate, residents: list[Candidate], need: int) -> list[Candidate] | None:
             if handle.config.pinned:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.catalog import Catalog
-from datacache.errors import TierFullError
+from datacache.errors import TierAccessError, TierFullError
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
@@ -28,14 +29,30 @@ from datacache.units import format_bytes
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
 
+logger = logging.getLogger(__name__)
 
-def shared_copy_matches(info: ObjectInfo, shard: Shard) -> bool:
-    """Whether a shared-tier copy is this shard's version, complete, with a checksum recorded."""
+
+def shared_copy_matches(info: ObjectInfo, dataset_id: str, shard: Shard, trusted: frozenset[int]) -> bool:
+    """Whether a shared-tier copy may stand for this shard: its version, complete, vouched for.
+
+    ``shard.version`` came from the reader's own listing of the origin. The
+    copy's metadata binds (dataset, key, version, size, checksum) and counts
+    only if a trusted uid (this user, root, the daemon) wrote both the copy and
+    its metadata: anyone else who can write the shared directory could bind
+    any bytes to any version (docs/SECURITY.md, "Trust in cached data").
+    """
+    metadata = info.metadata
     return (
-        info.size == shard.size
-        and info.metadata.get("version") == str(shard.version)
-        and bool(info.metadata.get("checksum"))
-        and (shard.checksum is None or info.metadata.get("checksum") == shard.checksum)
+        info.writers is not None
+        and bool(info.writers)
+        and info.writers <= trusted
+        and info.size == shard.size
+        and metadata.get("dataset") == dataset_id
+        and metadata.get("key") == shard.key
+        and metadata.get("version") == str(shard.version)
+        and metadata.get("size") == str(shard.size)
+        and bool(metadata.get("checksum"))
+        and (shard.checksum is None or metadata.get("checksum") == shard.checksum)
     )
 
 
@@ -69,8 +86,10 @@ class SharedStager:
         events: Events,
         *,
         lease_seconds: float,
+        trusted: frozenset[int],
     ) -> None:
         self.tier = tier
+        self._trusted = trusted
         self._catalog = catalog
         self._transfer = transfer
         self._residency = residency
@@ -79,9 +98,36 @@ class SharedStager:
         self._flights: dict[tuple[str, str], asyncio.Future[tuple[Path, str | None]]] = {}
         self._room = asyncio.Lock()
         self._reserved: dict[tuple[str, str], int] = {}
+        self._index = _SharedIndex()
+        self._refusal: str | None = None
+        self._checked = False
+
+    async def check(self) -> None:
+        """Check once, at start-up, that this user can use the tier; warn what is wrong; refuse it if unwritable."""
+        if self._checked:
+            return
+        self._checked = True
+        access = await asyncio.to_thread(self.tier.check_access)
+        if access.writable:
+            for problem in access.problems:
+                logger.warning("%s", problem)
+        else:
+            self._refusal = "; ".join(access.problems) or f"shared tier {self.tier.root}: not writable"
+            logger.warning("not using the shared tier, reading around it: %s", self._refusal)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this user does not use the shared tier, or None."""
+        return self._refusal
 
     async def ensure(self, handle: DatasetHandle, shard: Shard) -> tuple[Path, str | None]:
-        """Make the shard resident on the shared tier, once per process and once per cluster."""
+        """Make the shard resident on the shared tier, once per process and once per cluster.
+
+        Raises `TierAccessError` if this user cannot use the tier (callers read around it).
+        """
+        await self.check()
+        if self._refusal is not None:
+            raise TierAccessError(f"the shared tier {self.tier.root} is not used: {self._refusal}")
         ident = (handle.id, shard.key)
         flight = self._flights.get(ident)
         if flight is not None:
@@ -89,7 +135,14 @@ class SharedStager:
         flight = asyncio.get_running_loop().create_future()
         self._flights[ident] = flight
         try:
-            result = await self._stage(handle, shard)
+            try:
+                result = await self._stage(handle, shard)
+            except PermissionError as exc:
+                if isinstance(exc, TierAccessError):
+                    raise
+                # A directory another member created without the group's modes, say: go around it.
+                logger.warning("dataset %s: shard %r cannot use the shared tier: %s", handle.id, shard.key, exc)
+                raise TierAccessError(f"shared tier {self.tier.root}: {exc}") from exc
         except BaseException as exc:
             flight.set_exception(exc)
             flight.exception()  # retrieved: waiters re-raise it, nobody else needs to
@@ -104,17 +157,19 @@ class SharedStager:
         shared = self.tier
         tier_key = handle.tier_key(shard.key)
         info = await shared.stat(tier_key)
-        if info is not None and shared_copy_matches(info, shard):
+        if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
             self._events.hit(SHARED)
             self._events.emit(StagingEvent("hit", handle.id, shard.key, SHARED, size=shard.size))
             return shared.path(tier_key), info.metadata["checksum"]
-        lock = LeaseLock(shared.lock_path(tier_key), lease_seconds=self._lease_seconds)
+        lock = LeaseLock(shared.lock_place(tier_key), lease_seconds=self._lease_seconds)
         async with lock.hold():
             if lock.took_over:
                 # Only the lock's holder writes this key: a dead holder's temporary file is garbage.
-                await shared.remove_partials_of(tier_key)
+                # A holder on another node may only be slow: its file is kept while written within a lease.
+                min_age = 0.0 if lock.holder_died_here else self._lease_seconds
+                await shared.remove_partials_of(tier_key, min_age=min_age)
             info = await shared.stat(tier_key)
-            if info is not None and shared_copy_matches(info, shard):
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 self._events.hit(SHARED)
                 return shared.path(tier_key), info.metadata["checksum"]
             await self._make_room(handle, shard)
@@ -130,8 +185,10 @@ class SharedStager:
                         f"dataset {handle.id}: no space on the shared tier for shard {shard.key!r} ({exc.strerror})"
                     ) from exc
                 raise
+            else:
+                self._index.added(handle.id, shard.key, info.size)
             finally:
-                # Written (and now counted by the tier's usage) or abandoned.
+                # Written (and now counted by the index) or abandoned.
                 self._reserved.pop((handle.id, shard.key), None)
             self._events.count("bytes_to_shared", info.size)
             self._events.count("shards_to_shared")
@@ -152,15 +209,15 @@ class SharedStager:
         # One decision at a time, counting the transfers this process has in flight:
         # otherwise concurrent transfers all see the same free space and overfill the tier.
         async with self._room:
-            usage = await shared.usage()
+            if await self._index.refresh(shared):
+                self._events.count("shared_scans")
             reserved = sum(self._reserved.values())
-            need = usage.used_bytes + reserved + shard.size - shared.capacity
+            need = self._index.used + reserved + shard.size - shared.capacity
             if need > 0:
-                residents = await asyncio.to_thread(_shared_candidates, shared)
                 pinned = {record.id for record in await self._catalog.datasets() if record.pinned}
                 candidates = [
                     Candidate(c.dataset, c.key, c.size, c.last_access, c.dataset in pinned)
-                    for c in residents
+                    for c in self._index.residents.values()
                     if not (c.dataset == handle.id and c.key == shard.key)
                 ]
                 victims = self._residency.chooser(handle)(
@@ -172,8 +229,46 @@ class SharedStager:
                     )
                 for victim in victims:
                     await shared.delete(f"{victim.dataset}/{victim.key}")
+                    self._index.removed(victim.dataset, victim.key)
                     self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, SHARED, size=victim.size))
             self._reserved[(handle.id, shard.key)] = shard.size
+
+
+class _SharedIndex:
+    """The shared tier's residents as this process knows them: one walk, then kept up to date.
+
+    Walking the whole shared tree per shard (under the room lock) made each shard cost more
+    than the last. This process's own writes and evictions update the index as they happen;
+    what other processes and nodes write is picked up by a new walk every `REFRESH_SECONDS`.
+    """
+
+    REFRESH_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self.residents: dict[tuple[str, str], _SharedResident] = {}
+        self.used = 0
+        self._walked_at: float | None = None
+
+    async def refresh(self, shared: SharedTier) -> bool:
+        """Walk the tier if never walked or the last walk is stale; return whether it walked."""
+        now = time.monotonic()
+        if self._walked_at is not None and now - self._walked_at < self.REFRESH_SECONDS:
+            return False
+        found = await asyncio.to_thread(_shared_candidates, shared)
+        self.residents = {(r.dataset, r.key): r for r in found}
+        self.used = sum(r.size for r in found)
+        self._walked_at = now
+        return True
+
+    def added(self, dataset: str, key: str, size: int) -> None:
+        self.removed(dataset, key)
+        self.residents[(dataset, key)] = _SharedResident(dataset, key, size, time.time())
+        self.used += size
+
+    def removed(self, dataset: str, key: str) -> None:
+        old = self.residents.pop((dataset, key), None)
+        if old is not None:
+            self.used -= old.size
 
 
 @dataclass(frozen=True, slots=True)

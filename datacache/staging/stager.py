@@ -14,21 +14,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
+import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from datacache.catalog import Catalog, process_owner
-from datacache.checksum import checksum_of, hash_file, new_hasher
+from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
-from datacache.manifest import ManifestStore, Shard, take_manifest
+from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.queue import JobQueue
+from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
 from datacache.staging.transfer import Transfer
@@ -40,8 +43,10 @@ from datacache.staging.types import (
     SHARED,
     TIERS,
     DatasetHandle,
+    FutureOrder,
     Job,
     Location,
+    ReaderProgress,
     StagerStats,
     StagingEvent,
     WarmReport,
@@ -90,7 +95,8 @@ class Stager:
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:
             manifest_dirs.append(settings.shared_dir / "manifests")
-        self.manifests = ManifestStore(*manifest_dirs)
+        self._trusted = settings.trusted_uids
+        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted)
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
@@ -101,9 +107,9 @@ class Stager:
         # Loop- and process-bound state, created lazily and never pickled.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._parts: _Parts | None = None
-        self._reconciled = False
+        self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[str, Tier] = {}
+        self._origins: dict[tuple[str, str, str], Tier] = {}
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -143,7 +149,8 @@ class Stager:
 
     # -- runtime set-up -------------------------------------------------------------------
 
-    async def _ready(self) -> _Parts:
+    def _runtime(self) -> _Parts:
+        """The parts bound to the running loop, built on first use in it."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise DatacacheError("the stager is closed")
@@ -152,17 +159,33 @@ class Stager:
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
-        if self._reconcile_wanted and not self._reconciled:
-            self._reconciled = True
-            await self.reconcile()
         return self._parts
+
+    async def _ready(self) -> _Parts:
+        parts = self._runtime()
+        if parts.shared is not None:
+            await parts.shared.check()  # start-up, once: warn what is wrong with the shared tier
+        if self._reconcile_wanted:
+            if self._reconciling is None:
+                self._reconciling = parts.loop.create_task(self._reconcile(parts))
+                await self._reconciling
+            elif not self._reconciling.done():
+                # Every verb waits for the one reconcile: nothing is staged while it repairs.
+                await asyncio.shield(self._reconciling)
+        return parts
 
     def _build_parts(self, loop: asyncio.AbstractEventLoop) -> _Parts:
         settings, events = self.settings, self._events
         transfer = Transfer(settings, events)
         shared = (
             SharedStager(
-                self.shared, self.catalog, transfer, self._residency, events, lease_seconds=settings.lease_seconds
+                self.shared,
+                self.catalog,
+                transfer,
+                self._residency,
+                events,
+                lease_seconds=settings.lease_seconds,
+                trusted=self._trusted,
             )
             if self.shared is not None
             else None
@@ -217,12 +240,16 @@ class Stager:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def _origin_for(self, dataset: DatasetConfig) -> Tier:
-        origin = self._origins.get(dataset.id)
+    def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
+        """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
+        url = url or dataset.url
+        # One client per origin and credentials: a second set of options never rides on the first's.
+        ident = (dataset.id, _options_digest(dataset.storage_options), url)
+        origin = self._origins.get(ident)
         if origin is None:
-            self._check_origin_outside_tiers(dataset.url)
-            origin = open_origin(dataset.url, storage_options=dataset.storage_options, retry=self.settings.retry)
-            self._origins[dataset.id] = origin
+            self._check_origin_outside_tiers(url)
+            origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
+            self._origins[ident] = origin
         return origin
 
     def _check_origin_outside_tiers(self, url: str) -> None:
@@ -249,8 +276,11 @@ class Stager:
             async with parts.local.node_lock("manifests", config.id).hold():
                 manifest = None if refresh else await self.manifests.load(config.id)
                 if manifest is None:
-                    manifest = await take_manifest(config, origin)
+                    split = object_url(config.url)
+                    parent = self._origin_for(config, split[0]) if split is not None else None
+                    manifest = await take_manifest(config, origin, parent=parent)
                     await self.manifests.save(manifest)
+        origin = self._origin_for(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
             config.id,
             url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
@@ -263,9 +293,29 @@ class Stager:
         )
         return DatasetHandle(config=config, manifest=manifest, origin=origin)
 
-    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str]) -> None:
-        """Tell eviction the order in which the dataset's shards will be read next (Belady)."""
+    async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
+        """Tell eviction the node's future reads of the dataset (Belady).
+
+        A `FutureOrder` holds every reader's sequence, the same from every reader;
+        their positions come with `note_progress`. A plain sequence of keys is
+        one reader's order, read from its start.
+        """
         self._residency.set_future_order(handle.id, keys)
+
+    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+        """Record where a reader is in its `FutureOrder` sequence, and lease the shards it holds.
+
+        Shared by the node's processes through the catalog: eviction never takes a
+        shard a live reader holds, and Belady counts from the readers' positions.
+        """
+        await self.catalog.note_reader(
+            handle.id,
+            progress.reader,
+            owner=progress.owner,
+            epoch=progress.epoch,
+            position=progress.position,
+            holding=progress.holding,
+        )
 
     # -- the public verbs -----------------------------------------------------------------
 
@@ -306,42 +356,33 @@ class Stager:
         """Read a shard (or a range of it) from the fastest tier that holds it, without staging it.
 
         A whole-shard read is checked against the shard's size and, when
-        known, its checksum.
+        known, its checksum; a bad cached copy is dropped and the shard read
+        again from below (`read_verified`, the one read of every access).
         """
         await self._ready()
-        data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem and location.tier != ORIGIN:
-            # A bad cached copy is dropped and never served: read it again from below.
-            await self.report_corrupt(handle, location)
-            data, location, problem = await self._read_once(handle, key, byte_range)
-        if problem:
-            self._events.count("checksum_failures")
-            raise ChecksumMismatchError(f"dataset {handle.id}: shard {key!r} from the {location.tier}: {problem}")
-        return data
-
-    async def _read_once(
-        self, handle: DatasetHandle, key: str, byte_range: ByteRange | None
-    ) -> tuple[bytes, Location, str]:
-        """Read from the fastest tier; return the bytes, where from, and what is wrong with them."""
         shard = handle.manifest.shard(key)
-        location = await self.locate(handle, key)
-        if location.path is not None:
+
+        async def fetch(location: Location) -> bytes:
+            if location.path is None:
+                data = await handle.origin.get(key, byte_range, version=shard.version)
+                self._events.count("bytes_from_origin", len(data))
+                return data
             tier: Tier | None = self.local if location.tier == LOCAL else self.shared
             if tier is None:
                 raise DatacacheError(f"no {location.tier} tier is configured")
-            data = await tier.get(handle.tier_key(key), byte_range)
-        else:
-            data = await handle.origin.get(key, byte_range, version=shard.version)
-            self._events.count("bytes_from_origin", len(data))
-        if byte_range is None or (byte_range.start == 0 and byte_range.end is None):
-            if len(data) != shard.size:
-                return data, location, f"read {len(data)} bytes, the manifest says {shard.size}"
-            if location.checksum is not None:
-                hasher = new_hasher()
-                hasher.update(data)
-                if checksum_of(hasher) != location.checksum:
-                    return data, location, "does not match its checksum"
-        return data, location, ""
+            return await tier.get(handle.tier_key(key), byte_range)
+
+        try:
+            return await read_verified(
+                handle.id,
+                byte_range,
+                locate=lambda: self.locate(handle, key),
+                fetch=fetch,
+                report_corrupt=lambda location: self.report_corrupt(handle, location),
+            )
+        except ChecksumMismatchError:
+            self._events.count("checksum_failures")
+            raise
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         """Say where shard ``key`` can be read right now, without moving anything.
@@ -359,7 +400,7 @@ class Stager:
                 info = await self.shared.stat(handle.tier_key(key))
             except InvalidKeyError:  # its path resolves outside the shared tier: never read through it
                 info = None
-            if info is not None and shared_copy_matches(info, shard):
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
         return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
 
@@ -436,7 +477,7 @@ class Stager:
         if self.shared is None:
             return False
         info = await self.shared.stat(handle.tier_key(shard.key))
-        return info is not None and shared_copy_matches(info, shard)
+        return info is not None and shared_copy_matches(info, handle.id, shard, self._trusted)
 
     def _bypass_reason(self, tier: str) -> str:
         tier_object = self.local if tier == LOCAL else self.shared
@@ -457,7 +498,7 @@ class Stager:
             if self.shared is None:
                 return False
             info = await self.shared.stat(handle.tier_key(shard.key))
-            if info is None or not shared_copy_matches(info, shard):
+            if info is None or not shared_copy_matches(info, handle.id, shard, self._trusted):
                 return False
             path = self.shared.path(handle.tier_key(shard.key))
             expected = info.metadata["checksum"]
@@ -486,9 +527,25 @@ class Stager:
         Runs under a node lock taken without waiting: if another process is
         reconciling, this one leaves it the job.
         """
-        return await recovery.reconcile(self.settings, self.local, self.shared, self.catalog, owner=self._owner)
+        parts = self._runtime()
+        if self._reconcile_wanted and self._reconciling is None:
+            # Asked for before any verb: this is the stager's one reconcile, verbs wait for it.
+            self._reconciling = parts.loop.create_task(self._reconcile(parts))
+            return await self._reconciling
+        return await self._reconcile(parts)
+
+    async def _reconcile(self, parts: _Parts) -> dict[str, int]:
+        return await recovery.reconcile(
+            self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
+        )
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _options_digest(options: Mapping[str, Any]) -> str:
+    """A digest of storage options (credentials among them), to key clients without holding secrets in keys."""
+    encoded = json.dumps(options, sort_keys=True, default=str).encode()
+    return hashlib.sha256(encoded).hexdigest()

@@ -80,7 +80,8 @@ class Transfer:
             # Tiers read metadata once the chunks are exhausted (see Tier.put).
             metadata["checksum"] = checksum_of(hasher)
 
-        metadata = {"version": str(shard.version), "size": str(shard.size)}
+        # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
+        metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
         info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
         checksum = checksum_of(hasher)
         if source_name == ORIGIN and shard.checksum is None:

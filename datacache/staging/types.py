@@ -6,7 +6,9 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from datacache.catalog import process_owner
 from datacache.config import DatasetConfig
 from datacache.manifest import Manifest, Shard
 from datacache.tiers import Tier
@@ -19,8 +21,10 @@ __all__ = [
     "SHARED",
     "TIERS",
     "DatasetHandle",
+    "FutureOrder",
     "Job",
     "Location",
+    "ReaderProgress",
     "StagerStats",
     "StagingEvent",
     "WarmReport",
@@ -102,6 +106,8 @@ class StagerStats:
     retries: int = 0
     queue_depth: int = 0
     in_flight: int = 0
+    shared_scans: int = 0
+    """Walks of the whole shared tier to learn its usage (once, then one per refresh interval)."""
 
 
 @dataclass(frozen=True)
@@ -140,3 +146,73 @@ class Job:
     priority: float
     future: asyncio.Future[Location]
     started: bool = False
+
+
+@dataclass(frozen=True)
+class FutureOrder:
+    """The whole node's future reads of one dataset: each reader's shard keys in its own order.
+
+    Every reader computes the same value from ``(seed, epoch)`` and the job's
+    layout (all ranks, all workers), so whoever hands it over last changes
+    nothing. Positions in `ReaderProgress` index these sequences.
+    """
+
+    epoch: int
+    readers: Mapping[str, tuple[str, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "readers": {name: list(keys) for name, keys in self.readers.items()}}
+
+    @classmethod
+    def from_json(cls, data: object) -> FutureOrder:
+        """Parse `to_json`'s form; raise ValueError naming what is wrong."""
+        if not isinstance(data, dict) or not isinstance(data.get("readers"), dict):
+            raise ValueError("a future order needs an object of readers")
+        epoch = data.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError("a future order's epoch must be a non-negative integer")
+        readers: dict[str, tuple[str, ...]] = {}
+        for name, keys in data["readers"].items():
+            if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
+                raise ValueError(f"reader {name!r} of a future order needs a list of shard keys")
+            readers[str(name)] = tuple(keys)
+        return cls(epoch, readers)
+
+
+@dataclass(frozen=True)
+class ReaderProgress:
+    """Where one reader is: its position in its `FutureOrder` sequence, and the shards it holds.
+
+    Held shards (open, or about to be opened) are leased: eviction never
+    takes them while ``owner`` (``host:pid``) lives.
+    """
+
+    reader: str
+    epoch: int
+    position: int
+    holding: tuple[str, ...] = ()
+    owner: str = field(default_factory=process_owner)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reader": self.reader,
+            "epoch": self.epoch,
+            "position": self.position,
+            "holding": list(self.holding),
+            "owner": self.owner,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ReaderProgress:
+        """Parse `to_json`'s form; raise ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("reader progress must be an object")
+        reader, owner, holding = data.get("reader"), data.get("owner"), data.get("holding", [])
+        numbers = [data.get("epoch"), data.get("position")]
+        if not isinstance(reader, str) or not isinstance(owner, str):
+            raise ValueError("reader progress needs a reader name and an owner")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise ValueError("reader progress needs a non-negative epoch and position")
+        if not isinstance(holding, list) or not all(isinstance(key, str) for key in holding):
+            raise ValueError("reader progress's holding must be a list of shard keys")
+        return cls(reader, int(numbers[0]), int(numbers[1]), tuple(holding), owner)  # type: ignore[arg-type]

@@ -115,7 +115,9 @@ def one_daemon(s3: S3Bucket, cache_env: dict[str, str], tmp_path: Path, *, proce
         lost, corrupt = check_ranks(results, expected)
         assert (lost, corrupt) == (0, 0)
         gets = origin_gets(s3, "load")
-        assert gets == dict.fromkeys(files, 1), "each shard fetched from the origin once for the node"
+        # The shards carry no sample index: each is streamed once for its count (once per
+        # cluster) and staged once for the node; never more, however many readers ask.
+        assert gets == dict.fromkeys(files, 2), "each shard counted once and fetched once for the node"
         check_cache(tmp_path / "cache", tmp_path / "shared", files)
         assert daemon.status()["stats"]["shards_staged"] == len(files)
     finally:
@@ -167,13 +169,18 @@ def many_daemons(s3: S3Bucket, cache_env: dict[str, str], tmp_path: Path, *, nod
             daemons.append(start_daemon(env, tmp_path / f"node-{node}", "--concurrency", "4", *shared))
         s3.server.reset_counts()
         spec = {"name": "cluster", "url": s3.url("cluster"), "seed": 9, "workers": workers}
-        results = run_ranks([daemon.env for daemon in daemons], spec, warm=None)
+        # Readers see the node's config as the daemon does (one config file per cluster), so they
+        # find the cluster's sample-count index on the shared tier.
+        readers = [{**daemon.env, "DATACACHE_SHARED_DIR": str(tmp_path / "shared")} for daemon in daemons]
+        results = run_ranks(readers, spec, warm=None)
         assert {result["mode"] for result in results} == {"daemon"}
         lost, corrupt = check_ranks(results, expected)
         assert (lost, corrupt) == (0, 0)
         gets = origin_gets(s3, "cluster")
         # Each shard from the origin once for the whole cluster: the shared tier's lease locks.
-        assert gets == dict.fromkeys(files, 1), gets
+        # One count (once per cluster, shared through the shared tier) and one transfer into the
+        # shared tier, for both daemons together.
+        assert gets == dict.fromkeys(files, 2), gets
         for node in range(nodes):
             check_cache(tmp_path / f"node-{node}", tmp_path / "shared", files)
         assert not list((tmp_path / "shared" / "locks").rglob("*.lock"))

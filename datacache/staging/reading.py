@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
-from datacache.stager import ORIGIN, Location
+from datacache.staging.types import ORIGIN, Location
 from datacache.tiers import ByteRange
 
 __all__ = ["read_verified"]

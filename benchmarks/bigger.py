@@ -1,0 +1,233 @@
+"""Bigger than the cache: a dataset larger than each node's local tier, 2 nodes, 2 ranks x 2 workers each.
+
+Run by `benchmarks.run` (``make bench`` / ``make bench-quick``) or alone::
+
+    python -m benchmarks.bigger [--quick]
+
+A file:// origin of WebDataset tar shards (with sample counts beside them), one
+shared tier for the cluster, two simulated nodes (each its own local tier),
+each running two ranks (processes, ``RANK``/``WORLD_SIZE`` from the
+environment) with two forked DataLoader workers, 3 epochs. For each policy
+(auto, nothrash, lru) and local tier size (1/2, 1/4 of the dataset), per epoch:
+the share of shards read from the local tier, the readers' wait fraction (time
+blocked on data over the epoch's time), the bytes fetched from the origin (the
+cluster's: the shared tier grows by exactly what the origin supplies), and
+shards found vanished from the local tier. The table goes into RESULTS.md
+between ``<!-- bigger-than-cache -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "run_scenario", "saved_table", "write_table"]
+
+REPO = Path(__file__).resolve().parent.parent
+MARK = "<!-- bigger-than-cache -->"
+POLICIES = ("auto", "nothrash", "lru")
+NODES, RANKS_PER_NODE, WORKERS, EPOCHS = 2, 2, 2, 3
+
+
+def _write_dataset(origin: Path, shards: int, per_shard: int, sample_bytes: int) -> int:
+    """Tar shards of ``per_shard`` samples each, and the manifest with their counts; return total bytes."""
+    origin.mkdir(parents=True)
+    entries = []
+    for s in range(shards):
+        path = origin / f"train-{s:04d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in range(per_shard):
+                data = os.urandom(sample_bytes)
+                info = tarfile.TarInfo(f"s{s:04d}-{i:05d}.bin")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        entries.append({"key": path.name, "size": path.stat().st_size, "samples": per_shard})
+    document = {"format_version": 1, "dataset": "bigger", "url": "", "format": "tar", "shards": entries}
+    (origin / "datacache-manifest.json").write_text(json.dumps(document))
+    return sum(entry["size"] for entry in entries)
+
+
+def _rank(spec: dict[str, Any]) -> None:
+    """One rank: read EPOCHS epochs, print one JSON line per epoch."""
+    from datacache.loaders import CachedIterableDataset
+    from torch.utils.data import DataLoader
+
+    from datacache.config import load_settings
+
+    vanished = Path(spec["vanished"])
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "vanished" in record.getMessage():
+                with vanished.open("a") as handle:
+                    handle.write("1\n")
+
+    logging.getLogger("datacache").addHandler(Count(logging.WARNING))
+    settings = load_settings({}, overrides=spec["settings"])
+    dataset = CachedIterableDataset(spec["origin"], config=settings, seed=11, drop_last=True)
+    for epoch in range(EPOCHS):
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=8, num_workers=WORKERS, multiprocessing_context="fork")
+        for batch in loader:
+            _ = batch  # every byte was read and checked by the loader
+        stats = dataset.stats()
+        print(
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "local": stats.hit_ratio.get("local", 0.0),
+                    "wait": stats.reader_wait_fraction,
+                    "seconds": stats.seconds,
+                }
+            ),
+            flush=True,
+        )
+
+
+def _shared_bytes(shared: Path) -> int:
+    return sum(p.stat().st_size for p in (shared / "data").rglob("*") if p.is_file() and ".partial" not in p.name)
+
+
+def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin: Path) -> dict[str, Any]:
+    """One policy at one local tier size: every node's ranks run at once; return the per-epoch figures."""
+    run = work / f"{policy}-{fraction:g}"
+    shared = run / "shared"
+    vanished = run / "vanished.log"
+    world = NODES * RANKS_PER_NODE
+    processes = []
+    for node in range(NODES):
+        for local_rank in range(RANKS_PER_NODE):
+            rank = node * RANKS_PER_NODE + local_rank
+            spec = {
+                "origin": str(origin),
+                "vanished": str(vanished),
+                "settings": {
+                    "local_dir": str(run / f"node{node}"),
+                    "shared_dir": str(shared),
+                    "local_capacity": int(total * fraction),
+                    "default_policy": policy,
+                },
+            }
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(REPO)}
+            env = {k: v for k, v in env.items() if not k.startswith("DATACACHE_")}
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.bigger", "--rank", json.dumps(spec)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+    # The shared tier's growth per epoch is what the origin supplied: read it as the ranks go.
+    per_rank = []
+    origin_bytes: list[int] = []
+    lines: list[list[dict[str, Any]]] = [[] for _ in processes]
+    for epoch in range(EPOCHS):
+        for index, process in enumerate(processes):
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"rank {index} stopped before epoch {epoch} ended (exit {process.wait()})")
+            lines[index].append(json.loads(line))
+        origin_bytes.append(_shared_bytes(shared) - sum(origin_bytes))
+    for process in processes:
+        if process.wait() != 0:
+            raise RuntimeError(f"a rank failed with exit {process.returncode}")
+    per_rank = lines
+    return {
+        "policy": policy,
+        "fraction": fraction,
+        "local_share": [sum(r[e]["local"] for r in per_rank) / world for e in range(EPOCHS)],
+        "wait_fraction": [sum(r[e]["wait"] for r in per_rank) / world for e in range(EPOCHS)],
+        "origin_bytes": origin_bytes,
+        "vanished": len(vanished.read_text().splitlines()) if vanished.exists() else 0,
+    }
+
+
+def _table(results: list[dict[str, Any]], total: int, shards: int) -> str:
+    rows = [
+        MARK,
+        "## Bigger than the cache (`benchmarks/bigger.py`)",
+        "",
+        f"{shards} tar shards, {total / 1e6:.0f} MB, file:// origin; one shared tier; {NODES} simulated nodes "
+        f"(own local tiers) x {RANKS_PER_NODE} ranks x {WORKERS} workers; {EPOCHS} epochs. Local share = "
+        "shards read from the local tier at open; wait = readers' time blocked on data over the epoch; "
+        "origin MB = the cluster's origin reads (the shared tier's growth), per epoch.",
+        "",
+        "| local tier | policy | local share per epoch | wait fraction per epoch | origin MB per epoch | vanished |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        share = " / ".join(f"{x:.2f}" for x in r["local_share"])
+        wait = " / ".join(f"{x:.2f}" for x in r["wait_fraction"])
+        origin = " / ".join(f"{x / 1e6:.0f}" for x in r["origin_bytes"])
+        rows.append(f"| 1/{round(1 / r['fraction'])} | {r['policy']} | {share} | {wait} | {origin} | {r['vanished']} |")
+    rows.append(MARK)
+    return "\n".join(rows) + "\n"
+
+
+def saved_table(path: Path) -> str:
+    """The scenario's table as ``path`` holds it now (empty if none)."""
+    text = path.read_text() if path.exists() else ""
+    if text.count(MARK) < 2:
+        return ""
+    _, _, rest = text.partition(MARK)
+    body, _, _ = rest.partition(MARK)
+    return MARK + body + MARK + "\n"
+
+
+def write_table(block: str, path: Path) -> None:
+    """Put the scenario's table into ``path``, replacing the one there (nothing to do for an empty one)."""
+    if not block:
+        return
+    text = path.read_text() if path.exists() else ""
+    if MARK in text:
+        head, _, rest = text.partition(MARK)
+        _, _, tail = rest.partition(MARK)
+        text = head + block.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller shards and one tier size")
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    parser.add_argument("--results", type=Path, default=None, help="the RESULTS file to write the table into")
+    args = parser.parse_args(argv)
+    if args.rank:
+        _rank(json.loads(args.rank))
+        return 0
+    shards, per_shard, size = (16, 16, 16_000) if args.quick else (32, 32, 32_000)
+    fractions = (0.5,) if args.quick else (0.5, 0.25)
+    work = Path(os.environ.get("DATACACHE_BENCH_WORK", "/tmp/datacache-bench-bigger"))
+    shutil.rmtree(work, ignore_errors=True)
+    total = _write_dataset(work / "origin", shards, per_shard, size)
+    results = []
+    for fraction in fractions:
+        for policy in POLICIES:
+            started = time.monotonic()
+            result = run_scenario(work, policy=policy, fraction=fraction, total=total, origin=work / "origin")
+            result["seconds"] = time.monotonic() - started
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    default = REPO / "benchmarks" / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
+    write_table(_table(results, total, shards), args.results or default)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The cold-start curve: time to the first batch, and origin bytes read before it, as a dataset grows.
+
+The same kind of WebDataset dataset (written by webdataset's own ShardWriter)
+at 1x, 4x and 16x the number of shards, each with and without a wids shard
+index beside it, in moto's S3 server. Each point is a fresh process with an
+empty cache (local and shared tier): it opens ``CachedIterableDataset`` and
+takes one batch (batch mode, in-process, the consumer touching every byte).
+Measured inside that process: seconds from creating the dataset to holding
+the first batch, and, from the server's request counts at that moment, the
+shards the origin was asked for and their bytes (each GET counted as its whole
+shard: an upper bound, as an index scan in flight may not have read it all).
+
+Run alone: ``python -m benchmarks.cold_start [--quick]`` (adds its section to
+``benchmarks/results.json`` and rewrites ``RESULTS.md``); ``make bench`` runs
+it as part of the whole benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import REPO, clean_env, s3_env
+
+BUCKET = "coldstart"
+SCALES = (1, 4, 16)
+BATCH = 64
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    if quick:
+        return {"base_shards": 4, "samples_per_shard": 50, "sample_bytes": 10_000, "repeats": 1}
+    return {"base_shards": 16, "samples_per_shard": 100, "sample_bytes": 10_000, "repeats": 3}
+
+
+def _shard(index: int, samples: int, size: int) -> bytes:
+    import webdataset as wds
+
+    out = io.BytesIO()
+    with wds.TarWriter(out) as writer:
+        for i in range(samples):
+            key = f"s{index:06d}-{i:04d}"
+            body = (key.encode() * (size // len(key) + 1))[:size]
+            writer.write({"__key__": key, "bin": body, "cls": str(i % 10).encode()})
+    return out.getvalue()
+
+
+def upload(endpoint: str, sizes: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Every scale, with and without a wids index; return prefix -> {shards, bytes}."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    made: dict[str, dict[str, int]] = {}
+    for scale in SCALES:
+        shards = sizes["base_shards"] * scale
+        blobs = {
+            f"shard-{i:06d}.tar": _shard(i, sizes["samples_per_shard"], sizes["sample_bytes"]) for i in range(shards)
+        }
+        for index in ("none", "wids"):
+            prefix = f"{scale}x-{index}"
+            for name, blob in blobs.items():
+                client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=blob)
+            if index == "wids":
+                document = {
+                    "__kind__": "wids-shard-index-v1",
+                    "wids_version": 1,
+                    "name": prefix,
+                    "shardlist": [
+                        {"url": name, "nsamples": sizes["samples_per_shard"], "filesize": len(blob)}
+                        for name, blob in blobs.items()
+                    ],
+                }
+                client.put_object(Bucket=BUCKET, Key=f"{prefix}/train.json", Body=json.dumps(document).encode())
+            made[prefix] = {"shards": shards, "bytes": sum(len(b) for b in blobs.values())}
+    return made
+
+
+def job(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: create the dataset, take one batch, read the server's request counts."""
+    import torch
+
+    torch.set_num_threads(1)
+    from datacache.loaders import CachedIterableDataset
+
+    from datacache.config import load_settings
+
+    settings = load_settings(dict(os.environ), overrides={"local_dir": spec["local"], "shared_dir": spec["shared"]})
+    started = time.perf_counter()
+    dataset = CachedIterableDataset(spec["url"], config=settings, seed=1, batch_size=BATCH)
+    batch = next(iter(dataset))
+    touched = sum(int(v.data.numpy().sum(dtype="uint64") % 251) for k, v in batch.items() if k != "__key__")
+    seconds = time.perf_counter() - started
+    with urllib.request.urlopen(f"{spec['endpoint']}/_counts", timeout=10) as response:
+        counts: dict[str, int] = json.loads(response.read())
+    return {"first_batch_s": seconds, "samples": len(batch["__key__"]), "touched": touched, "counts": counts}
+
+
+def _point(endpoint: str, work: Path, prefix: str, made: dict[str, int]) -> dict[str, Any]:
+    request = urllib.request.Request(f"{endpoint}/_counts", method="POST", data=b"")
+    urllib.request.urlopen(request, timeout=10).close()
+    shutil.rmtree(work, ignore_errors=True)
+    spec = {
+        "url": f"s3://{BUCKET}/{prefix}",
+        "local": str(work / "local"),
+        "shared": str(work / "shared"),
+        "endpoint": endpoint,
+    }
+    env = clean_env(s3_env(endpoint))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cold_start", "--job", json.dumps(spec)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": done.stderr[-1500:]}
+    result: dict[str, Any] = json.loads(lines[-1])
+    shard_bytes = made["bytes"] / made["shards"]
+    head = f"GET /{BUCKET}/{prefix}/"
+    gets = {k: v for k, v in result.pop("counts").items() if k.startswith(head)}
+    tars = [k for k in gets if k.endswith(".tar")]
+    result["shards_requested"] = len(tars)
+    result["origin_bytes"] = int(sum(gets[k] for k in tars) * shard_bytes)
+    return result
+
+
+def measure(endpoint: str, work: Path, *, quick: bool) -> dict[str, Any]:
+    sizes = _sizes(quick)
+    made = upload(endpoint, sizes)
+    points: dict[str, Any] = {}
+    for prefix, info in made.items():
+        runs = [_point(endpoint, work / prefix, prefix, info) for _ in range(sizes["repeats"])]
+        good = [r for r in runs if "error" not in r]
+        entry: dict[str, Any] = {**info, "runs": runs}
+        if good:
+            entry["first_batch_s"] = statistics.median(r["first_batch_s"] for r in good)
+            entry["origin_bytes"] = statistics.median(r["origin_bytes"] for r in good)
+            entry["shards_requested"] = statistics.median(r["shards_requested"] for r in good)
+        points[prefix] = entry
+        print(
+            f"cold start {prefix}: {entry.get('first_batch_s', float('nan')):.2f}s to the first batch, "
+            f"{entry.get('shards_requested')} of {info['shards']} shards requested",
+            file=sys.stderr,
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    return {"sizes": sizes, "batch": BATCH, "points": points}
+
+
+def ratio_16x(entry: dict[str, Any] | None, index: str) -> float | None:
+    """First batch at 16x over 1x (the issue's target: at most 1.5)."""
+    if not entry:
+        return None
+    points = entry["points"]
+    low, high = points.get(f"1x-{index}", {}), points.get(f"16x-{index}", {})
+    if "first_batch_s" not in low or "first_batch_s" not in high or not low["first_batch_s"]:
+        return None
+    return float(high["first_batch_s"] / low["first_batch_s"])
+
+
+def render_lines(entry: dict[str, Any] | None) -> list[str]:
+    """The RESULTS.md section."""
+    if not entry:
+        return []
+    sizes = entry["sizes"]
+    out = [
+        "## Cold start: time to the first batch as the dataset grows",
+        "",
+        f"WebDataset shards of {sizes['samples_per_shard']} samples x {sizes['sample_bytes'] // 1000} KB "
+        f"(webdataset's TarWriter), 1x = {sizes['base_shards']} shards; each point a fresh process with an empty "
+        f"cache taking one batch of {entry['batch']} (batch mode, in-process). Origin bytes = the shards the S3 "
+        "server was asked for before the first batch, whole (an upper bound: an index scan in flight counts "
+        f"whole). Medians of {sizes['repeats']} run(s). `benchmarks/cold_start.py`.",
+        "",
+        "| shards | sample index | first batch s | / 1x | shards requested before it | origin MB before it |",
+        "|---|---|---|---|---|---|",
+    ]
+    for index in ("none", "wids"):
+        base = entry["points"].get(f"1x-{index}", {}).get("first_batch_s")
+        for scale in SCALES:
+            point = entry["points"].get(f"{scale}x-{index}", {})
+            seconds = point.get("first_batch_s")
+            if seconds is None:
+                out.append(f"| {point.get('shards', '?')} | {index} | failed | | | |")
+                continue
+            relative = f"{seconds / base:.2f}x" if base else ""
+            out.append(
+                f"| {point['shards']} | {index} | {seconds:.2f} | {relative} | {point['shards_requested']:.0f} | "
+                f"{point['origin_bytes'] / 1e6:.1f} |"
+            )
+    out.append("")
+    for index in ("none", "wids"):
+        ratio = ratio_16x(entry, index)
+        if ratio is not None:
+            verdict = "holds" if ratio <= 1.5 else "missed"
+            out.append(f"- Target, {index} index: first batch at 16x <= 1.5x the time at 1x: {ratio:.2f}x ({verdict}).")
+    out.append("")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    args = parser.parse_args()
+    if args.job:
+        result = job(json.loads(args.job))
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        os._exit(0)  # the background index of an un-indexed dataset is not waited for
+    from benchmarks._report import write_report
+    from benchmarks.warm_vs_awscli import start_s3_server
+
+    server, endpoint = start_s3_server()
+    try:
+        with tempfile.TemporaryDirectory(prefix="datacache-coldstart-") as work:
+            entry = measure(endpoint, Path(work), quick=args.quick)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        if server.stdout is not None:
+            server.stdout.close()
+    saved = args.out / ("results-quick.json" if args.quick else "results.json")
+    results = json.loads(saved.read_text())
+    results["cold_start"] = entry
+    written = write_report(results, args.out)
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

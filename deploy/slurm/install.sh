@@ -1,0 +1,67 @@
+#!/bin/bash
+# Set up (or, with --check, only check) a Slurm/systemd node for datacache:
+#   the datacache system user, the datacache-users group (with the users named on the command
+#   line), the venv in /opt/datacache, /etc/datacache/config.toml (deploy/config/slurm.toml), the
+#   cache directories, the systemd unit and the Slurm prolog.
+#
+#   sudo deploy/slurm/install.sh [USER...]     # from a checkout of the repository
+#   deploy/slurm/install.sh --check            # exit 1 naming each missing prerequisite
+#
+# Every path can be overridden by the variable named beside it.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+: "${DATACACHE_USER:=datacache}"
+: "${DATACACHE_GROUP:=datacache-users}"
+: "${DATACACHE_PREFIX:=/opt/datacache}"
+: "${DATACACHE_ETC:=/etc/datacache}"
+: "${DATACACHE_LOCAL_DIR:=/mnt/nvme/datacache}"
+: "${DATACACHE_SHARED_DIR:=/mnt/shared/datacache}"
+: "${DATACACHE_UNIT_DIR:=/etc/systemd/system}"
+: "${DATACACHE_PROLOG_DIR:=/etc/slurm/prolog.d}"
+: "${PYTHON:=python3}"
+
+check() {
+    local missing=0
+    id -u "$DATACACHE_USER" >/dev/null 2>&1 || { echo "missing: user $DATACACHE_USER"; missing=1; }
+    getent group "$DATACACHE_GROUP" >/dev/null || { echo "missing: group $DATACACHE_GROUP"; missing=1; }
+    [ -x "$DATACACHE_PREFIX/bin/datacache" ] || { echo "missing: $DATACACHE_PREFIX/bin/datacache (the venv)"; missing=1; }
+    [ -f "$DATACACHE_ETC/config.toml" ] || { echo "missing: $DATACACHE_ETC/config.toml"; missing=1; }
+    for dir in "$DATACACHE_LOCAL_DIR" "$DATACACHE_SHARED_DIR"; do
+        [ -d "$dir" ] || { echo "missing: directory $dir"; missing=1; }
+    done
+    [ -f "$DATACACHE_UNIT_DIR/datacache.service" ] || { echo "missing: $DATACACHE_UNIT_DIR/datacache.service"; missing=1; }
+    if [ "$missing" = 0 ]; then echo "datacache: node ready"; fi
+    return "$missing"
+}
+
+if [ "${1:-}" = "--check" ]; then
+    check
+    exit
+fi
+if [ "$(id -u)" != 0 ]; then
+    echo "install.sh: run as root (it creates a system user, a group and directories), or pass --check" >&2
+    exit 2
+fi
+# The NVMe and cluster filesystems are the operator's: mounted, not created here.
+for mount in "$(dirname "$DATACACHE_LOCAL_DIR")" "$(dirname "$DATACACHE_SHARED_DIR")"; do
+    [ -d "$mount" ] || { echo "install.sh: $mount does not exist (mount the filesystem first)" >&2; exit 1; }
+done
+
+getent group "$DATACACHE_GROUP" >/dev/null || groupadd --system "$DATACACHE_GROUP"
+id -u "$DATACACHE_USER" >/dev/null 2>&1 ||
+    useradd --system --gid "$DATACACHE_GROUP" --no-create-home --home-dir "$DATACACHE_LOCAL_DIR" \
+        --shell /usr/sbin/nologin "$DATACACHE_USER"
+for user in "$@"; do usermod --append --groups "$DATACACHE_GROUP" "$user"; done
+
+[ -x "$DATACACHE_PREFIX/bin/python" ] || "$PYTHON" -m venv "$DATACACHE_PREFIX"
+"$DATACACHE_PREFIX/bin/python" -m pip install --quiet -c "$repo/constraints.txt" "$repo"
+
+install -d -m 0755 "$DATACACHE_ETC"
+[ -f "$DATACACHE_ETC/config.toml" ] || install -m 0644 "$repo/deploy/config/slurm.toml" "$DATACACHE_ETC/config.toml"
+install -d -m 0750 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_LOCAL_DIR" "$DATACACHE_SHARED_DIR"
+install -d -m 0755 "$DATACACHE_UNIT_DIR" "$DATACACHE_PROLOG_DIR"
+install -m 0644 "$repo/deploy/slurm/datacache.service" "$DATACACHE_UNIT_DIR/datacache.service"
+install -m 0755 "$repo/deploy/slurm/datacache-prolog.sh" "$DATACACHE_PROLOG_DIR/datacache-prolog.sh"
+check
+echo "next: systemctl daemon-reload && systemctl enable --now datacache"

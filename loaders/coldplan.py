@@ -1,0 +1,355 @@
+"""A cold epoch as a reader walks it: the plan grows window by window as shard counts become known.
+
+`CountBook` holds the sample counts this process knows, and counts the rest
+of the dataset in the background with the other nodes (`ClusterIndex`).
+`ColdEpochPlan` is the reader's plan of a cold epoch (`coldorder`): it has
+the attributes of an `EpochPlan`, and `ensure` extends it, one window of its
+rank's shards at a time, counting a window's shards by opening them (they
+are read next anyway). It never places a position that settling could take
+back; when a reader gets there before the index is complete, it waits for
+the index, settles, and lays out the rest of the epoch at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.coldorder import (
+    WINDOW_UNITS,
+    cold_remaining,
+    final_stream,
+    lower_bound_length,
+    rank_units,
+    window_order,
+)
+from datacache.loaders.epoch import ReadPlan, auto_window, plan_epoch
+from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.plan import save_plan
+from datacache.loaders.readers import Unit, UnitPlan
+from datacache.loaders.units import Runtime
+
+from datacache._sync import LoopThread
+from datacache.config import Settings
+from datacache.indexing import ClusterIndex, decide_cold
+from datacache.stager import DatasetHandle
+
+__all__ = ["ColdEpochPlan", "CountBook", "complete_runtime", "epoch_is_cold", "epoch_plan"]
+
+logger = logging.getLogger(__name__)
+
+IntArray = npt.NDArray[np.int64]
+
+
+class CountBook:
+    """Sample counts known in this process (-1: unknown), completed by a background `ClusterIndex.build`."""
+
+    def __init__(self, plan: UnitPlan, handle: DatasetHandle, settings: Settings, loop: LoopThread) -> None:
+        self._plan = plan
+        self._handle = handle
+        self._settings = settings
+        self._loop = loop
+        self._unit_of = {unit.keys[0]: i for i, unit in enumerate(plan.units)}
+        self.counts = np.asarray([unit.count for unit in plan.units], dtype=np.int64)
+        self._lock = threading.Lock()
+        self._grew = threading.Condition(self._lock)
+        self._build: concurrent.futures.Future[Any] | None = None
+        self.unreadable: dict[str, str] = {}
+
+    @property
+    def complete(self) -> bool:
+        return bool((self.counts >= 0).all())
+
+    def start(self) -> None:
+        """Count the rest of the dataset in the background (shared with every other node and process)."""
+        with self._lock:
+            if self._build is not None or self.complete:
+                return
+            index = ClusterIndex(self._handle.origin, self._handle.manifest, self._settings)
+            self._build = self._loop.submit(index.build(on_count=self.note_key))
+
+    def note_key(self, key: str, samples: int) -> None:
+        unit = self._unit_of.get(key)
+        if unit is not None:
+            self.note(unit, samples)
+
+    def note(self, unit: int, samples: int) -> None:
+        with self._lock:
+            self.counts[unit] = samples
+            self._grew.notify_all()
+
+    def wait_for_more(self, than: int, timeout: float = 5.0) -> bool:
+        """Wait until more than ``than`` samples are known; False if the background index is not running."""
+        self.start()
+        build = self._build
+        with self._grew:
+            if build is None or build.done():
+                return False
+            # The background index notifies each count; the timeout only bounds a wait on another node.
+            self._grew.wait_for(lambda: int(self.counts[self.counts >= 0].sum()) > than, timeout=timeout)
+        return True
+
+    def known_total(self) -> int:
+        with self._lock:
+            known = self.counts[self.counts >= 0]
+            return int(known.sum())
+
+    def wait_complete(self) -> IntArray:
+        """Every count, waiting for the background index if need be."""
+        if not self.complete:
+            self.start()
+            build = self._build
+            if build is not None:
+                found, report = build.result()
+                for key, count in found.items():
+                    self.note_key(key, count.samples)
+                for unit in np.nonzero(self.counts < 0)[0].tolist():
+                    # Uncountable (a truncated or foreign tar): no sample of it is dealt; on_error decides.
+                    key = self._plan.units[unit].keys[0]
+                    reason = f"dataset {self._handle.id}: shard {key!r}: its samples could not be counted"
+                    self.unreadable[key] = report.unreadable.get(key, reason)
+                    self.note(unit, 0)
+        return self.counts.copy()
+
+    def completed_plan(self) -> UnitPlan:
+        counts = self.wait_complete()
+        units = tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self._plan.units, counts))
+        return UnitPlan(units, self._plan.extra, {**self._plan.unreadable, **self.unreadable})
+
+
+class _FirstUse(dict[int, int]):
+    """Units not placed yet are first used 'never' (so nothing opens them ahead)."""
+
+    def __missing__(self, key: int) -> int:
+        return sys.maxsize
+
+
+class ColdEpochPlan:
+    """One reader's plan of a cold epoch, extended by `ensure` as counts become known.
+
+    Parameters
+    ----------
+    book
+        The process's counts.
+    count_unit
+        Counts one unit's samples by opening it (the reader's own units, so the open is reused).
+    layout, seed, epoch, shuffle, drop_last
+        As for an indexed epoch.
+    """
+
+    def __init__(
+        self,
+        book: CountBook,
+        count_unit: Callable[[int], int],
+        *,
+        layout: Layout,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        drop_last: bool,
+    ) -> None:
+        self._book = book
+        self._count_unit = count_unit
+        self._layout = layout
+        self._seed, self._epoch, self._shuffle, self._drop_last = seed, epoch, shuffle, drop_last
+        self._units = rank_units(
+            len(book.counts), seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=layout.rank
+        )
+        self._unit_of = np.zeros(0, dtype=np.int64)
+        self._local = np.zeros(0, dtype=np.int64)
+        self._size = 0
+        self._window = 0
+        self._rank_position = 0
+        """Positions of the rank's stream laid out so far (this reader's and its siblings')."""
+        self._pending: tuple[IntArray, IntArray] | None = None
+        """The current window's units and offsets, in order, from ``_pending_from`` on not laid out yet."""
+        self._pending_from = 0
+        self.final = False
+        self.padded = 0
+        self.first_use: dict[int, int] = _FirstUse()
+        self.last_use: dict[int, int] = {}
+        self.unit_sequence: tuple[int, ...] = tuple(int(u) for u in self._units)
+        self._lock = threading.Lock()
+
+    # -- the EpochPlan interface -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def unit_of(self) -> IntArray:
+        return self._unit_of[: self._size]
+
+    @property
+    def local(self) -> IntArray:
+        return self._local[: self._size]
+
+    def units_from(self, produced: int) -> tuple[int, ...]:
+        self.ensure(produced + 1)
+        placed = set(self.unit_of[produced:].tolist())
+        later = [u for u in self.unit_sequence if u in placed or u not in self.first_use]
+        return tuple(later)
+
+    # -- growing ----------------------------------------------------------------------------
+
+    def ensure(self, length: int) -> int:
+        """Lay out positions until there are ``length`` of them or the epoch's end; return how many there are."""
+        with self._lock:
+            while self._size < length and not self.final:
+                self._grow()
+            return self._size
+
+    def _grow(self) -> None:
+        if self._pending is None:
+            units = self._units[self._window * WINDOW_UNITS : (self._window + 1) * WINDOW_UNITS]
+            if not len(units) or self._book.complete:
+                self._settle()
+                return
+            counts = [self._count(int(u)) for u in units]
+            order = window_order(
+                counts,
+                seed=self._seed,
+                epoch=self._epoch,
+                rank=self._layout.rank,
+                index=self._window,
+                shuffle=self._shuffle,
+            )
+            which = np.repeat(np.asarray(units, dtype=np.int64), counts)[order]
+            offsets = np.concatenate([np.arange(n, dtype=np.int64) for n in counts])[order]
+            self._pending, self._pending_from = (which, offsets), 0
+            self._window += 1
+        which, offsets = self._pending
+        # Only positions provably kept by settling: below T for the smallest total the known counts allow.
+        bound = lower_bound_length(self._book.known_total(), self._layout.world_size)
+        take = min(len(which) - self._pending_from, bound - self._rank_position)
+        if take <= 0 and len(which) > self._pending_from:
+            if self._book.complete or not self._book.wait_for_more(self._book.known_total()):
+                self._settle()
+            return
+        stop = self._pending_from + take
+        # The first window is counted: now index the rest at the origin's rate, behind the first batch.
+        self._book.start()
+        self._append(self._rank_position, which[self._pending_from : stop], offsets[self._pending_from : stop])
+        self._rank_position += take
+        self._pending_from = stop
+        if stop >= len(which):
+            self._pending = None
+
+    def _count(self, unit: int) -> int:
+        known = int(self._book.counts[unit])
+        if known >= 0:
+            return known
+        samples = self._count_unit(unit)
+        self._book.note(unit, samples)
+        return samples
+
+    def _mine(self, start: int, stop: int) -> IntArray:
+        """The rank positions in ``[start, stop)`` this reader takes (chunks dealt round robin to workers)."""
+        layout = self._layout
+        positions = np.arange(start, stop, dtype=np.int64)
+        if layout.num_workers == 1:
+            return positions - start
+        chunk_of = positions // layout.chunk
+        mine: IntArray = np.nonzero(chunk_of % layout.num_workers == layout.worker)[0].astype(np.int64)
+        return mine
+
+    def _append(self, start: int, units: IntArray, offsets: IntArray) -> None:
+        picked = self._mine(start, start + len(units))
+        units, offsets = units[picked], offsets[picked]
+        need = self._size + len(units)
+        if need > len(self._unit_of):
+            capacity = max(need, 2 * len(self._unit_of), 1024)
+            self._unit_of = np.resize(self._unit_of, capacity)
+            self._local = np.resize(self._local, capacity)
+        self._unit_of[self._size : need] = units
+        self._local[self._size : need] = offsets
+        for position, unit in enumerate(units.tolist(), start=self._size):
+            self.first_use.setdefault(unit, position)
+            self.last_use[unit] = position
+        self._size = need
+
+    def _settle(self) -> None:
+        """Every count known: lay out the rest of the rank's settled stream (kept, received, repeated)."""
+        counts = self._book.wait_complete()
+        layout = self._layout
+        stream, repeats = final_stream(
+            counts,
+            seed=self._seed,
+            epoch=self._epoch,
+            shuffle=self._shuffle,
+            world_size=layout.world_size,
+            rank=layout.rank,
+            drop_last=self._drop_last,
+        )
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        rest = stream[self._rank_position :]
+        unit_of = np.searchsorted(starts, rest, side="right") - 1
+        self._append(self._rank_position, unit_of.astype(np.int64), rest - starts[unit_of])
+        mine = worker_positions(np.arange(len(stream), dtype=np.int64), layout.num_workers, layout.worker, layout.chunk)
+        self.padded = int((mine >= len(stream) - repeats).sum())
+        self._rank_position = len(stream)
+        self.final = True
+        placed = [u for u in self.unit_sequence if u in self.first_use]
+        extra = [u for u in self.first_use if u not in set(self.unit_sequence)]
+        self.unit_sequence = tuple(placed + sorted(extra, key=self.first_use.__getitem__))
+
+
+def complete_runtime(runtime: Runtime, shuffle_buffer: int | None) -> None:
+    """Wait for every sample count, then give ``runtime`` the complete plan and the default window."""
+    book = runtime.book
+    if book is not None:
+        plan = book.completed_plan()
+        runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
+        runtime.plan = plan
+        runtime.book = None
+    if not runtime.window:
+        runtime.window = shuffle_buffer or auto_window(runtime.plan.total, len(runtime.plan.units))
+
+
+def epoch_is_cold(runtime: Runtime, *, seed: int, epoch: int) -> bool:
+    """Whether this epoch is dealt cold (see `indexing.decide_cold`: every process agrees)."""
+    incomplete = runtime.book is not None and not runtime.book.complete
+    return decide_cold(runtime.settings, runtime.handle.manifest, seed=seed, epoch=epoch, cold=incomplete)
+
+
+def epoch_plan(
+    runtime: Runtime,
+    layout: Layout,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    drop_last: bool,
+    shuffle_buffer: int | None,
+    cursors: tuple[Cursor, ...],
+    count_unit: Callable[[int], int],
+) -> ReadPlan:
+    """The reader's plan of an epoch: cold (whole shards, growing) or indexed, resumed after ``cursors``."""
+    if not cursors and epoch_is_cold(runtime, seed=seed, epoch=epoch):
+        book = runtime.book or CountBook(runtime.plan, runtime.handle, runtime.settings, runtime.loop)
+        return ColdEpochPlan(
+            book, count_unit, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last
+        )
+    complete_runtime(runtime, shuffle_buffer)
+    counts = runtime.plan.counts
+    order = None
+    if cursors and cursors[0].cold:
+        order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
+        cursors = cursors[1:]
+    return plan_epoch(
+        counts,
+        seed=seed,
+        epoch=epoch,
+        shuffle=shuffle,
+        window=runtime.window,
+        cursors=cursors,
+        layout=layout,
+        drop_last=drop_last,
+        order=order,
+    )

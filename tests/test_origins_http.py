@@ -1,0 +1,137 @@
+"""http(s):// origins against a real HTTP server: with and without Range, with and without Content-Length.
+
+The shards of an HTTP dataset are named by a listing page (the links of the URL's index page,
+as a web server's directory listing has them). A shard whose size cannot be known (no
+Content-Length) is an error that says so: never a 0-byte shard taken as real.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import make_shards, run_cli
+
+
+@dataclass
+class Site:
+    """A static site on 127.0.0.1 serving ``files`` under /ds/, with an index page."""
+
+    files: dict[str, bytes]
+    ranges: bool = True
+    lengths: bool = True
+    gets: dict[str, int] = field(default_factory=dict)
+    port: int = 0
+
+    def url(self, path: str = "ds/") -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+
+def _handler(site: Site) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+        def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            if site.lengths:
+                self.send_header("Content-Length", str(len(body)))
+            else:
+                self.send_header("Connection", "close")  # the body ends when the connection does
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+            if not site.lengths:
+                self.close_connection = True
+
+        def do_HEAD(self) -> None:
+            self.do_GET()
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path in ("/ds", "/ds/"):
+                links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in site.files)
+                self._send(200, f"<html><body>\n{links}</body></html>".encode(), {"Content-Type": "text/html"})
+                return
+            name = path.removeprefix("/ds/")
+            if name not in site.files:
+                self._send(404, b"not found", {})
+                return
+            if self.command == "GET":
+                site.gets[name] = site.gets.get(name, 0) + 1
+            data = site.files[name]
+            span = self.headers.get("Range")
+            if site.ranges and span and span.startswith("bytes="):
+                first, _, last = span.removeprefix("bytes=").partition("-")
+                start, end = int(first or 0), min(int(last) + 1 if last else len(data), len(data))
+                headers = {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}", "Accept-Ranges": "bytes"}
+                self._send(206, data[start:end], headers)
+                return
+            self._send(200, data, {"Accept-Ranges": "bytes"} if site.ranges else {})
+
+    return Handler
+
+
+@pytest.fixture
+def site() -> Iterator[Site]:
+    served = Site(files=make_shards(4, 40_000))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(served))
+    server.daemon_threads = True
+    served.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def env(cache_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    clean = {k: v for k, v in cache_env.items() if not k.startswith(("AWS_", "FSSPEC_"))}
+    clean.update({"DATACACHE_LOCAL_DIR": str(tmp_path / "local"), "PYTHONWARNINGS": "error::ResourceWarning"})
+    return clean
+
+
+def cached(tmp_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (tmp_path / "local").rglob("*.tar") if p.is_file()}
+
+
+@pytest.mark.parametrize("ranges", [True, False], ids=["with-range", "without-range"])
+def test_warm_from_a_listing_page_reads_each_shard_once(
+    site: Site, env: dict[str, str], tmp_path: Path, ranges: bool
+) -> None:
+    site.ranges = ranges
+    result = run_cli(["warm", site.url(), "--json"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert done["complete"] is True and done["bytes_transferred"] == 160_000
+    assert cached(tmp_path) == site.files
+    assert site.gets == dict.fromkeys(site.files, 1)
+    assert "Unclosed" not in result.stderr and "Traceback" not in result.stderr
+    verify = run_cli(["warm", site.url(), "--verify"], env, check=True)
+    assert "Unclosed" not in verify.stderr
+
+
+def test_an_object_of_unknown_size_is_an_error_never_an_empty_shard(
+    site: Site, env: dict[str, str], tmp_path: Path
+) -> None:
+    site.lengths = False
+    result = run_cli(["warm", site.url()], env)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("datacache: error: "), result.stderr
+    assert "size" in lines[0] and "shard-0000.tar" in lines[0] and "Content-Length" in lines[0], lines[0]
+    assert cached(tmp_path) == {}
