@@ -1,7 +1,7 @@
 """Small inputs, large memory: what a file declares is bounded before bytes back it.
 
-Each case runs the loader in a child process (its peak RSS measured with
-``resource.getrusage``, its address space capped so that a regression fails
+Each case runs the loader in a child process (its own peak RSS measured, from
+``/proc/self/status``, its address space capped so that a regression fails
 with MemoryError instead of exhausting the machine) on the sizes issue 11
 item 9 reported: a 22-44 KB Parquet file of 5M rows (1.55 GB RSS before), a
 132-byte ``.zarray`` declaring an 8000x8000 float64 chunk (731 MB), and a
@@ -27,11 +27,19 @@ MB = 1 << 20
 _CHILD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+
+def peak_kb():
+    # This process's own peak. getrusage's ru_maxrss also counts the parent's peak, carried across
+    # fork and exec: under a long pytest run it would hide any growth here.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 import pyarrow, pyarrow.parquet, zarr, torch  # the baseline holds every import
 from datacache.config import load_settings
 from datacache.loaders import CachedIterableDataset
 settings = load_settings({{}}, overrides={{"local_dir": {local!r}}})
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kb()
 result = {{"samples": 0, "error": None}}
 try:
     dataset = CachedIterableDataset({url!r}, config=settings, shuffle=False, on_error={on_error!r})
@@ -41,7 +49,7 @@ try:
             break
 except Exception as exc:
     result["error"] = f"{{type(exc).__name__}}: {{exc}}"
-result["grew_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+result["grew_mb"] = (peak_kb() - before) / 1024
 print(json.dumps(result))
 """
 
