@@ -78,6 +78,8 @@ def test_each_fault_kind_is_retried_counted_and_harmless(
     stats = dataset.stats()
     assert stats.retries == proxy.failed_requests() == (0 if kind == "latency" else 2)
     record("fault_kind", kind=kind, injected=2, retries=stats.retries, lost=lost, corrupt=corrupt, samples=40)
+    # Closing stops the prefetch of the next epoch's shards; nothing it was writing stays behind.
+    dataset.close()
     check_cache(settings.local_dir, settings.shared_dir, files)
     assert partials(settings.local_dir, settings.shared_dir) == []
 
@@ -216,9 +218,13 @@ def daemon_faulty_epochs(
             totals["lost"] += lost
             totals["corrupt"] += corrupt
             totals["epochs"] += 1
-        # The daemon did every transfer: its retries are exactly the requests the proxy failed.
+        # The daemon did every transfer: each failed shard request is one of its retries. The
+        # readers list the origin with their own credentials too (and retry that themselves),
+        # so the daemon's retries lie between its shard failures and all failures.
         retries = daemon.status()["stats"]["retries"]
-        assert retries == proxy.failed_requests(), (retries, proxy.faults())
+        transient = [what for fault, what in proxy.log() if fault not in ("latency", "rule")]
+        shard_failures = sum(1 for what in transient if what.endswith(".tar"))
+        assert shard_failures <= retries <= proxy.failed_requests(), (retries, proxy.log())
         check_cache(tmp_path / "cache", None, files)
     finally:
         daemon.kill()
