@@ -195,13 +195,16 @@ def test_copies_the_configured_daemon_uid_wrote_are_used_and_nobody_elses(
     """The shared tier still saves origin reads: copies by a trusted uid (here bob, as the daemon's) count."""
     alice, bob = users["alice"], users["bob"]
     shared = _shared(world_dir)
+    # The group's tier (docs/SECURITY.md, "The shared tier"): what bob creates, alice (same group) may use.
+    os.chown(shared, 0, alice.groups[0])
+    shared.chmod(0o2770)
     url = s3.url("wds") + "/"
     # Sample counts beside the shards (a wids index), so that no reader scans the origin's tars for them.
     shardlist = [{"url": key, "nsamples": SAMPLES, "filesize": len(data)} for key, data in dataset.items()]
     index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shardlist}
     s3.put("wds/wids-index.json", json.dumps(index).encode())
     bob_env = _env(bob, s3, shared, credentials=True)
-    # umask 0: bob's directories let alice replace his copies later (a group setup does it with setgid dirs).
+    # umask 0 or not, the tier's directories are the group's (2770, setgid): alice may replace bob's copies later.
     warm = ["sh", "-c", 'umask 0 && exec "$0" -m datacache.cli warm "$1" --tier shared', sys.executable, url]
     done = run_as(bob, warm, env=bob_env)
     assert done.returncode == 0, done.stderr

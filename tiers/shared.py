@@ -83,6 +83,11 @@ class SharedTier(DirectoryTier):
                     problems.append(f"shared tier: {exc}")
                     writable = False
                     continue
+                except PermissionError:
+                    st = os.stat(area, dir_fd=root, follow_symlinks=False)
+                    problems.append(f"shared tier {self._root / area}: {who} cannot enter it ({_owner_text(st)})")
+                    writable = False
+                    continue
                 st = os.stat(area, dir_fd=root, follow_symlinks=False)
                 if not os.access(self._root / area, os.W_OK | os.X_OK):
                     problems.append(f"shared tier {self._root / area}: {who} cannot write it ({_owner_text(st)})")
