@@ -39,11 +39,19 @@ def _put(tier: SharedTier | LocalTier, key: str, data: bytes, **kwargs: str) -> 
     asyncio.run(main())
 
 
+_PEAK = """
+def peak_kb():  # this process's own peak RSS (ru_maxrss would carry over the forking parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+"""
+
+
 def _in_child(code: str, timeout: float = 60) -> str:
     """Run ``code`` in a fresh interpreter; a hang fails (the child is killed at ``timeout``)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
+            [sys.executable, "-c", _PEAK + textwrap.dedent(code)],
             capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False,
         )
     except subprocess.TimeoutExpired:
@@ -129,8 +137,7 @@ def test_planted_meta_files_are_not_read(kind: str, tmp_path: Path) -> None:
         import asyncio
         from datacache.tiers import SharedTier
         info = asyncio.run(SharedTier({str(root)!r}).stat("ds/k"))
-        small = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:"))) < 1_000_000
-        print(info.size, dict(info.metadata), small)
+        print(info.size, dict(info.metadata), peak_kb() < 1_000_000)
         """
     )
     assert out == "4 {} True"
@@ -147,8 +154,7 @@ def test_planted_shared_manifests_are_not_read(kind: str, tmp_path: Path) -> Non
         from datacache.manifest import ManifestStore
         store = ManifestStore(Path({str(local / "manifests")!r}), Path({str(shared / "manifests")!r}))
         found = asyncio.run(store.load("ds"))
-        small = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:"))) < 1_000_000
-        print(found, small)
+        print(found, peak_kb() < 1_000_000)
         """
     )
     assert out == "None True"

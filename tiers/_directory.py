@@ -115,8 +115,8 @@ class DirectoryTier(Tier):
         """``act(dir_fd, name)`` in ``place``'s directory; ``missing`` if a directory on the way is absent."""
         try:
             fd = place.open_parent()
-        except (FileNotFoundError, NotADirectoryError):
-            return missing
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return missing  # absent, or not this user's to see (outside the shared tier's group): read around it
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key: {exc}") from None
         try:
@@ -191,7 +191,7 @@ class DirectoryTier(Tier):
         start = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         try:
             top = Place(self._root, ("data", *filter(None, start.split("/"))), ".").open_parent()
-        except (FileNotFoundError, NotADirectoryError, UnsafeFileError):
+        except (FileNotFoundError, NotADirectoryError, PermissionError, UnsafeFileError):
             return found
         try:
             # fwalk never descends through a link; each name is looked at in its directory's fd.

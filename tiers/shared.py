@@ -83,8 +83,9 @@ class SharedTier(DirectoryTier):
                     problems.append(f"shared tier: {exc}")
                     writable = False
                     continue
-                except PermissionError:  # another user's directory, not shared with this user's groups
-                    problems.append(f"shared tier {self._root / area}: {who} cannot enter it")
+                except PermissionError:
+                    st = os.stat(area, dir_fd=root, follow_symlinks=False)
+                    problems.append(f"shared tier {self._root / area}: {who} cannot enter it ({_owner_text(st)})")
                     writable = False
                     continue
                 st = os.stat(area, dir_fd=root, follow_symlinks=False)
