@@ -197,7 +197,8 @@ def test_config_files_load_or_fail_with_a_config_error(fuzz_root: Path, data: An
             assert str(path) in str(exc), "the error names the file"
             names = [n for section, body in document.items() for n in (section, *_keys(body))]
             # A value the TOML writer here cannot encode is a syntax error: that one names its line.
-            named = any(name in str(exc) for name in names) or "(at line " in str(exc)
+            # A name with control characters is named as Python spells it ('\x1f').
+            named = any(name in str(exc) or repr(name) in str(exc) for name in names) or "(at line " in str(exc)
             assert named, f"the error names no field of {document}: {exc}"
             continue
         check_settings(loaded)
