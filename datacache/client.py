@@ -512,6 +512,8 @@ class DaemonClient:
                             str(event.get("code", "")), str(event.get("message", ""))
                         )
                     yield event
+        except DatacacheError:
+            raise  # the daemon's own answer (a missing bucket, say), not a lost connection
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise self._unavailable(exc) from exc
 

@@ -171,6 +171,16 @@ def _seconds(value: Any, what: str) -> float:
     return number
 
 
+def _rate_setting(value: Any, what: str) -> float:
+    """A rate in the config file or the environment: a string with its unit, as on the command line.
+
+    A bare number (``bandwidth_limit = 10``) would be 10 bytes/s, almost never what was meant.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool) and value != 0:
+        raise ConfigError(f"{what}: {value!r} has no unit; write it as a string with one, e.g. '{value:g}MB/s'")
+    return parse_bandwidth(value, what=what)
+
+
 def _address(value: Any, what: str) -> str:
     if not isinstance(value, str) or not re.match(r"^[^:\s]*:\d{1,5}$", value) or int(value.rsplit(":", 1)[1]) > 65535:
         raise ConfigError(f"{what}: expected HOST:PORT such as 127.0.0.1:9464, got {value!r}")
@@ -199,7 +209,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "concurrency": ("staging", _positive_int),
     "part_size": ("staging", _positive_size),
     "memory_budget": ("staging", _positive_size),
-    "bandwidth_limit": ("staging", lambda v, w: parse_bandwidth(v, what=w)),
+    "bandwidth_limit": ("staging", _rate_setting),
     "max_attempts": ("staging", _positive_int),
     "lease_seconds": ("staging", _seconds),
     "verify_on_read": ("staging", _boolean),

@@ -49,6 +49,18 @@ def test_warm_and_evict_through_the_daemon(tmp_path: Path, cache_env: dict[str, 
         daemon.stop()
 
 
+def test_the_daemons_own_error_is_shown_not_unreachable(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A warm the daemon refuses (nothing at the origin) says why, not that the daemon is gone."""
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        done = run(daemon.env, "warm", str(tmp_path / "no-such-origin"))
+        assert done.returncode != 0
+        assert "unreachable" not in done.stderr, done.stderr
+        assert "no-such-origin" in done.stderr, done.stderr
+    finally:
+        daemon.stop()
+
+
 # -- one warm: the stager's, through the daemon (issue 12 item 8) ----------------------------
 
 

@@ -138,6 +138,8 @@ def test_precedence_file_then_environment_then_flags(
         ("[datasets.'../evil']\nurl = 's3://b/x'\n", "dataset name '../evil'"),
         ("[cache\nlocal_dir = 1\n", "config file"),
         ("cache = 3\n", "[cache] must be a table"),
+        # A bare number would be bytes/s: 10 B/s stalled a new user's warm for minutes, silently.
+        ("[staging]\nbandwidth_limit = 10\n", "has no unit; write it as a string with one, e.g. '10MB/s'"),
     ],
 )
 def test_config_mistakes_are_named(
