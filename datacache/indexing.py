@@ -48,6 +48,7 @@ from datacache.manifest import Manifest, Shard
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.tarindex import TarScanner, group_samples
 from datacache.tiers import Tier, open_origin
+from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, server_now
 from datacache.tiers._files import atomic_write
 
 __all__ = [
@@ -79,6 +80,110 @@ def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
 def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
     """Where the cluster keeps the counts of one dataset snapshot."""
     return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
+
+
+# A count file is a few bytes a shard; anything past this is not one (a planted /dev/zero, say).
+_INDEX_FILE_LIMIT = 256 << 20
+
+
+class _IndexFiles:
+    """The files of one snapshot's cluster index, reached as the shared tier's own files are.
+
+    Other users can write the shared tier: every file here is reached by walking down
+    from the tier's root without following a link, read only if it is a regular file of
+    bounded size, and written by an atomic write in the directory so reached (see
+    docs/SECURITY.md, "The shared tier"). Ages are measured by the file server's clock.
+    """
+
+    def __init__(self, settings: Settings, manifest: Manifest) -> None:
+        base = settings.shared_dir or settings.local_dir
+        self.path = index_dir(base, manifest)
+        self._base = base
+        self._parts = self.path.relative_to(base).parts
+        # The shared tier is the group's (setgid 2770); without one, the node's private cache.
+        self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
+
+    def place(self, name: str) -> Place:
+        return Place(self._base, self._parts, name, self._dir_mode)
+
+    def _directory(self) -> int:
+        """An fd of the index directory; FileNotFoundError if it does not exist yet."""
+        return self.place("_").open_parent()
+
+    def names(self) -> list[str]:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+
+    def read(self, name: str) -> bytes | None:
+        """The file's bytes, None if absent; `UnsafeFileError` for a link, FIFO, device or huge file."""
+        try:
+            return read_bounded(self.place(name), _INDEX_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    def unlink(self, name: str) -> None:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last touched, by the file server's clock; None if absent."""
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return None
+        try:
+            mtime = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
+            return server_now(fd) - mtime
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    def link_once(self, name: str, data: bytes) -> None:
+        """Create ``name`` holding ``data`` unless it exists (the first writer wins, atomically)."""
+        fd = self.place(name).open_parent(create=True)
+        temporary = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            out = os.open(temporary, flags, 0o640, dir_fd=fd)
+            try:
+                os.write(out, data)
+            finally:
+                os.close(out)
+            try:
+                os.link(temporary, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temporary, dir_fd=fd)
+        finally:
+            os.close(fd)
 
 
 async def count_tar_samples(origin: Tier, shard: Shard, *, where: str) -> int:
@@ -194,7 +299,8 @@ class ClusterIndex:
         self.manifest = manifest
         self.settings = settings
         # Without a shared tier the node is the cluster: its processes share the work the same way.
-        self.directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
+        self.files = _IndexFiles(settings, manifest)
+        self.directory = self.files.path
         self._where = f"dataset {manifest.dataset}"
         self.engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None
         """(``dask`` or ``ray``, scheduler address, origin URL, storage options): scan on that engine."""
@@ -203,31 +309,25 @@ class ClusterIndex:
 
     def forget(self) -> None:
         """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return
-        for name in names:
+        for name in self.files.names():
             if name.endswith(".json"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.directory / name)
+                self.files.unlink(name)
 
     def _batch_path(self, number: int) -> Path:
         return self.directory / f"batch-{number:06d}.json"
 
     def _read_done(self) -> dict[str, KnownCount]:
         found: dict[str, KnownCount] = {}
-        try:
-            names = sorted(os.listdir(self.directory))
-        except FileNotFoundError:
-            return found
-        for name in names:
+        for name in self.files.names():
             if not (name.startswith(("batch-", "sidecars")) and name.endswith(".json")):
                 continue
             path = self.directory / name
             try:
-                counts = _parse_batch(path.read_bytes(), str(path))
-            except (OSError, ShardReadError) as exc:
+                raw = self.files.read(name)
+                if raw is None:
+                    continue
+                counts = _parse_batch(raw, str(path))
+            except (OSError, ShardReadError, UnsafeFileError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
             found.update((key, count) for key, count in counts.items() if key in self.manifest)
@@ -239,8 +339,7 @@ class ClusterIndex:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-        await atomic_write(path, body(), durable=False)
+        await atomic_write(self.files.place(path.name), body(), durable=False)
 
     async def known(self) -> dict[str, KnownCount]:
         """Counts known without scanning: manifest, cluster index, then sidecars (read once per cluster)."""
@@ -257,13 +356,14 @@ class ClusterIndex:
         return found
 
     def _sidecars_done(self) -> bool:
-        return (self.directory / "sidecars.json").exists()
+        return self.files.exists("sidecars.json")
 
     async def _sidecars(self) -> dict[str, KnownCount]:
         """Read the sidecar indexes once per cluster, keeping what they say in the cluster index."""
         path = self.directory / "sidecars.json"
-        async with LeaseLock(path.with_suffix(".lock"), lease_seconds=self.settings.lease_seconds).hold():
-            if path.exists():
+        lock = self.files.place("sidecars.lock")
+        async with LeaseLock(lock, lease_seconds=self.settings.lease_seconds).hold():
+            if await asyncio.to_thread(self.files.exists, path.name):
                 return {k: v for k, v in (await asyncio.to_thread(self._read_done)).items()}
             counts = await self._read_sidecars()
             await self._write(path, counts)
@@ -396,9 +496,10 @@ class ClusterIndex:
         done = await asyncio.to_thread(self._load_batch, path)
         if done is not None:
             return done
-        if not wait and await asyncio.to_thread(_held_by_another, lock_path, self.settings.lease_seconds):
+        if not wait and await asyncio.to_thread(self._held_by_another, lock_path.name):
             return None
-        async with LeaseLock(lock_path, lease_seconds=self.settings.lease_seconds).hold():
+        lock = self.files.place(lock_path.name)
+        async with LeaseLock(lock, lease_seconds=self.settings.lease_seconds).hold():
             done = await asyncio.to_thread(self._load_batch, path)
             if done is not None:
                 return done
@@ -406,12 +507,18 @@ class ClusterIndex:
             await self._write(path, counted)
             return counted
 
+    def _held_by_another(self, lock_name: str) -> bool:
+        """Whether a live lease on ``lock_name`` exists (a stale one is taken over by whoever asks next)."""
+        age = self.files.age(lock_name)
+        return age is not None and age <= self.settings.lease_seconds
+
     def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
         try:
-            counts = _parse_batch(path.read_bytes(), str(path))
-        except FileNotFoundError:
-            return None
-        except (OSError, ShardReadError) as exc:
+            raw = self.files.read(path.name)
+            if raw is None:
+                return None
+            counts = _parse_batch(raw, str(path))
+        except (OSError, ShardReadError, UnsafeFileError) as exc:
             logger.warning("counting again: %s", exc)
             return None
         return {key: count for key, count in counts.items() if key in self.manifest}
@@ -442,15 +549,6 @@ class ClusterIndex:
             if on_count is not None:
                 on_count(shard.key, samples)
         return counted
-
-
-def _held_by_another(lock_path: Path, lease_seconds: float) -> bool:
-    """Whether a live lease on ``lock_path`` exists (a stale one is taken over by whoever asks next)."""
-    try:
-        age = time.time() - os.lstat(lock_path).st_mtime
-    except FileNotFoundError:
-        return False
-    return age <= lease_seconds
 
 
 @dataclass
@@ -517,24 +615,22 @@ def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int
     reads that record, so that no two ranks deal one epoch two ways. A rerun
     of the same seed and epoch reads it the same way again.
     """
-    directory = index_dir(settings.shared_dir or settings.local_dir, manifest)
-    if not cold and not directory.exists():
+    files = _IndexFiles(settings, manifest)
+    if not cold and not files.names():
         return False  # every count came from the manifest: no process could have started cold
-    marker = directory / f"epoch-{seed}-{epoch}.json"
-    try:
-        return bool(json.loads(marker.read_bytes()).get("cold") is True)
-    except FileNotFoundError:
-        pass
-    except (ValueError, AttributeError):
-        logger.warning("%s is damaged; reading epoch %d cold", marker, epoch)
-        return True
-    directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f".{marker.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    temporary.write_bytes(json.dumps({"cold": cold}).encode())
-    try:
-        os.link(temporary, marker)  # atomic, and fails if another process decided first
-    except FileExistsError:
-        pass
-    finally:
-        temporary.unlink()
-    return bool(json.loads(marker.read_bytes()).get("cold") is True)
+    name = f"epoch-{seed}-{epoch}.json"
+
+    def recorded() -> bool | None:
+        try:
+            raw = files.read(name)
+            return None if raw is None else bool(json.loads(raw).get("cold") is True)
+        except (ValueError, AttributeError, UnsafeFileError):
+            logger.warning("%s is damaged; reading epoch %d cold", files.path / name, epoch)
+            return True
+
+    decided = recorded()
+    if decided is not None:
+        return decided
+    files.link_once(name, json.dumps({"cold": cold}).encode())  # fails quietly if another decided first
+    decided = recorded()
+    return cold if decided is None else decided
