@@ -423,3 +423,27 @@ def test_nested_unicode_and_empty_shards(s3: S3Bucket, settings: Settings) -> No
     for key, data in shards.items():
         assert (settings.local_dir / "data" / handle.id / key).read_bytes() == data
     assert [r[3] for r in catalog_rows(settings)] == [checksum(shards[k]) for k in sorted(shards)]
+
+
+def test_a_change_of_event_loop_releases_the_earlier_runtime(s3: S3Bucket, settings: Settings) -> None:
+    """One `asyncio.run` per call is how sync code drives a stager: each change of loop used to keep a
+    lock-waiter pool, the origin's GET threads and its clients alive (issue 12 item 22)."""
+    import threading
+
+    shards = make_shards(4, 50_000)
+    fill_bucket(s3.client, s3.name, "ds", shards)
+    dataset = s3_dataset(s3, settings)
+    stager = Stager(settings)
+    keys = sorted(shards)
+
+    async def use(key: str) -> None:
+        handle = await stager.open(dataset)
+        await stager.ensure(handle, key)
+
+    asyncio.run(use(keys[0]))
+    after_one = threading.active_count()
+    for key in keys[1:]:
+        asyncio.run(use(key))
+    # Each earlier runtime let its threads go; what is left is one runtime's worth.
+    assert threading.active_count() <= after_one, [t.name for t in threading.enumerate()]
+    asyncio.run(stager.close())

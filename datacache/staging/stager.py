@@ -101,6 +101,7 @@ class Stager:
         self._owner = process_owner()
         self._events = Events()
         self._residency = Residency()
+        self._closing: set[asyncio.Task[None]] = set()
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -156,10 +157,29 @@ class Stager:
             raise DatacacheError("the stager is closed")
         if self._parts is None or self._loop is not loop:
             if self._loop is not None:
+                self._abandon_runtime(loop)
                 self._reset_runtime()
             self._loop = loop
             self._parts = self._build_parts(loop)
         return self._parts
+
+    def _abandon_runtime(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Release what the runtime of an earlier event loop holds: its threads, workers and clients.
+
+        The earlier loop is usually gone (one `asyncio.run` per call); left alone, each change
+        of loop kept a lock-waiter thread pool, the origins' GET threads and sessions, and the
+        queue's worker tasks.
+        """
+        old_loop, parts, origins = self._loop, self._parts, list(self._origins.values())
+        if parts is not None:
+            parts.lock_waiters.shutdown(wait=False, cancel_futures=True)
+            if old_loop is not None and not old_loop.is_closed():
+                for task in parts.queue.workers:
+                    old_loop.call_soon_threadsafe(task.cancel)
+        if origins:
+            closing = loop.create_task(_close_quietly(origins))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     async def _ready(self) -> _Parts:
         parts = self._runtime()
@@ -549,3 +569,10 @@ def _options_digest(options: Mapping[str, Any]) -> str:
     """A digest of storage options (credentials among them), to key clients without holding secrets in keys."""
     encoded = json.dumps(options, sort_keys=True, default=str).encode()
     return hashlib.sha256(encoded).hexdigest()
+
+
+async def _close_quietly(origins: Sequence[Tier]) -> None:
+    """Close clients whose loop is gone: what can be closed from here is; the rest is dropped."""
+    for origin in origins:
+        with contextlib.suppress(Exception):
+            await origin.close()
