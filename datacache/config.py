@@ -172,13 +172,16 @@ def _seconds(value: Any, what: str) -> float:
 
 
 def _rate_setting(value: Any, what: str) -> float:
-    """A rate in the config file or the environment: a string with its unit, as on the command line.
-
-    A bare number (``bandwidth_limit = 10``) would be 10 bytes/s, almost never what was meant.
-    """
-    if isinstance(value, int | float) and not isinstance(value, bool) and value != 0:
-        raise ConfigError(f"{what}: {value!r} has no unit; write it as a string with one, e.g. '{value:g}MB/s'")
     return parse_bandwidth(value, what=what)
+
+
+# Rates written in the config file need their unit, as on the command line: a bare number
+# (``bandwidth_limit = 10``) would be 10 bytes/s, almost never what was meant.
+_RATES = {"bandwidth_limit"}
+
+
+def _unitless_rate(key: str, value: Any) -> bool:
+    return key in _RATES and isinstance(value, int | float) and not isinstance(value, bool) and value != 0
 
 
 def _address(value: Any, what: str) -> str:
@@ -319,6 +322,11 @@ def load_settings(
                 if key not in allowed:
                     raise ConfigError(
                         f"config file {path}: unknown key '{section}.{key}'{_suggest(key, allowed)}"
+                    )
+                if _unitless_rate(key, value):
+                    raise ConfigError(
+                        f"{path}: {section}.{key}: {value!r} has no unit; "
+                        f"write it as a string with one, e.g. '{value:g}MB/s'"
                     )
                 values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
 
