@@ -190,6 +190,12 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
             break
         typeflag, size = _check_header(header, position, where)
         data_start = position + _BLOCK
+        if typeflag not in (b"L", b"x", b"g", b"K"):
+            # A pax `size` record overrides the header's size (as tarfile and the stream scanner
+            # read it): bounds are checked against the size that is really used.
+            pax_size = _pax_size(pax, where)
+            if pax_size is not None:
+                size = pax_size
         data_end = data_start + size
         if data_end > total:
             raise ShardReadError(
@@ -204,13 +210,6 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
             continue
         if typeflag in (b"g", b"K"):
             continue
-        pax_size = _pax_size(pax, where)
-        if pax_size is not None:
-            size = pax_size
-            data_end = data_start + size
-            if data_end > total:
-                raise ShardReadError(f"{where}: truncated tar: a member at byte {data_start} runs past the end")
-            position = data_start + _padded(size)
         name = _member_name(header, long_name, pax)
         long_name = None
         pax = {}

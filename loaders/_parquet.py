@@ -90,7 +90,9 @@ class ParquetRows:
             self._stream = self._file.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], use_threads=False)
             self._position = (group, 0)
         while True:
-            decoded = next(self._stream)  # validated at open: the same bytes decode the same way
+            decoded = next(self._stream, None)
+            if decoded is None:  # a damaged file whose metadata promises more than its data holds
+                raise ValueError(f"row group {group} holds fewer batches than its metadata says")
             at = self._position[1]
             self._position = (group, at + 1)
             if at == batch:

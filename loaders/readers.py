@@ -302,7 +302,12 @@ class ParquetReader(UnitReader):
         return False
 
     def sample(self, index: int) -> dict[str, Any]:
-        row = self._rows.row(index)
+        import pyarrow as pa
+
+        try:
+            row = self._rows.row(index)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise ShardReadError(f"{self.where}: corrupt Parquet data at row {index} ({exc})") from None
         row.setdefault("__key__", f"{self._stem}/{index}")  # cached with its batch: set once
         return row
 
