@@ -143,8 +143,17 @@ class LoaderStats:
         now = time.time()
         if active.shape[0] == 0:
             return cls(
-                mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0,
-                retries=int(consumer[Counter.RETRIES].item()), target_bandwidth=target,
+                mode,
+                epoch,
+                0,
+                0,
+                0.0,
+                0.0,
+                0.0,
+                None,
+                0.0,
+                retries=int(consumer[Counter.RETRIES].item()),
+                target_bandwidth=target,
             )
         codes = {int(code) for code in active[:, Counter.MODE].tolist() if code}
         if codes:

@@ -1,0 +1,352 @@
+"""One reader's pass over its share of an epoch: walks the plan, opens units, builds samples or batches."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
+from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
+from datacache.loaders.epoch import initial_prefetch, node_unit_sequences, reader_name
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.prefetch import PrefetchController
+from datacache.loaders.readers import TarReader
+from datacache.loaders.stats import Counter, mode_code
+from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
+from torch.utils.data import get_worker_info
+
+from datacache.access import ThroughputReporter
+from datacache.errors import ConfigError, ShardReadError
+
+if TYPE_CHECKING:
+    from datacache.loaders.dataset import CachedIterableDataset
+
+__all__ = ["ITERATOR_MARK", "EpochIterator"]
+
+logger = logging.getLogger(__name__)
+
+_REPORT_INTERVAL = 5.0
+"""Seconds between throughput reports to the daemon."""
+_READER_THREADS = 2
+"""Threads that read and pack batches ahead in the consumer's process (batch mode, no workers)."""
+ITERATOR_MARK = "datacache_iterator"
+"""Marks an iterator's state inside a StatefulDataLoader's state (see `CachedIterableDataset.load_state_dict`)."""
+
+
+class EpochIterator:
+    """One reader's pass over its share of an epoch; `Stateful` for torchdata.
+
+    The plan (`epoch.plan_epoch`) says what to read; `units.UnitReaders` opens
+    it; `batching.BatchBuilder` turns it into samples or batches. This class
+    walks the plan and keeps the reader's counters.
+    """
+
+    def __init__(
+        self,
+        dataset: CachedIterableDataset,
+        runtime: Runtime,
+        layout: Layout,
+        epoch: int,
+        cursors: tuple[Cursor, ...],
+    ) -> None:
+        self.dataset = dataset
+        self.runtime = runtime
+        self.layout = layout
+        self.epoch = epoch
+        self.cursors = cursors
+        self.produced = 0
+        self._plan = epoch_plan(
+            runtime,
+            layout,
+            seed=dataset.seed,
+            epoch=epoch,
+            shuffle=dataset.shuffle,
+            drop_last=dataset.drop_last,
+            shuffle_buffer=dataset.shuffle_buffer,
+            cursors=cursors,
+            count_unit=self._count_unit,
+        )
+        plan = runtime.plan
+        share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
+        self.controller = PrefetchController(
+            fixed=dataset.prefetch,
+            initial=initial_prefetch(
+                max(plan.total, len(plan.units)), len(plan.units), runtime.window or 1, runtime.settings.concurrency
+            ),
+            target=share,
+            unit_bytes=runtime.handle.manifest.total_bytes / max(1, len(plan.units)),
+            where=f"dataset {runtime.handle.id} reader {layout.worker}",
+        )
+        self._in_consumer = get_worker_info() is None
+        self._row = dataset._table.row(layout.worker).numpy()
+        self._start_row()
+        self._skip_unreadable()
+        self._reported_at = time.monotonic()
+        self._last_yield = time.perf_counter()
+        self._lock = threading.Lock()
+        threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
+        self._units = UnitReaders(
+            runtime,
+            self._plan,
+            controller=self.controller,
+            row=self._row,
+            lock=self._lock,
+            skip_bad=dataset.on_error == "skip",
+            in_consumer=self._in_consumer,
+            future=self._node_future(),
+        )
+        self._builder = BatchBuilder(
+            self._units,
+            self._plan,
+            decode=dataset.decode,
+            row=self._row,
+            lock=self._lock,
+            threads=threads,
+            in_consumer=self._in_consumer,
+            skip_bad=dataset.on_error == "skip",
+        )
+        window = runtime.window or 256
+        self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
+        self._skip_to(0)
+        self._units.note_retries()
+
+    def _node_future(self) -> NodeFuture | None:
+        """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
+
+        None in a cold epoch (its order grows as shards are counted): each reader then
+        hands over its own order, as before.
+        """
+        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
+            return None
+        dataset, runtime = self.dataset, self.runtime
+        units = node_unit_sequences(
+            runtime.plan.counts,
+            seed=dataset.seed,
+            epoch=self.epoch,
+            shuffle=dataset.shuffle,
+            window=runtime.window,
+            cursors=self.cursors,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+        )
+        return NodeFuture(reader_name(self.layout), self.epoch, units)
+
+    def _start_row(self) -> None:
+        row = self._row
+        row[:] = 0
+        now = time.time()
+        row[Counter.ACTIVE] = 1
+        row[Counter.STARTED] = now
+        row[Counter.UPDATED] = now
+        row[Counter.NUM_WORKERS] = self.layout.num_workers
+        row[Counter.PADDED] = self._plan.padded
+        row[Counter.TOTAL] = len(self._plan)
+        row[Counter.MODE] = mode_code(self.runtime.access.mode)
+
+    def _skip_unreadable(self) -> None:
+        """Raise, or count as skipped, the shards whose samples the plan could not count."""
+        unreadable = self.runtime.plan.unreadable
+        if not unreadable:
+            return
+        if self.dataset.on_error != "skip":
+            raise ShardReadError(unreadable[min(unreadable)])
+        if self.layout.worker == 0:
+            for key in sorted(unreadable):
+                logger.warning("skipping %s", unreadable[key])
+            self._row[Counter.SKIPPED_SHARDS] += len(unreadable)
+
+    # -- Stateful ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            ITERATOR_MARK: 1,
+            "epoch": self.epoch,
+            "seed": self.dataset.seed,
+            "produced": self.produced,
+            "cold": isinstance(self._plan, ColdEpochPlan),
+            "cursors": [c.to_json() for c in self.cursors],
+            "layout": {
+                "world_size": self.layout.world_size,
+                "rank": self.layout.rank,
+                "num_workers": self.layout.num_workers,
+                "worker": self.layout.worker,
+                "chunk": self.layout.chunk,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        layout = state.get("layout", {})
+        same = (
+            int(state.get("epoch", -1)) == self.epoch
+            and [Cursor.from_json(c) for c in state.get("cursors", [])] == list(self.cursors)
+            and layout.get("world_size") == self.layout.world_size
+            and layout.get("rank") == self.layout.rank
+            and layout.get("num_workers") == self.layout.num_workers
+            and layout.get("worker") == self.layout.worker
+            and layout.get("chunk") == self.layout.chunk
+        )
+        if not same:
+            raise ConfigError(
+                "this iterator state was saved with another layout or epoch; "
+                "resume through CachedIterableDataset.load_state_dict(loader.state_dict()) instead"
+            )
+        self._skip_to(int(state["produced"]))
+
+    def _skip_to(self, produced: int) -> None:
+        if self._ahead is not None:
+            self._ahead.drain()
+        self.produced = min(produced, self._known(produced))
+        self._units.restart(self.produced)
+
+    def _known(self, length: int) -> int:
+        """Positions the plan holds, once it holds ``length`` or is complete (a cold plan grows here)."""
+        if isinstance(self._plan, ColdEpochPlan):
+            return self._plan.ensure(length)
+        return len(self._plan)
+
+    def _count_unit(self, unit: int) -> int:
+        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples."""
+        reader = self._units.reader_for(unit)
+        if reader is None:  # skipped as unreadable (on_error="skip"): no sample of it is dealt
+            book = self.runtime.book
+            if book is not None:
+                book.unreadable[self.runtime.plan.units[unit].keys[0]] = self._units.skipped_why.get(unit, "unreadable")
+            return 0
+        if not isinstance(reader, TarReader):
+            raise ConfigError(f"dataset {self.runtime.handle.id}: only tar shards are read before they are counted")
+        return len(reader.spans)
+
+    # -- iteration ------------------------------------------------------------------------
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            if self.dataset.batch_size:
+                return self._next_batch(self.dataset.batch_size)
+            return self._next_sample()
+        finally:
+            if self._in_consumer:
+                now = time.perf_counter()
+                self._row[Counter.CONSUMER_WAIT] += now - started
+                self._row[Counter.CONSUMER_TIME] += now - self._last_yield
+                self._last_yield = now
+
+    def _next_sample(self) -> Any:
+        while True:
+            if self.produced >= self._known(self.produced + 1):
+                self._finish()
+                raise StopIteration
+            position = self.produced
+            reader = self._units.reader_at(position)
+            self.produced += 1
+            if reader is None:
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
+            sample = reader.sample(int(self._plan.local[position]))
+            nbytes = sample_bytes(sample)
+            self._units.release_after(position, None)
+            decoded = self._builder.decode(sample, reader)
+            if decoded is SKIPPED:
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
+            self._account(nbytes, 1)
+            return decoded
+
+    def _next_batch(self, size: int) -> Any:
+        while True:
+            known = self._known(self.produced + size)
+            if self.produced >= known:
+                self._finish()
+                raise StopIteration
+            begin = self.produced
+            total = known
+            if isinstance(self._plan, ColdEpochPlan) and not self._plan.final:
+                total = begin + (known - begin) // size * size  # read ahead only whole batches laid out
+            if self._ahead is not None:
+                built = self._ahead.take(begin, size, total)
+            else:
+                built = self._builder.build(begin, size)
+            stop = min(begin + size, total)
+            self.produced = stop
+            pool = self._ahead.pool if self._ahead is not None else None
+            for position in range(begin, stop):
+                self._units.release_after(position, pool)
+            if built is not None:
+                batch, nbytes, count = built
+                self._account(nbytes, count)
+                return batch
+
+    # -- counters and reports -------------------------------------------------------------
+
+    def _account(self, nbytes: int, samples: int) -> None:
+        with self._lock:
+            self._account_locked(nbytes, samples)
+
+    def _account_locked(self, nbytes: int, samples: int) -> None:
+        row = self._row
+        row[Counter.SAMPLES] += samples
+        row[Counter.BYTES] += nbytes
+        row[Counter.UPDATED] = time.time()
+        row[Counter.DEPTH] = self.controller.depth
+        now = time.monotonic()
+        if now - self._reported_at >= _REPORT_INTERVAL:
+            self._reported_at = now
+            self._report()
+        if not self.controller.due():
+            return
+        units = self._units
+        self.controller.observe(
+            delivered=float(row[Counter.BYTES]),
+            waited=float(row[Counter.WAIT]),
+            staging_rate=units.staged_bytes / units.staging_seconds if units.staging_seconds else 0.0,
+            breakdown={
+                "origin": float(row[Counter.WAIT_ORIGIN]),
+                "shared tier": float(row[Counter.WAIT_SHARED]),
+                "local disk": float(row[Counter.READ]),
+                "decode": float(row[Counter.DECODE]),
+                "total": float(row[Counter.UPDATED] - row[Counter.STARTED]),
+            },
+        )
+
+    def _report(self) -> None:
+        """Tell the daemon (if one serves this reader) what it delivered, for its metrics."""
+        access = self.runtime.access
+        row = self._row
+        row[Counter.MODE] = mode_code(access.mode)
+        if not isinstance(access, ThroughputReporter):
+            return
+        elapsed = max(float(row[Counter.UPDATED] - row[Counter.STARTED]), 1e-9)
+        if self._in_consumer and row[Counter.CONSUMER_TIME] > 0:
+            stall = float(row[Counter.CONSUMER_WAIT] / row[Counter.CONSUMER_TIME])
+        else:
+            stall = min(1.0, float(row[Counter.WAIT]) / elapsed)
+        self.runtime.loop.submit(
+            access.report(
+                delivered_bytes_per_s=float(row[Counter.BYTES]) / elapsed,
+                stall_fraction=stall,
+                delivered_bytes=int(row[Counter.BYTES]),
+                dataset=self.runtime.handle.id,
+            )
+        )
+
+    def _finish(self) -> None:
+        self._row[Counter.PADDED] = self._plan.padded  # a cold plan knows them once it settled
+        self._row[Counter.TOTAL] = len(self._plan)
+        self._units.note_retries()
+        self._report()
+        if self._ahead is not None:
+            self._ahead.drain()
+            self._ahead.shutdown(wait=True)
+        self._units.close_all()
+        self._row[Counter.UPDATED] = time.time()
+
+    def __del__(self) -> None:
+        ahead = getattr(self, "_ahead", None)
+        if ahead is not None:
+            ahead.shutdown(wait=False)
