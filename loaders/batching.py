@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
@@ -35,7 +36,6 @@ __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhea
 
 logger = logging.getLogger(__name__)
 
-Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 Built = tuple[Any, int, int]
 """A batch, its payload bytes, its sample count."""
 LOOKAHEAD = 6
@@ -53,6 +53,7 @@ class BatchBuilder:
         epoch: ReadPlan,
         *,
         decode: Decoder,
+        transform: Callable[[Any], Any] | None = None,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         threads: int,
@@ -62,7 +63,7 @@ class BatchBuilder:
         self._units = units
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoder = decode
+        self._decoding = SampleDecoding(decode, transform)
         self._row = row
         self._lock = lock
         self._threads = threads
@@ -94,9 +95,9 @@ class BatchBuilder:
                 skipped += 1
                 continue
             local = int(self._epoch.local[position])
-            if self._decoder == "auto" and reader.packable:
+            if self._decoding.raw and reader.packable:
                 raw.append(reader.fields(local))
-            elif self._decoder == "auto" and self._format is ShardFormat.ZARR:
+            elif self._decoding.raw and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
             else:
                 sample = self.decode(reader.sample(local), reader)
@@ -124,7 +125,7 @@ class BatchBuilder:
         return None
 
     def _collate(self, decoded: list[Any]) -> Built:
-        if self._format is ShardFormat.PARQUET and self._decoder == "auto":
+        if self._format is ShardFormat.PARQUET and self._decoding.raw:
             import pyarrow as pa
 
             record_batch = pa.RecordBatch.from_pylist(decoded)
@@ -132,24 +133,17 @@ class BatchBuilder:
         return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
 
     def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
-        """Apply the dataset's decoder to one sample read from ``reader``.
+        """Apply the dataset's decoder and transform to one sample read from ``reader``.
 
-        Returns `SKIPPED` for a sample the decoder failed on when bad samples are skipped.
+        Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
         if reader.packable:
             sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
-        decode = self._decoder
-        if decode == "auto":
+        if self._decoding.raw:
             return sample
         started = time.perf_counter()
         try:
-            if isinstance(decode, Mapping):
-                return {
-                    k: (self._call(decode[k], v, sample, reader, k) if k in decode else v) for k, v in sample.items()
-                }
-            if callable(decode):
-                return self._call(decode, sample, sample, reader, None)
-            return sample
+            return self._decoding.apply(sample, reader.where)
         except SampleDecodeError as exc:
             if not self._skip_bad:
                 raise
@@ -157,19 +151,6 @@ class BatchBuilder:
             return SKIPPED
         finally:
             self._row[Counter.DECODE] += time.perf_counter() - started
-
-    @staticmethod
-    def _call(
-        function: Callable[[Any], Any], value: Any, sample: dict[str, Any], reader: UnitReader, name: str | None
-    ) -> Any:
-        """``function(value)``; its exception becomes one that says where it happened."""
-        try:
-            return function(value)
-        except Exception as exc:
-            what = f"field {name!r}" if name is not None else f"decoder {getattr(function, '__name__', function)!r}"
-            raise SampleDecodeError(
-                f"{reader.where}: sample {sample.get('__key__')!r}: {what} raised {type(exc).__name__}: {exc}"
-            ) from exc
 
 
 class ReadAhead:

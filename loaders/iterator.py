@@ -102,6 +102,7 @@ class EpochIterator:
             self._units,
             self._plan,
             decode=dataset.decode,
+            transform=dataset.transform,
             row=self._row,
             lock=self._lock,
             threads=threads,
