@@ -13,7 +13,8 @@ from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import TarReader
+from datacache.loaders.readers import TarReader, sample_of
+from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code
 from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
 from torch.utils.data import get_worker_info
@@ -109,6 +110,8 @@ class EpochIterator:
             in_consumer=self._in_consumer,
             skip_bad=dataset.on_error == "skip",
         )
+        # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
+        self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
@@ -249,7 +252,9 @@ class EpochIterator:
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
-            sample = reader.sample(int(self._plan.local[position]))
+            local = int(self._plan.local[position])
+            ring = self._ring
+            sample = sample_of(reader.fields(local), ring.wrap) if ring and reader.packable else reader.sample(local)
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)
