@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,10 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from datacache.loaders import CachedIterableDataset
+from datacache.loaders.coldplan import ColdEpochPlan
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
+from datacache.catalog import ReaderRow
 from datacache.config import Settings, load_settings
+from datacache.stager import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -149,3 +153,26 @@ def test_a_cold_epoch_on_two_nodes_reads_each_shard_once_from_the_origin(
     assert len(gets) == 40
     twice = {k: v for k, v in gets.items() if v > 1}
     assert not twice, f"shards the origin served more than once in the cluster: {twice}"
+
+
+def test_a_cold_epoch_tells_the_stager_where_its_readers_are_in_the_node_future(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=120, per_shard=6)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=3, batch_size=4)
+    iterator = iter(dataset)
+    next(iterator)
+    assert isinstance(iterator._plan, ColdEpochPlan), "the first epoch is cold"
+
+    async def readers() -> list[ReaderRow]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            return await stager.catalog.readers(handle.id)
+
+    rows = asyncio.run(readers())
+    assert [(row.reader, row.epoch) for row in rows] == [("1.0", 0)], "progress in the node's future, by reader name"
+    del iterator
+    dataset.close()
