@@ -199,7 +199,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
         runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
         if not known:
-            runtime.book = CountBook(plan, handle, settings, loop)
+            runtime.book = CountBook(plan, handle, settings, loop, access)
         self._runtime = runtime
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).

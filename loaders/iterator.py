@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
+from datacache.loaders.coldorder import node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.order import Cursor, Layout
@@ -120,12 +121,22 @@ class EpochIterator:
     def _node_future(self) -> NodeFuture | None:
         """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
 
-        None in a cold epoch (its order grows as shards are counted): each reader then
-        hands over its own order, as before.
+        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`).
+        None when resuming a cold epoch (what it left is known only to this reader): it then
+        hands over its own order.
         """
-        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
-            return None
         dataset, runtime = self.dataset, self.runtime
+        if isinstance(self._plan, ColdEpochPlan):
+            units = node_cold_sequences(
+                len(runtime.plan.units),
+                seed=dataset.seed,
+                epoch=self.epoch,
+                shuffle=dataset.shuffle,
+                layout=self.layout,
+            )
+            return NodeFuture(reader_name(self.layout), self.epoch, units)
+        if any(cursor.cold for cursor in self.cursors):
+            return None
         units = node_unit_sequences(
             runtime.plan.counts,
             seed=dataset.seed,
