@@ -26,8 +26,7 @@ from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import UnitReaders
-from datacache.tiers import redact_url
+from datacache.loaders.units import Units
 
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
@@ -49,7 +48,7 @@ class BatchBuilder:
 
     def __init__(
         self,
-        units: UnitReaders,
+        units: Units,
         epoch: ReadPlan,
         *,
         decode: Decoder,
@@ -59,8 +58,11 @@ class BatchBuilder:
         threads: int,
         in_consumer: bool,
         skip_bad: bool,
+        tally: Callable[[int, int], None] | None = None,
     ) -> None:
         self._units = units
+        self._tally = tally
+        """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
         self._epoch = epoch
         self._decoding = SampleDecoding(decode, transform)
@@ -70,7 +72,6 @@ class BatchBuilder:
         self._in_consumer = in_consumer
         runtime = units.runtime
         self._format = runtime.handle.manifest.format
-        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:
@@ -95,16 +96,26 @@ class BatchBuilder:
                 skipped += 1
                 continue
             local = int(self._epoch.local[position])
+            tally = self._tally
             if self._decoding.raw and reader.packable:
-                raw.append(reader.fields(local))
+                fields = reader.fields(local)
+                raw.append(fields)
+                if tally is not None:
+                    tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
             elif self._decoding.raw and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
+                if tally is not None:
+                    tally(position, sample_bytes(reader.sample(local)))
             else:
-                sample = self.decode(reader.sample(local), reader)
+                read = reader.sample(local)
+                nbytes = sample_bytes(read) if tally is not None else 0
+                sample = self.decode(read, reader)
                 if sample is SKIPPED:
                     skipped += 1
                 else:
                     decoded.append(sample)
+                    if tally is not None:
+                        tally(position, nbytes)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
@@ -138,7 +149,7 @@ class BatchBuilder:
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
         if reader.packable:
-            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
+            sample["__url__"] = f"{self._units.url_of(reader)}/{reader.unit.keys[0]}"
         if self._decoding.raw:
             return sample
         started = time.perf_counter()
@@ -156,7 +167,7 @@ class BatchBuilder:
 class ReadAhead:
     """Reader threads that build the next few batches, in order, ahead of the consumer."""
 
-    def __init__(self, builder: BatchBuilder, units: UnitReaders, *, threads: int, window: int) -> None:
+    def __init__(self, builder: BatchBuilder, units: Units, *, threads: int, window: int) -> None:
         self._builder = builder
         self._units = units
         self._threads = threads

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ from datacache.loaders.readers import (
     open_unit_reader,
 )
 from datacache.loaders.stats import Counter
+from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -43,7 +44,7 @@ from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadErr
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
 
-__all__ = ["NodeFuture", "Runtime", "UnitReaders"]
+__all__ = ["NodeFuture", "Runtime", "UnitReaders", "Units"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Runtime:
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: Any = None
     """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    mix: Any = None
+    """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -104,6 +107,37 @@ class NodeFuture:
         return found
 
 
+class Units(Protocol):
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `mixunits.MixedUnitReaders`."""
+
+    runtime: Runtime
+
+    @property
+    def skipped_why(self) -> dict[int, str]: ...
+
+    @property
+    def staged_bytes(self) -> float: ...
+
+    @property
+    def staging_seconds(self) -> float: ...
+
+    def restart(self, produced: int) -> None: ...
+
+    def close_all(self) -> None: ...
+
+    def note_retries(self) -> None: ...
+
+    def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None: ...
+
+    def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None: ...
+
+    def reader_at(self, position: int) -> UnitReader | None: ...
+
+    def reader_for(self, unit: int) -> UnitReader | None: ...
+
+    def url_of(self, reader: UnitReader) -> str: ...
+
+
 class UnitReaders:
     """The units one reader has open this epoch, opened in plan order and closed after last use.
 
@@ -133,6 +167,8 @@ class UnitReaders:
         self._plan = runtime.plan
         self._format = runtime.handle.manifest.format
         self._where = f"dataset {runtime.handle.id}"
+        self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
+        """The URL (credentials redacted) this dataset's shard keys are relative to."""
         self._controller = controller
         self._row = row
         self._lock = lock
@@ -191,6 +227,10 @@ class UnitReaders:
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
+
+    def url_of(self, reader: UnitReader) -> str:
+        """The URL (credentials redacted) ``reader``'s shard keys are relative to."""
+        return self.url
 
     def note_retries(self) -> None:
         """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
