@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import DECODERS, basic_decoders
+from datacache.loaders.mapstyle import CachedMapDataset
 from datacache.loaders.packing import PackedBytes
 from datacache.loaders.stats import LoaderStats
 
-__all__ = ["DECODERS", "CachedIterableDataset", "LoaderStats", "PackedBytes", "basic_decoders"]
+__all__ = ["DECODERS", "CachedIterableDataset", "CachedMapDataset", "LoaderStats", "PackedBytes", "basic_decoders"]

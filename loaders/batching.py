@@ -63,14 +63,13 @@ class BatchBuilder:
         self._units = units
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoding = SampleDecoding(decode, transform)
+        self._decoding = SampleDecoding(decode, transform, redact_url(units.runtime.handle.config.url))
         self._row = row
         self._lock = lock
         self._threads = threads
         self._in_consumer = in_consumer
         runtime = units.runtime
         self._format = runtime.handle.manifest.format
-        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:
@@ -137,8 +136,7 @@ class BatchBuilder:
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        if reader.packable:
-            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
+        self._decoding.identify(sample, reader)
         if self._decoding.raw:
             return sample
         started = time.perf_counter()
