@@ -143,8 +143,9 @@ class SampleRing:
 
     def _grow(self, nbytes: int) -> None:
         nbytes = min(max(nbytes, _HEADER + 1), self._max)
-        buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         buffer.share_memory_()  # type: ignore[no-untyped-call]
+        buffer[:_HEADER] = 0  # the reader's position starts at 0
         self._buffer = buffer
         array = buffer.numpy()
         self._data = array.data
