@@ -11,10 +11,11 @@ from datacache import __version__
 from datacache.cli._common import (
     Commands,
     add_settings_flags,
+    daemon_answer,
     daemon_client,
     settings_from,
 )
-from datacache.config import resolve_dataset
+from datacache.config import Settings, resolve_dataset
 from datacache.errors import ConfigError
 from datacache.stager import LOCAL, SHARED, Stager
 from datacache.tiers import redact_url
@@ -25,40 +26,56 @@ async def _ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     async with Stager(settings) as stager:
         await stager.reconcile()
-        records = await stager.catalog.datasets()
-        entries = await stager.catalog.entries()
-        rows: list[dict[str, Any]] = []
-        for record in records:
-            local = [e for e in entries if e.dataset == record.id and e.state == "resident"]
-            shared_count = shared_bytes = 0
-            if stager.shared is not None:
-                async for info in stager.shared.list(f"{record.id}/"):
-                    shared_count += 1
-                    shared_bytes += info.size
-            rows.append(
-                {
-                    "dataset": record.id,
-                    "url": redact_url(record.url),
-                    "format": record.format,
-                    "policy": record.policy,
-                    "pinned": record.pinned,
-                    "shards": record.shard_count,
-                    "bytes": record.total_bytes,
-                    "local_shards": len(local),
-                    "local_bytes": sum(e.size for e in local),
-                    "shared_shards": shared_count if stager.shared is not None else None,
-                    "shared_bytes": shared_bytes if stager.shared is not None else None,
-                }
-            )
+        rows = await _ls_rows(stager, settings)
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
-        return 0
-    if not rows:
+    elif not rows:
         sys.stdout.write("no datasets yet (datacache warm URL stages one)\n")
-        return 0
+    else:
+        _print_ls_table(rows)
+    return 0
+
+
+async def _ls_rows(stager: Stager, settings: Settings) -> list[dict[str, Any]]:
+    """One row per dataset the catalog knows: its configured names, its residency per tier."""
+    # Tiers key copies by the origin's id; users know their datasets by the config's names.
+    names: dict[str, list[str]] = {}
+    for name, config in sorted(settings.datasets.items()):
+        names.setdefault(config.id, []).append(name)
+    entries = await stager.catalog.entries()
+    rows: list[dict[str, Any]] = []
+    for record in await stager.catalog.datasets():
+        local = [e for e in entries if e.dataset == record.id and e.state == "resident"]
+        shared_count = shared_bytes = 0
+        if stager.shared is not None:
+            async for info in stager.shared.list(f"{record.id}/"):
+                shared_count += 1
+                shared_bytes += info.size
+        rows.append(
+            {
+                "dataset": record.id,
+                "names": names.get(record.id, []),
+                "url": redact_url(record.url),
+                "format": record.format,
+                "policy": record.policy,
+                "pinned": record.pinned,
+                "shards": record.shard_count,
+                "bytes": record.total_bytes,
+                "local_shards": len(local),
+                "local_bytes": sum(e.size for e in local),
+                "shared_shards": shared_count if stager.shared is not None else None,
+                "shared_bytes": shared_bytes if stager.shared is not None else None,
+            }
+        )
+    return rows
+
+
+def _print_ls_table(rows: list[dict[str, Any]]) -> None:
+    labels = [",".join(row["names"]) or "-" for row in rows]
+    width = max(len("NAME"), *map(len, labels))
     header = f"{'DATASET':<32} {'FORMAT':<8} {'SHARDS':>7} {'SIZE':>11} {'LOCAL':>22} {'SHARED':>22}  URL"
-    sys.stdout.write(header + "\n")
-    for row in rows:
+    sys.stdout.write(f"{'NAME':<{width}} {header}\n")
+    for label, row in zip(labels, rows):
         total = row["bytes"] or 0
 
         def residency(count: int | None, size: int | None, row: dict[str, Any] = row, total: int = total) -> str:
@@ -68,47 +85,25 @@ async def _ls(args: argparse.Namespace) -> int:
             return f"{count}/{row['shards']} {share} {format_bytes(size)}"
 
         sys.stdout.write(
-            f"{row['dataset']:<32} {row['format'] or '?':<8} {row['shards'] or 0:>7} {format_bytes(total):>11} "
-            f"{residency(row['local_shards'], row['local_bytes']):>22} "
+            f"{label:<{width}} {row['dataset']:<32} {row['format'] or '?':<8} {row['shards'] or 0:>7} "
+            f"{format_bytes(total):>11} {residency(row['local_shards'], row['local_bytes']):>22} "
             f"{residency(row['shared_shards'], row['shared_bytes']):>22}  {row['url']}\n"
         )
-    return 0
 
 
 async def _status(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     async with Stager(settings, reconcile=False) as stager:
-        used, count = await stager.catalog.usage()
-        local_usage = await stager.local.usage()
-        tiers: list[dict[str, Any]] = [
-            {
-                "tier": LOCAL,
-                "path": str(settings.local_dir),
-                "used_bytes": used,
-                "shards": count,
-                "capacity_bytes": settings.local_capacity,
-                "device_free_bytes": local_usage.device_free_bytes,
-            }
-        ]
-        if stager.shared is not None:
-            shared_usage = await stager.shared.usage()
-            tiers.append(
-                {
-                    "tier": SHARED,
-                    "path": str(settings.shared_dir),
-                    "used_bytes": shared_usage.used_bytes,
-                    "shards": shared_usage.object_count,
-                    "capacity_bytes": settings.shared_capacity,
-                    "device_free_bytes": shared_usage.device_free_bytes,
-                }
-            )
-    socket_path = settings.daemon_socket
+        tiers = await _tier_usage(stager, settings)
+    daemon = await daemon_answer(settings)
     document = {
         "version": __version__,
         "config": str(settings.config_path) if settings.config_path else None,
         "tiers": tiers,
-        "daemon_socket": str(socket_path),
-        "daemon_socket_present": socket_path.exists(),
+        "daemon": daemon,
+        # The keys before "daemon" existed, kept for one release (see docs/DAEMON.md).
+        "daemon_socket": daemon["socket"],
+        "daemon_socket_present": settings.daemon_socket.exists(),
     }
     if args.json:
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
@@ -123,9 +118,43 @@ async def _status(args: argparse.Namespace) -> int:
             f"{tier['tier']:<7} {tier['path']}: {format_bytes(tier['used_bytes'])} of {limit}{percent} in "
             f"{tier['shards']} shards; device free {format_bytes(free) if free is not None else '?'}\n"
         )
-    daemon = "present" if document["daemon_socket_present"] else "absent"
-    sys.stdout.write(f"daemon  socket {socket_path}: {daemon}\n")
+    sys.stdout.write(f"daemon  {daemon['socket']}: {_daemon_line(daemon)}\n")
     return 0
+
+
+async def _tier_usage(stager: Stager, settings: Settings) -> list[dict[str, Any]]:
+    used, count = await stager.catalog.usage()
+    local_usage = await stager.local.usage()
+    tiers: list[dict[str, Any]] = [
+        {
+            "tier": LOCAL,
+            "path": str(settings.local_dir),
+            "used_bytes": used,
+            "shards": count,
+            "capacity_bytes": settings.local_capacity,
+            "device_free_bytes": local_usage.device_free_bytes,
+        }
+    ]
+    if stager.shared is not None:
+        shared_usage = await stager.shared.usage()
+        tiers.append(
+            {
+                "tier": SHARED,
+                "path": str(settings.shared_dir),
+                "used_bytes": shared_usage.used_bytes,
+                "shards": shared_usage.object_count,
+                "capacity_bytes": settings.shared_capacity,
+                "device_free_bytes": shared_usage.device_free_bytes,
+            }
+        )
+    return tiers
+
+
+def _daemon_line(daemon: dict[str, Any]) -> str:
+    if not daemon["answers"]:
+        return f"none answers ({daemon['detail']}); commands run in this process"
+    user = f" ({daemon['user']})" if daemon["user"] else ""
+    return f"answers: pid {daemon['pid']}, uid {daemon['uid']}{user}, datacache {daemon['version']}"
 
 
 async def _evict(args: argparse.Namespace) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pwd
 import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from datacache.client import DaemonClient
 from datacache.config import Settings, load_settings
-from datacache.errors import DaemonUnavailableError
+from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.tiers import redact_url
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,48 @@ async def daemon_client(settings: Settings) -> DaemonClient | None:
         logger.info("%s; working in this process", exc)
         return None
     return client
+
+
+async def daemon_answer(settings: Settings) -> dict[str, Any]:
+    """Whether a daemon answers on the configured socket, and whose it is (for ``status``).
+
+    Bounded: a listener that accepts and never replies costs two seconds, not a hang.
+    """
+    socket_path = settings.daemon_socket
+    found: dict[str, Any] = {"socket": str(socket_path), "answers": False}
+    if not socket_path.exists():
+        return found | {"detail": "no socket there"}
+    client = DaemonClient(settings, connect_timeout=_PROBE_SECONDS)
+    try:
+        health = await client.health(within=_PROBE_SECONDS)
+    except DatacacheError as exc:  # nobody listening, a listener of another uid, a garbled reply
+        return found | {"detail": one_line(exc)}
+    finally:
+        await client.close()
+    uid = client.server_uid
+    return found | {
+        "answers": True,
+        "pid": health.get("pid"),
+        "uid": uid,
+        "user": _user_name(uid),
+        "version": health.get("version"),
+    }
+
+
+_PROBE_SECONDS = 2.0
+
+
+def _user_name(uid: int | None) -> str | None:
+    try:
+        return None if uid is None else pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid with no account on this machine (a container's)
+        return None
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line of text, credentials in URLs redacted."""
+    text = str(exc).strip().splitlines()
+    return redact_url(text[0]) if text else type(exc).__name__
 
 
 def plural(n: int, noun: str) -> str:

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from datacache import __version__
 from datacache._logging import configure_logging
 from datacache.cli import _build, _cache, _node, _warm
-from datacache.cli._common import Parser
+from datacache.cli._common import Parser, one_line
 from datacache.errors import ConfigError, DatacacheError
-from datacache.tiers import redact_url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,10 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except DatacacheError as exc:
-        sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
+        sys.stderr.write(f"datacache: error: {one_line(exc)}\n")
         return 2 if isinstance(exc, ConfigError) else 1
     except OSError as exc:
-        sys.stderr.write(f"datacache: error: {_one_line(exc)}\n")
+        sys.stderr.write(f"datacache: error: {one_line(exc)}\n")
         return 1
     return result
 
@@ -63,8 +62,3 @@ def _reader_gone() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 128 + signal.SIGPIPE
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return redact_url(text[0]) if text else type(exc).__name__
