@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
@@ -34,7 +35,6 @@ __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhea
 
 logger = logging.getLogger(__name__)
 
-Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 Built = tuple[Any, int, int]
 """A batch, its payload bytes, its sample count."""
 LOOKAHEAD = 6
@@ -52,6 +52,7 @@ class BatchBuilder:
         epoch: ReadPlan,
         *,
         decode: Decoder,
+        transform: Callable[[Any], Any] | None = None,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         threads: int,
@@ -64,7 +65,7 @@ class BatchBuilder:
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoder = decode
+        self._decoding = SampleDecoding(decode, transform)
         self._row = row
         self._lock = lock
         self._threads = threads
@@ -96,12 +97,12 @@ class BatchBuilder:
                 continue
             local = int(self._epoch.local[position])
             tally = self._tally
-            if self._decoder == "auto" and reader.packable:
+            if self._decoding.raw and reader.packable:
                 fields = reader.fields(local)
                 raw.append(fields)
                 if tally is not None:
                     tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
-            elif self._decoder == "auto" and self._format is ShardFormat.ZARR:
+            elif self._decoding.raw and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
                 if tally is not None:
                     tally(position, sample_bytes(reader.sample(local)))
@@ -135,7 +136,7 @@ class BatchBuilder:
         return None
 
     def _collate(self, decoded: list[Any]) -> Built:
-        if self._format is ShardFormat.PARQUET and self._decoder == "auto":
+        if self._format is ShardFormat.PARQUET and self._decoding.raw:
             import pyarrow as pa
 
             record_batch = pa.RecordBatch.from_pylist(decoded)
@@ -143,24 +144,17 @@ class BatchBuilder:
         return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
 
     def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
-        """Apply the dataset's decoder to one sample read from ``reader``.
+        """Apply the dataset's decoder and transform to one sample read from ``reader``.
 
-        Returns `SKIPPED` for a sample the decoder failed on when bad samples are skipped.
+        Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
         if reader.packable:
             sample["__url__"] = f"{self._units.url_of(reader)}/{reader.unit.keys[0]}"
-        decode = self._decoder
-        if decode == "auto":
+        if self._decoding.raw:
             return sample
         started = time.perf_counter()
         try:
-            if isinstance(decode, Mapping):
-                return {
-                    k: (self._call(decode[k], v, sample, reader, k) if k in decode else v) for k, v in sample.items()
-                }
-            if callable(decode):
-                return self._call(decode, sample, sample, reader, None)
-            return sample
+            return self._decoding.apply(sample, reader.where)
         except SampleDecodeError as exc:
             if not self._skip_bad:
                 raise
@@ -168,19 +162,6 @@ class BatchBuilder:
             return SKIPPED
         finally:
             self._row[Counter.DECODE] += time.perf_counter() - started
-
-    @staticmethod
-    def _call(
-        function: Callable[[Any], Any], value: Any, sample: dict[str, Any], reader: UnitReader, name: str | None
-    ) -> Any:
-        """``function(value)``; its exception becomes one that says where it happened."""
-        try:
-            return function(value)
-        except Exception as exc:
-            what = f"field {name!r}" if name is not None else f"decoder {getattr(function, '__name__', function)!r}"
-            raise SampleDecodeError(
-                f"{reader.where}: sample {sample.get('__key__')!r}: {what} raised {type(exc).__name__}: {exc}"
-            ) from exc
 
 
 class ReadAhead:

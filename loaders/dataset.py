@@ -12,16 +12,17 @@ shard before serving a sample from it, and records what it delivered.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import multiprocessing.util
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from datacache.loaders.batching import Decoder
 from datacache.loaders.coldplan import CountBook, complete_runtime, epoch_is_cold
+from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.epoch import auto_window
 from datacache.loaders.iterator import ITERATOR_MARK, EpochIterator
 from datacache.loaders.mixed import Mix, open_handle, open_mix
@@ -81,8 +82,10 @@ class CachedIterableDataset(IterableDataset[Any]):
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
-        ``"auto"`` or None keeps raw bytes; a callable receives each sample dict; a mapping decodes fields
-        by name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
+        ``"auto"`` or None keeps raw bytes; ``"basic"``, ``"pil"``, ``"numpy"`` or ``"torch"`` pick a
+        built-in decoder set (see `datacache.loaders.decode.DECODERS`); a callable receives each sample
+        dict (``__key__`` and ``__url__`` are kept in the dict it returns); a mapping decodes fields by
+        name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
         key and field; ``on_error="skip"`` skips that sample instead.
     drop_last
         Drop the remainder so every rank has ``floor(N / world)`` samples; else pad by repeating.
@@ -94,7 +97,12 @@ class CachedIterableDataset(IterableDataset[Any]):
         also the chunk in which each rank's samples are dealt to workers, which makes resume exact.
     on_error
         ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, or a sample its
-        decoder fails on, and count it.
+        decoder or transform fails on, and count it.
+    transform
+        A callable applied to each decoded sample, in the process that reads it (the DataLoader
+        worker); what it returns is what the sample becomes. In batch mode it runs on each sample
+        before the batch is collated (``default_collate``), so batches are no longer packed bytes.
+        Its exception is a `SampleDecodeError` like a decoder's. Must pickle for spawned workers.
     weights
         With a list of sources: each source's proportion of the epoch, one per source.
     epoch_size
@@ -121,6 +129,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         config: Settings | None = None,
         batch_size: int | None = None,
         on_error: str = "raise",
+        transform: Callable[[Any], Any] | None = None,
         weights: Sequence[float] | None = None,
         epoch_size: int | None = None,
         replacement: bool = False,
@@ -151,10 +160,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         if prefetch is not None and prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {prefetch}")
-        if decode is None:
-            decode = "auto"
-        if not (decode == "auto" or callable(decode) or isinstance(decode, Mapping)):
-            raise ConfigError("decode must be 'auto', None, a callable, or a mapping of field name to callable")
+        decode = check_decoder(decode)
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -166,6 +172,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.config = config
         self.batch_size = batch_size
         self.on_error = on_error
+        self.transform = check_transform(transform)
         self._epoch = 0
         self._cursors: tuple[Cursor, ...] = ()
         self._resume_epoch: int | None = None
@@ -184,6 +191,20 @@ class CachedIterableDataset(IterableDataset[Any]):
         # where torch.distributed is initialised.
         state["_layout_hint"] = _rank_and_world()
         return state
+
+    def map(self, function: Callable[[Any], Any]) -> CachedIterableDataset:
+        """A copy of this dataset whose samples also go through ``function``, after any transform.
+
+        This dataset is unchanged. The copy has the same configuration, epoch and resume state,
+        and its own statistics and runtime.
+        """
+        if not callable(function):
+            raise ConfigError(f"map() takes a callable, got {type(function).__name__}")
+        mapped = copy.copy(self)
+        mapped.__dict__.update(_runtime=None, _main_iterator=None, _table=StatsTable())
+        mapped._table.epoch = self._epoch
+        mapped.transform = Compose.of(self.transform, function)
+        return mapped
 
     # -- process-local runtime -----------------------------------------------------------
 
@@ -223,7 +244,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
         runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
         if not known:
-            runtime.book = CountBook(plan, handle, settings, loop)
+            runtime.book = CountBook(plan, handle, settings, loop, access)
         return self._keep(runtime)
 
     def _keep(self, runtime: Runtime) -> Runtime:

@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
+from datacache.loaders.coldorder import node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import ReadPlan, initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.mixed import mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import TarReader
+from datacache.loaders.readers import TarReader, sample_of
+from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code
 from datacache.loaders.units import NodeFuture, Runtime, UnitReaders, Units
 from torch.utils.data import get_worker_info
@@ -114,6 +116,7 @@ class EpochIterator:
             self._units,
             self._plan,
             decode=dataset.decode,
+            transform=dataset.transform,
             row=self._row,
             lock=self._lock,
             threads=threads,
@@ -121,6 +124,8 @@ class EpochIterator:
             skip_bad=dataset.on_error == "skip",
             tally=self._tally if self._mixed is not None else None,
         )
+        # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
+        self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
@@ -129,12 +134,22 @@ class EpochIterator:
     def _node_future(self) -> NodeFuture | None:
         """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
 
-        None in a cold epoch (its order grows as shards are counted): each reader then
-        hands over its own order, as before.
+        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`).
+        None when resuming a cold epoch (what it left is known only to this reader): it then
+        hands over its own order.
         """
-        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
-            return None
         dataset, runtime = self.dataset, self.runtime
+        if isinstance(self._plan, ColdEpochPlan):
+            units = node_cold_sequences(
+                len(runtime.plan.units),
+                seed=dataset.seed,
+                epoch=self.epoch,
+                shuffle=dataset.shuffle,
+                layout=self.layout,
+            )
+            return NodeFuture(reader_name(self.layout), self.epoch, units)
+        if any(cursor.cold for cursor in self.cursors):
+            return None
         units = node_unit_sequences(
             runtime.plan.counts,
             seed=dataset.seed,
@@ -262,7 +277,9 @@ class EpochIterator:
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
-            sample = reader.sample(int(self._plan.local[position]))
+            local = int(self._plan.local[position])
+            ring = self._ring
+            sample = sample_of(reader.fields(local), ring.wrap) if ring and reader.packable else reader.sample(local)
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BufferRing", "PackedBytes", "pack_fields"]
+__all__ = ["BufferRing", "PackedBytes", "pack_fields", "process_alive"]
 
 
 # Storages of worker ring slots seen by this process, kept mapped: torch maps a
@@ -72,7 +72,8 @@ _WORKER_SLOTS: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
 _RINGS_PER_WORKER = 3
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (its shared buffers may still be named)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -87,7 +88,7 @@ def _forget_old_slots(arriving: _SlotId) -> None:
     keep = set(rings[-_RINGS_PER_WORKER:])
     for key in list(_WORKER_SLOTS):
         pid, ring, _ = key
-        if (pid == arriving.pid and ring not in keep) or (pid != arriving.pid and not _process_alive(pid)):
+        if (pid == arriving.pid and ring not in keep) or (pid != arriving.pid and not process_alive(pid)):
             del _WORKER_SLOTS[key]
 
 

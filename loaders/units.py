@@ -93,6 +93,10 @@ class NodeFuture:
             {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
         )
 
+    def after(self, units_this_epoch: int) -> tuple[int, ...]:
+        """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
+        return self.units.get(self.reader, ())[units_this_epoch:]
+
     def key_positions(self, plan: UnitPlan) -> dict[int, int]:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
         found: dict[int, int] = {}
@@ -180,6 +184,8 @@ class UnitReaders:
         self._next_index = 0
         self._prefetched_until = 0
         self._future_told = False
+        self._position = 0
+        """The position this reader last reported (`_note_progress`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -195,13 +201,14 @@ class UnitReaders:
             reader.close()
         self.readers.clear()
         if self._future is not None and self._future_told:
-            self._note_progress(None)  # holds nothing any more
+            self._note_progress(None, done=True)  # holds nothing any more
 
-    def _note_progress(self, unit: int | None) -> None:
+    def _note_progress(self, unit: int | None, *, done: bool = False) -> None:
         """Tell the stager where this reader is and lease what it holds: its open units and ``unit``.
 
         Synchronous, before ``unit`` is located: from then until the next note, eviction
-        cannot take it between locate and map.
+        cannot take it between locate and map. Without ``unit`` the position stays (a
+        unit was closed: its lease goes), or with ``done`` moves past this epoch.
         """
         future, runtime = self._future, self.runtime
         if future is None:
@@ -211,8 +218,11 @@ class UnitReaders:
         with self._note_lock:
             units = {*self.readers, *self._opening} if unit is None else {*self.readers, *self._opening, unit}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
-            position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
-            progress = ReaderProgress(future.reader, future.epoch, position, holding)
+            if unit is not None:
+                self._position = self._positions.get(unit, 0)
+            elif done:
+                self._position = sum(map(len, self._plan_keys()))
+            progress = ReaderProgress(future.reader, future.epoch, self._position, holding)
             runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
@@ -238,6 +248,11 @@ class UnitReaders:
                     pool.submit(reader.close)
                 else:
                     reader.close()
+                if self._future is not None and self._future_told:
+                    # Its lease goes now, not at the epoch's end: the room it leaves is what
+                    # brings in the shards read next (those of the next epoch, near the end).
+                    self._note_progress(None)
+                    self._prefetch_again()
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
         """Open (map and verify) on ``submit`` the units first used in ``[begin, horizon)``.
@@ -296,16 +311,31 @@ class UnitReaders:
             self.readers[unit] = reader
             return reader
 
+    def _ahead(self) -> tuple[int, ...]:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's."""
+        if self._future is None:
+            return self._sequence
+        return self._sequence + self._future.after(len(self._epoch.unit_sequence))
+
+    def _prefetch_again(self) -> None:
+        """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
+        with self._lock:
+            ahead = self._ahead()[self._next_index + 1 : self._prefetched_until]
+            keys = [key for u in ahead if u not in self.readers for key in self._plan.units[u].keys]
+        if keys:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
+
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
         while self._next_index < len(sequence) and sequence[self._next_index] != unit:
             self._next_index += 1
         depth = self._controller.depth
-        until = min(len(sequence), self._next_index + 1 + depth)
+        ahead = self._ahead()
+        until = min(len(ahead), self._next_index + 1 + depth)
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in sequence[start:until] for key in self._plan.units[u].keys]
+        keys = [key for u in ahead[start:until] for key in self._plan.units[u].keys]
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
