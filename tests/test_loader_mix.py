@@ -272,3 +272,16 @@ def test_a_mix_resumes_through_torchdata_stateful_dataloader(
     elastic = mix(tmp_path, settings)  # the same checkpoint, resumed elastically in one process
     elastic.load_state_dict(state)
     assert Counter(head + [sample["__key__"] for sample in elastic]) == expected
+
+
+def test_a_cold_mix_reads_each_shard_from_the_origin_once(s3: Any, settings: Settings, tmp_path: Path) -> None:
+    for name, samples in (("x", 60), ("y", 20)):
+        write_source(tmp_path / name, name, samples, 20)
+        for path in sorted((tmp_path / name).glob("*.tar")):
+            s3.put(f"{name}/{path.name}", path.read_bytes())
+    dataset = CachedIterableDataset([s3.url("x") + "/", s3.url("y") + "/"], weights=[0.5, 0.5], config=settings)
+    keys = keys_of(DataLoader(dataset, batch_size=BATCH, num_workers=2))
+    assert source_counts(keys) == {"x": 40, "y": 40}
+    counts = s3.server.request_counts()
+    gets = {key: n for key, n in counts.items() if key.startswith(f"GET /{s3.name}/") and key.endswith(".tar")}
+    assert len(gets) == 4 and set(gets.values()) == {1}, f"counting and reading share one GET per shard: {gets}"
