@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cold_start
+from benchmarks import cold_start, mixing
 
 REFERENCE = "datacache-inprocess"
 WORKERS_REFERENCE = "datacache-workers"
@@ -507,6 +507,7 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         )
     out.append("")
     out += cold_start.render_lines(results.get("cold_start"))
+    out += mixing.render_lines(results.get("mixing"))
     if analysis.strip():
         out.append(analysis.strip())
         out.append("")

@@ -24,6 +24,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    bytes/s target, reporting the data-stall fraction;
 5b. the cold-start curve (``benchmarks/cold_start.py``): time to the first
    batch at 1x, 4x and 16x the shards, with and without a wids index;
+5c. a weighted mix of three sources (``benchmarks/mixing.py``): throughput
+   beside one source, and the realised proportions;
 6. writes ``benchmarks/RESULTS.md``, ``benchmarks/results.json`` and
    ``benchmarks/throughput.png`` (``RESULTS-quick.md`` etc. for ``--quick``).
 """
@@ -45,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _data, _limits, cold_start
+from benchmarks import _data, _limits, cold_start, mixing
 from benchmarks._common import (
     BATCH_SIZE,
     NUM_WORKERS,
@@ -369,6 +371,7 @@ class Bench:
             self.training()
             cold = cold_start.measure(self.endpoint, self.work / "cold-start", quick=self.args.quick)
             self.results["cold_start"] = cold
+            self.results["mixing"] = mixing.measure(self.endpoint, self.work / "mixing", quick=self.args.quick)
         finally:
             server.terminate()
             server.wait(timeout=10)

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+from datacache.loaders.coldplan import CountBook, complete_runtime
 from datacache.loaders.epoch import EpochPlan, auto_window, plan_epoch
 from datacache.loaders.mixing import mixed_order, source_counts
 from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.plan import load_or_build_plan
+from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
 from datacache.loaders.sources import SourceSpec
 from datacache.loaders.units import Runtime
@@ -125,11 +126,15 @@ def open_mix(
     parts: list[Runtime] = []
     for spec in specs:
         handle = loop.run(open_handle(access, spec))
-        # A mix needs every source's size to share the epoch out: it waits for every count.
-        plan = loop.run(load_or_build_plan(access, handle, settings, wait=True))
+        plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
-        window = shuffle_buffer or auto_window(plan.total, len(plan.units))
-        parts.append(Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans))
+        part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans)
+        if not complete(plan):
+            # Counted through the stager, so that the origin serves each shard once, for counting and
+            # reading alike. A mix needs every source's size to share the epoch out: it waits for them.
+            part.book = CountBook(plan, handle, settings, loop, access)
+        complete_runtime(part, shuffle_buffer)
+        parts.append(part)
     formats = {part.handle.manifest.format for part in parts}
     if len(formats) > 1:
         found = ", ".join(

@@ -253,3 +253,35 @@ def test_a_brace_pattern_on_s3_shares_the_prefix_cached_copy(s3: Any, settings: 
     counts = s3.server.request_counts()
     gets = [counts.get(f"GET /{s3.name}/wds/shard-{i:04d}.tar", 0) for i in range(4)]
     assert gets[0] < gets[2] and gets[1] < gets[3], "a cached shard is not transferred again"
+
+
+def test_a_mix_resumes_through_torchdata_stateful_dataloader(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    expected = Counter(sample["__key__"] for sample in mix(tmp_path, settings))  # c's samples repeat
+    loader = StatefulDataLoader(mix(tmp_path, settings), batch_size=5, num_workers=2)
+    iterator = iter(loader)
+    head = [key for _ in range(9) for key in next(iterator)["__key__"]]
+    state = loader.state_dict()
+    del iterator
+    restored = StatefulDataLoader(mix(tmp_path, settings), batch_size=5, num_workers=2)
+    restored.load_state_dict(state)
+    assert Counter(head + keys_of(restored)) == expected
+    elastic = mix(tmp_path, settings)  # the same checkpoint, resumed elastically in one process
+    elastic.load_state_dict(state)
+    assert Counter(head + [sample["__key__"] for sample in elastic]) == expected
+
+
+def test_a_cold_mix_reads_each_shard_from_the_origin_once(s3: Any, settings: Settings, tmp_path: Path) -> None:
+    for name, samples in (("x", 60), ("y", 20)):
+        write_source(tmp_path / name, name, samples, 20)
+        for path in sorted((tmp_path / name).glob("*.tar")):
+            s3.put(f"{name}/{path.name}", path.read_bytes())
+    dataset = CachedIterableDataset([s3.url("x") + "/", s3.url("y") + "/"], weights=[0.5, 0.5], config=settings)
+    keys = keys_of(DataLoader(dataset, batch_size=BATCH, num_workers=2))
+    assert source_counts(keys) == {"x": 40, "y": 40}
+    counts = s3.server.request_counts()
+    gets = {key: n for key, n in counts.items() if key.startswith(f"GET /{s3.name}/") and key.endswith(".tar")}
+    assert len(gets) == 4 and set(gets.values()) == {1}, f"counting and reading share one GET per shard: {gets}"
