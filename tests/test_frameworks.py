@@ -121,3 +121,45 @@ def test_lightning_data_module_resumes_exactly_from_the_trainers_checkpoint(tmp_
     for step in (3, 9, 15):  # mid-epoch in each epoch
         checkpoint = next((tmp_path / "ckpt-0").glob(f"*-step={step}.ckpt"))
         _assert_resumed_exactly(reference[:step], fit(str(checkpoint)), reference)
+
+
+def test_hugging_face_trainer_resumes_exactly_from_its_checkpoint_folders(tmp_path: Path, settings: Settings) -> None:
+    pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
+    recipe = _recipe("class CachedTrainer")
+    from transformers import TrainingArguments
+
+    url = _origin(tmp_path)
+    seen: list[tuple[int, list[str]]] = []
+
+    def fit(checkpoint: str | None) -> list[tuple[int, list[str]]]:
+        seen.clear()
+        dataset = CachedIterableDataset(url, config=settings, batch_size=8, seed=5, decode="basic")
+        if checkpoint is not None:
+            recipe["resume_loader"](dataset, checkpoint)
+
+        class Recording(recipe["Model"]):  # type: ignore[misc]
+            def forward(self, cls: Any, **fields: Any) -> Any:
+                seen.append((dataset.epoch, list(fields["__key__"])))
+                return super().forward(cls, **fields)
+
+        args = TrainingArguments(
+            str(tmp_path / "runs"),
+            num_train_epochs=3,
+            save_steps=3,
+            ignore_data_skip=True,
+            dataloader_num_workers=2,
+            use_cpu=True,
+            report_to="none",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = recipe["CachedTrainer"](
+            model=Recording(), args=args, train_dataset=dataset, callbacks=[recipe["LoaderPosition"](dataset)]
+        )
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return list(seen)
+
+    reference = fit(None)
+    assert len(reference) == 24 and reference[0][0] == 0 and reference[-1][0] == 2  # 8 batches per epoch
+    for step in (3, 9, 15):  # mid-epoch in each epoch
+        _assert_resumed_exactly(reference[:step], fit(str(tmp_path / "runs" / f"checkpoint-{step}")), reference)
