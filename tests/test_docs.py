@@ -60,7 +60,7 @@ UNRUNNABLE: list[tuple[str, str]] = [
 """Command lines that cannot run on this machine, each with the reason."""
 
 OPTIONAL_MODULES = {"transformers": "pip install -e '.[hf]' (left out of the dev extra: ~120 MB)"}
-"""Modules a python block may import that `make test` does not install: the block is skipped, saying so, without them."""
+"""Modules a python block may import that `make test` does not install: the block is skipped without them, saying so."""
 
 VERDICTS: list[tuple[str, set[int], str, str]] = [
     (
