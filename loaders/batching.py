@@ -26,8 +26,7 @@ from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import UnitReaders
-from datacache.tiers import redact_url
+from datacache.loaders.units import Units
 
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
@@ -49,7 +48,7 @@ class BatchBuilder:
 
     def __init__(
         self,
-        units: UnitReaders,
+        units: Units,
         epoch: ReadPlan,
         *,
         decode: Decoder,
@@ -59,11 +58,14 @@ class BatchBuilder:
         threads: int,
         in_consumer: bool,
         skip_bad: bool,
+        tally: Callable[[int, int], None] | None = None,
     ) -> None:
         self._units = units
+        self._tally = tally
+        """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoding = SampleDecoding(decode, transform, redact_url(units.runtime.handle.config.url))
+        self._decoding = SampleDecoding(decode, transform, "")
         self._row = row
         self._lock = lock
         self._threads = threads
@@ -94,16 +96,26 @@ class BatchBuilder:
                 skipped += 1
                 continue
             local = int(self._epoch.local[position])
+            tally = self._tally
             if self._decoding.raw and reader.packable:
-                raw.append(reader.fields(local))
+                fields = reader.fields(local)
+                raw.append(fields)
+                if tally is not None:
+                    tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
             elif self._decoding.raw and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
+                if tally is not None:
+                    tally(position, sample_bytes(reader.sample(local)))
             else:
-                sample = self.decode(reader.sample(local), reader)
+                read = reader.sample(local)
+                nbytes = sample_bytes(read) if tally is not None else 0
+                sample = self.decode(read, reader)
                 if sample is SKIPPED:
                     skipped += 1
                 else:
                     decoded.append(sample)
+                    if tally is not None:
+                        tally(position, nbytes)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
@@ -136,7 +148,7 @@ class BatchBuilder:
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        self._decoding.identify(sample, reader)
+        self._decoding.identify(sample, reader, self._units.url_of(reader))
         if self._decoding.raw:
             return sample
         started = time.perf_counter()
@@ -154,7 +166,7 @@ class BatchBuilder:
 class ReadAhead:
     """Reader threads that build the next few batches, in order, ahead of the consumer."""
 
-    def __init__(self, builder: BatchBuilder, units: UnitReaders, *, threads: int, window: int) -> None:
+    def __init__(self, builder: BatchBuilder, units: Units, *, threads: int, window: int) -> None:
         self._builder = builder
         self._units = units
         self._threads = threads

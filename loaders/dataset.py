@@ -17,7 +17,7 @@ import logging
 import multiprocessing.util
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,16 +25,18 @@ from datacache.loaders.coldplan import CountBook, complete_runtime, epoch_is_col
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.epoch import auto_window
 from datacache.loaders.iterator import ITERATOR_MARK, EpochIterator
+from datacache.loaders.mixed import Mix, open_handle, open_mix
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
+from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from datacache.loaders.units import Runtime
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess, open_access
-from datacache.config import DatasetConfig, Settings, load_settings
+from datacache.config import Settings, load_settings
 from datacache.errors import ConfigError
 from datacache.units import parse_bandwidth
 
@@ -64,7 +66,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     Parameters
     ----------
     dataset
-        A URL (``s3://bucket/prefix/``, a local path, any fsspec URL) or a dataset name from the config file.
+        A URL (``s3://bucket/prefix/``, a local path, any fsspec URL), a dataset name from the config file, a
+        brace pattern of shard URLs (``s3://bucket/shard-{0000..0099}.tar``), a `Source`, or a list of these:
+        several sources mixed into each epoch (README, "Mixing sources and epoch length").
     shuffle
         Shuffle shards, then samples within windows of ``shuffle_buffer``.
     seed
@@ -99,11 +103,21 @@ class CachedIterableDataset(IterableDataset[Any]):
         worker); what it returns is what the sample becomes. In batch mode it runs on each sample
         before the batch is collated (``default_collate``), so batches are no longer packed bytes.
         Its exception is a `SampleDecodeError` like a decoder's. Must pickle for spawned workers.
+    weights
+        With a list of sources: each source's proportion of the epoch, one per source.
+    epoch_size
+        Samples per epoch across all ranks (default: the sources' sizes, as their weights, repeat or
+        choose say). Consecutive epochs continue each source's permutation, so that every sample is read
+        before any repeats.
+    replacement
+        Draw each epoch's samples of a source with replacement instead.
+    resample
+        Iterate endlessly: epoch after epoch from the one set, with no end (``len()`` is undefined).
     """
 
     def __init__(
         self,
-        dataset: str | DatasetConfig,
+        dataset: Given,
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -115,9 +129,29 @@ class CachedIterableDataset(IterableDataset[Any]):
         config: Settings | None = None,
         batch_size: int | None = None,
         on_error: str = "raise",
+        weights: Sequence[float] | None = None,
+        epoch_size: int | None = None,
+        replacement: bool = False,
+        resample: bool = False,
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
+        if epoch_size is not None and (
+            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
+        ):
+            raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+        self._sources = resolve_sources(dataset, weights)
+        self._mixed = (
+            len(self._sources) > 1
+            or epoch_size is not None
+            or replacement
+            or resample
+            or any(spec.mode != ("repeat", 1.0) for spec in self._sources)
+        )
+        self.weights = tuple(weights) if weights is not None else None
+        self.epoch_size = epoch_size
+        self.replacement = bool(replacement)
+        self.resample = bool(resample)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if shuffle_buffer is not None and shuffle_buffer < 1:
@@ -142,7 +176,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._epoch = 0
         self._cursors: tuple[Cursor, ...] = ()
         self._resume_epoch: int | None = None
-        self._table = StatsTable()
+        self._table = StatsTable(sources=len(self._sources))
         self._layout_hint: tuple[int, int] | None = None
         self._runtime: Runtime | None = None
         self._main_iterator: EpochIterator | None = None
@@ -184,7 +218,18 @@ class CachedIterableDataset(IterableDataset[Any]):
         access: ShardAccess | None = None
         try:
             access = loop.run(open_access(settings, reconcile=not in_worker))
-            handle = loop.run(access.open(self.dataset))
+            if self._mixed:
+                runtime = open_mix(
+                    loop,
+                    access,
+                    settings,
+                    self._sources,
+                    epoch_size=self.epoch_size,
+                    replacement=self.replacement,
+                    shuffle_buffer=self.shuffle_buffer,
+                )
+                return self._keep(runtime)
+            handle = loop.run(open_handle(access, self._sources[0]))
             plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         except BaseException:
             if access is not None:
@@ -199,7 +244,10 @@ class CachedIterableDataset(IterableDataset[Any]):
         window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
         runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
         if not known:
-            runtime.book = CountBook(plan, handle, settings, loop)
+            runtime.book = CountBook(plan, handle, settings, loop, access)
+        return self._keep(runtime)
+
+    def _keep(self, runtime: Runtime) -> Runtime:
         self._runtime = runtime
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
@@ -240,7 +288,10 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def __len__(self) -> int:
         """Samples (or batches, in batch mode) this rank delivers per epoch (waits for every count)."""
-        total = self._complete().plan.total
+        if self.resample:
+            raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
+        runtime = self._complete()
+        total = runtime.mix.total if runtime.mix is not None else runtime.plan.total
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)
         if self.batch_size:
@@ -260,10 +311,27 @@ class CachedIterableDataset(IterableDataset[Any]):
         )
         epoch = self._table.epoch if info is not None else self._epoch
         cursors = self._cursors if (self._resume_epoch is None or self._resume_epoch == epoch) else ()
+        if self.resample:
+            return self._endless(runtime, layout, epoch, cursors)
         iterator = EpochIterator(self, runtime, layout, epoch, cursors)
         if info is None:
             self._main_iterator = iterator
         return iterator
+
+    def _endless(self, runtime: Runtime, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
+        """Epoch after epoch from ``epoch`` on (``resample=True``); the main process's epoch follows."""
+        if runtime.mix is not None and runtime.mix.total == 0:
+            raise ConfigError("resample=True with an epoch of 0 samples would never yield one")
+        while True:
+            iterator = EpochIterator(self, runtime, layout, epoch, cursors)
+            if layout.num_workers == 1 and get_worker_info() is None:
+                self._main_iterator = iterator
+                self._epoch = epoch
+                self._table.epoch = epoch
+                if self._resume_epoch != epoch:
+                    self._cursors = ()
+            yield from iterator
+            epoch, cursors = epoch + 1, ()
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -302,7 +370,8 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
-        if not self._cursors and epoch_is_cold(self._prepare(), seed=self.seed, epoch=self._epoch):
+        runtime = self._prepare()
+        if not self._cursors and runtime.mix is None and epoch_is_cold(runtime, seed=self.seed, epoch=self._epoch):
             # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor))
@@ -329,10 +398,12 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._complete()
+        dataset, snapshot = _identity(runtime)
         return {
             "version": _STATE_VERSION,
-            "dataset": runtime.handle.id,
-            "snapshot": runtime.handle.manifest.snapshot,
+            "dataset": dataset,
+            "snapshot": snapshot,
+            **({"mix": runtime.mix.counts.tolist(), "replacement": self.replacement} if runtime.mix else {}),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": runtime.window,
@@ -363,18 +434,22 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
         if version != _STATE_VERSION:
             raise ConfigError(f"unsupported state version {version!r}")
-        ours = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+        ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if "shuffle_buffer" in state:
             ours["shuffle_buffer"] = self._complete().window
+        if "mix" in state or self._mixed:
+            mix = self._complete().mix
+            ours["mix"] = mix.counts.tolist() if mix is not None else None
+            ours["replacement"] = self.replacement
         for name, value in ours.items():
             if name in state and state[name] != value:
                 raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
         if "snapshot" in state:
-            runtime = self._prepare()
-            if state["snapshot"] != runtime.handle.manifest.snapshot:
+            dataset, snapshot = _identity(self._prepare())
+            if state["snapshot"] != snapshot:
                 raise ConfigError(
-                    f"dataset {runtime.handle.id}: the saved state is for manifest snapshot {state['snapshot']}, "
-                    f"the cache now holds {runtime.handle.manifest.snapshot}; resume needs the same snapshot"
+                    f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "
+                    f"the cache now holds {snapshot}; resume needs the same snapshot"
                 )
         self._epoch = epoch
         self._table.epoch = epoch
@@ -400,6 +475,8 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch=self._epoch,
             target=self.target_bandwidth,
             limiting=limiting,
+            per_source=self._table.sources.clone(),
+            labels=[spec.label for spec in self._sources],
         )
 
     def timed(self, loader: Any) -> Iterator[Any]:
@@ -429,6 +506,14 @@ class CachedIterableDataset(IterableDataset[Any]):
             row[Counter.CONSUMER_TIME] += got - last
             last = got
             yield batch
+
+
+def _identity(runtime: Runtime) -> tuple[str, str]:
+    """What a saved state was taken from: ``(dataset id, manifest snapshot)``, or a mix's."""
+    mix: Mix | None = runtime.mix
+    if mix is not None:
+        return mix.identity()
+    return runtime.handle.id, runtime.handle.manifest.snapshot
 
 
 def _find_iterator_states(state: Any) -> list[Mapping[str, Any]]:

@@ -228,10 +228,14 @@ class SampleDecoding:
         """Whether samples pass unchanged (raw bytes: batch mode may pack them)."""
         return self._decode is None and self._transform is None
 
-    def identify(self, sample: dict[str, Any], reader: UnitReader) -> None:
-        """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one."""
+    def identify(self, sample: dict[str, Any], reader: UnitReader, url: str | None = None) -> None:
+        """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one.
+
+        ``url`` overrides the dataset's URL (a mix's readers know each unit's own source).
+        """
         if reader.packable:
-            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
+            base = self._url if url is None else url.rstrip("/")
+            sample["__url__"] = f"{base}/{reader.unit.keys[0]}"
 
     def apply(self, sample: dict[str, Any], where: str) -> Any:
         """The decoded, transformed sample; raises `SampleDecodeError` naming where it failed."""

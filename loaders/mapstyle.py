@@ -28,6 +28,7 @@ from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import EpochPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
+from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
 from datacache.loaders.units import Runtime, UnitReaders
 from datacache.tiers import redact_url
@@ -98,7 +99,7 @@ class CachedMapDataset(Dataset[Any]):
         self._opened: _Opened | None = None
 
     @property
-    def dataset(self) -> str | DatasetConfig:
+    def dataset(self) -> Given:
         return self._source.dataset
 
     def __getstate__(self) -> dict[str, Any]:
