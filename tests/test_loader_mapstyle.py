@@ -102,6 +102,16 @@ def test_indexes_out_of_range_or_of_the_wrong_type_are_refused(tmp_path: Path, s
         CachedMapDataset(str(tmp_path / "origin"), config=settings, max_open=0)
 
 
+def test_a_brace_pattern_indexes_the_shards_it_names_and_several_sources_are_refused(
+    tmp_path: Path, settings: Settings
+) -> None:
+    write_wds(tmp_path / "origin", samples=50, per_shard=10)
+    mapped = CachedMapDataset(str(tmp_path / "origin" / "train-{0001..0002}.tar"), config=settings)
+    assert [mapped[i]["__key__"] for i in range(len(mapped))] == [f"sample{i:06d}" for i in range(10, 30)]
+    with pytest.raises(ConfigError, match="one source.*ConcatDataset"):
+        CachedMapDataset([str(tmp_path / "origin"), str(tmp_path / "origin")], config=settings)
+
+
 def _size_and_label(sample: dict[str, Any]) -> tuple[str, int, int]:
     return sample["__key__"], len(sample["bin"]), sample["cls"]
 
