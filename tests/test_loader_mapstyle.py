@@ -108,7 +108,7 @@ def test_a_brace_pattern_indexes_the_shards_it_names_and_several_sources_are_ref
     write_wds(tmp_path / "origin", samples=50, per_shard=10)
     mapped = CachedMapDataset(str(tmp_path / "origin" / "train-{0001..0002}.tar"), config=settings)
     assert [mapped[i]["__key__"] for i in range(len(mapped))] == [f"sample{i:06d}" for i in range(10, 30)]
-    with pytest.raises(ConfigError, match="one source.*ConcatDataset"):
+    with pytest.raises(ConfigError, match=r"one source.*ConcatDataset"):
         CachedMapDataset([str(tmp_path / "origin"), str(tmp_path / "origin")], config=settings)
 
 
