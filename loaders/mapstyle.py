@@ -95,6 +95,12 @@ class CachedMapDataset(Dataset[Any]):
             raise ConfigError(f"max_open must be at least 1, got {max_open}")
         # Configuration, validated once; its runtime (loop, stager, plan) is what this dataset reads through.
         self._source = CachedIterableDataset(dataset, shuffle=False, decode=decode, transform=transform, config=config)
+        if self._source._mixed:
+            raise ConfigError(
+                "CachedMapDataset reads one source (a URL, a name, a brace pattern or a list of shards of one "
+                "directory); for several, wrap each in a CachedMapDataset and join them with "
+                "torch.utils.data.ConcatDataset"
+            )
         self.max_open = max_open
         self._opened: _Opened | None = None
 
