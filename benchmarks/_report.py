@@ -374,7 +374,7 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         limit_rows.append(["`datacache warm`, transfer rate as it reports it", _fmt(warm_reported)])
     out += _table(["limit", "MB/s"], limit_rows)
     out.append("")
-    out.append("## Targets (issue 5), ratios measured side by side in this run")
+    out.append("## Targets (issue 5; drop-in: issue 15), ratios measured side by side in this run")
     out.append("")
     target_rows = []
     for row in targets(results):
