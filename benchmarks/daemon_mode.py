@@ -13,7 +13,9 @@ reader's own stager) and as a client of one ``datacache serve`` started on an
 empty cache for it. Each runs one cold epoch (empty cache) then one warm
 epoch in a fresh process with 2 DataLoader workers; the consumer copies every
 payload byte (`benchmarks._job.Toucher`). Prints a table of medians and the
-daemon/embedded ratio per row, and writes ``benchmarks/daemon-mode.json``.
+daemon/embedded ratio per row, and writes it to ``benchmarks/RESULTS-daemon.md``
+(every epoch's figure to ``benchmarks/daemon-mode.json``; ``-quick`` files with
+``--quick``).
 """
 
 from __future__ import annotations
@@ -213,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg": os.getloadavg(), "repeats": args.repeats,
               "samples": sizes.samples, "runs": runs}  # fmt: skip
     out.write_text(json.dumps(record, indent=1) + "\n")
+    note = (
+        f"# Daemon vs embedded (`python -m benchmarks.daemon_mode{' --quick' if args.quick else ''}`)\n\n"
+        f"{sizes.samples:,} samples of {sizes.min_bytes // 1000}-{sizes.max_bytes // 1000} KB in tar shards in the "
+        f"local S3 server; DataLoader with {NUM_WORKERS} workers, batch {BATCH_SIZE}; the consumer copies every "
+        f"payload byte. Medians of {args.repeats} rounds, MB/s; run {record['started']}, load average "
+        f"{record['loadavg'][0]:.1f} at the end (2 cores shared: compare within the run).\n\n{table(runs)}\n"
+    )
+    (REPO / "benchmarks" / ("RESULTS-daemon-quick.md" if args.quick else "RESULTS-daemon.md")).write_text(note)
     print(table(runs))
     return 0
 

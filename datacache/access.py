@@ -79,8 +79,9 @@ class ShardAccess(Protocol):
     ) -> list[Location]:
         """Where a reader is in its order, and the shards it holds (never evicted while it lives).
 
-        Returns where each of ``locate`` (held keys) can be read now, moving nothing: a
-        reader leases the shards it will open next and locates them in one call.
+        Returns where each of ``locate`` can be read now, moving nothing: a reader leases
+        the shards it will open next and learns where they (and those it will prefetch)
+        are in one call.
         """
         ...
 

@@ -365,10 +365,9 @@ class DaemonClient:
     ) -> list[Location]:
         """Tell the daemon where a reader of this process is and which shards it holds.
 
-        With ``locate`` (held keys), the same request says where each can be read now:
-        the reader's one round trip for the shards it opens next.
+        With ``locate``, the same request says where each can be read now: the reader's
+        one round trip for the shards it opens (and prefetches) next.
         """
-        progress.check_holds(locate)
         body: dict[str, Any] = {"progress": progress.to_json()}
         if locate:
             body["locate"] = list(locate)

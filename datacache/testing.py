@@ -166,17 +166,17 @@ class ShardAccessTests:
         assert ensured.path.read_bytes() == origin.shards[key]
         assert ensured.checksum == located.checksum == _checksum(origin.shards[key])
 
-    def test_note_progress_locates_the_held_shards_and_only_those(self, node: Settings, origin: Origin) -> None:
+    def test_note_progress_says_where_the_shards_asked_for_are(self, node: Settings, origin: Origin) -> None:
         staged, other = origin.keys[0], origin.keys[1]
 
         async def body(access: ShardAccess) -> tuple[list[Location], list[Location]]:
             handle = await access.open(origin.url)
             await access.ensure(handle, staged)
-            progress = ReaderProgress("0.0", 0, 0, (staged, other))
+            progress = ReaderProgress("0.0", 0, 0, (staged,))
             located = await access.note_progress(handle, progress, locate=(staged, other))
             silent = await access.note_progress(handle, ReaderProgress("0.0", 0, 1, (other,)))
-            with pytest.raises(ConfigError, match="without holding them"):
-                await access.note_progress(handle, ReaderProgress("0.0", 0, 1, (other,)), locate=(staged,))
+            with pytest.raises(ShardNotFoundError, match="no-such-shard"):
+                await access.note_progress(handle, ReaderProgress("0.0", 0, 1, ()), locate=("no-such-shard.tar",))
             await access.note_progress(handle, ReaderProgress("0.0", 0, 2, ()))
             return located, silent
 

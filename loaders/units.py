@@ -44,9 +44,14 @@ from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadErr
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
 
-__all__ = ["NodeFuture", "Runtime", "UnitReaders", "Units"]
+__all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
 
 logger = logging.getLogger(__name__)
+
+HOLD_AHEAD = 4
+"""Units after the one being opened that a reader's note leases (and maps later without asking).
+
+Few: a held shard cannot be evicted, and every reader of the node holds its own."""
 
 
 @dataclass
@@ -185,7 +190,9 @@ class UnitReaders:
         self._coming: dict[int, tuple[int, ...]] = {}
         """The units that follow each unit in this reader's sequence: twice its prefetch window."""
         self._seen: set[str] = set()
-        """Keys a note located this epoch: a prefetch of one found local is never sent."""
+        """Keys a note located this epoch."""
+        self._local: set[str] = set()
+        """Keys a note found local: no prefetch is sent for them."""
         self._unsent: list[str] = []
         """Prefetches held back until the next note says which of them are local already."""
         self._sequence = epoch.unit_sequence
@@ -211,19 +218,21 @@ class UnitReaders:
         with self._note_lock:
             self._leased.clear()
             self._seen.clear()
+            self._local.clear()
         if self._future is not None and self._future_told:
             self._note_progress(None, done=True)  # holds nothing any more
 
     def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
         """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
-        Held: the open units, ``unit``, the units that follow it (twice its prefetch
-        window) and those leased before. One call notes, leases and locates them, before
-        any is mapped, so eviction cannot take one between locate and map; the following
-        units found local are opened later without asking again (through a daemon, one
-        round trip per prefetch window, not two per unit), until the prefetch window
-        passes what the notes have seen. Without ``unit`` the position stays (a unit was
-        closed: its lease goes), or with ``done`` moves past this epoch.
+        Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
+        before. One call notes, leases and locates them, before any is mapped, so eviction
+        cannot take one between locate and map; the next units found local are opened
+        later without asking again. The same call locates the units after them (twice the
+        prefetch window, not held), so that no prefetch goes for a shard already local.
+        Through a daemon: one round trip per few units, not two per unit. Without
+        ``unit`` the position stays (a unit was closed: its lease goes), or with ``done``
+        moves past this epoch.
         """
         future, runtime = self._future, self.runtime
         if future is None:
@@ -233,7 +242,8 @@ class UnitReaders:
         with self._note_lock:
             coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
             asked = [] if unit is None else [unit, *coming]
-            units = {*self.readers, *self._opening, *self._leased, *asked}
+            held = asked[: 1 + HOLD_AHEAD]
+            units = {*self.readers, *self._opening, *self._leased, *held}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
             if unit is not None:
                 self._position = self._positions.get(unit, 0)
@@ -244,7 +254,8 @@ class UnitReaders:
             located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
             self._seen.update(locate)
-            for u in coming:
+            self._local.update(key for key, loc in where.items() if loc.tier == "local")
+            for u in held[1:]:
                 found = [where[key] for key in self._plan.units[u].keys]
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
                     self._leased[u] = found
@@ -385,14 +396,13 @@ class UnitReaders:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
 
     def _send_prefetch(self) -> None:
-        """Queue the held-back prefetches that no lease found local."""
+        """Queue the held-back prefetches that no note found local."""
         with self._lock:
             keys, self._unsent = self._unsent, []
         if not keys:
             return
         with self._note_lock:
-            local = {loc.shard.key for found in self._leased.values() for loc in found}
-        keys = [key for key in keys if key not in local]
+            keys = [key for key in keys if key not in self._local]
         if keys:
             self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
 

@@ -58,7 +58,7 @@ def _requests(daemon: DaemonProcess) -> collections.Counter[str]:
     code, text = daemon.request("GET", "/metrics")
     assert code == 200 and isinstance(text, str)
     counts: collections.Counter[str] = collections.Counter()
-    for match in re.finditer(r'^datacache_requests_total\{([^}]*)\} ([0-9.e+]+)$', text, re.MULTILINE):
+    for match in re.finditer(r"^datacache_requests_total\{([^}]*)\} ([0-9.e+]+)$", text, re.MULTILINE):
         verb = re.search(r'verb="([^"]*)"', match.group(1))
         if verb is not None:
             counts[verb.group(1)] += int(float(match.group(2)))
@@ -127,7 +127,7 @@ def test_the_reader_maps_only_files_the_daemon_hands_out(tmp_path: Path, cache_e
         daemon.stop()
 
 
-def test_the_daemon_locates_only_shards_a_reader_holds(tmp_path: Path, cache_env: dict[str, str]) -> None:
+def test_progress_locates_only_shards_of_a_dataset_the_caller_opened(tmp_path: Path, cache_env: dict[str, str]) -> None:
     origin = tmp_path / "origin"
     write_wds(origin, samples=16, per_shard=8, with_counts=True)
     daemon = start_daemon(cache_env, tmp_path / "local")
@@ -136,11 +136,13 @@ def test_the_daemon_locates_only_shards_a_reader_holds(tmp_path: Path, cache_env
         assert code == 200, opened
         progress = {"reader": "0.0", "epoch": 0, "position": 0, "holding": ["train-0000.tar"],
                     "owner": f"{socket.gethostname()}:{os.getpid()}"}  # fmt: skip
-        body = {"dataset": opened["dataset_id"], "progress": progress, "locate": ["train-0001.tar"]}
+        body = {"dataset": opened["dataset_id"], "progress": progress, "locate": ["train-0000.tar", "train-0001.tar"]}
         code, reply = daemon.request("POST", "/v1/progress", body)
-        assert code == 400 and reply["error"]["code"] == "bad_request", reply
-        assert "without holding them" in reply["error"]["message"]
-        code, reply = daemon.request("POST", "/v1/progress", {**body, "locate": ["train-0000.tar"]})
-        assert code == 200 and [loc["tier"] for loc in reply["locations"]] == ["origin"], reply
+        assert code == 200 and [loc["tier"] for loc in reply["locations"]] == ["origin", "origin"], reply
+        for bad in (["../../etc/passwd"], ["no-such.tar"], "train-0000.tar"):
+            code, reply = daemon.request("POST", "/v1/progress", {**body, "locate": bad})
+            assert code in (400, 404) and reply["error"]["code"] in ("invalid_key", "not_found", "bad_request"), reply
+        code, reply = daemon.request("POST", "/v1/progress", {**body, "dataset": "someone-elses-0123456789abcdef"})
+        assert code == 409 and reply["error"]["code"] == "unknown_dataset", reply
     finally:
         daemon.stop()

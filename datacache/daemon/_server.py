@@ -409,10 +409,6 @@ class Daemon:
         wanted = http.keys(data, "locate") if "locate" in data else []
         for key in wanted:
             self.registry.shard(handle, key)
-        try:
-            progress.check_holds(wanted)
-        except ConfigError as exc:
-            raise http.BadRequest(str(exc)) from None
         located = await self._stager().note_progress(handle, progress, locate=wanted)
         reply: dict[str, Any] = {"holding": len(progress.holding)}
         if wanted:

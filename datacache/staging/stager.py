@@ -329,11 +329,10 @@ class Stager:
 
         Shared by the node's processes through the catalog: eviction never takes a
         shard a live reader holds, and Belady counts from the readers' positions.
-        Returns where each of ``locate`` (keys the reader holds) can be read now,
-        as `locate` says: leased before they are located, a reader may map them
-        later without asking again (one round trip per lease, not per shard).
+        Returns where each of ``locate`` can be read now, as `locate` says: a reader
+        learns where its next shards are in the same round trip. Those it holds are
+        leased before they are located, so it may map them later without asking again.
         """
-        progress.check_holds(locate)
         await self.catalog.note_reader(
             handle.id,
             progress.reader,
