@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,4 +89,7 @@ def test_a_cold_epoch_takes_its_first_batch_before_any_local_copy_is_durable(
     gate.set()
     rest = [key for batch in iterator for key in batch["__key__"]]
     assert len(first["__key__"]) + len(rest) == 40
+    deadline = time.monotonic() + 60
+    while len(list((tmp_path / "local").rglob("*.tar"))) < len(shards) and time.monotonic() < deadline:
+        time.sleep(0.05)  # sleep-ok: polling, with a deadline, for the durable copies made behind the reader
     assert len(list((tmp_path / "local").rglob("*.tar"))) == len(shards), "every shard is durable in the end"

@@ -590,7 +590,7 @@ async def _close_quietly(origins: Sequence[Tier]) -> None:
             await origin.close()
 
 
-def _serve_early(job: Job, data: bytearray, checksum: str) -> None:
+def _serve_early(job: Job, data: bytes, checksum: str) -> None:
     """The job's bytes are verified: readers waiting early read them now (see `Stager.ensure`)."""
     if job.early is None:
         job.early = asyncio.get_running_loop().create_future()  # for readers that ask during the fsync

@@ -50,7 +50,7 @@ class Transfer:
         destination_key: str,
         expected: str | None,
         source_name: str,
-        on_verified: Callable[[bytearray, str], None] | None = None,
+        on_verified: Callable[[bytes, str], None] | None = None,
     ) -> tuple[ObjectInfo, str]:
         """Stream one shard from ``source`` into ``destination``, verified; return its info and checksum.
 
@@ -60,7 +60,8 @@ class Transfer:
         """
         hasher = new_hasher()
         received = 0
-        kept = bytearray(shard.size) if on_verified is not None and shard.size <= self.keep_limit else None
+        # The chunks themselves, joined once verified: one part is handed over without a copy.
+        kept: list[bytes] | None = [] if on_verified is not None and shard.size <= self.keep_limit else None
         version = shard.version if source_name == ORIGIN else None
         counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
         events = self._events
@@ -73,7 +74,7 @@ class Transfer:
                     break
                 hasher.update(chunk)
                 if kept is not None:
-                    kept[received - len(chunk) : received] = chunk
+                    kept.append(chunk)
                 events.count(counter, len(chunk))
                 if self._throttle is not None and source_name == ORIGIN:
                     await self._throttle.take(len(chunk))
@@ -92,7 +93,7 @@ class Transfer:
             # Tiers read metadata once the chunks are exhausted (see Tier.put).
             metadata["checksum"] = checksum_of(hasher)
             if kept is not None and on_verified is not None:
-                on_verified(kept, metadata["checksum"])
+                on_verified(kept[0] if len(kept) == 1 else b"".join(kept), metadata["checksum"])
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
