@@ -42,7 +42,7 @@ from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
+from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
 
@@ -484,6 +484,8 @@ class UnitReaders:
 
     def _load(self, location: Location, where: str) -> Any:
         runtime = self.runtime
+        if location.buffer is not None:
+            return location.buffer  # verified by this process's stager as it arrived
         if location.path is None:
             return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
         buffer = map_file(location.path)
@@ -527,6 +529,9 @@ async def _stage_missing(
     async def one(location: Location) -> Location:
         if location.tier in ("local", "shared"):
             return location
+        if isinstance(access, Stager):
+            # In-process: take the bytes as soon as they are verified, not after the fsync.
+            return await access.ensure(handle, location.shard.key, early=True)
         return await access.ensure(handle, location.shard.key)
 
     locations = list(await asyncio.gather(*(one(location) for location in located)))
