@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 from _daemon import catalog_rows, make_shards, start_daemon
+
+from datacache.client import DaemonClient
+from datacache.config import load_settings
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,3 +162,31 @@ def test_status_does_not_hang_on_a_socket_that_never_answers(tmp_path: Path, cac
     assert document["answers"] is False
     assert "TimeoutError" in str(document["detail"]) or "did not answer" in str(document["detail"]), document
     assert "none answers" in line, line
+
+
+def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    shards = make_shards(origin, 3, 200_000)
+    daemon = start_daemon(cache_env, tmp_path / "local")
+
+    async def warm_lines() -> list[dict[str, object]]:
+        client = DaemonClient(load_settings(daemon.env))
+        try:
+            return [line async for line in client.warm(str(origin))]
+        finally:
+            await client.close()
+
+    try:
+        lines = asyncio.run(warm_lines())
+    finally:
+        daemon.stop()
+    start, *steps, done = lines
+    assert start["event"] == "start" and (start["shards_total"], start["bytes_total"]) == (3, 600_000), start
+    assert (start["shards"], start["bytes"]) == (3, 600_000), "the old words stay one release"
+    assert steps and all(line["event"] == "progress" for line in steps), steps
+    words = {"shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_transferred", "rate_bytes_per_s"}
+    assert all(words <= set(line) for line in steps), steps
+    assert (steps[-1]["shards_done"], steps[-1]["bytes_done"]) == (3, sum(map(len, shards.values())))
+    assert done["event"] == "done" and done["complete"] is True

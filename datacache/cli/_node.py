@@ -172,8 +172,8 @@ def _add_serve_parser(commands: Commands) -> None:
     add("--allow-gid", metavar="GID", type=int, action="append",
         help="also accept clients with this gid (the daemon's gid always is)")
     add("--allow-dataset", metavar="PREFIX", action="append",
-        help="origins other users' clients may open besides configured datasets (repeatable); "
-        "also limits the daemon's own user")
+        help="origin URL prefixes other users' clients may open besides configured datasets (repeatable); once "
+        "one is given, root and the daemon's own user are held to configured datasets and these prefixes too")
     add("--allow-endpoint", metavar="URL", action="append",
         help="an endpoint other users' clients may name in storage_options (repeatable)")
     add("--allow-client-credentials", action="store_true",

@@ -106,9 +106,10 @@ async def _warm_through(
         ):
             kind = event.get("event")
             if kind == "start":
-                progress = _warm_display(
-                    args, f"warm {dataset.name} (daemon)", int(event.get("shards", 0)), int(event.get("bytes", 0))
-                )
+                # A daemon of the release before says only "shards" and "bytes" for the totals.
+                shards = event.get("shards_total", event.get("shards", 0))
+                total = event.get("bytes_total", event.get("bytes", 0))
+                progress = _warm_display(args, f"warm {dataset.name} (daemon)", int(shards), int(total))
             elif kind == "progress" and progress is not None:
                 progress.advance_to(
                     done_items=int(event.get("shards_done", 0)),
