@@ -285,3 +285,16 @@ def test_a_cold_mix_reads_each_shard_from_the_origin_once(s3: Any, settings: Set
     counts = s3.server.request_counts()
     gets = {key: n for key, n in counts.items() if key.startswith(f"GET /{s3.name}/") and key.endswith(".tar")}
     assert len(gets) == 4 and set(gets.values()) == {1}, f"counting and reading share one GET per shard: {gets}"
+
+
+def test_sources_of_two_formats_are_refused_by_name(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "table").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"i": i} for i in range(10)]), tmp_path / "table" / "part-0.parquet")
+    dataset = CachedIterableDataset([f"{tmp_path / 'a'}/", f"{tmp_path / 'table'}/"], config=settings)
+    with pytest.raises(ConfigError, match=r"must have one format; found .*a/: tar, .*table/: parquet"):
+        next(iter(dataset))
