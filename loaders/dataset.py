@@ -354,6 +354,12 @@ class CachedIterableDataset(IterableDataset[Any]):
         chunk = self.batch_size or 1
         if get_worker_info() is not None:
             return {"version": STATE_VERSION, "epoch": self._epoch}
+        if self.resample and (self._main_iterator is None or samples_consumed is not None):
+            # Each worker walks the endless stream on its own: no count of the consumer's says where.
+            raise ConfigError(
+                "a resample=True stream is resumed only when read without DataLoader worker processes "
+                "(num_workers=0); with workers, give epoch_size= and resume at an epoch"
+            )
         if samples_consumed is not None:
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")

@@ -298,3 +298,24 @@ def test_sources_of_two_formats_are_refused_by_name(
     dataset = CachedIterableDataset([f"{tmp_path / 'a'}/", f"{tmp_path / 'table'}/"], config=settings)
     with pytest.raises(ConfigError, match=r"must have one format; found .*a/: tar, .*table/: parquet"):
         next(iter(dataset))
+
+
+def test_an_endless_stream_resumes_in_process_and_refuses_with_workers(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    def stream() -> CachedIterableDataset:
+        return CachedIterableDataset(f"{tmp_path / 'c'}/", config=settings, seed=6, resample=True)
+
+    whole = [sample["__key__"] for sample in itertools.islice(stream(), 90)]
+    first = stream()
+    head = [sample["__key__"] for sample in itertools.islice(first, 50)]  # into the third pass (epoch 2)
+    state = first.state_dict()
+    assert state["epoch"] == 2
+    again = stream()
+    again.load_state_dict(state)
+    assert head + [sample["__key__"] for sample in itertools.islice(again, 40)] == whole
+    with_workers = stream()
+    loader = iter(DataLoader(with_workers, batch_size=BATCH, num_workers=2))
+    next(loader)
+    with pytest.raises(ConfigError, match="resumed only when read without DataLoader worker processes"):
+        with_workers.state_dict(samples_consumed=BATCH, batch_size=BATCH)
