@@ -17,7 +17,6 @@ it as part of the whole benchmark.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -25,13 +24,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import REPO, clean_env, s3_env
+from benchmarks._common import REPO, clean_env, run_section, s3_env
 
 BUCKET = "coldstart"
 SCALES = (1, 4, 16)
@@ -227,33 +225,7 @@ def render_lines(entry: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
-    args = parser.parse_args()
-    if args.job:
-        result = job(json.loads(args.job))
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-        os._exit(0)  # the background index of an un-indexed dataset is not waited for
-    from benchmarks._report import write_report
-    from benchmarks.warm_vs_awscli import start_s3_server
-
-    server, endpoint = start_s3_server()
-    try:
-        with tempfile.TemporaryDirectory(prefix="datacache-coldstart-") as work:
-            entry = measure(endpoint, Path(work), quick=args.quick)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        if server.stdout is not None:
-            server.stdout.close()
-    saved = args.out / ("results-quick.json" if args.quick else "results.json")
-    results = json.loads(saved.read_text())
-    results["cold_start"] = entry
-    written = write_report(results, args.out)
-    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    run_section("cold_start", __doc__, job, measure)
 
 
 if __name__ == "__main__":

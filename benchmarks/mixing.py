@@ -22,21 +22,19 @@ it as part of the whole benchmark.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import REPO, clean_env, s3_env
+from benchmarks._common import REPO, boto_client, clean_env, run_section, s3_env
 
 BUCKET = "mixing"
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
@@ -68,15 +66,7 @@ def _tar(samples: list[tuple[str, bytes]]) -> bytes:
 
 def upload(endpoint: str, sizes: dict[str, int]) -> dict[str, int]:
     """Sources a, b and c (and all three under ``all/``); return samples per source."""
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    client = boto_client(endpoint)
     client.create_bucket(Bucket=BUCKET)
     counts = {"a": sizes["big"], "b": sizes["big"], "c": sizes["small"]}
     per = sizes["per_shard"]
@@ -252,34 +242,7 @@ def render_lines(entry: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
-    args = parser.parse_args()
-    if args.job:
-        result = job(json.loads(args.job))
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-        os._exit(0)
-    from benchmarks._report import write_report
-    from benchmarks.warm_vs_awscli import start_s3_server
-
-    server, endpoint = start_s3_server()
-    try:
-        with tempfile.TemporaryDirectory(prefix="datacache-mixing-") as work:
-            entry = measure(endpoint, Path(work), quick=args.quick)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        if server.stdout is not None:
-            server.stdout.close()
-    print(json.dumps(entry, indent=1))
-    saved = args.out / ("results-quick.json" if args.quick else "results.json")
-    results = json.loads(saved.read_text()) if saved.is_file() else {}
-    results["mixing"] = entry
-    written = write_report(results, args.out)
-    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    run_section("mixing", __doc__, job, measure)
 
 
 if __name__ == "__main__":

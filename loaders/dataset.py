@@ -24,11 +24,12 @@ import torch
 from datacache.loaders.coldplan import CountBook, complete_runtime, epoch_is_cold
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.epoch import auto_window
-from datacache.loaders.iterator import ITERATOR_MARK, EpochIterator
-from datacache.loaders.mixed import Mix, open_handle, open_mix
+from datacache.loaders.iterator import EpochIterator
+from datacache.loaders.mixed import open_handle, open_mix
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
+from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
 from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from datacache.loaders.units import Runtime
@@ -43,8 +44,6 @@ from datacache.units import parse_bandwidth
 __all__ = ["CachedIterableDataset"]
 
 logger = logging.getLogger(__name__)
-
-_STATE_VERSION = 1
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -354,7 +353,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         _, world = self._rank_world()
         chunk = self.batch_size or 1
         if get_worker_info() is not None:
-            return {"version": _STATE_VERSION, "epoch": self._epoch}
+            return {"version": STATE_VERSION, "epoch": self._epoch}
+        if self.resample and (self._main_iterator is None or samples_consumed is not None):
+            # Each worker walks the endless stream on its own: no count of the consumer's says where.
+            raise ConfigError(
+                "a resample=True stream is resumed only when read without DataLoader worker processes "
+                "(num_workers=0); with workers, give epoch_size= and resume at an epoch"
+            )
         if samples_consumed is not None:
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")
@@ -398,9 +403,9 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._complete()
-        dataset, snapshot = _identity(runtime)
+        dataset, snapshot = identity(runtime)
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "dataset": dataset,
             "snapshot": snapshot,
             **({"mix": runtime.mix.counts.tolist(), "replacement": self.replacement} if runtime.mix else {}),
@@ -423,16 +428,16 @@ class CachedIterableDataset(IterableDataset[Any]):
         if get_worker_info() is not None and set(state) <= {"version", "epoch"}:
             self._epoch = int(state.get("epoch", self._epoch))
             return
-        iterator_states = _find_iterator_states(state)
+        iterator_states = find_iterator_states(state)
         if "cursors" not in state and iterator_states:
-            state = _state_from_iterators(iterator_states)
+            state = state_from_iterators(iterator_states)
         try:
             version = state["version"]
             cursors = tuple(Cursor.from_json(c) for c in state["cursors"])
             epoch = int(state["epoch"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
-        if version != _STATE_VERSION:
+        if version != STATE_VERSION:
             raise ConfigError(f"unsupported state version {version!r}")
         ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if "shuffle_buffer" in state:
@@ -445,7 +450,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             if name in state and state[name] != value:
                 raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
         if "snapshot" in state:
-            dataset, snapshot = _identity(self._prepare())
+            dataset, snapshot = identity(self._prepare())
             if state["snapshot"] != snapshot:
                 raise ConfigError(
                     f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "
@@ -506,46 +511,3 @@ class CachedIterableDataset(IterableDataset[Any]):
             row[Counter.CONSUMER_TIME] += got - last
             last = got
             yield batch
-
-
-def _identity(runtime: Runtime) -> tuple[str, str]:
-    """What a saved state was taken from: ``(dataset id, manifest snapshot)``, or a mix's."""
-    mix: Mix | None = runtime.mix
-    if mix is not None:
-        return mix.identity()
-    return runtime.handle.id, runtime.handle.manifest.snapshot
-
-
-def _find_iterator_states(state: Any) -> list[Mapping[str, Any]]:
-    found: list[Mapping[str, Any]] = []
-    if isinstance(state, Mapping):
-        if state.get(ITERATOR_MARK) == 1:
-            return [state]
-        for value in state.values():
-            found.extend(_find_iterator_states(value))
-    elif isinstance(state, list | tuple):
-        for value in state:
-            found.extend(_find_iterator_states(value))
-    return found
-
-
-def _state_from_iterators(states: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Turn the per-worker iterator states a StatefulDataLoader saved into one dataset state."""
-    first = states[0]
-    layout = first["layout"]
-    produced = [0] * int(layout["num_workers"])
-    for entry in states:
-        produced[int(entry["layout"]["worker"])] = int(entry["produced"])
-    cursor = Cursor(
-        int(layout["world_size"]),
-        int(layout["num_workers"]),
-        int(layout["chunk"]),
-        tuple(produced),
-        cold=first.get("cold") is True,
-    )
-    return {
-        "version": _STATE_VERSION,
-        "epoch": int(first["epoch"]),
-        "seed": first["seed"],
-        "cursors": [*first["cursors"], cursor.to_json()],
-    }

@@ -131,10 +131,12 @@ def open_mix(
         part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans)
         if not complete(plan):
             # Counted through the stager, so that the origin serves each shard once, for counting and
-            # reading alike. A mix needs every source's size to share the epoch out: it waits for them.
+            # reading alike; every source's count starts now, and they run together.
             part.book = CountBook(plan, handle, settings, loop, access)
-        complete_runtime(part, shuffle_buffer)
+            part.book.start()
         parts.append(part)
+    for part in parts:
+        complete_runtime(part, shuffle_buffer)  # a mix shares the epoch out by the sources' sizes
     formats = {part.handle.manifest.format for part in parts}
     if len(formats) > 1:
         found = ", ".join(

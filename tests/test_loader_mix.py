@@ -285,3 +285,37 @@ def test_a_cold_mix_reads_each_shard_from_the_origin_once(s3: Any, settings: Set
     counts = s3.server.request_counts()
     gets = {key: n for key, n in counts.items() if key.startswith(f"GET /{s3.name}/") and key.endswith(".tar")}
     assert len(gets) == 4 and set(gets.values()) == {1}, f"counting and reading share one GET per shard: {gets}"
+
+
+def test_sources_of_two_formats_are_refused_by_name(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "table").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"i": i} for i in range(10)]), tmp_path / "table" / "part-0.parquet")
+    dataset = CachedIterableDataset([f"{tmp_path / 'a'}/", f"{tmp_path / 'table'}/"], config=settings)
+    with pytest.raises(ConfigError, match=r"must have one format; found .*a/: tar, .*table/: parquet"):
+        next(iter(dataset))
+
+
+def test_an_endless_stream_resumes_in_process_and_refuses_with_workers(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    def stream() -> CachedIterableDataset:
+        return CachedIterableDataset(f"{tmp_path / 'c'}/", config=settings, seed=6, resample=True)
+
+    whole = [sample["__key__"] for sample in itertools.islice(stream(), 90)]
+    first = stream()
+    head = [sample["__key__"] for sample in itertools.islice(first, 50)]  # into the third pass (epoch 2)
+    state = first.state_dict()
+    assert state["epoch"] == 2
+    again = stream()
+    again.load_state_dict(state)
+    assert head + [sample["__key__"] for sample in itertools.islice(again, 40)] == whole
+    with_workers = stream()
+    loader = iter(DataLoader(with_workers, batch_size=BATCH, num_workers=2))
+    next(loader)
+    with pytest.raises(ConfigError, match="resumed only when read without DataLoader worker processes"):
+        with_workers.state_dict(samples_consumed=BATCH, batch_size=BATCH)
