@@ -6,19 +6,22 @@ import json
 import pickle
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset, CachedMapDataset
 from test_loader import payload, write_wds
 from torch.utils.data import DataLoader, DistributedSampler
 
 from datacache.config import Settings
 from datacache.errors import ConfigError, SampleDecodeError
+
+if TYPE_CHECKING:
+    # Only for annotations: in the whole suite, `conftest` may resolve to tests/faults/conftest.py.
+    from conftest import S3Bucket
 
 
 def _same(left: dict[str, Any], right: dict[str, Any]) -> bool:
