@@ -31,6 +31,7 @@ __all__ = [
     "SampleDecoding",
     "basic_decoders",
     "check_decoder",
+    "check_transform",
     "field_decoders",
 ]
 

@@ -154,19 +154,23 @@ class CachedMapDataset(Dataset[Any]):
         if not 0 <= index < total:
             raise IndexError(f"index {index} is out of range: the dataset holds samples 0 to {total - 1}")
         unit = int(np.searchsorted(opened.starts, index, side="right")) - 1
-        reader = self._reader(opened, unit)
-        sample = reader.sample(int(index - opened.starts[unit]))
+        reader, sample = self._read(opened, unit, int(index - opened.starts[unit]))
         opened.decoding.identify(sample, reader)
         if opened.decoding.raw:
             return sample
         return opened.decoding.apply(sample, reader.where)
 
-    def _reader(self, opened: _Opened, unit: int) -> UnitReader:
-        """The open reader of ``unit``; the least recently used beyond ``max_open`` are closed."""
-        reader = opened.units.reader_for(unit)
-        if reader is None:  # only with skip_bad, which random access never sets
-            raise ShardReadError(f"dataset {opened.runtime.handle.id}: unit {unit} could not be read")
+    def _read(self, opened: _Opened, unit: int, local: int) -> tuple[UnitReader, dict[str, Any]]:
+        """Sample ``local`` of ``unit`` (its bytes copied out), opening the unit if need be.
+
+        Under the process's lock: a unit closed as least recently used beyond ``max_open``
+        is never one another thread is reading from.
+        """
         with opened.lock:
+            reader = opened.units.reader_for(unit)
+            if reader is None:  # only with skip_bad, which random access never sets
+                raise ShardReadError(f"dataset {opened.runtime.handle.id}: unit {unit} could not be read")
+            sample = reader.sample(local)
             opened.recent[unit] = None
             opened.recent.move_to_end(unit)
             while len(opened.recent) > self.max_open:
@@ -174,7 +178,7 @@ class CachedMapDataset(Dataset[Any]):
                 stale = opened.units.readers.pop(old, None)
                 if stale is not None:
                     stale.close()
-        return reader
+        return reader, sample
 
     def close(self) -> None:
         """Close this process's open shards, loop, stager and connections (also done at exit)."""

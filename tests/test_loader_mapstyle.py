@@ -20,6 +20,7 @@ from datacache.config import Settings
 from datacache.errors import ConfigError, SampleDecodeError
 
 if TYPE_CHECKING:
+    # Only for annotations: in the whole suite, `conftest` may resolve to tests/faults/conftest.py.
     from conftest import S3Bucket
 
 
