@@ -41,7 +41,7 @@ from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, FutureOrder, Location, ReaderProgress
 
 __all__ = ["NodeFuture", "Runtime", "UnitReaders"]
 
@@ -150,6 +150,10 @@ class UnitReaders:
         self._future_told = False
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
+        self._later: list[str] = []
+        self._later_lock = threading.Lock()
+        self._chain: concurrent.futures.Future[None] | None = None
+        """The one task staging the next epoch's keys in order (`_stage_later`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -272,18 +276,55 @@ class UnitReaders:
             return reader
 
     def _ahead(self) -> tuple[int, ...]:
-        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's."""
-        if self._future is None:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
+
+        The next epoch's only once this epoch's last unit is being opened: earlier, they would
+        take room (and, cold, origin reads) that this epoch's units need first.
+        """
+        if self._future is None or self._next_index < len(self._sequence) - 1:
             return self._sequence
         return self._sequence + self._future.after(len(self._epoch.unit_sequence))
 
     def _prefetch_again(self) -> None:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
-            ahead = self._ahead()[self._next_index + 1 : self._prefetched_until]
-            keys = [key for u in ahead if u not in self.readers for key in self._plan.units[u].keys]
-        if keys:
-            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
+            self._prefetch(self._next_index + 1, self._prefetched_until)
+
+    def _prefetch(self, start: int, until: int) -> None:
+        """Stage the units ``_ahead()[start:until]`` not open now: this epoch's at once, the next epoch's in order.
+
+        The next epoch's go one after another, the soonest first: started together, a later
+        one could take the room the first needs while it is still being written (not evictable).
+        """
+        ahead, runtime = self._ahead(), self.runtime
+        now = [key for u in ahead[start : min(until, len(self._sequence))] for key in self._plan.units[u].keys]
+        later = [
+            key
+            for u in ahead[max(start, len(self._sequence)) : until]
+            if u not in self.readers
+            for key in self._plan.units[u].keys
+        ]
+        if now:
+            runtime.loop.submit(runtime.access.prefetch(runtime.handle, now))
+        if later:
+            with self._later_lock:
+                self._later = later  # the chain running takes the newest list when it is done with its own
+            if self._chain is None or self._chain.done():
+                self._chain = runtime.loop.submit(self._stage_later())
+
+    async def _stage_later(self) -> None:
+        """Stage the next epoch's keys one after another, the soonest first, until none are left to ask."""
+        access, handle = self.runtime.access, self.runtime.handle
+        while True:
+            with self._later_lock:  # never `_note_lock`: its holder waits on this loop
+                keys, self._later = self._later, []
+            if not keys:
+                return
+            for key in keys:
+                try:
+                    await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
+                except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
+                    logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
@@ -295,7 +336,6 @@ class UnitReaders:
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in ahead[start:until] for key in self._plan.units[u].keys]
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
@@ -308,8 +348,7 @@ class UnitReaders:
             else:
                 future = [key for u in sequence for key in self._plan.units[u].keys]
                 runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
-        if keys:
-            runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+        self._prefetch(start, until)
 
     def _open(self, unit_index: int) -> UnitReader:
         unit = self._plan.units[unit_index]
