@@ -42,7 +42,7 @@ from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
 
@@ -201,6 +201,10 @@ class UnitReaders:
         self._future_told = False
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
+        self._later: list[str] = []
+        self._later_lock = threading.Lock()
+        self._chain: concurrent.futures.Future[None] | None = None
+        """The one task staging the next epoch's keys in order (`_stage_in_order`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -353,18 +357,57 @@ class UnitReaders:
             return reader
 
     def _ahead(self) -> tuple[int, ...]:
-        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's."""
-        if self._future is None:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
+
+        The next epoch's only once this epoch's last unit is being opened: earlier, they would
+        take room (and, cold, origin reads) that this epoch's units need first.
+        """
+        if self._future is None or self._next_index < len(self._sequence) - 1:
             return self._sequence
         return self._sequence + self._future.after(len(self._epoch.unit_sequence))
+
+    def _keys_ahead(self, start: int, until: int) -> tuple[list[str], list[str]]:
+        """The keys of ``_ahead()[start:until]`` not open now: this epoch's, and the next epoch's."""
+        ahead, split = self._ahead(), len(self._sequence)
+
+        def keys(units: tuple[int, ...]) -> list[str]:
+            return [key for u in units if u not in self.readers for key in self._plan.units[u].keys]
+
+        return keys(ahead[start : min(until, split)]), keys(ahead[max(start, split) : until])
 
     def _prefetch_again(self) -> None:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
-            ahead = self._ahead()[self._next_index + 1 : self._prefetched_until]
-            keys = [key for u in ahead if u not in self.readers for key in self._plan.units[u].keys]
-        if keys:
-            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
+            now, later = self._keys_ahead(self._next_index + 1, self._prefetched_until)
+        if now:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
+        self._stage_in_order(later)
+
+    def _stage_in_order(self, keys: list[str]) -> None:
+        """Stage the next epoch's ``keys`` one after another, the soonest first, in one task per reader.
+
+        Started together, a later one could take the room the first needs while it is still
+        being written (not evictable), and the first would find none.
+        """
+        if not keys:
+            return
+        with self._later_lock:
+            self._later = keys  # the task running takes the newest list when it is done with its own
+            if self._chain is None or self._chain.done():
+                self._chain = self.runtime.loop.submit(self._stage_later())
+
+    async def _stage_later(self) -> None:
+        access, handle = self.runtime.access, self.runtime.handle
+        while True:
+            with self._later_lock:  # never `_note_lock`: its holder waits on this loop
+                keys, self._later = self._later, []
+            if not keys:
+                return
+            for key in keys:
+                try:
+                    await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
+                except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
+                    logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
@@ -377,7 +420,7 @@ class UnitReaders:
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in ahead[start:until] for key in self._plan.units[u].keys]
+        keys, later = self._keys_ahead(start, until)
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
@@ -394,6 +437,7 @@ class UnitReaders:
             self._unsent.extend(keys)
         elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+        self._stage_in_order(later)
 
     def _send_prefetch(self) -> None:
         """Queue the held-back prefetches that no note found local."""
