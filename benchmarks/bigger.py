@@ -14,6 +14,12 @@ blocked on data over the epoch's time), the bytes fetched from the origin (the
 cluster's: the shared tier grows by exactly what the origin supplies), and
 shards found vanished from the local tier. The table goes into RESULTS.md
 between ``<!-- bigger-than-cache -->`` markers.
+
+With ``--mode daemon`` each simulated node runs one ``datacache serve`` on its
+local tier, and its ranks (and their workers) are the daemon's clients: their
+progress feeds the daemon's one order. The table then also gives each node's
+origin bytes per epoch (what its daemon fetched from the origin), and goes
+between ``<!-- bigger-than-cache-daemon -->`` markers.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ __all__ = ["main", "run_scenario", "saved_table", "write_table"]
 
 REPO = Path(__file__).resolve().parent.parent
 MARK = "<!-- bigger-than-cache -->"
+DAEMON_MARK = "<!-- bigger-than-cache-daemon -->"
+MODES = ("embedded", "daemon")
 POLICIES = ("auto", "nothrash", "lru")
 NODES, RANKS_PER_NODE, WORKERS, EPOCHS = 2, 2, 2, 3
 
@@ -98,11 +106,68 @@ def _shared_bytes(shared: Path) -> int:
     return sum(p.stat().st_size for p in (shared / "data").rglob("*") if p.is_file() and ".partial" not in p.name)
 
 
-def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin: Path) -> dict[str, Any]:
+def _node_daemons(run: Path, settings: dict[str, Any]) -> list[Any]:
+    """One ``datacache serve`` per simulated node, on its local tier, with the scenario's settings."""
+    from benchmarks.daemon_mode import start_daemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATACACHE_")}
+    env.update({f"DATACACHE_{name.upper()}": str(value) for name, value in settings.items()})
+    env["PYTHONPATH"] = str(REPO)
+    daemons: list[Any] = []
+    try:
+        for node in range(NODES):
+            local = run / f"node{node}"
+            local.mkdir(parents=True)
+            daemons.append(start_daemon(local, env))
+    except BaseException:
+        _stop(daemons)
+        raise
+    return daemons
+
+
+def _stop(daemons: list[Any]) -> None:
+    from benchmarks.daemon_mode import stop_daemon
+
+    for daemon in daemons:
+        stop_daemon(daemon)
+
+
+def _origin_bytes_by_node(run: Path) -> list[int]:
+    """What each node's daemon has fetched from the origin so far (its stager's counter)."""
+    import asyncio
+
+    from datacache.client import DaemonClient
+    from datacache.config import load_settings
+
+    async def read(node: int) -> int:
+        client = DaemonClient(load_settings({}, overrides={"local_dir": str(run / f"node{node}")}))
+        try:
+            return int((await client.status())["stats"]["bytes_from_origin"])
+        finally:
+            await client.close()
+
+    return [asyncio.run(read(node)) for node in range(NODES)]
+
+
+def run_scenario(
+    work: Path, *, policy: str, fraction: float, total: int, origin: Path, mode: str = "embedded"
+) -> dict[str, Any]:
     """One policy at one local tier size: every node's ranks run at once; return the per-epoch figures."""
-    run = work / f"{policy}-{fraction:g}"
+    run = work / f"{policy}-{fraction:g}-{mode}"
     shared = run / "shared"
     vanished = run / "vanished.log"
+    scenario = {"shared_dir": str(shared), "local_capacity": int(total * fraction), "default_policy": policy}
+    daemons = _node_daemons(run, scenario) if mode == "daemon" else []
+    try:
+        result = _run_ranks(run, origin, scenario, vanished, daemons=bool(daemons))
+    finally:
+        _stop(daemons)
+    return {"policy": policy, "fraction": fraction, "mode": mode, **result}
+
+
+def _run_ranks(run: Path, origin: Path, scenario: dict[str, Any], vanished: Path, *, daemons: bool) -> dict[str, Any]:
+    """Every node's ranks at once (clients of their node's daemon when ``daemons``); per-epoch figures."""
+    shared = Path(scenario["shared_dir"])
     world = NODES * RANKS_PER_NODE
     processes = []
     for node in range(NODES):
@@ -111,12 +176,8 @@ def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin
             spec = {
                 "origin": str(origin),
                 "vanished": str(vanished),
-                "settings": {
-                    "local_dir": str(run / f"node{node}"),
-                    "shared_dir": str(shared),
-                    "local_capacity": int(total * fraction),
-                    "default_policy": policy,
-                },
+                # The node's daemon, when it runs one, answers on <local_dir>/daemon.sock.
+                "settings": {"local_dir": str(run / f"node{node}"), **scenario},
             }
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(REPO)}
             env = {k: v for k, v in env.items() if not k.startswith("DATACACHE_")}
@@ -130,8 +191,8 @@ def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin
                 )
             )
     # The shared tier's growth per epoch is what the origin supplied: read it as the ranks go.
-    per_rank = []
     origin_bytes: list[int] = []
+    by_node: list[list[int]] = []
     lines: list[list[dict[str, Any]]] = [[] for _ in processes]
     for epoch in range(EPOCHS):
         for index, process in enumerate(processes):
@@ -141,13 +202,15 @@ def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin
                 raise RuntimeError(f"rank {index} stopped before epoch {epoch} ended (exit {process.wait()})")
             lines[index].append(json.loads(line))
         origin_bytes.append(_shared_bytes(shared) - sum(origin_bytes))
+        if daemons:
+            so_far = _origin_bytes_by_node(run)
+            by_node.append([now - sum(e[n] for e in by_node) for n, now in enumerate(so_far)])
     for process in processes:
         if process.wait() != 0:
             raise RuntimeError(f"a rank failed with exit {process.returncode}")
     per_rank = lines
     return {
-        "policy": policy,
-        "fraction": fraction,
+        "origin_bytes_by_node": by_node,
         "local_share": [sum(r[e]["local"] for r in per_rank) / world for e in range(EPOCHS)],
         "wait_fraction": [sum(r[e]["wait"] for r in per_rank) / world for e in range(EPOCHS)],
         "origin_bytes": origin_bytes,
@@ -156,48 +219,73 @@ def run_scenario(work: Path, *, policy: str, fraction: float, total: int, origin
 
 
 def _table(results: list[dict[str, Any]], total: int, shards: int) -> str:
-    rows = [
-        MARK,
-        "## Bigger than the cache (`benchmarks/bigger.py`)",
-        "",
+    daemon = bool(results) and results[0].get("mode") == "daemon"
+    mark = DAEMON_MARK if daemon else MARK
+    about = (
         f"{shards} tar shards, {total / 1e6:.0f} MB, file:// origin; one shared tier; {NODES} simulated nodes "
         f"(own local tiers) x {RANKS_PER_NODE} ranks x {WORKERS} workers; {EPOCHS} epochs. Local share = "
         "shards read from the local tier at open; wait = readers' time blocked on data over the epoch; "
-        "origin MB = the cluster's origin reads (the shared tier's growth), per epoch.",
-        "",
-        "| local tier | policy | local share per epoch | wait fraction per epoch | origin MB per epoch | vanished |",
-        "|---|---|---|---|---|---|",
-    ]
+        "origin MB = the cluster's origin reads (the shared tier's growth), per epoch."
+    )
+    if daemon:
+        about += (
+            " Each node runs one `datacache serve`; its ranks and their workers are its clients. Origin MB per "
+            "node = what each node's daemon fetched from the origin (node 0 + node 1), per epoch."
+        )
+    columns = ["local tier", "policy", "local share per epoch", "wait fraction per epoch", "origin MB per epoch"]
+    columns += ["origin MB per node per epoch"] if daemon else []
+    title = (
+        "Bigger than the cache, through the daemon (`benchmarks/bigger.py --mode daemon`)"
+        if daemon
+        else ("Bigger than the cache (`benchmarks/bigger.py`)")
+    )
+    rows = [mark, f"## {title}", "", about, "", "| " + " | ".join([*columns, "vanished"]) + " |"]
+    rows.append("|" + "---|" * (len(columns) + 1))
     for r in results:
-        share = " / ".join(f"{x:.2f}" for x in r["local_share"])
-        wait = " / ".join(f"{x:.2f}" for x in r["wait_fraction"])
-        origin = " / ".join(f"{x / 1e6:.0f}" for x in r["origin_bytes"])
-        rows.append(f"| 1/{round(1 / r['fraction'])} | {r['policy']} | {share} | {wait} | {origin} | {r['vanished']} |")
-    rows.append(MARK)
+        cells = [
+            f"1/{round(1 / r['fraction'])}",
+            r["policy"],
+            " / ".join(f"{x:.2f}" for x in r["local_share"]),
+            " / ".join(f"{x:.2f}" for x in r["wait_fraction"]),
+            " / ".join(f"{x / 1e6:.0f}" for x in r["origin_bytes"]),
+        ]
+        if daemon:
+            cells.append(" / ".join(" + ".join(f"{b / 1e6:.1f}" for b in e) for e in r["origin_bytes_by_node"]))
+        rows.append("| " + " | ".join([*cells, str(r["vanished"])]) + " |")
+    rows.append(mark)
     return "\n".join(rows) + "\n"
 
 
-def saved_table(path: Path) -> str:
-    """The scenario's table as ``path`` holds it now (empty if none)."""
-    text = path.read_text() if path.exists() else ""
-    if text.count(MARK) < 2:
+def _marked(text: str, mark: str) -> str:
+    """The block of ``text`` between two ``mark`` lines, the marks included (empty if none)."""
+    if text.count(mark) < 2:
         return ""
-    _, _, rest = text.partition(MARK)
-    body, _, _ = rest.partition(MARK)
-    return MARK + body + MARK + "\n"
+    _, _, rest = text.partition(mark)
+    body, _, _ = rest.partition(mark)
+    return mark + body + mark + "\n"
+
+
+def saved_table(path: Path) -> str:
+    """The scenario's tables (embedded, and through the daemon) as ``path`` holds them now (empty if none)."""
+    text = path.read_text() if path.exists() else ""
+    return "".join(_marked(text, mark) for mark in (MARK, DAEMON_MARK))
 
 
 def write_table(block: str, path: Path) -> None:
-    """Put the scenario's table into ``path``, replacing the one there (nothing to do for an empty one)."""
-    if not block:
+    """Put the scenario's tables in ``block`` into ``path``, replacing those there (nothing to do for an empty one)."""
+    parts = [(mark, _marked(block, mark)) for mark in (MARK, DAEMON_MARK)]
+    if not any(part for _, part in parts):
         return
     text = path.read_text() if path.exists() else ""
-    if MARK in text:
-        head, _, rest = text.partition(MARK)
-        _, _, tail = rest.partition(MARK)
-        text = head + block.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
+    for mark, part in parts:
+        if not part:
+            continue
+        if mark in text:
+            head, _, rest = text.partition(mark)
+            _, _, tail = rest.partition(mark)
+            text = head + part.rstrip("\n") + tail
+        else:
+            text = text.rstrip("\n") + "\n\n" + part
     path.write_text(text)
 
 
@@ -206,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, smaller shards and one tier size")
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, default=None, help="the RESULTS file to write the table into")
+    parser.add_argument(
+        "--mode", choices=MODES, default="embedded", help="readers stage themselves, or through one daemon per node"
+    )
     args = parser.parse_args(argv)
     if args.rank:
         _rank(json.loads(args.rank))
@@ -219,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in fractions:
         for policy in POLICIES:
             started = time.monotonic()
-            result = run_scenario(work, policy=policy, fraction=fraction, total=total, origin=work / "origin")
+            result = run_scenario(
+                work, policy=policy, fraction=fraction, total=total, origin=work / "origin", mode=args.mode
+            )
             result["seconds"] = time.monotonic() - started
             print(json.dumps(result), flush=True)
             results.append(result)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ from datacache.loaders.readers import (
     open_unit_reader,
 )
 from datacache.loaders.stats import Counter
+from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -43,7 +44,7 @@ from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadErr
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
 
-__all__ = ["NodeFuture", "Runtime", "UnitReaders"]
+__all__ = ["NodeFuture", "Runtime", "UnitReaders", "Units"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Runtime:
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: Any = None
     """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    mix: Any = None
+    """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -90,6 +93,10 @@ class NodeFuture:
             {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
         )
 
+    def after(self, units_this_epoch: int) -> tuple[int, ...]:
+        """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
+        return self.units.get(self.reader, ())[units_this_epoch:]
+
     def key_positions(self, plan: UnitPlan) -> dict[int, int]:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
         found: dict[int, int] = {}
@@ -98,6 +105,37 @@ class NodeFuture:
             found.setdefault(unit, position)
             position += len(plan.units[unit].keys)
         return found
+
+
+class Units(Protocol):
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `mixunits.MixedUnitReaders`."""
+
+    runtime: Runtime
+
+    @property
+    def skipped_why(self) -> dict[int, str]: ...
+
+    @property
+    def staged_bytes(self) -> float: ...
+
+    @property
+    def staging_seconds(self) -> float: ...
+
+    def restart(self, produced: int) -> None: ...
+
+    def close_all(self) -> None: ...
+
+    def note_retries(self) -> None: ...
+
+    def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None: ...
+
+    def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None: ...
+
+    def reader_at(self, position: int) -> UnitReader | None: ...
+
+    def reader_for(self, unit: int) -> UnitReader | None: ...
+
+    def url_of(self, reader: UnitReader) -> str: ...
 
 
 class UnitReaders:
@@ -129,6 +167,8 @@ class UnitReaders:
         self._plan = runtime.plan
         self._format = runtime.handle.manifest.format
         self._where = f"dataset {runtime.handle.id}"
+        self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
+        """The URL (credentials redacted) this dataset's shard keys are relative to."""
         self._controller = controller
         self._row = row
         self._lock = lock
@@ -140,10 +180,20 @@ class UnitReaders:
         """Why each skipped unit could not be read (a cold epoch records it in the plan)."""
         self._unit_locks: dict[int, threading.Lock] = {}
         self._preopened: set[int] = set()
+        self._leased: dict[int, list[Location]] = {}
+        """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
+        self._coming: dict[int, tuple[int, ...]] = {}
+        """The units that follow each unit in this reader's sequence: twice its prefetch window."""
+        self._seen: set[str] = set()
+        """Keys a note located this epoch: a prefetch of one found local is never sent."""
+        self._unsent: list[str] = []
+        """Prefetches held back until the next note says which of them are local already."""
         self._sequence = epoch.unit_sequence
         self._next_index = 0
         self._prefetched_until = 0
         self._future_told = False
+        self._position = 0
+        """The position this reader last reported (`_note_progress`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -158,29 +208,54 @@ class UnitReaders:
         for reader in self.readers.values():
             reader.close()
         self.readers.clear()
+        with self._note_lock:
+            self._leased.clear()
+            self._seen.clear()
         if self._future is not None and self._future_told:
-            self._note_progress(None)  # holds nothing any more
+            self._note_progress(None, done=True)  # holds nothing any more
 
-    def _note_progress(self, unit: int | None) -> None:
-        """Tell the stager where this reader is and lease what it holds: its open units and ``unit``.
+    def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
+        """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
-        Synchronous, before ``unit`` is located: from then until the next note, eviction
-        cannot take it between locate and map.
+        Held: the open units, ``unit``, the units that follow it (twice its prefetch
+        window) and those leased before. One call notes, leases and locates them, before
+        any is mapped, so eviction cannot take one between locate and map; the following
+        units found local are opened later without asking again (through a daemon, one
+        round trip per prefetch window, not two per unit), until the prefetch window
+        passes what the notes have seen. Without ``unit`` the position stays (a unit was
+        closed: its lease goes), or with ``done`` moves past this epoch.
         """
         future, runtime = self._future, self.runtime
         if future is None:
-            return
+            return []
         # One note at a time, each with the holdings as they are when it is sent: a thread's
         # older note never replaces another's newer one (dropping a unit it is opening).
         with self._note_lock:
-            units = {*self.readers, *self._opening} if unit is None else {*self.readers, *self._opening, unit}
+            coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
+            asked = [] if unit is None else [unit, *coming]
+            units = {*self.readers, *self._opening, *self._leased, *asked}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
-            position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
-            progress = ReaderProgress(future.reader, future.epoch, position, holding)
-            runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
+            if unit is not None:
+                self._position = self._positions.get(unit, 0)
+            elif done:
+                self._position = sum(map(len, self._plan_keys()))
+            progress = ReaderProgress(future.reader, future.epoch, self._position, holding)
+            locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
+            located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
+            where = dict(zip(locate, located, strict=True))
+            self._seen.update(locate)
+            for u in coming:
+                found = [where[key] for key in self._plan.units[u].keys]
+                if all(loc.tier == "local" and loc.path is not None for loc in found):
+                    self._leased[u] = found
+            return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
+
+    def url_of(self, reader: UnitReader) -> str:
+        """The URL (credentials redacted) ``reader``'s shard keys are relative to."""
+        return self.url
 
     def note_retries(self) -> None:
         """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
@@ -198,6 +273,11 @@ class UnitReaders:
                     pool.submit(reader.close)
                 else:
                     reader.close()
+                if self._future is not None and self._future_told:
+                    # Its lease goes now, not at the epoch's end: the room it leaves is what
+                    # brings in the shards read next (those of the next epoch, near the end).
+                    self._note_progress(None)
+                    self._prefetch_again()
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
         """Open (map and verify) on ``submit`` the units first used in ``[begin, horizon)``.
@@ -232,6 +312,12 @@ class UnitReaders:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
             self._advance_prefetch(unit)
+        try:
+            return self._open_once(unit, unit_lock)
+        finally:
+            self._send_prefetch()  # held back for the lease; sent even if another thread opened the unit
+
+    def _open_once(self, unit: int, unit_lock: threading.Lock) -> UnitReader | None:
         with unit_lock:  # one thread opens a unit; the others wait for it
             reader = self.readers.get(unit)
             if reader is not None:
@@ -240,7 +326,6 @@ class UnitReaders:
                 return None
             self._opening.add(unit)
             try:
-                self._note_progress(unit)
                 reader = self._open(unit)
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
@@ -256,16 +341,32 @@ class UnitReaders:
             self.readers[unit] = reader
             return reader
 
+    def _ahead(self) -> tuple[int, ...]:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's."""
+        if self._future is None:
+            return self._sequence
+        return self._sequence + self._future.after(len(self._epoch.unit_sequence))
+
+    def _prefetch_again(self) -> None:
+        """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
+        with self._lock:
+            ahead = self._ahead()[self._next_index + 1 : self._prefetched_until]
+            keys = [key for u in ahead if u not in self.readers for key in self._plan.units[u].keys]
+        if keys:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
+
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
         while self._next_index < len(sequence) and sequence[self._next_index] != unit:
             self._next_index += 1
         depth = self._controller.depth
-        until = min(len(sequence), self._next_index + 1 + depth)
+        ahead = self._ahead()
+        self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + 2 * depth])
+        until = min(len(ahead), self._next_index + 1 + depth)
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in sequence[start:until] for key in self._plan.units[u].keys]
+        keys = [key for u in ahead[start:until] for key in self._plan.units[u].keys]
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
@@ -273,13 +374,27 @@ class UnitReaders:
             if self._future is not None:
                 # The whole node's future, the same from every reader: nothing to overwrite.
                 runtime.loop.run(runtime.access.set_future_order(runtime.handle, self._future.order(self._plan)))
-                # Say where this reader is before its prefetches ask for room.
-                self._note_progress(unit)
             else:
                 future = [key for u in sequence for key in self._plan.units[u].keys]
                 runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
-        if keys:
+        if self._future is not None:
+            # Sent after the unit's lease: it says where this reader is before its prefetches
+            # ask for room, and which of them are local already (a warm epoch sends none).
+            self._unsent.extend(keys)
+        elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+
+    def _send_prefetch(self) -> None:
+        """Queue the held-back prefetches that no lease found local."""
+        with self._lock:
+            keys, self._unsent = self._unsent, []
+        if not keys:
+            return
+        with self._note_lock:
+            local = {loc.shard.key for found in self._leased.values() for loc in found}
+        keys = [key for key in keys if key not in local]
+        if keys:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
 
     def _open(self, unit_index: int) -> UnitReader:
         unit = self._plan.units[unit_index]
@@ -288,7 +403,7 @@ class UnitReaders:
         # Three tries: a bad local copy is dropped, then a bad shared copy, then the origin's bytes.
         for attempt in range(3):
             started = time.perf_counter()
-            locations, tier = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
+            locations, tier = self._locate(unit_index, again=attempt > 0)
             waited = time.perf_counter() - started
             buffers: dict[str, Any] = {}
             try:
@@ -322,6 +437,27 @@ class UnitReaders:
             self.note_retries()
             return reader
         raise DatacacheError(f"{where}: could not be read")  # pragma: no cover - loop always returns or raises
+
+    def _locate(self, unit: int, *, again: bool) -> tuple[list[Location], str]:
+        """Where the unit's shards are (staging those only the origin has), and the slowest tier.
+
+        A unit an earlier note leased and found local is opened from there without
+        asking, unless the prefetches held back name a shard no note has seen (this
+        note then also says where those are) or its copy failed (``again``).
+        """
+        runtime = self.runtime
+        with self._lock:
+            unsent = list(self._unsent)
+        with self._note_lock:
+            leased = self._leased.pop(unit, None)
+            seen = self._seen.issuperset(unsent)
+        if leased is not None and seen and not again:
+            return leased, "local"
+        if self._future is None:
+            located = runtime.loop.run(_locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
+        else:
+            located = self._note_progress(unit)
+        return runtime.loop.run(_stage_missing(runtime.access, runtime.handle, located))
 
     def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
         row = self._row
@@ -367,24 +503,28 @@ def _close_buffers(buffers: dict[str, Any]) -> None:
     buffers.clear()
 
 
-async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> tuple[list[Location], str]:
-    """Where each key can be read: local, else shared (its local copy goes on), else staged now.
+async def _locate_keys(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> list[Location]:
+    return list(await asyncio.gather(*(access.locate(handle, key) for key in keys)))
+
+
+async def _stage_missing(
+    access: ShardAccess, handle: DatasetHandle, located: list[Location]
+) -> tuple[list[Location], str]:
+    """Where each located shard can be read: local, else shared (its local copy goes on), else staged now.
 
     Also returns the slowest tier the unit was found on when asked for:
     ``"origin"`` means the reader had to wait for a transfer.
     """
-    found: list[str] = []
 
-    async def one(key: str) -> Location:
-        location = await access.locate(handle, key)
-        found.append(location.tier)
+    async def one(location: Location) -> Location:
         if location.tier in ("local", "shared"):
             return location
         if isinstance(access, Stager):
             # In-process: take the bytes as soon as they are verified, not after the fsync.
-            return await access.ensure(handle, key, early=True)
-        return await access.ensure(handle, key)
+            return await access.ensure(handle, location.shard.key, early=True)
+        return await access.ensure(handle, location.shard.key)
 
-    locations = list(await asyncio.gather(*(one(key) for key in keys)))
+    locations = list(await asyncio.gather(*(one(location) for location in located)))
+    found = {location.tier for location in located}
     tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
     return locations, tier

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +107,54 @@ def test_the_daemons_warm_is_not_complete_when_a_shard_was_evicted_during_it(
         assert set(_summary(embedded)) == set(summary)  # one wire form, whichever ran the warm
     finally:
         daemon.stop()
+
+
+# -- status: is a daemon answering, and whose is it ------------------------------------------
+
+
+def _daemon_status(env: dict[str, str]) -> tuple[dict[str, object], str]:
+    as_json = run(env, "status", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    text = run(env, "status")
+    assert text.returncode == 0, text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.startswith("daemon "))
+    return json.loads(as_json.stdout)["daemon"], line
+
+
+def test_status_says_whether_a_daemon_answers_and_whose_it_is(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    local = tmp_path / "local"
+    sock = local / "daemon.sock"
+    alone = {**cache_env, "DATACACHE_LOCAL_DIR": str(local)}
+    document, line = _daemon_status(alone)
+    assert document["answers"] is False and document["socket"] == str(sock)
+    assert f"{sock}: none answers (no socket there)" in line, line
+
+    daemon = start_daemon(cache_env, local)
+    try:
+        document, line = _daemon_status(daemon.env)
+        user = pwd.getpwuid(os.getuid()).pw_name
+        assert document["answers"] is True
+        assert (document["pid"], document["uid"], document["user"]) == (daemon.process.pid, os.getuid(), user)
+        assert f"answers: pid {daemon.process.pid}, uid {os.getuid()} ({user})" in line, line
+    finally:
+        daemon.kill()  # SIGKILL: the socket file stays behind, and nobody listens on it
+    assert sock.exists()
+    document, line = _daemon_status(daemon.env)
+    assert document["answers"] is False
+    assert "none answers" in line and "no socket there" not in line, line
+
+
+def test_status_does_not_hang_on_a_socket_that_never_answers(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A listener that accepts nothing and says nothing: status reports it and returns."""
+    local = tmp_path / "local"
+    local.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(local / "daemon.sock"))
+        listener.listen(8)  # connections queue in the kernel; nothing ever reads or replies
+        document, line = _daemon_status({**cache_env, "DATACACHE_LOCAL_DIR": str(local)})
+    finally:
+        listener.close()
+    assert document["answers"] is False
+    assert "TimeoutError" in str(document["detail"]) or "did not answer" in str(document["detail"]), document
+    assert "none answers" in line, line

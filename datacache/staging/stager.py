@@ -323,12 +323,18 @@ class Stager:
         """
         self._residency.set_future_order(handle.id, keys)
 
-    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
+    async def note_progress(
+        self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
+    ) -> list[Location]:
         """Record where a reader is in its `FutureOrder` sequence, and lease the shards it holds.
 
         Shared by the node's processes through the catalog: eviction never takes a
         shard a live reader holds, and Belady counts from the readers' positions.
+        Returns where each of ``locate`` (keys the reader holds) can be read now,
+        as `locate` says: leased before they are located, a reader may map them
+        later without asking again (one round trip per lease, not per shard).
         """
+        progress.check_holds(locate)
         await self.catalog.note_reader(
             handle.id,
             progress.reader,
@@ -337,6 +343,7 @@ class Stager:
             position=progress.position,
             holding=progress.holding,
         )
+        return [await self.locate(handle, key) for key in locate]
 
     # -- the public verbs -----------------------------------------------------------------
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from datacache.catalog import process_owner
 from datacache.config import DatasetConfig
+from datacache.errors import ConfigError
 from datacache.manifest import Manifest, Shard
 from datacache.tiers import Tier
 
@@ -208,6 +209,15 @@ class ReaderProgress:
             "holding": list(self.holding),
             "owner": self.owner,
         }
+
+    def check_holds(self, keys: Iterable[str]) -> None:
+        """Raise `ConfigError` unless every key in ``keys`` is among the held ones (only leased shards are located)."""
+        missing = sorted(set(keys) - set(self.holding))
+        if missing:
+            raise ConfigError(
+                f"reader {self.reader!r} asks where {len(missing)} shard(s) are without holding them "
+                f"(first: {missing[0]!r}): only held shards are located with its progress"
+            )
 
     @classmethod
     def from_json(cls, data: object) -> ReaderProgress:
