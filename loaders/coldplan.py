@@ -1,7 +1,10 @@
 """A cold epoch as a reader walks it: the plan grows window by window as shard counts become known.
 
 `CountBook` holds the sample counts this process knows, and counts the rest
-of the dataset in the background with the other nodes (`ClusterIndex`).
+of the dataset in the background with the other nodes (`ClusterIndex`),
+through the stager: each shard is staged once for the cluster (the shared
+tier, else the local one) and counted from that copy, which the readers then
+use, so a cold epoch reads the origin once per shard.
 `ColdEpochPlan` is the reader's plan of a cold epoch (`coldorder`): it has
 the attributes of an `EpochPlan`, and `ensure` extends it, one window of its
 rank's shards at a time, counting a window's shards by opening them (they
