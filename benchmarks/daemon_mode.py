@@ -11,7 +11,8 @@ turn (the order alternates between repeats): batch mode and drop-in
 (per-sample dicts collated by the DataLoader, batch 64), each embedded (the
 reader's own stager) and as a client of one ``datacache serve`` started on an
 empty cache for it. Each runs one cold epoch (empty cache) then one warm
-epoch in a fresh process with 2 DataLoader workers; the consumer copies every
+epoch (``--warm-epochs N``: N, their median counted) in a fresh process with
+2 DataLoader workers; the consumer copies every
 payload byte (`benchmarks._job.Toucher`). Prints a table of medians and the
 daemon/embedded ratio per row, and writes it to ``benchmarks/RESULTS-daemon.md``
 (every epoch's figure to ``benchmarks/daemon-mode.json``; ``-quick`` files with
@@ -76,7 +77,7 @@ def _job(spec: dict[str, Any]) -> None:
     toucher = Toucher()
     epochs = []
     try:
-        for n, phase in enumerate(("cold", "warm")):
+        for n, phase in enumerate(("cold", *["warm"] * int(spec["warm_epochs"]))):
             dataset.set_epoch(n)
             epochs.append(run_epoch(loader, toucher, phase, int(spec["expected"])).to_json())
         mode = dataset.stats().mode
@@ -133,7 +134,8 @@ def _ready(local_dir: Path) -> bool:
     return asyncio.run(ask())
 
 
-def _one(work: Path, endpoint: str, mode: str, form: str, expected: int, name: str) -> dict[str, Any]:
+def _one(work: Path, endpoint: str, mode: str, form: str, expected: int, warm_epochs: int) -> dict[str, Any]:
+    name = f"{mode}-{form}"
     cache = work / name
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
@@ -141,7 +143,7 @@ def _one(work: Path, endpoint: str, mode: str, form: str, expected: int, name: s
     daemon = start_daemon(cache, env) if mode == "daemon" else None
     env["DATACACHE_SOCKET"] = str(cache / ("daemon.sock" if daemon else "no-daemon.sock"))
     spec = {"cache_dir": str(cache), "form": form, "workers": NUM_WORKERS, "expected": expected,
-            "dataset": f"s3://{BUCKET}/wds/"}  # fmt: skip
+            "dataset": f"s3://{BUCKET}/wds/", "warm_epochs": warm_epochs}  # fmt: skip
     try:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.daemon_mode", "--job", json.dumps(spec)],
@@ -158,30 +160,43 @@ def _one(work: Path, endpoint: str, mode: str, form: str, expected: int, name: s
     return result
 
 
-def measure(work: Path, endpoint: str, sizes: Sizes, repeats: int) -> dict[str, Any]:
-    """``repeats`` rounds of the four configurations; every epoch's MB/s, by configuration and phase."""
+def measure(work: Path, endpoint: str, sizes: Sizes, repeats: int, warm_epochs: int = 1) -> dict[str, Any]:
+    """``repeats`` rounds of the four configurations; MB/s by configuration and phase, one figure per round.
+
+    A round's warm figure is the median of its process's ``warm_epochs`` warm epochs.
+    """
     runs: dict[str, dict[str, list[float]]] = {f"{m} {f}": {"cold": [], "warm": []} for f in FORMS for m in MODES}
     order = [(m, f) for f in FORMS for m in MODES]
     for repeat in range(repeats):
         for mode, form in order if repeat % 2 == 0 else order[::-1]:
-            result = _one(work, endpoint, mode, form, sizes.samples, f"{mode}-{form}")
+            result = _one(work, endpoint, mode, form, sizes.samples, warm_epochs)
             for epoch in result["epochs"]:
                 if not epoch["ok"]:
                     raise RuntimeError(
                         f"{mode} {form} {epoch['phase']}: {epoch['samples']} samples, not {sizes.samples}"
                     )
-                runs[f"{mode} {form}"][epoch["phase"]].append(epoch["mb_per_s"])
+            for phase in ("cold", "warm"):
+                rates = [e["mb_per_s"] for e in result["epochs"] if e["phase"] == phase]
+                runs[f"{mode} {form}"][phase].append(statistics.median(rates))
             _log(f"{mode} {form}: " + ", ".join(f"{e['phase']} {e['mb_per_s']:.0f} MB/s" for e in result["epochs"]))
     return runs
 
 
 def table(runs: dict[str, dict[str, list[float]]]) -> str:
-    lines = ["| form | phase | embedded MB/s | daemon MB/s | daemon / embedded |", "|---|---|---|---|---|"]
+    """Medians per configuration, their ratio, and the median of each round's own daemon/embedded ratio."""
+    lines = [
+        "| form | phase | embedded MB/s | daemon MB/s | daemon / embedded | median of the rounds' ratios |",
+        "|---|---|---|---|---|---|",
+    ]
     for form in FORMS:
         for phase in ("warm", "cold"):
-            embedded = statistics.median(runs[f"embedded {form}"][phase])
-            daemon = statistics.median(runs[f"daemon {form}"][phase])
-            lines.append(f"| {form} | {phase} | {embedded:,.0f} | {daemon:,.0f} | {daemon / embedded:.2f}x |")
+            embedded, daemon = runs[f"embedded {form}"][phase], runs[f"daemon {form}"][phase]
+            ratio = statistics.median(embedded) and statistics.median(daemon) / statistics.median(embedded)
+            paired = statistics.median(d / e for d, e in zip(daemon, embedded, strict=True) if e)
+            lines.append(
+                f"| {form} | {phase} | {statistics.median(embedded):,.0f} | {statistics.median(daemon):,.0f} "
+                f"| {ratio:.2f}x | {paired:.2f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -189,13 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.daemon_mode", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick dataset (a few hundred MB)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the four configurations (default 3)")
+    parser.add_argument(
+        "--warm-epochs", type=int, default=1, help="warm epochs per process; a round counts their median (default 1)"
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.job:
         _job(json.loads(args.job))
         return 0
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if args.repeats < 1 or args.warm_epochs < 1:
+        parser.error("--repeats and --warm-epochs must be at least 1")
     from benchmarks.warm_vs_awscli import start_s3_server
 
     sizes = Sizes.quick() if args.quick else Sizes.full()
@@ -206,20 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     server, endpoint = start_s3_server()
     try:
         _data.upload_all(endpoint, sizes, root, with_anchors=False)
-        runs = measure(work, endpoint, sizes, args.repeats)
+        runs = measure(work, endpoint, sizes, args.repeats, args.warm_epochs)
     finally:
         server.terminate()
         server.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
     out = REPO / "benchmarks" / ("daemon-mode-quick.json" if args.quick else "daemon-mode.json")
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg": os.getloadavg(), "repeats": args.repeats,
-              "samples": sizes.samples, "runs": runs}  # fmt: skip
+              "warm_epochs": args.warm_epochs, "samples": sizes.samples, "runs": runs}  # fmt: skip
     out.write_text(json.dumps(record, indent=1) + "\n")
     note = (
         f"# Daemon vs embedded (`python -m benchmarks.daemon_mode{' --quick' if args.quick else ''}`)\n\n"
         f"{sizes.samples:,} samples of {sizes.min_bytes // 1000}-{sizes.max_bytes // 1000} KB in tar shards in the "
         f"local S3 server; DataLoader with {NUM_WORKERS} workers, batch {BATCH_SIZE}; the consumer copies every "
-        f"payload byte. Medians of {args.repeats} rounds, MB/s; run {record['started']}, load average "
+        f"payload byte. Medians of {args.repeats} rounds (a round's warm figure: the median of its process's "
+        f"{args.warm_epochs} warm epochs), MB/s; run {record['started']}, load average "
         f"{record['loadavg'][0]:.1f} at the end (2 cores shared: compare within the run).\n\n{table(runs)}\n"
     )
     (REPO / "benchmarks" / ("RESULTS-daemon-quick.md" if args.quick else "RESULTS-daemon.md")).write_text(note)
