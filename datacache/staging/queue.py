@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from datacache.errors import DatacacheError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
-from datacache.staging.types import DatasetHandle, Job, Location, StagingEvent
+from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, StagingEvent
 
-__all__ = ["JobQueue"]
+__all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
 
@@ -122,3 +122,22 @@ class JobQueue:
 def _mark_retrieved(future: asyncio.Future[Location]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def serve_early(job: Job, data: bytes, checksum: str) -> None:
+    """The job's bytes are verified: readers waiting early read them now (see `Stager.ensure`)."""
+    if job.early is None:
+        job.early = asyncio.get_running_loop().create_future()  # for readers that ask during the fsync
+    if not job.early.done():
+        job.early.set_result(Location(LOCAL, None, job.shard, checksum, data))
+
+
+async def first_answer(job: Job) -> Location:
+    """The job's early answer (its bytes in memory) or its durable one, whichever comes first."""
+    if job.early is None:
+        job.early = asyncio.get_running_loop().create_future()
+    early = job.early
+    await asyncio.wait((job.future, early), return_when=asyncio.FIRST_COMPLETED)
+    if job.future.done() or early.cancelled():
+        return await asyncio.shield(job.future)
+    return early.result()

@@ -31,7 +31,7 @@ from datacache.manifest import ManifestStore, Shard, object_url, reading_url, ta
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
-from datacache.staging.queue import JobQueue
+from datacache.staging.queue import JobQueue, first_answer, serve_early
 from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
@@ -231,7 +231,7 @@ class Stager:
         if parts is None:
             raise DatacacheError("the stager is not running")
         if job.tier == LOCAL:
-            return await parts.local.stage(job.handle, job.shard, functools.partial(_serve_early, job))
+            return await parts.local.stage(job.handle, job.shard, functools.partial(serve_early, job))
         if parts.shared is None:
             raise ConfigError("no shared tier is configured")
         path, checksum = await parts.shared.ensure(job.handle, job.shard)
@@ -377,7 +377,7 @@ class Stager:
                 return hit
         job = parts.queue.submit(handle, shard, tier, priority)
         if early and tier == LOCAL:
-            return await _first_of(job)
+            return await first_answer(job)
         return await asyncio.shield(job.future)
 
     async def prefetch(
@@ -594,22 +594,3 @@ async def _close_quietly(origins: Sequence[Tier]) -> None:
     for origin in origins:
         with contextlib.suppress(Exception):
             await origin.close()
-
-
-def _serve_early(job: Job, data: bytes, checksum: str) -> None:
-    """The job's bytes are verified: readers waiting early read them now (see `Stager.ensure`)."""
-    if job.early is None:
-        job.early = asyncio.get_running_loop().create_future()  # for readers that ask during the fsync
-    if not job.early.done():
-        job.early.set_result(Location(LOCAL, None, job.shard, checksum, data))
-
-
-async def _first_of(job: Job) -> Location:
-    """The job's early answer (its bytes in memory) or its durable one, whichever comes first."""
-    if job.early is None:
-        job.early = asyncio.get_running_loop().create_future()
-    early = job.early
-    await asyncio.wait((job.future, early), return_when=asyncio.FIRST_COMPLETED)
-    if job.future.done() or early.cancelled():
-        return await asyncio.shield(job.future)
-    return early.result()
