@@ -219,5 +219,10 @@ def run_section(
     saved = args.out / ("results-quick.json" if args.quick else "results.json")
     results = json.loads(saved.read_text())
     results[section] = entry
+    from benchmarks import bigger
+
+    report = args.out / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
+    kept = bigger.saved_table(report)  # write_report rewrites the file; the scenario's tables stay
     written = write_report(results, args.out)
+    bigger.write_table(kept, report)
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)

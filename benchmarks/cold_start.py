@@ -148,8 +148,14 @@ def measure(endpoint: str, work: Path, *, quick: bool) -> dict[str, Any]:
     sizes = _sizes(quick)
     made = upload(endpoint, sizes)
     points: dict[str, Any] = {}
+    # Round robin over the points, one run each per round: load that drifts on a shared machine
+    # then falls on every scale alike, not on whichever ran last.
+    rounds = [
+        {prefix: _point(endpoint, work / prefix, prefix, info) for prefix, info in made.items()}
+        for _ in range(sizes["repeats"])
+    ]
     for prefix, info in made.items():
-        runs = [_point(endpoint, work / prefix, prefix, info) for _ in range(sizes["repeats"])]
+        runs = [done[prefix] for done in rounds]
         good = [r for r in runs if "error" not in r]
         entry: dict[str, Any] = {**info, "runs": runs}
         if good:
@@ -189,7 +195,8 @@ def render_lines(entry: dict[str, Any] | None) -> list[str]:
         f"(webdataset's TarWriter), 1x = {sizes['base_shards']} shards; each point a fresh process with an empty "
         f"cache taking one batch of {entry['batch']} (batch mode, in-process). Origin bytes = the shards the S3 "
         "server was asked for before the first batch, whole (an upper bound: an index scan in flight counts "
-        f"whole). Medians of {sizes['repeats']} run(s). `benchmarks/cold_start.py`.",
+        f"whole). Medians of {sizes['repeats']} run(s), taken round robin across the points. "
+        "`benchmarks/cold_start.py`.",
         "",
         "| shards | sample index | first batch s | / 1x | shards requested before it | origin MB before it |",
         "|---|---|---|---|---|---|",

@@ -14,7 +14,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    s3fs ``get``, ``datacache warm``, plain reads of the cached files
    (``readinto``, ``cat``), and a DataLoader with 2 workers doing no I/O;
 3. runs every loader through a DataLoader (batch 64, 2 workers; datacache
-   also in its in-process mode), one cold epoch (empty cache) and one warm
+   three ways: drop-in, per-sample dicts the DataLoader batches; batch mode
+   with 2 workers; batch mode in-process), one cold epoch (empty cache) and one warm
    epoch, each in a fresh process, repeated; every consumer copies every
    byte and counts samples;
 4. the small-files variant: raw 8 KB objects read one by one, then
@@ -75,6 +76,13 @@ class LoaderRun:
 
 def loader_runs() -> list[LoaderRun]:
     return [
+        LoaderRun(
+            "datacache-dropin",
+            "datacache-dropin",
+            NUM_WORKERS,
+            f"datacache drop-in: DataLoader(ds, batch_size={BATCH_SIZE}, num_workers={NUM_WORKERS}), per-sample dicts",
+            False,
+        ),
         LoaderRun(
             "datacache-inprocess",
             "datacache",

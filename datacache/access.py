@@ -74,8 +74,15 @@ class ShardAccess(Protocol):
         """The node's future reads: every reader's order, or one order of keys (for Belady eviction)."""
         ...
 
-    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
-        """Where a reader is in its order, and the shards it holds (never evicted while it lives)."""
+    async def note_progress(
+        self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
+    ) -> list[Location]:
+        """Where a reader is in its order, and the shards it holds (never evicted while it lives).
+
+        Returns where each of ``locate`` can be read now, moving nothing: a reader leases
+        the shards it will open next and learns where they (and those it will prefetch)
+        are in one call.
+        """
         ...
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
@@ -237,8 +244,10 @@ class FailoverAccess:
         if self._down and not was_down:
             await self._fallback_stager().set_future_order(handle, order)
 
-    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
-        await self._route(lambda access: access.note_progress(handle, progress))
+    async def note_progress(
+        self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
+    ) -> list[Location]:
+        return await self._route(lambda access: access.note_progress(handle, progress, locate=locate))
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         return await self._route(lambda access: access.locate(handle, key))

@@ -121,6 +121,11 @@ class DaemonClient:
         self._manifests: dict[tuple[str, str], Manifest] = {}
         self._origins: dict[str, Tier] = {}
 
+    @property
+    def server_uid(self) -> int | None:
+        """The uid the daemon runs as (by ``SO_PEERCRED``), once a request has reached it."""
+        return None if self._connector is None else self._connector.server_uid
+
     def __getstate__(self) -> dict[str, Any]:
         return {
             "settings": self.settings,
@@ -355,11 +360,27 @@ class DaemonClient:
         body = {"order": keys.to_json()} if isinstance(keys, FutureOrder) else {"keys": list(keys)}
         await self._call_for(handle, "future_order", body, within=self.request_timeout)
 
-    async def note_progress(self, handle: DatasetHandle, progress: ReaderProgress) -> None:
-        """Tell the daemon where a reader of this process is and which shards it holds."""
-        await self._call_for(
-            handle, "progress", {"progress": progress.to_json()}, within=self.request_timeout
-        )
+    async def note_progress(
+        self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
+    ) -> list[Location]:
+        """Tell the daemon where a reader of this process is and which shards it holds.
+
+        With ``locate``, the same request says where each can be read now: the reader's
+        one round trip for the shards it opens (and prefetches) next.
+        """
+        body: dict[str, Any] = {"progress": progress.to_json()}
+        if locate:
+            body["locate"] = list(locate)
+        reply = await self._call_for(handle, "progress", body, within=self.request_timeout)
+        if not locate:
+            return []
+        found = reply.get("locations")
+        if not isinstance(found, list) or len(found) != len(locate):
+            raise DatacacheError("daemon: the progress reply lacks the locations asked for")
+        locations = [self._location(handle, item) if isinstance(item, dict) else None for item in found]
+        if any(loc is None or loc.shard.key != key for loc, key in zip(locations, locate, strict=True)):
+            raise DatacacheError("daemon: the progress reply's locations do not match the keys asked for")
+        return [loc for loc in locations if loc is not None]
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
         """Where shard ``key`` can be read now, moving nothing."""

@@ -43,10 +43,10 @@ from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.locks import LeaseLock
-from datacache.manifest import Manifest, Shard
+from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.tarcount import count_batch_sync, count_tar_samples
-from datacache.tiers import Tier
+from datacache.tiers import ObjectInfo, Tier
 from datacache.tiers._dirfd import UnsafeFileError
 from datacache.tiers._files import atomic_write
 
@@ -69,6 +69,22 @@ WIDS_INDEX_NAME = "wids-index.json"
 
 _BATCH_MAX = 64
 """Most shards in one lease: small enough that a node that dies loses little work."""
+
+
+def _listed_candidates(manifest: Manifest) -> list[ObjectInfo] | None:
+    """The possible sample indexes the manifest's listing found, None if it did not keep them."""
+    recorded = manifest.extra.get(SIDECAR_CANDIDATES)
+    if not isinstance(recorded, list):
+        return None
+    found: list[ObjectInfo] = []
+    for entry in recorded:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+            return None
+        key, size = entry
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return None
+        found.append(ObjectInfo(key, size))
+    return found
 
 
 @dataclass
@@ -193,7 +209,9 @@ class ClusterIndex:
             return counts
 
     async def _read_sidecars(self) -> dict[str, KnownCount]:
-        listing = [info async for info in self.origin.list()]
+        listing = _listed_candidates(self.manifest)
+        if listing is None:  # a manifest taken before it kept them: list again
+            listing = [info async for info in self.origin.list()]
         return await read_sidecar_counts(self.origin, self.manifest, listing, concurrency=4 * self.settings.concurrency)
 
     async def build(

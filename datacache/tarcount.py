@@ -18,7 +18,7 @@ from datacache.manifest import Shard
 from datacache.tarindex import TarScanner, group_samples, scan_tar
 from datacache.tiers import Tier, open_origin
 
-__all__ = ["count_batch_sync", "count_tar_file", "count_tar_samples"]
+__all__ = ["count_batch_sync", "count_tar_bytes", "count_tar_file", "count_tar_samples"]
 
 
 def _samples(scanner: TarScanner, seen: int, shard: Shard, where: str) -> int:
@@ -40,21 +40,23 @@ async def count_tar_samples(origin: Tier, shard: Shard, *, where: str) -> int:
     return _samples(scanner, seen, shard, where)
 
 
+def count_tar_bytes(buffer: bytes | bytearray | memoryview, shard: Shard, *, where: str) -> int:
+    """Samples in a tar shard's bytes (a copy in memory, or a mapped file)."""
+    if len(buffer) != shard.size:
+        raise ShardReadError(f"{where}: the cached copy holds {len(buffer)} bytes, the manifest says {shard.size}")
+    try:
+        return len(group_samples(scan_tar(buffer, where=where)))
+    except ValueError as exc:
+        raise ShardReadError(f"{where}: {exc}") from None
+
+
 def count_tar_file(path: Path, shard: Shard, *, where: str) -> int:
     """Samples in a cached copy of a tar shard (blocking: run it in a thread); only header pages are read."""
     with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size != shard.size:
-            raise ShardReadError(f"{where}: the cached copy holds {size} bytes, the manifest says {shard.size}")
-        if size == 0:
-            members = scan_tar(b"", where=where)
-        else:
-            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-                members = scan_tar(view, where=where)
-    try:
-        return len(group_samples(members))
-    except ValueError as exc:
-        raise ShardReadError(f"{where}: {exc}") from None
+        if os.fstat(file.fileno()).st_size == 0:
+            return count_tar_bytes(b"", shard, where=where)
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            return count_tar_bytes(view, shard, where=where)
 
 
 def count_batch_sync(

@@ -42,7 +42,7 @@ import pytest
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ConfigError, ShardNotFoundError
-from datacache.stager import DatasetHandle, Location, checksum_of, new_hasher
+from datacache.stager import DatasetHandle, Location, ReaderProgress, checksum_of, new_hasher
 from datacache.tiers import ByteRange
 
 __all__ = ["Origin", "ShardAccessTests"]
@@ -165,6 +165,26 @@ class ShardAccessTests:
         assert ensured.path is not None and ensured.path == located.path
         assert ensured.path.read_bytes() == origin.shards[key]
         assert ensured.checksum == located.checksum == _checksum(origin.shards[key])
+
+    def test_note_progress_says_where_the_shards_asked_for_are(self, node: Settings, origin: Origin) -> None:
+        staged, other = origin.keys[0], origin.keys[1]
+
+        async def body(access: ShardAccess) -> tuple[list[Location], list[Location]]:
+            handle = await access.open(origin.url)
+            await access.ensure(handle, staged)
+            progress = ReaderProgress("0.0", 0, 0, (staged,))
+            located = await access.note_progress(handle, progress, locate=(staged, other))
+            silent = await access.note_progress(handle, ReaderProgress("0.0", 0, 1, (other,)))
+            with pytest.raises(ShardNotFoundError, match="no-such-shard"):
+                await access.note_progress(handle, ReaderProgress("0.0", 0, 1, ()), locate=("no-such-shard.tar",))
+            await access.note_progress(handle, ReaderProgress("0.0", 0, 2, ()))
+            return located, silent
+
+        located, silent = self.run(node, body)
+        assert [(loc.shard.key, loc.tier) for loc in located] == [(staged, "local"), (other, "origin")]
+        assert located[0].path is not None and located[0].path.read_bytes() == origin.shards[staged]
+        assert located[0].checksum == _checksum(origin.shards[staged])
+        assert (located[1].path, silent) == (None, [])
 
     def test_read_whole_and_ranged_from_any_tier(self, node: Settings, origin: Origin) -> None:
         first, second = origin.keys[0], origin.keys[1]

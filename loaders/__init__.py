@@ -7,8 +7,18 @@ from __future__ import annotations
 
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import DECODERS, basic_decoders
+from datacache.loaders.mapstyle import CachedMapDataset
 from datacache.loaders.packing import PackedBytes
 from datacache.loaders.sources import Source
 from datacache.loaders.stats import LoaderStats, SourceStats
 
-__all__ = ["DECODERS", "CachedIterableDataset", "LoaderStats", "PackedBytes", "Source", "SourceStats", "basic_decoders"]
+__all__ = [
+    "DECODERS",
+    "CachedIterableDataset",
+    "CachedMapDataset",
+    "LoaderStats",
+    "PackedBytes",
+    "Source",
+    "SourceStats",
+    "basic_decoders",
+]

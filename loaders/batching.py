@@ -65,7 +65,7 @@ class BatchBuilder:
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoding = SampleDecoding(decode, transform)
+        self._decoding = SampleDecoding(decode, transform, "")
         self._row = row
         self._lock = lock
         self._threads = threads
@@ -148,8 +148,7 @@ class BatchBuilder:
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        if reader.packable:
-            sample["__url__"] = f"{self._units.url_of(reader)}/{reader.unit.keys[0]}"
+        self._decoding.identify(sample, reader, self._units.url_of(reader))
         if self._decoding.raw:
             return sample
         started = time.perf_counter()

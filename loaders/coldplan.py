@@ -1,7 +1,10 @@
 """A cold epoch as a reader walks it: the plan grows window by window as shard counts become known.
 
 `CountBook` holds the sample counts this process knows, and counts the rest
-of the dataset in the background with the other nodes (`ClusterIndex`).
+of the dataset in the background with the other nodes (`ClusterIndex`),
+through the stager: each shard is staged once for the cluster (the shared
+tier, else the local one) and counted from that copy, which the readers then
+use, so a cold epoch reads the origin once per shard.
 `ColdEpochPlan` is the reader's plan of a cold epoch (`coldorder`): it has
 the attributes of an `EpochPlan`, and `ensure` extends it, one window of its
 rank's shards at a time, counting a window's shards by opening them (they
@@ -42,8 +45,8 @@ from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.indexing import ClusterIndex, decide_cold
 from datacache.manifest import Shard
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle
-from datacache.tarcount import count_tar_file, count_tar_samples
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
+from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
 __all__ = ["ColdEpochPlan", "CountBook", "complete_runtime", "epoch_is_cold", "epoch_plan"]
 
@@ -92,9 +95,16 @@ class CountBook:
         unit = self._unit_of.get(shard.key)
         if unit is not None and self.counts[unit] >= 0:
             return int(self.counts[unit])
-        tier = "shared" if self._settings.shared_dir is not None else "local"
+        access = self._access
         try:
-            location = await self._access.ensure(self._handle, shard.key, tier=tier, priority=PRIORITY_PREFETCH)
+            if self._settings.shared_dir is not None:
+                location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
+            elif isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
+            else:
+                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
+            if location.buffer is not None:
+                return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)
             if location.path is None:  # the tier declined it (full): count from the origin's stream
                 return await count_tar_samples(self._handle.origin, shard, where=where)
             return await asyncio.to_thread(count_tar_file, location.path, shard, where=where)

@@ -128,11 +128,11 @@ class CachedIterableDataset(IterableDataset[Any]):
         config: Settings | None = None,
         batch_size: int | None = None,
         on_error: str = "raise",
-        transform: Callable[[Any], Any] | None = None,
         weights: Sequence[float] | None = None,
         epoch_size: int | None = None,
         replacement: bool = False,
         resample: bool = False,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
         if epoch_size is not None and (
@@ -200,7 +200,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if not callable(function):
             raise ConfigError(f"map() takes a callable, got {type(function).__name__}")
         mapped = copy.copy(self)
-        mapped.__dict__.update(_runtime=None, _main_iterator=None, _table=StatsTable())
+        mapped.__dict__.update(_runtime=None, _main_iterator=None, _table=StatsTable(sources=len(self._sources)))
         mapped._table.epoch = self._epoch
         mapped.transform = Compose.of(self.transform, function)
         return mapped

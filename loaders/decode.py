@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from datacache.loaders.readers import UnitReader
+
 from datacache.errors import ConfigError, SampleDecodeError
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "SampleDecoding",
     "basic_decoders",
     "check_decoder",
+    "check_transform",
     "field_decoders",
 ]
 
@@ -208,11 +211,12 @@ def check_transform(transform: Callable[[Any], Any] | None) -> Callable[[Any], A
 class SampleDecoding:
     """Applies a dataset's decoder, then its transform, to one sample; names the sample in any failure.
 
-    ``where`` names the dataset and shard; ``url`` is the shard's origin URL (redacted),
-    put in ``__url__`` where the reader gives one.
+    ``url`` is the dataset's origin URL, redacted (samples travel to logs and files): a sample
+    of a tar shard or a plain file gets its shard's URL as ``__url__``.
     """
 
-    def __init__(self, decode: Decoder, transform: Callable[[Any], Any] | None) -> None:
+    def __init__(self, decode: Decoder, transform: Callable[[Any], Any] | None, url: str) -> None:
+        self._url = url.rstrip("/")
         self._decode: Mapping[str, Callable[[Any], Any]] | Callable[[dict[str, Any]], Any] | None
         if isinstance(decode, str):
             self._decode = None if decode == "auto" else field_decoders(decode)
@@ -224,6 +228,15 @@ class SampleDecoding:
     def raw(self) -> bool:
         """Whether samples pass unchanged (raw bytes: batch mode may pack them)."""
         return self._decode is None and self._transform is None
+
+    def identify(self, sample: dict[str, Any], reader: UnitReader, url: str | None = None) -> None:
+        """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one.
+
+        ``url`` overrides the dataset's URL (a mix's readers know each unit's own source).
+        """
+        if reader.packable:
+            base = self._url if url is None else url.rstrip("/")
+            sample["__url__"] = f"{base}/{reader.unit.keys[0]}"
 
     def apply(self, sample: dict[str, Any], where: str) -> Any:
         """The decoded, transformed sample; raises `SampleDecodeError` naming where it failed."""

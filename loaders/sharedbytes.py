@@ -17,7 +17,7 @@ them), and the worker rewrites only places already read.
 
 A field smaller than `SMALL_FIELD` is pickled as before (its place would cost
 more than it saves), and so is one that does not fit: a ring whose reader is
-behind grows (doubling, up to `MAX_RING_BYTES`) rather than wait. Only the
+behind waits for it briefly, then grows (doubling, up to `MAX_RING_BYTES`). Only the
 first field from each ring buffer carries its memory (a file descriptor,
 passed by torch); later ones name it by (worker pid, ring, generation).
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-from datacache.loaders.packing import process_alive
+from datacache.loaders.packing import process_alive, shared_buffer
 
 __all__ = ["MAX_RING_BYTES", "SMALL_FIELD", "RingBytes", "SampleRing"]
 
@@ -50,6 +51,8 @@ FIRST_RING_BYTES = 16 << 20
 """A worker's first ring buffer (it grows while its reader is behind)."""
 MAX_RING_BYTES = 1 << 30
 """A ring never grows past this; a field that does not fit then is pickled inline."""
+READER_WAIT = 0.05
+"""Seconds a full ring waits for its reader before it grows."""
 _HEADER = 64
 """Bytes before the data: the reader's position (int64), on its own cache line."""
 _RINGS_PER_WORKER = 3
@@ -118,9 +121,9 @@ class SampleRing:
             start = self._head
             if start % capacity + size > capacity:
                 start += capacity - start % capacity  # no field wraps round the end
-            if start + size - self._reader_position() > capacity:
+            if not self._reader_at(start + size - capacity):
                 if 2 * capacity + _HEADER > self._max:
-                    return None  # the reader is far behind: pickle this one instead of waiting
+                    return None  # the reader is far behind: pickle this one instead
                 self._grow(2 * capacity + _HEADER)
                 start = 0
             at = _HEADER + start % capacity
@@ -141,10 +144,26 @@ class SampleRing:
         read_to = self._read_to
         return 0 if read_to is None else int(read_to[0])
 
+    def _reader_at(self, position: int) -> bool:
+        """Whether the reader has read up to ``position``, waiting up to `READER_WAIT` for it.
+
+        It reads what was sent before this field whatever this thread does, so waiting cannot
+        stall it; waiting in vain means what is in flight does not fit (a batch larger than the
+        ring, or a consumer slower than the DataLoader's prefetch), and the ring grows. Growing at
+        once instead would touch fresh pages (a page fault each 4 KiB, in the worker and in the
+        reader) for every short lag of the reader.
+        """
+        deadline = time.monotonic() + READER_WAIT
+        while self._reader_position() < position:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)  # sleep-ok: polls a position in shared memory, with a deadline
+        return True
+
     def _grow(self, nbytes: int) -> None:
         nbytes = min(max(nbytes, _HEADER + 1), self._max)
-        buffer = torch.zeros(nbytes, dtype=torch.uint8)
-        buffer.share_memory_()  # type: ignore[no-untyped-call]
+        buffer = shared_buffer(nbytes)
+        buffer[:_HEADER] = 0  # the reader's position starts at 0
         self._buffer = buffer
         array = buffer.numpy()
         self._data = array.data

@@ -42,11 +42,16 @@ from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
 
-__all__ = ["NodeFuture", "Runtime", "UnitReaders", "Units"]
+__all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
 
 logger = logging.getLogger(__name__)
+
+HOLD_AHEAD = 4
+"""Units after the one being opened that a reader's note leases (and maps later without asking).
+
+Few: a held shard cannot be evicted, and every reader of the node holds its own."""
 
 
 @dataclass
@@ -180,12 +185,26 @@ class UnitReaders:
         """Why each skipped unit could not be read (a cold epoch records it in the plan)."""
         self._unit_locks: dict[int, threading.Lock] = {}
         self._preopened: set[int] = set()
+        self._leased: dict[int, list[Location]] = {}
+        """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
+        self._coming: dict[int, tuple[int, ...]] = {}
+        """The units that follow each unit in this reader's sequence: twice its prefetch window."""
+        self._seen: set[str] = set()
+        """Keys a note located this epoch."""
+        self._local: set[str] = set()
+        """Keys a note found local: no prefetch is sent for them."""
+        self._unsent: list[str] = []
+        """Prefetches held back until the next note says which of them are local already."""
         self._sequence = epoch.unit_sequence
         self._next_index = 0
         self._prefetched_until = 0
         self._future_told = False
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
+        self._later: list[str] = []
+        self._later_lock = threading.Lock()
+        self._chain: concurrent.futures.Future[None] | None = None
+        """The one task staging the next epoch's keys in order (`_stage_in_order`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -200,30 +219,51 @@ class UnitReaders:
         for reader in self.readers.values():
             reader.close()
         self.readers.clear()
+        with self._note_lock:
+            self._leased.clear()
+            self._seen.clear()
+            self._local.clear()
         if self._future is not None and self._future_told:
             self._note_progress(None, done=True)  # holds nothing any more
 
-    def _note_progress(self, unit: int | None, *, done: bool = False) -> None:
-        """Tell the stager where this reader is and lease what it holds: its open units and ``unit``.
+    def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
+        """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
-        Synchronous, before ``unit`` is located: from then until the next note, eviction
-        cannot take it between locate and map. Without ``unit`` the position stays (a
-        unit was closed: its lease goes), or with ``done`` moves past this epoch.
+        Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
+        before. One call notes, leases and locates them, before any is mapped, so eviction
+        cannot take one between locate and map; the next units found local are opened
+        later without asking again. The same call locates the units after them (twice the
+        prefetch window, not held), so that no prefetch goes for a shard already local.
+        Through a daemon: one round trip per few units, not two per unit. Without
+        ``unit`` the position stays (a unit was closed: its lease goes), or with ``done``
+        moves past this epoch.
         """
         future, runtime = self._future, self.runtime
         if future is None:
-            return
+            return []
         # One note at a time, each with the holdings as they are when it is sent: a thread's
         # older note never replaces another's newer one (dropping a unit it is opening).
         with self._note_lock:
-            units = {*self.readers, *self._opening} if unit is None else {*self.readers, *self._opening, unit}
+            coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
+            asked = [] if unit is None else [unit, *coming]
+            held = asked[: 1 + HOLD_AHEAD]
+            units = {*self.readers, *self._opening, *self._leased, *held}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
             if unit is not None:
                 self._position = self._positions.get(unit, 0)
             elif done:
                 self._position = sum(map(len, self._plan_keys()))
             progress = ReaderProgress(future.reader, future.epoch, self._position, holding)
-            runtime.loop.run(runtime.access.note_progress(runtime.handle, progress))
+            locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
+            located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
+            where = dict(zip(locate, located, strict=True))
+            self._seen.update(locate)
+            self._local.update(key for key, loc in where.items() if loc.tier == "local")
+            for u in held[1:]:
+                found = [where[key] for key in self._plan.units[u].keys]
+                if all(loc.tier == "local" and loc.path is not None for loc in found):
+                    self._leased[u] = found
+            return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
@@ -287,6 +327,12 @@ class UnitReaders:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
             self._advance_prefetch(unit)
+        try:
+            return self._open_once(unit, unit_lock)
+        finally:
+            self._send_prefetch()  # held back for the lease; sent even if another thread opened the unit
+
+    def _open_once(self, unit: int, unit_lock: threading.Lock) -> UnitReader | None:
         with unit_lock:  # one thread opens a unit; the others wait for it
             reader = self.readers.get(unit)
             if reader is not None:
@@ -295,7 +341,6 @@ class UnitReaders:
                 return None
             self._opening.add(unit)
             try:
-                self._note_progress(unit)
                 reader = self._open(unit)
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
@@ -312,18 +357,57 @@ class UnitReaders:
             return reader
 
     def _ahead(self) -> tuple[int, ...]:
-        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's."""
-        if self._future is None:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
+
+        The next epoch's only once this epoch's last unit is being opened: earlier, they would
+        take room (and, cold, origin reads) that this epoch's units need first.
+        """
+        if self._future is None or self._next_index < len(self._sequence) - 1:
             return self._sequence
         return self._sequence + self._future.after(len(self._epoch.unit_sequence))
+
+    def _keys_ahead(self, start: int, until: int) -> tuple[list[str], list[str]]:
+        """The keys of ``_ahead()[start:until]`` not open now: this epoch's, and the next epoch's."""
+        ahead, split = self._ahead(), len(self._sequence)
+
+        def keys(units: tuple[int, ...]) -> list[str]:
+            return [key for u in units if u not in self.readers for key in self._plan.units[u].keys]
+
+        return keys(ahead[start : min(until, split)]), keys(ahead[max(start, split) : until])
 
     def _prefetch_again(self) -> None:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
-            ahead = self._ahead()[self._next_index + 1 : self._prefetched_until]
-            keys = [key for u in ahead if u not in self.readers for key in self._plan.units[u].keys]
-        if keys:
-            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
+            now, later = self._keys_ahead(self._next_index + 1, self._prefetched_until)
+        if now:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
+        self._stage_in_order(later)
+
+    def _stage_in_order(self, keys: list[str]) -> None:
+        """Stage the next epoch's ``keys`` one after another, the soonest first, in one task per reader.
+
+        Started together, a later one could take the room the first needs while it is still
+        being written (not evictable), and the first would find none.
+        """
+        if not keys:
+            return
+        with self._later_lock:
+            self._later = keys  # the task running takes the newest list when it is done with its own
+            if self._chain is None or self._chain.done():
+                self._chain = self.runtime.loop.submit(self._stage_later())
+
+    async def _stage_later(self) -> None:
+        access, handle = self.runtime.access, self.runtime.handle
+        while True:
+            with self._later_lock:  # never `_note_lock`: its holder waits on this loop
+                keys, self._later = self._later, []
+            if not keys:
+                return
+            for key in keys:
+                try:
+                    await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
+                except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
+                    logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
@@ -331,11 +415,12 @@ class UnitReaders:
             self._next_index += 1
         depth = self._controller.depth
         ahead = self._ahead()
+        self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + 2 * depth])
         until = min(len(ahead), self._next_index + 1 + depth)
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in ahead[start:until] for key in self._plan.units[u].keys]
+        keys, later = self._keys_ahead(start, until)
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
@@ -343,13 +428,27 @@ class UnitReaders:
             if self._future is not None:
                 # The whole node's future, the same from every reader: nothing to overwrite.
                 runtime.loop.run(runtime.access.set_future_order(runtime.handle, self._future.order(self._plan)))
-                # Say where this reader is before its prefetches ask for room.
-                self._note_progress(unit)
             else:
                 future = [key for u in sequence for key in self._plan.units[u].keys]
                 runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
-        if keys:
+        if self._future is not None:
+            # Sent after the unit's lease: it says where this reader is before its prefetches
+            # ask for room, and which of them are local already (a warm epoch sends none).
+            self._unsent.extend(keys)
+        elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+        self._stage_in_order(later)
+
+    def _send_prefetch(self) -> None:
+        """Queue the held-back prefetches that no note found local."""
+        with self._lock:
+            keys, self._unsent = self._unsent, []
+        if not keys:
+            return
+        with self._note_lock:
+            keys = [key for key in keys if key not in self._local]
+        if keys:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
 
     def _open(self, unit_index: int) -> UnitReader:
         unit = self._plan.units[unit_index]
@@ -358,7 +457,7 @@ class UnitReaders:
         # Three tries: a bad local copy is dropped, then a bad shared copy, then the origin's bytes.
         for attempt in range(3):
             started = time.perf_counter()
-            locations, tier = runtime.loop.run(_locate_all(runtime.access, runtime.handle, unit.keys))
+            locations, tier = self._locate(unit_index, again=attempt > 0)
             waited = time.perf_counter() - started
             buffers: dict[str, Any] = {}
             try:
@@ -393,6 +492,27 @@ class UnitReaders:
             return reader
         raise DatacacheError(f"{where}: could not be read")  # pragma: no cover - loop always returns or raises
 
+    def _locate(self, unit: int, *, again: bool) -> tuple[list[Location], str]:
+        """Where the unit's shards are (staging those only the origin has), and the slowest tier.
+
+        A unit an earlier note leased and found local is opened from there without
+        asking, unless the prefetches held back name a shard no note has seen (this
+        note then also says where those are) or its copy failed (``again``).
+        """
+        runtime = self.runtime
+        with self._lock:
+            unsent = list(self._unsent)
+        with self._note_lock:
+            leased = self._leased.pop(unit, None)
+            seen = self._seen.issuperset(unsent)
+        if leased is not None and seen and not again:
+            return leased, "local"
+        if self._future is None:
+            located = runtime.loop.run(_locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
+        else:
+            located = self._note_progress(unit)
+        return runtime.loop.run(_stage_missing(runtime.access, runtime.handle, located))
+
     def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
         row = self._row
         if tier == "local":
@@ -408,6 +528,8 @@ class UnitReaders:
 
     def _load(self, location: Location, where: str) -> Any:
         runtime = self.runtime
+        if location.buffer is not None:
+            return location.buffer  # verified by this process's stager as it arrived
         if location.path is None:
             return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
         buffer = map_file(location.path)
@@ -435,21 +557,28 @@ def _close_buffers(buffers: dict[str, Any]) -> None:
     buffers.clear()
 
 
-async def _locate_all(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> tuple[list[Location], str]:
-    """Where each key can be read: local, else shared (its local copy goes on), else staged now.
+async def _locate_keys(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> list[Location]:
+    return list(await asyncio.gather(*(access.locate(handle, key) for key in keys)))
+
+
+async def _stage_missing(
+    access: ShardAccess, handle: DatasetHandle, located: list[Location]
+) -> tuple[list[Location], str]:
+    """Where each located shard can be read: local, else shared (its local copy goes on), else staged now.
 
     Also returns the slowest tier the unit was found on when asked for:
     ``"origin"`` means the reader had to wait for a transfer.
     """
-    found: list[str] = []
 
-    async def one(key: str) -> Location:
-        location = await access.locate(handle, key)
-        found.append(location.tier)
+    async def one(location: Location) -> Location:
         if location.tier in ("local", "shared"):
             return location
-        return await access.ensure(handle, key)
+        if isinstance(access, Stager):
+            # In-process: take the bytes as soon as they are verified, not after the fsync.
+            return await access.ensure(handle, location.shard.key, early=True)
+        return await access.ensure(handle, location.shard.key)
 
-    locations = list(await asyncio.gather(*(one(key) for key in keys)))
+    locations = list(await asyncio.gather(*(one(location) for location in located)))
+    found = {location.tier for location in located}
     tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
     return locations, tier

@@ -324,8 +324,9 @@ def test_evict_pin_and_report_corrupt_only_for_datasets_the_caller_opened(
         ]
         for (_, _, body), (status, reply) in zip(attacks, calls_as(users["bob"], daemon, *attacks), strict=True):
             assert (status, error_code(reply)) == (403, "forbidden"), (body, status, reply)
-        for verb in ("report_corrupt", "future_order", "locate"):
-            ((status, reply),) = calls_as(users["bob"], daemon, ("POST", f"/v1/{verb}", {**shard, "keys": []}))
+        for verb in ("report_corrupt", "future_order", "locate", "progress"):  # progress locates too
+            body = {**shard, "keys": [], "locate": [shard["key"]]}
+            ((status, reply),) = calls_as(users["bob"], daemon, ("POST", f"/v1/{verb}", body))
             assert (status, error_code(reply)) == (409, "unknown_dataset"), (verb, reply)
         ((status, location),) = calls_as(users["alice"], daemon, ("POST", "/v1/locate", shard))
         assert location["tier"] == "local"  # still resident

@@ -10,17 +10,23 @@ the epoch's end into the next epoch's order, which every reader already knows.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from datacache.loaders import CachedIterableDataset
 from datacache.loaders.epoch import plan_epoch
 from datacache.loaders.order import Layout
 from test_loader import write_wds
 
-from datacache.catalog import Catalog, ShardState
+from datacache.catalog import Catalog, ReaderRow, ShardState
 from datacache.config import Settings, load_settings
+from datacache.eviction import Candidate
+from datacache.stager import DatasetHandle, FutureOrder, Stager
+from datacache.staging.residency import Residency
 
 PER_SHARD, SHARDS, CAPACITY_SHARDS = 8, 12, 3
 
@@ -111,3 +117,32 @@ def test_the_next_epochs_first_shard_is_local_before_that_epoch_starts(tmp_path:
     while first not in _state(settings)[0]:
         assert time.monotonic() < deadline, f"{first} was not staged before epoch 1: {_state(settings)[0]}"
         time.sleep(0.05)  # sleep-ok: polling the catalog for a background transfer, with a deadline
+
+
+def test_each_belady_choice_is_audited_with_every_shards_next_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    origin, settings, _ = _setup(tmp_path)
+
+    async def opened() -> DatasetHandle:
+        stager = Stager(settings, reconcile=False)
+        try:
+            return await stager.open(str(origin))
+        finally:
+            await stager.close()
+
+    handle = asyncio.run(opened())
+    residency = Residency()
+    residency.set_future_order(handle.id, FutureOrder(0, {"0.0": ("a", "b", "c", "d")}))
+    choose = residency.chooser(handle, [ReaderRow("0.0", 0, 1)])  # "a" was read: never again
+    residents = [Candidate(handle.id, key, 10, 0.0) for key in ("a", "c", "d")]
+    with caplog.at_level(logging.DEBUG, logger="datacache.staging.residency.audit"):
+        victims = choose(Candidate(handle.id, "b", 10, 0.0), residents, 20)
+        declined = choose(Candidate(handle.id, "d", 10, 0.0), [Candidate(handle.id, "c", 10, 0.0)], 10)
+    assert [v.key for v in victims or []] == ["a", "d"]
+    assert declined is None
+    made, refused = (json.loads(record.getMessage()) for record in caplog.records)
+    assert made["incoming"] == "b" and made["incoming_next"] == 0
+    assert made["victims"] == [["a", None], ["d", 2]]  # never read again first, then the farthest
+    assert made["farthest"] is None and made["where"] == {"0.0": 1}
+    assert refused["victims"] is None and refused["incoming_next"] == 2 and refused["farthest"] == 1

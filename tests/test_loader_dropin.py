@@ -83,6 +83,16 @@ def test_dropin_batches_are_plain_dataloader_batches_through_shared_memory(
     assert through_pipe == through_ring
 
 
+def test_spawned_workers_send_fields_through_their_rings(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    origin, expected = big_dataset
+    sharedbytes._HELD.clear()
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=2)
+    check_batches(collect(DataLoader(dataset, batch_size=8, num_workers=2, multiprocessing_context="spawn")), expected)
+    assert sharedbytes._HELD, "spawned workers must send fields through their rings too"
+
+
 def test_fields_stay_valid_while_rings_wrap_round_across_epochs(
     big_dataset: tuple[Path, Expected], settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -128,3 +128,12 @@ def test_bad_transforms_are_refused(origin: Path, settings: Settings) -> None:
         CachedIterableDataset(str(origin), config=settings, transform="upper")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="map"):
         CachedIterableDataset(str(origin), config=settings).map(3)  # type: ignore[arg-type]
+
+
+def test_a_transform_applies_to_every_source_of_a_mix(tmp_path: Path, settings: Settings) -> None:
+    write_wds(tmp_path / "a", samples=12, per_shard=6)
+    write_wds(tmp_path / "b", samples=8, per_shard=4)
+    mix = CachedIterableDataset([str(tmp_path / "a"), str(tmp_path / "b")], config=settings).map(_label_and_pid)
+    got = list(DataLoader(mix, batch_size=None, num_workers=2))
+    assert len(got) == 20 and all(set(s) == {"__key__", "label", "pid", "size"} for s in got)
+    assert sorted(s["label"] for s in got) == sorted([i % 10 for i in range(12)] + [i % 10 for i in range(8)])

@@ -406,8 +406,14 @@ class Daemon:
             raise http.BadRequest("reader progress must name a process of this node as its owner")
         for key in progress.holding:
             validate_key(key)
-        await self._stager().note_progress(handle, progress)
-        return web.json_response({"holding": len(progress.holding)})
+        wanted = http.keys(data, "locate") if "locate" in data else []
+        for key in wanted:
+            self.registry.shard(handle, key)
+        located = await self._stager().note_progress(handle, progress, locate=wanted)
+        reply: dict[str, Any] = {"holding": len(progress.holding)}
+        if wanted:
+            reply["locations"] = [location_to_wire(location) for location in located]
+        return web.json_response(reply)
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
         data = await http.body(request)
