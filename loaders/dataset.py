@@ -451,6 +451,8 @@ class CachedIterableDataset(IterableDataset[Any]):
                 raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
         if "snapshot" in state:
             dataset, snapshot = identity(self._prepare())
+            if state.get("dataset", dataset) != dataset:
+                raise ConfigError(f"the saved state is for dataset {state['dataset']}, this one reads {dataset}")
             if state["snapshot"] != snapshot:
                 raise ConfigError(
                     f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "

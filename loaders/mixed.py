@@ -56,7 +56,12 @@ def only_keys(handle: DatasetHandle, keys: tuple[str, ...], label: str) -> Datas
             f"(dataset {handle.id}), the first {missing[0]!r}"
         )
     shards = tuple(manifest.shard(key) for key in keys)
-    return dataclasses.replace(handle, manifest=dataclasses.replace(manifest, shards=shards))
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
+    subset = dataclasses.replace(manifest, shards=shards, dataset=f"{handle.id}-only-{digest}")
+    # The whole dataset's snapshot: a daemon serving the dataset knows that one (it names the data; the
+    # keys name the part read). The part's unit plan and counts are kept apart, under its own name.
+    vars(subset)["snapshot"] = manifest.snapshot
+    return dataclasses.replace(handle, manifest=subset)
 
 
 async def open_handle(access: ShardAccess, spec: SourceSpec) -> DatasetHandle:
@@ -107,7 +112,7 @@ class Mix:
 
     def identity(self) -> tuple[str, str]:
         """``(dataset ids, snapshot)`` of the mix, for saved states: one string each."""
-        ids = "+".join(part.handle.id for part in self.parts)
+        ids = "+".join(part.handle.manifest.dataset for part in self.parts)
         joined = "+".join(part.handle.manifest.snapshot for part in self.parts)
         return ids, hashlib.sha256(joined.encode()).hexdigest()[:16]
 

@@ -20,7 +20,7 @@ def identity(runtime: Runtime) -> tuple[str, str]:
     mix: Mix | None = runtime.mix
     if mix is not None:
         return mix.identity()
-    return runtime.handle.id, runtime.handle.manifest.snapshot
+    return runtime.handle.manifest.dataset, runtime.handle.manifest.snapshot
 
 
 def find_iterator_states(state: Any) -> list[Mapping[str, Any]]:

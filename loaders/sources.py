@@ -106,6 +106,8 @@ def resolve_sources(dataset: Given, weights: Sequence[float] | None = None) -> t
     if isinstance(dataset, str | DatasetConfig | Source):
         if weights is not None:
             raise ConfigError("weights= needs a list of sources, one weight each; this is one source")
+        if isinstance(dataset, str) and "{" not in dataset and "}" not in dataset:
+            return (SourceSpec(dataset, None, redact_url(dataset)),)  # a URL naming one object stays that object
         return _entry(dataset)
     if not isinstance(dataset, Sequence) or isinstance(dataset, bytes):
         raise ConfigError(

@@ -319,3 +319,34 @@ def test_an_endless_stream_resumes_in_process_and_refuses_with_workers(
     next(loader)
     with pytest.raises(ConfigError, match="resumed only when read without DataLoader worker processes"):
         with_workers.state_dict(samples_consumed=BATCH, batch_size=BATCH)
+
+
+def test_a_pattern_and_a_mix_read_through_the_daemon(
+    three: dict[str, list[str]], tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    from _daemon import start_daemon
+
+    from datacache.config import load_settings
+
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        settings = load_settings(daemon.env)
+        pattern = CachedIterableDataset(f"{tmp_path / 'a'}/shard-{{0001..0002}}.tar", config=settings)
+        assert sorted(sample["__key__"] for sample in pattern) == three["a"][20:60]
+        assert pattern.stats().mode == "daemon"
+        mixed = CachedIterableDataset(
+            [f"{tmp_path / 'b'}/", f"{tmp_path / 'c'}/shard-0000.tar"], weights=[0.5, 0.5], config=settings
+        )
+        assert source_counts([sample["__key__"] for sample in mixed]) == {"b": 105, "c": 105}
+        assert mixed.stats().mode == "daemon"
+    finally:
+        daemon.kill()
+
+
+def test_a_url_naming_one_shard_is_still_that_object(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    one = CachedIterableDataset(f"{tmp_path / 'a'}/shard-0001.tar", config=settings)
+    prefix = CachedIterableDataset(f"{tmp_path / 'a'}/", config=settings)
+    assert sorted(sample["__key__"] for sample in one) == three["a"][20:40]
+    assert one._prepare().handle.id != prefix._prepare().handle.id  # a dataset of one object, as before
