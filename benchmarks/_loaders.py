@@ -76,17 +76,20 @@ def import_streaming() -> Any:
 # -- datacache ---------------------------------------------------------------------------------
 
 
-def datacache_loader(ctx: Context) -> Loader:
+def datacache_loader(ctx: Context, *, drop_in: bool = False) -> Loader:
+    """Batch mode (the dataset batches, fields as `PackedBytes`), or with ``drop_in`` the form users
+    start with: per-sample dicts that the DataLoader batches with its ``default_collate``."""
     from datacache.loaders import CachedIterableDataset
     from torch.utils.data import DataLoader
 
     from datacache.config import load_settings
 
     settings = load_settings(overrides={"local_dir": str(ctx.cache_dir)})
+    batch_size = None if drop_in else ctx.batch_size
     dataset = CachedIterableDataset(
-        ctx.dataset, batch_size=ctx.batch_size, config=settings, shuffle=True, seed=SHUFFLE_SEED
+        ctx.dataset, batch_size=batch_size, config=settings, shuffle=True, seed=SHUFFLE_SEED
     )
-    loader = DataLoader(dataset, batch_size=None, num_workers=ctx.num_workers)
+    loader = DataLoader(dataset, batch_size=ctx.batch_size if drop_in else None, num_workers=ctx.num_workers)
     per_rank = -(-ctx.expected // ctx.world)
 
     def epoch(n: int) -> Iterable[Any]:
@@ -281,9 +284,14 @@ def ceiling_loader(ctx: Context) -> Loader:
     return Loader(lambda n: loader, batches * ctx.batch_size, has_cache=True)
 
 
+def datacache_dropin_loader(ctx: Context) -> Loader:
+    return datacache_loader(ctx, drop_in=True)
+
+
 FACTORIES: dict[str, Callable[[Context], Loader]] = {
     "dataloader-ceiling": ceiling_loader,
     "datacache": datacache_loader,
+    "datacache-dropin": datacache_dropin_loader,
     "webdataset": webdataset_loader,
     "fsspec-filecache": fsspec_loader,
     "mosaicml-streaming": mosaic_loader,

@@ -25,17 +25,22 @@ between ``<!-- bigger-than-cache-daemon -->`` markers.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import logging
+import multiprocessing.util
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from datacache.units import parse_bandwidth
 
 __all__ = ["main", "run_scenario", "saved_table", "write_table"]
 
@@ -66,7 +71,7 @@ def _write_dataset(origin: Path, shards: int, per_shard: int, sample_bytes: int)
 
 
 def _rank(spec: dict[str, Any]) -> None:
-    """One rank: read EPOCHS epochs, print one JSON line per epoch."""
+    """One rank: read EPOCHS epochs at the per-rank target, print one JSON line per epoch."""
     from datacache.loaders import CachedIterableDataset
     from torch.utils.data import DataLoader
 
@@ -81,13 +86,17 @@ def _rank(spec: dict[str, Any]) -> None:
                     handle.write("1\n")
 
     logging.getLogger("datacache").addHandler(Count(logging.WARNING))
+    _audit_to(spec.get("audit"), spec["node"])
     settings = load_settings({}, overrides=spec["settings"])
-    dataset = CachedIterableDataset(spec["origin"], config=settings, seed=11, drop_last=True)
+    target = float(spec["target"])
+    dataset = CachedIterableDataset(spec["origin"], config=settings, seed=11, drop_last=True, target_bandwidth=target)
     for epoch in range(EPOCHS):
         dataset.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=8, num_workers=WORKERS, multiprocessing_context="fork")
-        for batch in loader:
-            _ = batch  # every byte was read and checked by the loader
+        track = functools.partial(_track_origin, spec["origin_log"], spec["node"], epoch)
+        loader = DataLoader(
+            dataset, batch_size=8, num_workers=WORKERS, multiprocessing_context="fork", worker_init_fn=track
+        )
+        _train(dataset.timed(loader), target)
         stats = dataset.stats()
         print(
             json.dumps(
@@ -95,11 +104,70 @@ def _rank(spec: dict[str, Any]) -> None:
                     "epoch": epoch,
                     "local": stats.hit_ratio.get("local", 0.0),
                     "wait": stats.reader_wait_fraction,
+                    "stall": stats.stall_fraction or 0.0,
                     "seconds": stats.seconds,
                 }
             ),
             flush=True,
         )
+
+
+def _train(batches: Iterable[Any], target: float) -> None:
+    """Consume ``batches`` as a training step that takes each batch's bytes at ``target`` bytes/s would."""
+    for batch in batches:
+        nbytes = sum(len(value) for values in batch.values() for value in values if isinstance(value, bytes))
+        time.sleep(nbytes / target)  # sleep-ok: the simulated GPU step; the stall is what the loader adds
+
+
+def _track_origin(path: str, node: int, epoch: int, worker_id: int) -> None:
+    """A DataLoader worker's init: when it exits, append the bytes its stager fetched from the origin."""
+    multiprocessing.util.Finalize(None, _write_origin_bytes, args=(path, node, epoch), exitpriority=100)
+
+
+def _write_origin_bytes(path: str, node: int, epoch: int) -> None:
+    from torch.utils.data import get_worker_info
+
+    from datacache.stager import Stager
+
+    info = get_worker_info()
+    access = getattr(getattr(info.dataset, "_runtime", None), "access", None) if info is not None else None
+    if isinstance(access, Stager):  # embedded: this worker's own stager (a daemon counts its own)
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"node": node, "epoch": epoch, "bytes": access.stats().bytes_from_origin}) + "\n")
+
+
+def _origin_per_node(path: Path) -> list[list[int]]:
+    """Bytes fetched from the origin per epoch, per node, as the workers wrote them."""
+    found = [[0] * NODES for _ in range(EPOCHS)]
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        found[row["epoch"]][row["node"]] += row["bytes"]
+    return found
+
+
+def _audit_to(path: str | None, node: int) -> None:
+    """Log each eviction choice (victims' and incoming's next use) to ``path``, for `audit_summary`."""
+    if not path:
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(f"%(created)f %(process)d {node} %(message)s"))
+    audit = logging.getLogger("datacache.staging.residency.audit")
+    audit.setLevel(logging.DEBUG)
+    audit.addHandler(handler)
+
+
+def audit_summary(path: Path) -> dict[str, int]:
+    """Eviction choices in an audit log: made, declined, and victims needed sooner than the shard let in."""
+    made = declined = sooner = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        choice = json.loads(line.split(" ", 3)[3])
+        if choice["victims"] is None:
+            declined += 1
+            continue
+        made += 1
+        incoming = choice["incoming_next"]  # None: never read again
+        sooner += sum(1 for _, nxt in choice["victims"] if nxt is not None and (incoming is None or nxt < incoming))
+    return {"evictions": made, "declined": declined, "victim_needed_sooner": sooner}
 
 
 def _shared_bytes(shared: Path) -> int:
@@ -150,23 +218,45 @@ def _origin_bytes_by_node(run: Path) -> list[int]:
 
 
 def run_scenario(
-    work: Path, *, policy: str, fraction: float, total: int, origin: Path, mode: str = "embedded"
+    work: Path,
+    *,
+    policy: str,
+    fraction: float,
+    total: int,
+    origin: Path,
+    mode: str = "embedded",
+    target: float = 4e6,
+    audit: bool = False,
 ) -> dict[str, Any]:
-    """One policy at one local tier size: every node's ranks run at once; return the per-epoch figures."""
+    """One policy at one local tier size: every node's ranks run at once; return the per-epoch figures.
+
+    ``target`` is each rank's bandwidth target (bytes/s): ranks consume at that rate,
+    and the stall is the share of their time spent waiting for a batch beyond it.
+    """
     run = work / f"{policy}-{fraction:g}-{mode}"
     shared = run / "shared"
     vanished = run / "vanished.log"
+    run.mkdir(parents=True)
     scenario = {"shared_dir": str(shared), "local_capacity": int(total * fraction), "default_policy": policy}
     daemons = _node_daemons(run, scenario) if mode == "daemon" else []
+    extra = {"target": target, "origin_log": str(run / "origin-bytes.jsonl")}
+    extra["audit"] = str(run / "audit.log") if audit else None
     try:
-        result = _run_ranks(run, origin, scenario, vanished, daemons=bool(daemons))
+        result = _run_ranks(run, origin, scenario, vanished, daemons=bool(daemons), extra=extra)
     finally:
         _stop(daemons)
+    if audit:
+        result["audit"] = audit_summary(run / "audit.log")
     return {"policy": policy, "fraction": fraction, "mode": mode, **result}
 
 
-def _run_ranks(run: Path, origin: Path, scenario: dict[str, Any], vanished: Path, *, daemons: bool) -> dict[str, Any]:
-    """Every node's ranks at once (clients of their node's daemon when ``daemons``); per-epoch figures."""
+def _run_ranks(
+    run: Path, origin: Path, scenario: dict[str, Any], vanished: Path, *, daemons: bool, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Every node's ranks at once (clients of their node's daemon when ``daemons``); per-epoch figures.
+
+    ``extra`` goes to every rank: its target, where its workers log origin bytes, where to audit.
+    """
     shared = Path(scenario["shared_dir"])
     world = NODES * RANKS_PER_NODE
     processes = []
@@ -176,6 +266,8 @@ def _run_ranks(run: Path, origin: Path, scenario: dict[str, Any], vanished: Path
             spec = {
                 "origin": str(origin),
                 "vanished": str(vanished),
+                "node": node,
+                **extra,
                 # The node's daemon, when it runs one, answers on <local_dir>/daemon.sock.
                 "settings": {"local_dir": str(run / f"node{node}"), **scenario},
             }
@@ -210,48 +302,73 @@ def _run_ranks(run: Path, origin: Path, scenario: dict[str, Any], vanished: Path
             raise RuntimeError(f"a rank failed with exit {process.returncode}")
     per_rank = lines
     return {
-        "origin_bytes_by_node": by_node,
+        # A daemon counts its node's origin reads; embedded, each worker's stager wrote its own.
+        "origin_bytes_by_node": by_node if daemons else _origin_per_node(Path(extra["origin_log"])),
         "local_share": [sum(r[e]["local"] for r in per_rank) / world for e in range(EPOCHS)],
         "wait_fraction": [sum(r[e]["wait"] for r in per_rank) / world for e in range(EPOCHS)],
+        "stall_fraction": [sum(r[e]["stall"] for r in per_rank) / world for e in range(EPOCHS)],
         "origin_bytes": origin_bytes,
         "vanished": len(vanished.read_text().splitlines()) if vanished.exists() else 0,
     }
 
 
-def _table(results: list[dict[str, Any]], total: int, shards: int) -> str:
+def _table(results: list[dict[str, Any]], shape: dict[str, Any]) -> str:
     daemon = bool(results) and results[0].get("mode") == "daemon"
     mark = DAEMON_MARK if daemon else MARK
     about = (
-        f"{shards} tar shards, {total / 1e6:.0f} MB, file:// origin; one shared tier; {NODES} simulated nodes "
-        f"(own local tiers) x {RANKS_PER_NODE} ranks x {WORKERS} workers; {EPOCHS} epochs. Local share = "
-        "shards read from the local tier at open; wait = readers' time blocked on data over the epoch; "
-        "origin MB = the cluster's origin reads (the shared tier's growth), per epoch."
+        f"{shape['shards']} tar shards of {shape['per_shard']} samples, {shape['total'] / 1e6:.0f} MB, file:// "
+        f"origin; one shared tier; {NODES} simulated nodes (own local tiers) x {RANKS_PER_NODE} ranks x "
+        f"{WORKERS} workers; {EPOCHS} epochs; each rank trains at {shape['target'] / 1e6:.0f} MB/s (a sleep per "
+        "batch). Local share = shards read from the local tier at open. Stall = the ranks' time waiting for a "
+        "batch over their epoch's time (first batch of each epoch, the workers' start, not counted); reader "
+        "wait = the readers' time blocked on shards. Origin MB = the cluster's origin reads (the shared "
+        "tier's growth), and per node (node 0 + node 1, as each node's stagers counted them). Re-read = "
+        "shards a reader found vanished from the local tier and read again from below. The shared tier is a "
+        "directory on the same disk here, so reading it costs what a local read costs: the stall shows this "
+        "machine's CPU contention, not the tiers' speeds (on a cluster the shared tier is a network file system)."
     )
     if daemon:
-        about += (
-            " Each node runs one `datacache serve`; its ranks and their workers are its clients. Origin MB per "
-            "node = what each node's daemon fetched from the origin (node 0 + node 1), per epoch."
-        )
-    columns = ["local tier", "policy", "local share per epoch", "wait fraction per epoch", "origin MB per epoch"]
-    columns += ["origin MB per node per epoch"] if daemon else []
+        about += " Each node runs one `datacache serve`; its ranks and their workers are its clients."
     title = (
         "Bigger than the cache, through the daemon (`benchmarks/bigger.py --mode daemon`)"
         if daemon
-        else ("Bigger than the cache (`benchmarks/bigger.py`)")
+        else "Bigger than the cache (`benchmarks/bigger.py`)"
     )
-    rows = [mark, f"## {title}", "", about, "", "| " + " | ".join([*columns, "vanished"]) + " |"]
-    rows.append("|" + "---|" * (len(columns) + 1))
+    rows = [
+        mark,
+        f"## {title}",
+        "",
+        about,
+        "",
+        "| local tier | policy | local share per epoch | stall per epoch | reader wait per epoch "
+        "| origin MB per epoch (cluster; node 0 + node 1) | re-read |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        cells = [
-            f"1/{round(1 / r['fraction'])}",
-            r["policy"],
-            " / ".join(f"{x:.2f}" for x in r["local_share"]),
-            " / ".join(f"{x:.2f}" for x in r["wait_fraction"]),
-            " / ".join(f"{x / 1e6:.0f}" for x in r["origin_bytes"]),
+        share, stall, wait = (
+            " / ".join(f"{x:.2f}" for x in r[k]) for k in ("local_share", "stall_fraction", "wait_fraction")
+        )
+        origin = " / ".join(
+            f"{x / 1e6:.0f} ({' + '.join(f'{n / 1e6:.0f}' for n in nodes)})"
+            for x, nodes in zip(r["origin_bytes"], r["origin_bytes_by_node"], strict=True)
+        )
+        rows.append(
+            f"| 1/{round(1 / r['fraction'])} | {r['policy']} | {share} | {stall} | {wait} | {origin} "
+            f"| {r['vanished']} |"
+        )
+    audited = [r for r in results if "audit" in r]
+    if audited:
+        rows += [
+            "",
+            "Every eviction choice, audited (`--audit`): choices made / declined / victims needed sooner "
+            "than the shard they made room for (Belady never does that; LRU does): "
+            + "; ".join(
+                f"1/{round(1 / r['fraction'])} {r['policy']} {r['audit']['evictions']} / "
+                f"{r['audit']['declined']} / {r['audit']['victim_needed_sooner']}"
+                for r in audited
+            )
+            + ".",
         ]
-        if daemon:
-            cells.append(" / ".join(" + ".join(f"{b / 1e6:.1f}" for b in e) for e in r["origin_bytes_by_node"]))
-        rows.append("| " + " | ".join([*cells, str(r["vanished"])]) + " |")
     rows.append(mark)
     return "\n".join(rows) + "\n"
 
@@ -297,11 +414,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mode", choices=MODES, default="embedded", help="readers stage themselves, or through one daemon per node"
     )
+    parser.add_argument(
+        "--target", type=parse_bandwidth, default=parse_bandwidth("4MB/s"), help="per-rank target (4MB/s)"
+    )
+    parser.add_argument(
+        "--samples-per-shard",
+        type=int,
+        default=128,
+        help="128: the default shuffle window (256 samples) spans 2 shards, as with real WebDataset shards",
+    )
+    parser.add_argument("--audit", action="store_true", help="log and summarise every eviction choice")
     args = parser.parse_args(argv)
     if args.rank:
         _rank(json.loads(args.rank))
         return 0
-    shards, per_shard, size = (16, 16, 16_000) if args.quick else (32, 32, 32_000)
+    shards = 16 if args.quick else 32
+    per_shard = args.samples_per_shard
+    size = 1_000_000 // per_shard  # ~1 MB shards whatever the count: 8 KB samples at 128
     fractions = (0.5,) if args.quick else (0.5, 0.25)
     work = Path(os.environ.get("DATACACHE_BENCH_WORK", "/tmp/datacache-bench-bigger"))
     shutil.rmtree(work, ignore_errors=True)
@@ -311,13 +440,21 @@ def main(argv: list[str] | None = None) -> int:
         for policy in POLICIES:
             started = time.monotonic()
             result = run_scenario(
-                work, policy=policy, fraction=fraction, total=total, origin=work / "origin", mode=args.mode
+                work,
+                policy=policy,
+                fraction=fraction,
+                total=total,
+                origin=work / "origin",
+                mode=args.mode,
+                target=args.target,
+                audit=args.audit,
             )
             result["seconds"] = time.monotonic() - started
             print(json.dumps(result), flush=True)
             results.append(result)
     default = REPO / "benchmarks" / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
-    write_table(_table(results, total, shards), args.results or default)
+    shape = {"shards": shards, "per_shard": per_shard, "total": total, "target": args.target}
+    write_table(_table(results, shape), args.results or default)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -17,7 +17,6 @@ it as part of the whole benchmark.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -25,13 +24,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import REPO, clean_env, s3_env
+from benchmarks._common import REPO, clean_env, run_section, s3_env
 
 BUCKET = "coldstart"
 SCALES = (1, 4, 16)
@@ -150,8 +148,14 @@ def measure(endpoint: str, work: Path, *, quick: bool) -> dict[str, Any]:
     sizes = _sizes(quick)
     made = upload(endpoint, sizes)
     points: dict[str, Any] = {}
+    # Round robin over the points, one run each per round: load that drifts on a shared machine
+    # then falls on every scale alike, not on whichever ran last.
+    rounds = [
+        {prefix: _point(endpoint, work / prefix, prefix, info) for prefix, info in made.items()}
+        for _ in range(sizes["repeats"])
+    ]
     for prefix, info in made.items():
-        runs = [_point(endpoint, work / prefix, prefix, info) for _ in range(sizes["repeats"])]
+        runs = [done[prefix] for done in rounds]
         good = [r for r in runs if "error" not in r]
         entry: dict[str, Any] = {**info, "runs": runs}
         if good:
@@ -191,7 +195,8 @@ def render_lines(entry: dict[str, Any] | None) -> list[str]:
         f"(webdataset's TarWriter), 1x = {sizes['base_shards']} shards; each point a fresh process with an empty "
         f"cache taking one batch of {entry['batch']} (batch mode, in-process). Origin bytes = the shards the S3 "
         "server was asked for before the first batch, whole (an upper bound: an index scan in flight counts "
-        f"whole). Medians of {sizes['repeats']} run(s). `benchmarks/cold_start.py`.",
+        f"whole). Medians of {sizes['repeats']} run(s), taken round robin across the points. "
+        "`benchmarks/cold_start.py`.",
         "",
         "| shards | sample index | first batch s | / 1x | shards requested before it | origin MB before it |",
         "|---|---|---|---|---|---|",
@@ -220,33 +225,7 @@ def render_lines(entry: dict[str, Any] | None) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
-    args = parser.parse_args()
-    if args.job:
-        result = job(json.loads(args.job))
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-        os._exit(0)  # the background index of an un-indexed dataset is not waited for
-    from benchmarks._report import write_report
-    from benchmarks.warm_vs_awscli import start_s3_server
-
-    server, endpoint = start_s3_server()
-    try:
-        with tempfile.TemporaryDirectory(prefix="datacache-coldstart-") as work:
-            entry = measure(endpoint, Path(work), quick=args.quick)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        if server.stdout is not None:
-            server.stdout.close()
-    saved = args.out / ("results-quick.json" if args.quick else "results.json")
-    results = json.loads(saved.read_text())
-    results["cold_start"] = entry
-    written = write_report(results, args.out)
-    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    run_section("cold_start", __doc__, job, measure)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    s3fs ``get``, ``datacache warm``, plain reads of the cached files
    (``readinto``, ``cat``), and a DataLoader with 2 workers doing no I/O;
 3. runs every loader through a DataLoader (batch 64, 2 workers; datacache
-   also in its in-process mode), one cold epoch (empty cache) and one warm
+   three ways: drop-in, per-sample dicts the DataLoader batches; batch mode
+   with 2 workers; batch mode in-process), one cold epoch (empty cache) and one warm
    epoch, each in a fresh process, repeated; every consumer copies every
    byte and counts samples;
 4. the small-files variant: raw 8 KB objects read one by one, then
@@ -23,6 +24,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    bytes/s target, reporting the data-stall fraction;
 5b. the cold-start curve (``benchmarks/cold_start.py``): time to the first
    batch at 1x, 4x and 16x the shards, with and without a wids index;
+5c. a weighted mix of three sources (``benchmarks/mixing.py``): throughput
+   beside one source, and the realised proportions;
 6. writes ``benchmarks/RESULTS.md``, ``benchmarks/results.json`` and
    ``benchmarks/throughput.png`` (``RESULTS-quick.md`` etc. for ``--quick``).
 """
@@ -44,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _data, _limits, cold_start
+from benchmarks import _data, _limits, cold_start, mixing
 from benchmarks._common import (
     BATCH_SIZE,
     NUM_WORKERS,
@@ -73,6 +76,13 @@ class LoaderRun:
 
 def loader_runs() -> list[LoaderRun]:
     return [
+        LoaderRun(
+            "datacache-dropin",
+            "datacache-dropin",
+            NUM_WORKERS,
+            f"datacache drop-in: DataLoader(ds, batch_size={BATCH_SIZE}, num_workers={NUM_WORKERS}), per-sample dicts",
+            False,
+        ),
         LoaderRun(
             "datacache-inprocess",
             "datacache",
@@ -361,6 +371,7 @@ class Bench:
             self.training()
             cold = cold_start.measure(self.endpoint, self.work / "cold-start", quick=self.args.quick)
             self.results["cold_start"] = cold
+            self.results["mixing"] = mixing.measure(self.endpoint, self.work / "mixing", quick=self.args.quick)
         finally:
             server.terminate()
             server.wait(timeout=10)

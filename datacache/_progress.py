@@ -123,10 +123,14 @@ class Progress:
         return {
             "event": "progress",
             "what": self.what,
-            self._item_name: self.done_items,
+            # The words of the daemon's /v1/warm lines (WarmProgress's fields), one vocabulary for both.
+            f"{self._item_name}_done": self.done_items,
             f"{self._item_name}_total": self.total_items,
-            "bytes": self.done_bytes,
+            "bytes_done": self.done_bytes,
             "bytes_total": self.total_bytes,
+            # The earlier words, kept as aliases for one release (docs/DAEMON.md).
+            self._item_name: self.done_items,
+            "bytes": self.done_bytes,
             "bytes_transferred": self.moved_bytes,
             "rate_bytes_per_s": round(rate, 1),
             f"{self._item_name}_per_s": round(self._item_meter.rate(now), 1),

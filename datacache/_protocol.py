@@ -241,6 +241,7 @@ def warm_progress_to_wire(progress: WarmProgress) -> dict[str, Any]:
         "shards_done": progress.shards_done,
         "shards_total": progress.shards_total,
         "bytes_done": progress.bytes_done,
+        "bytes_total": progress.bytes_total,
         "bytes_transferred": progress.bytes_transferred,
         "rate_bytes_per_s": round(progress.rate, 1),
     }

@@ -121,6 +121,11 @@ class DaemonClient:
         self._manifests: dict[tuple[str, str], Manifest] = {}
         self._origins: dict[str, Tier] = {}
 
+    @property
+    def server_uid(self) -> int | None:
+        """The uid the daemon runs as (by ``SO_PEERCRED``), once a request has reached it."""
+        return None if self._connector is None else self._connector.server_uid
+
     def __getstate__(self) -> dict[str, Any]:
         return {
             "settings": self.settings,

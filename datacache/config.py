@@ -140,7 +140,13 @@ def _positive_size(value: Any, what: str) -> int:
 def _path(value: Any, what: str) -> Path:
     if not isinstance(value, str) or not value or "\x00" in value:
         raise ConfigError(f"{what}: expected a path, got {value!r}")
+    if _URL.match(value):
+        # Taken as a path, "s3://b/p" would be a folder "s3:" under the working directory.
+        raise ConfigError(f"{what}: expected a directory, got the URL {redact_url(value)!r} (tiers are directories)")
     return Path(os.path.expanduser(value)).absolute()
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _boolean(value: Any, what: str) -> bool:

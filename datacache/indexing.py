@@ -27,15 +27,13 @@ reported naming where it came from.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import json
 import logging
 import os
 import socket
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +41,13 @@ from typing import Any
 from datacache.config import Settings
 from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
+from datacache.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.locks import LeaseLock
-from datacache.manifest import Manifest, Shard
+from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
-from datacache.tarindex import TarScanner, group_samples
-from datacache.tiers import Tier, open_origin
-from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, server_now
+from datacache.tarcount import count_batch_sync, count_tar_samples
+from datacache.tiers import ObjectInfo, Tier
+from datacache.tiers._dirfd import UnsafeFileError
 from datacache.tiers._files import atomic_write
 
 __all__ = [
@@ -72,133 +71,20 @@ _BATCH_MAX = 64
 """Most shards in one lease: small enough that a node that dies loses little work."""
 
 
-def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
-    """Where a node keeps the unit plan (every shard's count) of one dataset snapshot for its readers."""
-    return local_dir / "indexes" / f"{manifest.dataset}-{manifest.snapshot}.json"
-
-
-def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
-    """Where the cluster keeps the counts of one dataset snapshot."""
-    return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
-
-
-# A count file is a few bytes a shard; anything past this is not one (a planted /dev/zero, say).
-_INDEX_FILE_LIMIT = 256 << 20
-
-
-class _IndexFiles:
-    """The files of one snapshot's cluster index, reached as the shared tier's own files are.
-
-    Other users can write the shared tier: every file here is reached by walking down
-    from the tier's root without following a link, read only if it is a regular file of
-    bounded size, and written by an atomic write in the directory so reached (see
-    docs/SECURITY.md, "The shared tier"). Ages are measured by the file server's clock.
-    """
-
-    def __init__(self, settings: Settings, manifest: Manifest) -> None:
-        base = settings.shared_dir or settings.local_dir
-        self.path = index_dir(base, manifest)
-        self._base = base
-        self._parts = self.path.relative_to(base).parts
-        # The shared tier is the group's (setgid 2770); without one, the node's private cache.
-        self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
-
-    def place(self, name: str) -> Place:
-        return Place(self._base, self._parts, name, self._dir_mode)
-
-    def _directory(self) -> int:
-        """An fd of the index directory; FileNotFoundError if it does not exist yet."""
-        return self.place("_").open_parent()
-
-    def names(self) -> list[str]:
-        try:
-            fd = self._directory()
-        except FileNotFoundError:
-            return []
-        try:
-            return sorted(os.listdir(fd))
-        finally:
-            os.close(fd)
-
-    def read(self, name: str) -> bytes | None:
-        """The file's bytes, None if absent; `UnsafeFileError` for a link, FIFO, device or huge file."""
-        try:
-            return read_bounded(self.place(name), _INDEX_FILE_LIMIT)
-        except FileNotFoundError:
+def _listed_candidates(manifest: Manifest) -> list[ObjectInfo] | None:
+    """The possible sample indexes the manifest's listing found, None if it did not keep them."""
+    recorded = manifest.extra.get(SIDECAR_CANDIDATES)
+    if not isinstance(recorded, list):
+        return None
+    found: list[ObjectInfo] = []
+    for entry in recorded:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
             return None
-
-    def exists(self, name: str) -> bool:
-        try:
-            fd = self._directory()
-        except FileNotFoundError:
-            return False
-        try:
-            os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(fd)
-        return True
-
-    def unlink(self, name: str) -> None:
-        try:
-            fd = self._directory()
-        except FileNotFoundError:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=fd)
-        finally:
-            os.close(fd)
-
-    def age(self, name: str) -> float | None:
-        """Seconds since ``name`` was last touched, by the file server's clock; None if absent."""
-        try:
-            fd = self._directory()
-        except FileNotFoundError:
+        key, size = entry
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             return None
-        try:
-            mtime = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
-            return server_now(fd) - mtime
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(fd)
-
-    def link_once(self, name: str, data: bytes) -> None:
-        """Create ``name`` holding ``data`` unless it exists (the first writer wins, atomically)."""
-        fd = self.place(name).open_parent(create=True)
-        temporary = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            out = os.open(temporary, flags, 0o640, dir_fd=fd)
-            try:
-                os.write(out, data)
-            finally:
-                os.close(out)
-            try:
-                os.link(temporary, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(temporary, dir_fd=fd)
-        finally:
-            os.close(fd)
-
-
-async def count_tar_samples(origin: Tier, shard: Shard, *, where: str) -> int:
-    """Samples in a tar shard, from one streaming read of the origin; nothing is kept but headers."""
-    scanner = TarScanner(where=where)
-    seen = 0
-    async for chunk in origin.stream(shard.key, version=shard.version):
-        scanner.feed(chunk)
-        seen += len(chunk)
-    if seen != shard.size:
-        raise ShardReadError(f"{where}: read {seen} bytes, the manifest says {shard.size}")
-    try:
-        return len(group_samples(scanner.finish()))
-    except ValueError as exc:
-        raise ShardReadError(f"{where}: {exc}") from None
+        found.append(ObjectInfo(key, size))
+    return found
 
 
 @dataclass
@@ -217,66 +103,8 @@ class IndexReport:
     unreadable: dict[str, str] = field(default_factory=dict)
 
 
-def count_batch_sync(
-    number: int, url: str, storage_options: Mapping[str, Any], shards: Sequence[tuple[str, int, str | None]], where: str
-) -> tuple[int, dict[str, int | str]]:
-    """One batch as an engine task: each shard's sample count, or why it could not be counted."""
-
-    async def run() -> dict[str, int | str]:
-        origin = open_origin(url, storage_options=storage_options)
-        counts: dict[str, int | str] = {}
-        try:
-            for key, size, version in shards:
-                try:
-                    counts[key] = await count_tar_samples(
-                        origin, Shard(key, size, version), where=f"{where}: shard {key!r}"
-                    )
-                except ShardReadError as exc:
-                    counts[key] = str(exc)
-        finally:
-            await origin.close()
-        return counts
-
-    return number, asyncio.run(run())
-
-
 def _batch_size(shards: int, concurrency: int) -> int:
     return max(1, min(_BATCH_MAX, shards // max(1, 4 * concurrency)))
-
-
-def _parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
-    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
-    try:
-        document = json.loads(raw)
-    except ValueError:
-        raise ShardReadError(f"{where}: not valid JSON") from None
-    counts = document.get("counts") if isinstance(document, dict) else None
-    if not isinstance(counts, dict) or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
-    ):
-        raise ShardReadError(f"{where}: not a datacache count batch")
-    sources = document.get("sources")
-    source_of = document.get("source_of")
-    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
-        sources, source_of = [], [-1] * len(counts)
-    found: dict[str, KnownCount] = {}
-    for (key, samples), which in zip(counts.items(), source_of):
-        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
-        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
-    return found
-
-
-def _encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
-    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
-    number = {source: i for i, source in enumerate(sources)}
-    document = {
-        "host": socket.gethostname(),
-        "written": time.time(),
-        "counts": {key: count.samples for key, count in counts.items()},
-        "sources": sources,
-        "source_of": [number.get(count.source, -1) for count in counts.values()],
-    }
-    return json.dumps(document, separators=(",", ":")).encode()
 
 
 class ClusterIndex:
@@ -299,19 +127,30 @@ class ClusterIndex:
         self.manifest = manifest
         self.settings = settings
         # Without a shared tier the node is the cluster: its processes share the work the same way.
-        self.files = _IndexFiles(settings, manifest)
+        self.files = IndexFiles(settings, manifest)
         self.directory = self.files.path
         self._where = f"dataset {manifest.dataset}"
         self.engine: tuple[str, str | None, str, Mapping[str, Any]] | None = None
         """(``dask`` or ``ray``, scheduler address, origin URL, storage options): scan on that engine."""
         self.ignore_sidecars = False
         """Count every shard not in the manifest by scanning it (`datacache index --rescan`)."""
+        self.counter: Callable[[Shard, str], Awaitable[int]] | None = None
+        """Counts one shard (``where`` names it in errors); default: stream it from the origin.
+
+        A loader counts through its stager instead (`coldplan.CountBook`): the shard is
+        staged once for the cluster and counted from that copy, which its readers use too.
+        """
 
     def forget(self) -> None:
         """Remove what the cluster index holds for this snapshot (a count in it was found wrong)."""
         for name in self.files.names():
             if name.endswith(".json"):
                 self.files.unlink(name)
+
+    async def _count(self, shard: Shard, where: str) -> int:
+        if self.counter is not None:
+            return await self.counter(shard, where)
+        return await count_tar_samples(self.origin, shard, where=where)
 
     def _batch_path(self, number: int) -> Path:
         return self.directory / f"batch-{number:06d}.json"
@@ -326,7 +165,7 @@ class ClusterIndex:
                 raw = self.files.read(name)
                 if raw is None:
                     continue
-                counts = _parse_batch(raw, str(path))
+                counts = parse_batch(raw, str(path))
             except (OSError, ShardReadError, UnsafeFileError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
@@ -334,7 +173,7 @@ class ClusterIndex:
         return found
 
     async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
-        encoded = _encode_batch(counts)
+        encoded = encode_batch(counts)
 
         async def body() -> AsyncIterator[bytes]:
             yield encoded
@@ -370,7 +209,9 @@ class ClusterIndex:
             return counts
 
     async def _read_sidecars(self) -> dict[str, KnownCount]:
-        listing = [info async for info in self.origin.list()]
+        listing = _listed_candidates(self.manifest)
+        if listing is None:  # a manifest taken before it kept them: list again
+            listing = [info async for info in self.origin.list()]
         return await read_sidecar_counts(self.origin, self.manifest, listing, concurrency=4 * self.settings.concurrency)
 
     async def build(
@@ -517,7 +358,7 @@ class ClusterIndex:
             raw = self.files.read(path.name)
             if raw is None:
                 return None
-            counts = _parse_batch(raw, str(path))
+            counts = parse_batch(raw, str(path))
         except (OSError, ShardReadError, UnsafeFileError) as exc:
             logger.warning("counting again: %s", exc)
             return None
@@ -537,7 +378,7 @@ class ClusterIndex:
                 counted[shard.key] = found[shard.key]
                 continue
             try:
-                samples = await count_tar_samples(self.origin, shard, where=f"{self._where}: shard {shard.key!r}")
+                samples = await self._count(shard, f"{self._where}: shard {shard.key!r}")
             except ShardReadError as exc:
                 # Left out of the batch (every node finds it uncounted), not raised: whether a bad
                 # shard is skipped or fatal is each reader's on_error.
@@ -605,32 +446,3 @@ async def index_dataset(
     else:
         outcome.beside_origin = f"{origin.url.rstrip('/')}/{WIDS_INDEX_NAME}"
     return outcome
-
-
-def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
-    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
-
-    The first process to ask decides (``cold``: its counts were incomplete)
-    and records it beside the cluster index; every later one, on any node,
-    reads that record, so that no two ranks deal one epoch two ways. A rerun
-    of the same seed and epoch reads it the same way again.
-    """
-    files = _IndexFiles(settings, manifest)
-    if not cold and not files.names():
-        return False  # every count came from the manifest: no process could have started cold
-    name = f"epoch-{seed}-{epoch}.json"
-
-    def recorded() -> bool | None:
-        try:
-            raw = files.read(name)
-            return None if raw is None else bool(json.loads(raw).get("cold") is True)
-        except (ValueError, AttributeError, UnsafeFileError):
-            logger.warning("%s is damaged; reading epoch %d cold", files.path / name, epoch)
-            return True
-
-    decided = recorded()
-    if decided is not None:
-        return decided
-    files.link_once(name, json.dumps({"cold": cold}).encode())  # fails quietly if another decided first
-    decided = recorded()
-    return cold if decided is None else decided

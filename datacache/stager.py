@@ -2,43 +2,15 @@
 
 The implementation lives in `datacache.staging` (the `Stager` facade and its
 parts) and `datacache.checksum` (the shard hash); new code imports from there.
+This module re-exports `datacache.staging`'s names (its ``__all__``, one list)
+and the two checksum helpers.
 """
 
 from __future__ import annotations
 
+from datacache import staging
 from datacache.checksum import checksum_of, new_hasher
-from datacache.staging import (
-    LOCAL,
-    ORIGIN,
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    SHARED,
-    DatasetHandle,
-    FutureOrder,
-    Location,
-    ReaderProgress,
-    Stager,
-    StagerStats,
-    StagingEvent,
-    WarmProgress,
-    WarmReport,
-)
+from datacache.staging import *  # noqa: F403 - staging's __all__ is the one list of these names
 
-__all__ = [
-    "LOCAL",
-    "ORIGIN",
-    "PRIORITY_PREFETCH",
-    "PRIORITY_URGENT",
-    "SHARED",
-    "DatasetHandle",
-    "FutureOrder",
-    "Location",
-    "ReaderProgress",
-    "Stager",
-    "StagerStats",
-    "StagingEvent",
-    "WarmProgress",
-    "WarmReport",
-    "checksum_of",
-    "new_hasher",
-]
+__all__ = ["checksum_of", "new_hasher"]
+__all__ += staging.__all__

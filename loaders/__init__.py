@@ -6,8 +6,19 @@ This is the only package of datacache that imports torch.
 from __future__ import annotations
 
 from datacache.loaders.dataset import CachedIterableDataset
-from datacache.loaders.decode import basic_decoders
+from datacache.loaders.decode import DECODERS, basic_decoders
+from datacache.loaders.mapstyle import CachedMapDataset
 from datacache.loaders.packing import PackedBytes
-from datacache.loaders.stats import LoaderStats
+from datacache.loaders.sources import Source
+from datacache.loaders.stats import LoaderStats, SourceStats
 
-__all__ = ["CachedIterableDataset", "LoaderStats", "PackedBytes", "basic_decoders"]
+__all__ = [
+    "DECODERS",
+    "CachedIterableDataset",
+    "CachedMapDataset",
+    "LoaderStats",
+    "PackedBytes",
+    "Source",
+    "SourceStats",
+    "basic_decoders",
+]

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import UnitReaders
-from datacache.tiers import redact_url
+from datacache.loaders.units import Units
 
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
@@ -35,7 +35,6 @@ __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhea
 
 logger = logging.getLogger(__name__)
 
-Decoder = Callable[[dict[str, Any]], Any] | Mapping[str, Callable[[Any], Any]] | str
 Built = tuple[Any, int, int]
 """A batch, its payload bytes, its sample count."""
 LOOKAHEAD = 6
@@ -49,27 +48,30 @@ class BatchBuilder:
 
     def __init__(
         self,
-        units: UnitReaders,
+        units: Units,
         epoch: ReadPlan,
         *,
         decode: Decoder,
+        transform: Callable[[Any], Any] | None = None,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         threads: int,
         in_consumer: bool,
         skip_bad: bool,
+        tally: Callable[[int, int], None] | None = None,
     ) -> None:
         self._units = units
+        self._tally = tally
+        """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
         self._epoch = epoch
-        self._decoder = decode
+        self._decoding = SampleDecoding(decode, transform, "")
         self._row = row
         self._lock = lock
         self._threads = threads
         self._in_consumer = in_consumer
         runtime = units.runtime
         self._format = runtime.handle.manifest.format
-        self._url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:
@@ -94,16 +96,26 @@ class BatchBuilder:
                 skipped += 1
                 continue
             local = int(self._epoch.local[position])
-            if self._decoder == "auto" and reader.packable:
-                raw.append(reader.fields(local))
-            elif self._decoder == "auto" and self._format is ShardFormat.ZARR:
+            tally = self._tally
+            if self._decoding.raw and reader.packable:
+                fields = reader.fields(local)
+                raw.append(fields)
+                if tally is not None:
+                    tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
+            elif self._decoding.raw and self._format is ShardFormat.ZARR:
                 zarr_rows.append((reader, local))
+                if tally is not None:
+                    tally(position, sample_bytes(reader.sample(local)))
             else:
-                sample = self.decode(reader.sample(local), reader)
+                read = reader.sample(local)
+                nbytes = sample_bytes(read) if tally is not None else 0
+                sample = self.decode(read, reader)
                 if sample is SKIPPED:
                     skipped += 1
                 else:
                     decoded.append(sample)
+                    if tally is not None:
+                        tally(position, nbytes)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
@@ -124,7 +136,7 @@ class BatchBuilder:
         return None
 
     def _collate(self, decoded: list[Any]) -> Built:
-        if self._format is ShardFormat.PARQUET and self._decoder == "auto":
+        if self._format is ShardFormat.PARQUET and self._decoding.raw:
             import pyarrow as pa
 
             record_batch = pa.RecordBatch.from_pylist(decoded)
@@ -132,24 +144,16 @@ class BatchBuilder:
         return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
 
     def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
-        """Apply the dataset's decoder to one sample read from ``reader``.
+        """Apply the dataset's decoder and transform to one sample read from ``reader``.
 
-        Returns `SKIPPED` for a sample the decoder failed on when bad samples are skipped.
+        Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        if reader.packable:
-            sample["__url__"] = f"{self._url}/{reader.unit.keys[0]}"
-        decode = self._decoder
-        if decode == "auto":
+        self._decoding.identify(sample, reader, self._units.url_of(reader))
+        if self._decoding.raw:
             return sample
         started = time.perf_counter()
         try:
-            if isinstance(decode, Mapping):
-                return {
-                    k: (self._call(decode[k], v, sample, reader, k) if k in decode else v) for k, v in sample.items()
-                }
-            if callable(decode):
-                return self._call(decode, sample, sample, reader, None)
-            return sample
+            return self._decoding.apply(sample, reader.where)
         except SampleDecodeError as exc:
             if not self._skip_bad:
                 raise
@@ -158,24 +162,11 @@ class BatchBuilder:
         finally:
             self._row[Counter.DECODE] += time.perf_counter() - started
 
-    @staticmethod
-    def _call(
-        function: Callable[[Any], Any], value: Any, sample: dict[str, Any], reader: UnitReader, name: str | None
-    ) -> Any:
-        """``function(value)``; its exception becomes one that says where it happened."""
-        try:
-            return function(value)
-        except Exception as exc:
-            what = f"field {name!r}" if name is not None else f"decoder {getattr(function, '__name__', function)!r}"
-            raise SampleDecodeError(
-                f"{reader.where}: sample {sample.get('__key__')!r}: {what} raised {type(exc).__name__}: {exc}"
-            ) from exc
-
 
 class ReadAhead:
     """Reader threads that build the next few batches, in order, ahead of the consumer."""
 
-    def __init__(self, builder: BatchBuilder, units: UnitReaders, *, threads: int, window: int) -> None:
+    def __init__(self, builder: BatchBuilder, units: Units, *, threads: int, window: int) -> None:
         self._builder = builder
         self._units = units
         self._threads = threads

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, worker_positions
+from datacache.loaders.order import Cursor, Layout, worker_positions
 
 __all__ = [
     "WINDOW_UNITS",
@@ -44,6 +44,7 @@ __all__ = [
     "final_stream",
     "lower_bound_length",
     "natural_stream",
+    "node_cold_sequences",
     "rank_units",
     "settle",
     "window_ids",
@@ -65,6 +66,26 @@ def rank_units(units: int, *, seed: int, epoch: int, shuffle: bool, world_size: 
     order = _rng(seed, epoch).permutation(units).astype(np.int64) if shuffle else np.arange(units, dtype=np.int64)
     mine: IntArray = order[rank::world_size]
     return mine
+
+
+def node_cold_sequences(
+    units: int, *, seed: int, epoch: int, shuffle: bool, layout: Layout
+) -> dict[str, tuple[int, ...]]:
+    """Every reader's shards in a cold epoch (all ranks, all workers of ``layout``'s job), by reader name.
+
+    A rank's workers take chunks of its stream, which walks its shards two at a time:
+    each of them reads the rank's shards in the rank's order. Every reader computes the
+    same value, as for an indexed epoch (`epoch.node_unit_sequences`); the samples a rank
+    takes from another's shards once the lengths are settled are left out (a few at the end).
+    """
+    found: dict[str, tuple[int, ...]] = {}
+    for rank in range(layout.world_size):
+        mine = tuple(
+            rank_units(units, seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=rank).tolist()
+        )
+        for worker in range(layout.num_workers):
+            found[f"{rank}.{worker}"] = mine
+    return found
 
 
 def window_order(

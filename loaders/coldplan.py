@@ -1,7 +1,10 @@
 """A cold epoch as a reader walks it: the plan grows window by window as shard counts become known.
 
 `CountBook` holds the sample counts this process knows, and counts the rest
-of the dataset in the background with the other nodes (`ClusterIndex`).
+of the dataset in the background with the other nodes (`ClusterIndex`),
+through the stager: each shard is staged once for the cluster (the shared
+tier, else the local one) and counted from that copy, which the readers then
+use, so a cold epoch reads the origin once per shard.
 `ColdEpochPlan` is the reader's plan of a cold epoch (`coldorder`): it has
 the attributes of an `EpochPlan`, and `ensure` extends it, one window of its
 rank's shards at a time, counting a window's shards by opening them (they
@@ -12,6 +15,7 @@ the index, settles, and lays out the rest of the epoch at once.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import sys
@@ -36,9 +40,13 @@ from datacache.loaders.readers import Unit, UnitPlan
 from datacache.loaders.units import Runtime
 
 from datacache._sync import LoopThread
+from datacache.access import ShardAccess
 from datacache.config import Settings
+from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.indexing import ClusterIndex, decide_cold
-from datacache.stager import DatasetHandle
+from datacache.manifest import Shard
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
+from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
 __all__ = ["ColdEpochPlan", "CountBook", "complete_runtime", "epoch_is_cold", "epoch_plan"]
 
@@ -50,8 +58,11 @@ IntArray = npt.NDArray[np.int64]
 class CountBook:
     """Sample counts known in this process (-1: unknown), completed by a background `ClusterIndex.build`."""
 
-    def __init__(self, plan: UnitPlan, handle: DatasetHandle, settings: Settings, loop: LoopThread) -> None:
+    def __init__(
+        self, plan: UnitPlan, handle: DatasetHandle, settings: Settings, loop: LoopThread, access: ShardAccess
+    ) -> None:
         self._plan = plan
+        self._access = access
         self._handle = handle
         self._settings = settings
         self._loop = loop
@@ -72,7 +83,35 @@ class CountBook:
             if self._build is not None or self.complete:
                 return
             index = ClusterIndex(self._handle.origin, self._handle.manifest, self._settings)
+            index.counter = self._count_staged
             self._build = self._loop.submit(index.build(on_count=self.note_key))
+
+    async def _count_staged(self, shard: Shard, where: str) -> int:
+        """Count a shard from its staged copy: the origin serves it once, for counting and reading alike.
+
+        Staged on the shared tier when there is one (every node's readers copy it from
+        there), else on the local tier. A shard a reader here already counted is not read.
+        """
+        unit = self._unit_of.get(shard.key)
+        if unit is not None and self.counts[unit] >= 0:
+            return int(self.counts[unit])
+        access = self._access
+        try:
+            if self._settings.shared_dir is not None:
+                location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
+            elif isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
+            else:
+                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
+            if location.buffer is not None:
+                return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)
+            if location.path is None:  # the tier declined it (full): count from the origin's stream
+                return await count_tar_samples(self._handle.origin, shard, where=where)
+            return await asyncio.to_thread(count_tar_file, location.path, shard, where=where)
+        except (ChecksumMismatchError, DatacacheError, OSError) as exc:
+            if isinstance(exc, ShardReadError):
+                raise
+            raise ShardReadError(f"{where}: {exc}") from None
 
     def note_key(self, key: str, samples: int) -> None:
         unit = self._unit_of.get(key)
@@ -335,7 +374,7 @@ def epoch_plan(
 ) -> ReadPlan:
     """The reader's plan of an epoch: cold (whole shards, growing) or indexed, resumed after ``cursors``."""
     if not cursors and epoch_is_cold(runtime, seed=seed, epoch=epoch):
-        book = runtime.book or CountBook(runtime.plan, runtime.handle, runtime.settings, runtime.loop)
+        book = runtime.book or CountBook(runtime.plan, runtime.handle, runtime.settings, runtime.loop, runtime.access)
         return ColdEpochPlan(
             book, count_unit, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last
         )

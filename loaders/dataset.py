@@ -12,36 +12,38 @@ shard before serving a sample from it, and records what it delivered.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import multiprocessing.util
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from datacache.loaders.batching import Decoder
 from datacache.loaders.coldplan import CountBook, complete_runtime, epoch_is_cold
+from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.epoch import auto_window
-from datacache.loaders.iterator import ITERATOR_MARK, EpochIterator
+from datacache.loaders.iterator import EpochIterator
+from datacache.loaders.mixed import open_handle, open_mix
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
+from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
+from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from datacache.loaders.units import Runtime
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess, open_access
-from datacache.config import DatasetConfig, Settings, load_settings
+from datacache.config import Settings, load_settings
 from datacache.errors import ConfigError
 from datacache.units import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
 logger = logging.getLogger(__name__)
-
-_STATE_VERSION = 1
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -63,7 +65,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     Parameters
     ----------
     dataset
-        A URL (``s3://bucket/prefix/``, a local path, any fsspec URL) or a dataset name from the config file.
+        A URL (``s3://bucket/prefix/``, a local path, any fsspec URL), a dataset name from the config file, a
+        brace pattern of shard URLs (``s3://bucket/shard-{0000..0099}.tar``), a `Source`, or a list of these:
+        several sources mixed into each epoch (README, "Mixing sources and epoch length").
     shuffle
         Shuffle shards, then samples within windows of ``shuffle_buffer``.
     seed
@@ -77,8 +81,10 @@ class CachedIterableDataset(IterableDataset[Any]):
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
-        ``"auto"`` or None keeps raw bytes; a callable receives each sample dict; a mapping decodes fields
-        by name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
+        ``"auto"`` or None keeps raw bytes; ``"basic"``, ``"pil"``, ``"numpy"`` or ``"torch"`` pick a
+        built-in decoder set (see `datacache.loaders.decode.DECODERS`); a callable receives each sample
+        dict (``__key__`` and ``__url__`` are kept in the dict it returns); a mapping decodes fields by
+        name. A decoder's exception is raised as `SampleDecodeError` naming the dataset, shard, sample
         key and field; ``on_error="skip"`` skips that sample instead.
     drop_last
         Drop the remainder so every rank has ``floor(N / world)`` samples; else pad by repeating.
@@ -90,12 +96,27 @@ class CachedIterableDataset(IterableDataset[Any]):
         also the chunk in which each rank's samples are dealt to workers, which makes resume exact.
     on_error
         ``"raise"`` (default) or ``"skip"``: skip a shard that is corrupt or unreadable, or a sample its
-        decoder fails on, and count it.
+        decoder or transform fails on, and count it.
+    transform
+        A callable applied to each decoded sample, in the process that reads it (the DataLoader
+        worker); what it returns is what the sample becomes. In batch mode it runs on each sample
+        before the batch is collated (``default_collate``), so batches are no longer packed bytes.
+        Its exception is a `SampleDecodeError` like a decoder's. Must pickle for spawned workers.
+    weights
+        With a list of sources: each source's proportion of the epoch, one per source.
+    epoch_size
+        Samples per epoch across all ranks (default: the sources' sizes, as their weights, repeat or
+        choose say). Consecutive epochs continue each source's permutation, so that every sample is read
+        before any repeats.
+    replacement
+        Draw each epoch's samples of a source with replacement instead.
+    resample
+        Iterate endlessly: epoch after epoch from the one set, with no end (``len()`` is undefined).
     """
 
     def __init__(
         self,
-        dataset: str | DatasetConfig,
+        dataset: Given,
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -107,8 +128,29 @@ class CachedIterableDataset(IterableDataset[Any]):
         config: Settings | None = None,
         batch_size: int | None = None,
         on_error: str = "raise",
+        weights: Sequence[float] | None = None,
+        epoch_size: int | None = None,
+        replacement: bool = False,
+        resample: bool = False,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
+        if epoch_size is not None and (
+            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
+        ):
+            raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+        self._sources = resolve_sources(dataset, weights)
+        self._mixed = (
+            len(self._sources) > 1
+            or epoch_size is not None
+            or replacement
+            or resample
+            or any(spec.mode != ("repeat", 1.0) for spec in self._sources)
+        )
+        self.weights = tuple(weights) if weights is not None else None
+        self.epoch_size = epoch_size
+        self.replacement = bool(replacement)
+        self.resample = bool(resample)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if shuffle_buffer is not None and shuffle_buffer < 1:
@@ -117,10 +159,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"batch_size must be positive, got {batch_size}")
         if prefetch is not None and prefetch < 0:
             raise ConfigError(f"prefetch must not be negative, got {prefetch}")
-        if decode is None:
-            decode = "auto"
-        if not (decode == "auto" or callable(decode) or isinstance(decode, Mapping)):
-            raise ConfigError("decode must be 'auto', None, a callable, or a mapping of field name to callable")
+        decode = check_decoder(decode)
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -132,10 +171,11 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.config = config
         self.batch_size = batch_size
         self.on_error = on_error
+        self.transform = check_transform(transform)
         self._epoch = 0
         self._cursors: tuple[Cursor, ...] = ()
         self._resume_epoch: int | None = None
-        self._table = StatsTable()
+        self._table = StatsTable(sources=len(self._sources))
         self._layout_hint: tuple[int, int] | None = None
         self._runtime: Runtime | None = None
         self._main_iterator: EpochIterator | None = None
@@ -151,6 +191,20 @@ class CachedIterableDataset(IterableDataset[Any]):
         state["_layout_hint"] = _rank_and_world()
         return state
 
+    def map(self, function: Callable[[Any], Any]) -> CachedIterableDataset:
+        """A copy of this dataset whose samples also go through ``function``, after any transform.
+
+        This dataset is unchanged. The copy has the same configuration, epoch and resume state,
+        and its own statistics and runtime.
+        """
+        if not callable(function):
+            raise ConfigError(f"map() takes a callable, got {type(function).__name__}")
+        mapped = copy.copy(self)
+        mapped.__dict__.update(_runtime=None, _main_iterator=None, _table=StatsTable(sources=len(self._sources)))
+        mapped._table.epoch = self._epoch
+        mapped.transform = Compose.of(self.transform, function)
+        return mapped
+
     # -- process-local runtime -----------------------------------------------------------
 
     def _prepare(self) -> Runtime:
@@ -163,7 +217,18 @@ class CachedIterableDataset(IterableDataset[Any]):
         access: ShardAccess | None = None
         try:
             access = loop.run(open_access(settings, reconcile=not in_worker))
-            handle = loop.run(access.open(self.dataset))
+            if self._mixed:
+                runtime = open_mix(
+                    loop,
+                    access,
+                    settings,
+                    self._sources,
+                    epoch_size=self.epoch_size,
+                    replacement=self.replacement,
+                    shuffle_buffer=self.shuffle_buffer,
+                )
+                return self._keep(runtime)
+            handle = loop.run(open_handle(access, self._sources[0]))
             plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         except BaseException:
             if access is not None:
@@ -178,7 +243,10 @@ class CachedIterableDataset(IterableDataset[Any]):
         window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
         runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
         if not known:
-            runtime.book = CountBook(plan, handle, settings, loop)
+            runtime.book = CountBook(plan, handle, settings, loop, access)
+        return self._keep(runtime)
+
+    def _keep(self, runtime: Runtime) -> Runtime:
         self._runtime = runtime
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
@@ -219,7 +287,10 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def __len__(self) -> int:
         """Samples (or batches, in batch mode) this rank delivers per epoch (waits for every count)."""
-        total = self._complete().plan.total
+        if self.resample:
+            raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
+        runtime = self._complete()
+        total = runtime.mix.total if runtime.mix is not None else runtime.plan.total
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)
         if self.batch_size:
@@ -239,10 +310,27 @@ class CachedIterableDataset(IterableDataset[Any]):
         )
         epoch = self._table.epoch if info is not None else self._epoch
         cursors = self._cursors if (self._resume_epoch is None or self._resume_epoch == epoch) else ()
+        if self.resample:
+            return self._endless(runtime, layout, epoch, cursors)
         iterator = EpochIterator(self, runtime, layout, epoch, cursors)
         if info is None:
             self._main_iterator = iterator
         return iterator
+
+    def _endless(self, runtime: Runtime, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
+        """Epoch after epoch from ``epoch`` on (``resample=True``); the main process's epoch follows."""
+        if runtime.mix is not None and runtime.mix.total == 0:
+            raise ConfigError("resample=True with an epoch of 0 samples would never yield one")
+        while True:
+            iterator = EpochIterator(self, runtime, layout, epoch, cursors)
+            if layout.num_workers == 1 and get_worker_info() is None:
+                self._main_iterator = iterator
+                self._epoch = epoch
+                self._table.epoch = epoch
+                if self._resume_epoch != epoch:
+                    self._cursors = ()
+            yield from iterator
+            epoch, cursors = epoch + 1, ()
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -265,7 +353,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         _, world = self._rank_world()
         chunk = self.batch_size or 1
         if get_worker_info() is not None:
-            return {"version": _STATE_VERSION, "epoch": self._epoch}
+            return {"version": STATE_VERSION, "epoch": self._epoch}
+        if self.resample and (self._main_iterator is None or samples_consumed is not None):
+            # Each worker walks the endless stream on its own: no count of the consumer's says where.
+            raise ConfigError(
+                "a resample=True stream is resumed only when read without DataLoader worker processes "
+                "(num_workers=0); with workers, give epoch_size= and resume at an epoch"
+            )
         if samples_consumed is not None:
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")
@@ -281,7 +375,8 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
-        if not self._cursors and epoch_is_cold(self._prepare(), seed=self.seed, epoch=self._epoch):
+        runtime = self._prepare()
+        if not self._cursors and runtime.mix is None and epoch_is_cold(runtime, seed=self.seed, epoch=self._epoch):
             # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor))
@@ -308,10 +403,12 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         runtime = self._complete()
+        dataset, snapshot = identity(runtime)
         return {
-            "version": _STATE_VERSION,
-            "dataset": runtime.handle.id,
-            "snapshot": runtime.handle.manifest.snapshot,
+            "version": STATE_VERSION,
+            "dataset": dataset,
+            "snapshot": snapshot,
+            **({"mix": runtime.mix.counts.tolist(), "replacement": self.replacement} if runtime.mix else {}),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": runtime.window,
@@ -331,29 +428,33 @@ class CachedIterableDataset(IterableDataset[Any]):
         if get_worker_info() is not None and set(state) <= {"version", "epoch"}:
             self._epoch = int(state.get("epoch", self._epoch))
             return
-        iterator_states = _find_iterator_states(state)
+        iterator_states = find_iterator_states(state)
         if "cursors" not in state and iterator_states:
-            state = _state_from_iterators(iterator_states)
+            state = state_from_iterators(iterator_states)
         try:
             version = state["version"]
             cursors = tuple(Cursor.from_json(c) for c in state["cursors"])
             epoch = int(state["epoch"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
-        if version != _STATE_VERSION:
+        if version != STATE_VERSION:
             raise ConfigError(f"unsupported state version {version!r}")
-        ours = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+        ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if "shuffle_buffer" in state:
             ours["shuffle_buffer"] = self._complete().window
+        if "mix" in state or self._mixed:
+            mix = self._complete().mix
+            ours["mix"] = mix.counts.tolist() if mix is not None else None
+            ours["replacement"] = self.replacement
         for name, value in ours.items():
             if name in state and state[name] != value:
                 raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
         if "snapshot" in state:
-            runtime = self._prepare()
-            if state["snapshot"] != runtime.handle.manifest.snapshot:
+            dataset, snapshot = identity(self._prepare())
+            if state["snapshot"] != snapshot:
                 raise ConfigError(
-                    f"dataset {runtime.handle.id}: the saved state is for manifest snapshot {state['snapshot']}, "
-                    f"the cache now holds {runtime.handle.manifest.snapshot}; resume needs the same snapshot"
+                    f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "
+                    f"the cache now holds {snapshot}; resume needs the same snapshot"
                 )
         self._epoch = epoch
         self._table.epoch = epoch
@@ -379,6 +480,8 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch=self._epoch,
             target=self.target_bandwidth,
             limiting=limiting,
+            per_source=self._table.sources.clone(),
+            labels=[spec.label for spec in self._sources],
         )
 
     def timed(self, loader: Any) -> Iterator[Any]:
@@ -408,38 +511,3 @@ class CachedIterableDataset(IterableDataset[Any]):
             row[Counter.CONSUMER_TIME] += got - last
             last = got
             yield batch
-
-
-def _find_iterator_states(state: Any) -> list[Mapping[str, Any]]:
-    found: list[Mapping[str, Any]] = []
-    if isinstance(state, Mapping):
-        if state.get(ITERATOR_MARK) == 1:
-            return [state]
-        for value in state.values():
-            found.extend(_find_iterator_states(value))
-    elif isinstance(state, list | tuple):
-        for value in state:
-            found.extend(_find_iterator_states(value))
-    return found
-
-
-def _state_from_iterators(states: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Turn the per-worker iterator states a StatefulDataLoader saved into one dataset state."""
-    first = states[0]
-    layout = first["layout"]
-    produced = [0] * int(layout["num_workers"])
-    for entry in states:
-        produced[int(entry["layout"]["worker"])] = int(entry["produced"])
-    cursor = Cursor(
-        int(layout["world_size"]),
-        int(layout["num_workers"]),
-        int(layout["chunk"]),
-        tuple(produced),
-        cold=first.get("cold") is True,
-    )
-    return {
-        "version": _STATE_VERSION,
-        "epoch": int(first["epoch"]),
-        "seed": first["seed"],
-        "cursors": [*first["cursors"], cursor.to_json()],
-    }

@@ -8,14 +8,19 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
+from datacache.loaders.coldorder import node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
-from datacache.loaders.epoch import initial_prefetch, node_unit_sequences, reader_name
+from datacache.loaders.epoch import ReadPlan, initial_prefetch, node_unit_sequences, reader_name
+from datacache.loaders.mixed import mix_plan
+from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import TarReader
+from datacache.loaders.readers import TarReader, sample_of
+from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code
-from datacache.loaders.units import NodeFuture, Runtime, UnitReaders
+from datacache.loaders.units import NodeFuture, Runtime, UnitReaders, Units
 from torch.utils.data import get_worker_info
 
 from datacache.access import ThroughputReporter
@@ -58,17 +63,20 @@ class EpochIterator:
         self.epoch = epoch
         self.cursors = cursors
         self.produced = 0
-        self._plan = epoch_plan(
-            runtime,
-            layout,
-            seed=dataset.seed,
-            epoch=epoch,
-            shuffle=dataset.shuffle,
-            drop_last=dataset.drop_last,
-            shuffle_buffer=dataset.shuffle_buffer,
-            cursors=cursors,
-            count_unit=self._count_unit,
-        )
+        self._plan: ReadPlan
+        common: dict[str, Any] = {
+            "seed": dataset.seed,
+            "epoch": epoch,
+            "shuffle": dataset.shuffle,
+            "drop_last": dataset.drop_last,
+            "cursors": cursors,
+        }
+        if runtime.mix is not None:
+            self._plan = mix_plan(runtime, layout, **common)
+        else:
+            self._plan = epoch_plan(
+                runtime, layout, shuffle_buffer=dataset.shuffle_buffer, count_unit=self._count_unit, **common
+            )
         plan = runtime.plan
         share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
         self.controller = PrefetchController(
@@ -82,32 +90,42 @@ class EpochIterator:
         )
         self._in_consumer = get_worker_info() is None
         self._row = dataset._table.row(layout.worker).numpy()
+        self._source_row = dataset._table.source_row(layout.worker).numpy()
         self._start_row()
         self._skip_unreadable()
         self._reported_at = time.monotonic()
         self._last_yield = time.perf_counter()
         self._lock = threading.Lock()
         threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
-        self._units = UnitReaders(
-            runtime,
-            self._plan,
-            controller=self.controller,
-            row=self._row,
-            lock=self._lock,
-            skip_bad=dataset.on_error == "skip",
-            in_consumer=self._in_consumer,
-            future=self._node_future(),
-        )
+        self._units: Units
+        self._mixed: MixedUnitReaders | None = None
+        self._tallied = np.zeros(0, dtype=np.int64)
+        readers: dict[str, Any] = {
+            "controller": self.controller,
+            "row": self._row,
+            "lock": self._lock,
+            "skip_bad": dataset.on_error == "skip",
+            "in_consumer": self._in_consumer,
+        }
+        if runtime.mix is not None:
+            self._units = self._mixed = MixedUnitReaders(runtime, self._plan, **readers)
+            self._tallied = np.full(len(self._plan), -1, dtype=np.int64)
+        else:
+            self._units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
         self._builder = BatchBuilder(
             self._units,
             self._plan,
             decode=dataset.decode,
+            transform=dataset.transform,
             row=self._row,
             lock=self._lock,
             threads=threads,
             in_consumer=self._in_consumer,
             skip_bad=dataset.on_error == "skip",
+            tally=self._tally if self._mixed is not None else None,
         )
+        # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
+        self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
@@ -116,12 +134,22 @@ class EpochIterator:
     def _node_future(self) -> NodeFuture | None:
         """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
 
-        None in a cold epoch (its order grows as shards are counted): each reader then
-        hands over its own order, as before.
+        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`).
+        None when resuming a cold epoch (what it left is known only to this reader): it then
+        hands over its own order.
         """
-        if isinstance(self._plan, ColdEpochPlan) or any(cursor.cold for cursor in self.cursors):
-            return None
         dataset, runtime = self.dataset, self.runtime
+        if isinstance(self._plan, ColdEpochPlan):
+            units = node_cold_sequences(
+                len(runtime.plan.units),
+                seed=dataset.seed,
+                epoch=self.epoch,
+                shuffle=dataset.shuffle,
+                layout=self.layout,
+            )
+            return NodeFuture(reader_name(self.layout), self.epoch, units)
+        if any(cursor.cold for cursor in self.cursors):
+            return None
         units = node_unit_sequences(
             runtime.plan.counts,
             seed=dataset.seed,
@@ -137,6 +165,7 @@ class EpochIterator:
     def _start_row(self) -> None:
         row = self._row
         row[:] = 0
+        self._source_row[:] = 0
         now = time.time()
         row[Counter.ACTIVE] = 1
         row[Counter.STARTED] = now
@@ -248,7 +277,9 @@ class EpochIterator:
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
-            sample = reader.sample(int(self._plan.local[position]))
+            local = int(self._plan.local[position])
+            ring = self._ring
+            sample = sample_of(reader.fields(local), ring.wrap) if ring and reader.packable else reader.sample(local)
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)
@@ -256,6 +287,9 @@ class EpochIterator:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             self._account(nbytes, 1)
+            if self._mixed is not None:
+                self._tally(position, nbytes)
+                self._count_sources(position, position + 1)
             return decoded
 
     def _next_batch(self, size: int) -> Any:
@@ -280,9 +314,26 @@ class EpochIterator:
             if built is not None:
                 batch, nbytes, count = built
                 self._account(nbytes, count)
+                if self._mixed is not None:
+                    self._count_sources(begin, stop)
                 return batch
 
     # -- counters and reports -------------------------------------------------------------
+
+    def _tally(self, position: int, nbytes: int) -> None:
+        """Note the payload of the sample at ``position`` (reader threads note distinct positions)."""
+        self._tallied[position] = nbytes
+
+    def _count_sources(self, begin: int, stop: int) -> None:
+        """Add the samples of positions ``[begin, stop)`` now delivered to their sources' counts."""
+        if self._mixed is None:
+            return
+        noted = self._tallied[begin:stop]
+        delivered = noted >= 0
+        sources = self._mixed.source_at[begin:stop][delivered]
+        with self._lock:
+            np.add.at(self._source_row[:, 0], sources, 1)
+            np.add.at(self._source_row[:, 1], sources, noted[delivered])
 
     def _account(self, nbytes: int, samples: int) -> None:
         with self._lock:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BufferRing", "PackedBytes", "pack_fields"]
+__all__ = ["BufferRing", "PackedBytes", "pack_fields", "process_alive", "shared_buffer"]
 
 
 # Storages of worker ring slots seen by this process, kept mapped: torch maps a
@@ -72,7 +72,22 @@ _WORKER_SLOTS: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
 _RINGS_PER_WORKER = 3
 
 
-def _process_alive(pid: int) -> bool:
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A ``uint8`` tensor of ``nbytes`` in shared memory, its pages untouched until written.
+
+    ``torch.empty(n).share_memory_()`` allocates privately, then copies every page into a new
+    shared segment: ~5 ms per MB on a busy small machine, paid by every worker for every ring.
+    """
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # pragma: no cover - a torch without it
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.share_memory_()  # type: ignore[no-untyped-call]
+        return buffer
+    return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (its shared buffers may still be named)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -87,7 +102,7 @@ def _forget_old_slots(arriving: _SlotId) -> None:
     keep = set(rings[-_RINGS_PER_WORKER:])
     for key in list(_WORKER_SLOTS):
         pid, ring, _ = key
-        if (pid == arriving.pid and ring not in keep) or (pid != arriving.pid and not _process_alive(pid)):
+        if (pid == arriving.pid and ring not in keep) or (pid != arriving.pid and not process_alive(pid)):
             del _WORKER_SLOTS[key]
 
 
@@ -218,9 +233,7 @@ class BufferRing:
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes + nbytes // 2, 1 << 20)
-            buffer = torch.empty(size, dtype=torch.uint8)
-            if self._shared:
-                buffer.share_memory_()  # type: ignore[no-untyped-call]
+            buffer = shared_buffer(size) if self._shared else torch.empty(size, dtype=torch.uint8)
             self._buffers[index] = buffer
             self._generations[index] += 1
         return buffer

@@ -41,6 +41,7 @@ __all__ = [
     "hash_buffer",
     "map_file",
     "open_unit_reader",
+    "sample_of",
     "zarr_plan",
 ]
 
@@ -184,6 +185,14 @@ class SpanCache:
                 self._samples -= len(dropped)
 
 
+def sample_of(fields: Fields, payload: Callable[[memoryview], bytes] = bytes) -> dict[str, Any]:
+    """Raw fields as a sample dict: ``__key__`` decoded, each other field's bytes made by ``payload``."""
+    sample: dict[str, Any] = {}
+    for name, view in fields:
+        sample[name] = payload(view) if name != "__key__" else view.tobytes().decode("utf-8", "surrogateescape")
+    return sample
+
+
 class UnitReader:
     """Serves the samples of one unit. Subclasses implement one format each."""
 
@@ -197,11 +206,7 @@ class UnitReader:
 
     def sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` as a dict: ``__key__`` and one entry per field."""
-        fields = self.fields(index)
-        sample: dict[str, Any] = {}
-        for name, view in fields:
-            sample[name] = bytes(view) if name != "__key__" else view.tobytes().decode("utf-8", "surrogateescape")
-        return sample
+        return sample_of(self.fields(index))
 
     @property
     def packable(self) -> bool:

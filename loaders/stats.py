@@ -9,12 +9,13 @@ same table carries the epoch from the main process to persistent workers.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
 
-__all__ = ["MAX_READERS", "MODES", "Counter", "LoaderStats", "StatsTable", "mode_code"]
+__all__ = ["MAX_READERS", "MODES", "Counter", "LoaderStats", "SourceStats", "StatsTable", "mode_code"]
 
 MAX_READERS = 256
 
@@ -66,9 +67,17 @@ def mode_code(mode: str) -> int:
 class StatsTable:
     """The shared table: one row per reader and a control row."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: int = 1) -> None:
         self.table = torch.zeros((MAX_READERS + 2, Counter.WIDTH), dtype=torch.float64)
         self.table.share_memory_()  # type: ignore[no-untyped-call]
+        self.sources = torch.zeros((MAX_READERS, max(1, sources), 2), dtype=torch.float64)
+        """Per reader and source: samples and payload bytes delivered this epoch."""
+        self.sources.share_memory_()  # type: ignore[no-untyped-call]
+
+    def source_row(self, reader: int) -> torch.Tensor:
+        """Reader ``reader``'s (samples, bytes) per source."""
+        self.row(reader)  # checks the range
+        return self.sources[reader]
 
     def row(self, reader: int) -> torch.Tensor:
         if not 0 <= reader < MAX_READERS:
@@ -91,6 +100,16 @@ class StatsTable:
 
     def snapshot(self) -> torch.Tensor:
         return self.table[:MAX_READERS].clone()
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """What one source delivered to this rank in the epoch: samples, payload bytes, share of the samples."""
+
+    source: str
+    samples: int
+    bytes: int
+    share: float
 
 
 @dataclass(frozen=True)
@@ -127,6 +146,8 @@ class LoaderStats:
     target_bandwidth: float | None = None
     meets_target: bool | None = None
     limiting_stage: str | None = None
+    sources: tuple[SourceStats, ...] = ()
+    """Per source, as the dataset names them (one entry for a dataset of one source)."""
 
     @classmethod
     def from_table(
@@ -138,8 +159,11 @@ class LoaderStats:
         epoch: int,
         target: float | None,
         limiting: str | None,
+        per_source: torch.Tensor | None = None,
+        labels: Sequence[str] = (),
     ) -> LoaderStats:
-        active = rows[rows[:, Counter.ACTIVE] > 0]
+        mask = rows[:, Counter.ACTIVE] > 0
+        active = rows[mask]
         now = time.time()
         if active.shape[0] == 0:
             return cls(
@@ -198,4 +222,19 @@ class LoaderStats:
             target_bandwidth=target,
             meets_target=None if target is None or samples == 0 else rate >= target,
             limiting_stage=limiting,
+            sources=_per_source(per_source[mask] if per_source is not None else None, labels, samples, nbytes),
         )
+
+
+def _per_source(
+    rows: torch.Tensor | None, labels: Sequence[str], samples: int, nbytes: int
+) -> tuple[SourceStats, ...]:
+    """Each source's totals over the active readers; one source's are the reader totals."""
+    if len(labels) == 1 or rows is None:
+        return tuple(SourceStats(label, samples, nbytes, 1.0 if samples else 0.0) for label in labels[:1])
+    totals = rows.sum(dim=0)
+    found = []
+    for index, label in enumerate(labels):
+        count = int(totals[index, 0].item())
+        found.append(SourceStats(label, count, int(totals[index, 1].item()), count / samples if samples else 0.0))
+    return tuple(found)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -35,15 +35,16 @@ from datacache.loaders.readers import (
     open_unit_reader,
 )
 from datacache.loaders.stats import Counter
+from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import DatasetHandle, FutureOrder, Location, ReaderProgress
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
 
-__all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders"]
+__all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Runtime:
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: Any = None
     """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    mix: Any = None
+    """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:
@@ -95,6 +98,10 @@ class NodeFuture:
             {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
         )
 
+    def after(self, units_this_epoch: int) -> tuple[int, ...]:
+        """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
+        return self.units.get(self.reader, ())[units_this_epoch:]
+
     def key_positions(self, plan: UnitPlan) -> dict[int, int]:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
         found: dict[int, int] = {}
@@ -103,6 +110,37 @@ class NodeFuture:
             found.setdefault(unit, position)
             position += len(plan.units[unit].keys)
         return found
+
+
+class Units(Protocol):
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `mixunits.MixedUnitReaders`."""
+
+    runtime: Runtime
+
+    @property
+    def skipped_why(self) -> dict[int, str]: ...
+
+    @property
+    def staged_bytes(self) -> float: ...
+
+    @property
+    def staging_seconds(self) -> float: ...
+
+    def restart(self, produced: int) -> None: ...
+
+    def close_all(self) -> None: ...
+
+    def note_retries(self) -> None: ...
+
+    def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None: ...
+
+    def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None: ...
+
+    def reader_at(self, position: int) -> UnitReader | None: ...
+
+    def reader_for(self, unit: int) -> UnitReader | None: ...
+
+    def url_of(self, reader: UnitReader) -> str: ...
 
 
 class UnitReaders:
@@ -134,6 +172,8 @@ class UnitReaders:
         self._plan = runtime.plan
         self._format = runtime.handle.manifest.format
         self._where = f"dataset {runtime.handle.id}"
+        self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
+        """The URL (credentials redacted) this dataset's shard keys are relative to."""
         self._controller = controller
         self._row = row
         self._lock = lock
@@ -157,6 +197,12 @@ class UnitReaders:
         self._next_index = 0
         self._prefetched_until = 0
         self._future_told = False
+        self._position = 0
+        """The position this reader last reported (`_note_progress`)."""
+        self._later: list[str] = []
+        self._later_lock = threading.Lock()
+        self._chain: concurrent.futures.Future[None] | None = None
+        """The one task staging the next epoch's keys in order (`_stage_in_order`)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -175,16 +221,18 @@ class UnitReaders:
             self._leased.clear()
             self._local.clear()
         if self._future is not None and self._future_told:
-            self._note_progress(None)  # holds nothing any more
+            self._note_progress(None, done=True)  # holds nothing any more
 
-    def _note_progress(self, unit: int | None) -> list[Location]:
+    def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
         """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
         Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
         before. One call notes, leases and locates ``unit`` and the next units, before any
         is mapped, so eviction cannot take one between locate and map; the next units
         found local are opened later without asking again, and no prefetch goes for them.
-        Through a daemon: one round trip per few units, not two per unit.
+        Through a daemon: one round trip per few units, not two per unit. Without
+        ``unit`` the position stays (a unit was closed: its lease goes), or with ``done``
+        moves past this epoch.
         """
         future, runtime = self._future, self.runtime
         if future is None:
@@ -196,8 +244,11 @@ class UnitReaders:
             asked = [] if unit is None else [unit, *coming]
             units = {*self.readers, *self._opening, *self._leased, *asked}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
-            position = self._positions.get(unit, 0) if unit is not None else sum(map(len, self._plan_keys()))
-            progress = ReaderProgress(future.reader, future.epoch, position, holding)
+            if unit is not None:
+                self._position = self._positions.get(unit, 0)
+            elif done:
+                self._position = sum(map(len, self._plan_keys()))
+            progress = ReaderProgress(future.reader, future.epoch, self._position, holding)
             locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
             located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
@@ -210,6 +261,10 @@ class UnitReaders:
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
+
+    def url_of(self, reader: UnitReader) -> str:
+        """The URL (credentials redacted) ``reader``'s shard keys are relative to."""
+        return self.url
 
     def note_retries(self) -> None:
         """Copy this worker process's origin retries into its row (the consumer's are read by `stats`)."""
@@ -227,6 +282,11 @@ class UnitReaders:
                     pool.submit(reader.close)
                 else:
                     reader.close()
+                if self._future is not None and self._future_told:
+                    # Its lease goes now, not at the epoch's end: the room it leaves is what
+                    # brings in the shards read next (those of the next epoch, near the end).
+                    self._note_progress(None)
+                    self._prefetch_again()
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
         """Open (map and verify) on ``submit`` the units first used in ``[begin, horizon)``.
@@ -290,17 +350,71 @@ class UnitReaders:
             self.readers[unit] = reader
             return reader
 
+    def _ahead(self) -> tuple[int, ...]:
+        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
+
+        The next epoch's only once this epoch's last unit is being opened: earlier, they would
+        take room (and, cold, origin reads) that this epoch's units need first.
+        """
+        if self._future is None or self._next_index < len(self._sequence) - 1:
+            return self._sequence
+        return self._sequence + self._future.after(len(self._epoch.unit_sequence))
+
+    def _keys_ahead(self, start: int, until: int) -> tuple[list[str], list[str]]:
+        """The keys of ``_ahead()[start:until]`` not open now: this epoch's, and the next epoch's."""
+        ahead, split = self._ahead(), len(self._sequence)
+
+        def keys(units: tuple[int, ...]) -> list[str]:
+            return [key for u in units if u not in self.readers for key in self._plan.units[u].keys]
+
+        return keys(ahead[start : min(until, split)]), keys(ahead[max(start, split) : until])
+
+    def _prefetch_again(self) -> None:
+        """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
+        with self._lock:
+            now, later = self._keys_ahead(self._next_index + 1, self._prefetched_until)
+        if now:
+            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
+        self._stage_in_order(later)
+
+    def _stage_in_order(self, keys: list[str]) -> None:
+        """Stage the next epoch's ``keys`` one after another, the soonest first, in one task per reader.
+
+        Started together, a later one could take the room the first needs while it is still
+        being written (not evictable), and the first would find none.
+        """
+        if not keys:
+            return
+        with self._later_lock:
+            self._later = keys  # the task running takes the newest list when it is done with its own
+            if self._chain is None or self._chain.done():
+                self._chain = self.runtime.loop.submit(self._stage_later())
+
+    async def _stage_later(self) -> None:
+        access, handle = self.runtime.access, self.runtime.handle
+        while True:
+            with self._later_lock:  # never `_note_lock`: its holder waits on this loop
+                keys, self._later = self._later, []
+            if not keys:
+                return
+            for key in keys:
+                try:
+                    await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
+                except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
+                    logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
+
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
         while self._next_index < len(sequence) and sequence[self._next_index] != unit:
             self._next_index += 1
         depth = self._controller.depth
+        ahead = self._ahead()
         self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + HOLD_AHEAD])
-        until = min(len(sequence), self._next_index + 1 + depth)
+        until = min(len(ahead), self._next_index + 1 + depth)
         if until <= self._prefetched_until or depth == 0:
             return
         start = max(self._prefetched_until, self._next_index + 1)
-        keys = [key for u in sequence[start:until] for key in self._plan.units[u].keys]
+        keys, later = self._keys_ahead(start, until)
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:
@@ -317,6 +431,7 @@ class UnitReaders:
             self._unsent.extend(keys)
         elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
+        self._stage_in_order(later)
 
     def _send_prefetch(self) -> None:
         """Queue the held-back prefetches that no note found local."""
@@ -403,6 +518,8 @@ class UnitReaders:
 
     def _load(self, location: Location, where: str) -> Any:
         runtime = self.runtime
+        if location.buffer is not None:
+            return location.buffer  # verified by this process's stager as it arrived
         if location.path is None:
             return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
         buffer = map_file(location.path)
@@ -446,6 +563,9 @@ async def _stage_missing(
     async def one(location: Location) -> Location:
         if location.tier in ("local", "shared"):
             return location
+        if isinstance(access, Stager):
+            # In-process: take the bytes as soon as they are verified, not after the fsync.
+            return await access.ensure(handle, location.shard.key, early=True)
         return await access.ensure(handle, location.shard.key)
 
     locations = list(await asyncio.gather(*(one(location) for location in located)))

@@ -517,6 +517,7 @@ def test_ls_status_evict(tmp_path: Path, env: dict[str, str]) -> None:
     assert rows == [
         {
             "dataset": dataset,
+            "names": [],
             "url": str(origin),
             "format": "tar",
             "policy": "auto",
@@ -552,6 +553,26 @@ def test_ls_status_evict(tmp_path: Path, env: dict[str, str]) -> None:
     missing = run_cli(["evict", str(origin)], env)
     assert missing.returncode == 2
     assert "has nothing cached" in one_error_line(missing)
+
+
+def test_ls_shows_configured_names_beside_dataset_ids(tmp_path: Path, env: dict[str, str]) -> None:
+    """A user warms `imagenet` and looks for `imagenet` in `ls`, not only for its id."""
+    named = fill_dir(tmp_path / "origin", make_shards(2, 10_000))
+    unnamed = fill_dir(tmp_path / "unnamed", make_shards(1, 5_000))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[datasets.imagenet]\nurl = "{named}"\n')
+    environment = {**env, "DATACACHE_CONFIG": str(config)}
+    run_cli(["warm", "imagenet"], environment, check=True)
+    run_cli(["warm", str(unnamed)], environment, check=True)
+    named_id, unnamed_id = dataset_id_for(str(named)), dataset_id_for(str(unnamed))
+
+    rows = {row["dataset"]: row for row in json.loads(run_cli(["ls", "--json"], environment, check=True).stdout)}
+    assert rows[named_id]["names"] == ["imagenet"]
+    assert rows[unnamed_id]["names"] == []
+    table = run_cli(["ls"], environment, check=True).stdout.splitlines()
+    assert table[0].split()[:2] == ["NAME", "DATASET"]
+    assert next(line for line in table if named_id in line).split()[:2] == ["imagenet", named_id]
+    assert next(line for line in table if unnamed_id in line).split()[:2] == ["-", unnamed_id]
 
 
 def test_evict_all_without_a_shared_tier_evicts_local_and_succeeds(

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import pwd
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from _daemon import catalog_rows, make_shards, start_daemon
+
+from datacache.client import DaemonClient
+from datacache.config import load_settings
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -104,3 +111,82 @@ def test_the_daemons_warm_is_not_complete_when_a_shard_was_evicted_during_it(
         assert set(_summary(embedded)) == set(summary)  # one wire form, whichever ran the warm
     finally:
         daemon.stop()
+
+
+# -- status: is a daemon answering, and whose is it ------------------------------------------
+
+
+def _daemon_status(env: dict[str, str]) -> tuple[dict[str, object], str]:
+    as_json = run(env, "status", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    text = run(env, "status")
+    assert text.returncode == 0, text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.startswith("daemon "))
+    return json.loads(as_json.stdout)["daemon"], line
+
+
+def test_status_says_whether_a_daemon_answers_and_whose_it_is(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    local = tmp_path / "local"
+    sock = local / "daemon.sock"
+    alone = {**cache_env, "DATACACHE_LOCAL_DIR": str(local)}
+    document, line = _daemon_status(alone)
+    assert document["answers"] is False and document["socket"] == str(sock)
+    assert f"{sock}: none answers (no socket there)" in line, line
+
+    daemon = start_daemon(cache_env, local)
+    try:
+        document, line = _daemon_status(daemon.env)
+        user = pwd.getpwuid(os.getuid()).pw_name
+        assert document["answers"] is True
+        assert (document["pid"], document["uid"], document["user"]) == (daemon.process.pid, os.getuid(), user)
+        assert f"answers: pid {daemon.process.pid}, uid {os.getuid()} ({user})" in line, line
+    finally:
+        daemon.kill()  # SIGKILL: the socket file stays behind, and nobody listens on it
+    assert sock.exists()
+    document, line = _daemon_status(daemon.env)
+    assert document["answers"] is False
+    assert "none answers" in line and "no socket there" not in line, line
+
+
+def test_status_does_not_hang_on_a_socket_that_never_answers(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A listener that accepts nothing and says nothing: status reports it and returns."""
+    local = tmp_path / "local"
+    local.mkdir()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(local / "daemon.sock"))
+        listener.listen(8)  # connections queue in the kernel; nothing ever reads or replies
+        document, line = _daemon_status({**cache_env, "DATACACHE_LOCAL_DIR": str(local)})
+    finally:
+        listener.close()
+    assert document["answers"] is False
+    assert "TimeoutError" in str(document["detail"]) or "did not answer" in str(document["detail"]), document
+    assert "none answers" in line, line
+
+
+def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    shards = make_shards(origin, 3, 200_000)
+    daemon = start_daemon(cache_env, tmp_path / "local")
+
+    async def warm_lines() -> list[dict[str, object]]:
+        client = DaemonClient(load_settings(daemon.env))
+        try:
+            return [line async for line in client.warm(str(origin))]
+        finally:
+            await client.close()
+
+    try:
+        lines = asyncio.run(warm_lines())
+    finally:
+        daemon.stop()
+    start, *steps, done = lines
+    assert start["event"] == "start" and (start["shards_total"], start["bytes_total"]) == (3, 600_000), start
+    assert (start["shards"], start["bytes"]) == (3, 600_000), "the old words stay one release"
+    assert steps and all(line["event"] == "progress" for line in steps), steps
+    words = {"shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_transferred", "rate_bytes_per_s"}
+    assert all(words <= set(line) for line in steps), steps
+    assert (steps[-1]["shards_done"], steps[-1]["bytes_done"]) == (3, sum(map(len, shards.values())))
+    assert done["event"] == "done" and done["complete"] is True

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from datacache.loaders import CachedIterableDataset
+from datacache.loaders.coldplan import ColdEpochPlan
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
+from datacache.catalog import ReaderRow
 from datacache.config import Settings, load_settings
+from datacache.stager import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -108,3 +115,64 @@ def test_resume_mid_cold_epoch_on_another_world_size_reads_every_sample_once(
     counts = Counter(consumed + resumed)
     assert set(counts) == set(expected), "a sample was skipped"
     assert sum(n - 1 for n in counts.values()) < 2 + 3, "only padding repeats"
+
+
+_NODE_SCRIPT = """
+import json, sys
+from datacache.loaders import CachedIterableDataset
+dataset = CachedIterableDataset(sys.argv[1], seed=5, batch_size=4)
+print(json.dumps([key for batch in dataset for key in batch["__key__"]]))
+"""
+
+
+def test_a_cold_epoch_on_two_nodes_reads_each_shard_once_from_the_origin(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    expected = upload(s3, tmp_path, samples=240, per_shard=6)  # 40 un-indexed shards
+    s3.server.reset_counts()
+    nodes = []
+    for node in range(2):
+        env = {
+            **cache_env,
+            **s3.server.env(),
+            "DATACACHE_LOCAL_DIR": str(tmp_path / f"node-{node}"),
+            "DATACACHE_SHARED_DIR": str(tmp_path / "shared"),
+            "DATACACHE_CONCURRENCY": "2",
+            "RANK": str(node),
+            "WORLD_SIZE": "2",
+        }
+        command = [sys.executable, "-c", _NODE_SCRIPT, s3.url("ds")]
+        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr
+    seen = [key for stdout, _ in outputs for key in json.loads(stdout)]
+    assert sorted(seen) == sorted(expected), "each sample once across the two nodes"
+    head = f"GET /{s3.name}/ds/"
+    gets = {k: v for k, v in s3.server.request_counts().items() if k.startswith(head) and k.endswith(".tar")}
+    assert len(gets) == 40
+    twice = {k: v for k, v in gets.items() if v > 1}
+    assert not twice, f"shards the origin served more than once in the cluster: {twice}"
+
+
+def test_a_cold_epoch_tells_the_stager_where_its_readers_are_in_the_node_future(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=120, per_shard=6)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=3, batch_size=4)
+    iterator = iter(dataset)
+    next(iterator)
+    assert isinstance(iterator._plan, ColdEpochPlan), "the first epoch is cold"
+
+    async def readers() -> list[ReaderRow]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            return await stager.catalog.readers(handle.id)
+
+    rows = asyncio.run(readers())
+    assert [(row.reader, row.epoch) for row in rows] == [("1.0", 0)], "progress in the node's future, by reader name"
+    del iterator
+    dataset.close()

@@ -278,3 +278,25 @@ def test_index_on_a_dask_cluster_reads_each_shard_once(s3: S3Bucket, tmp_path: P
     assert shard_gets(s3) == dict.fromkeys(truth, 1)
     again = run_cli(["index", s3.url("ds"), "--json", "--no-write"], node_env(s3, tmp_path, 1, cache_env), check=True)
     assert json.loads(again.stdout)["scanned"] == 0, "the engine's counts are the cluster's"
+
+
+def test_a_wids_index_is_found_without_listing_the_origin_a_second_time(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    source = tmp_path / "upload"
+    write_wds(source, samples=120, per_shard=10)
+    truth = counts_on_disk(source)
+    write_wids(source, truth)
+    for path in sorted(source.iterdir()):
+        s3.put(f"ds/{path.name}", path.read_bytes())
+    s3.server.reset_counts()
+    settings = load_settings(
+        cache_env, overrides={"local_dir": str(tmp_path / "local"), "shared_dir": str(tmp_path / "shared")}
+    )
+    dataset = CachedIterableDataset(s3.url("ds"), config=settings, seed=2, batch_size=8)
+    next(iter(dataset))
+    requests = s3.server.request_counts()
+    assert requests.get(f"GET /{s3.name}/ds/train.json") == 1, "the wids index was read"
+    assert not any(key.endswith(".tar") and n > 1 for key, n in requests.items())
+    # The manifest's one listing also found the index: a listing per dataset costs ~1 s per 1,000 objects.
+    assert requests.get(f"GET /{s3.name}") == 1, requests

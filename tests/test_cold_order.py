@@ -11,9 +11,10 @@ from datacache.loaders.coldorder import (
     final_stream,
     lower_bound_length,
     natural_stream,
+    node_cold_sequences,
     rank_units,
 )
-from datacache.loaders.order import Cursor, equalize, rank_positions, worker_positions
+from datacache.loaders.order import Cursor, Layout, equalize, rank_positions, worker_positions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,9 +82,7 @@ def test_resume_of_a_cold_epoch_on_another_world_size_is_exactly_once(
     consumed: list[int] = []
     produced_by_rank = []
     for rank in range(before):
-        stream, _ = final_stream(
-            sizes, seed=seed, epoch=1, shuffle=True, world_size=before, rank=rank, drop_last=False
-        )
+        stream, _ = final_stream(sizes, seed=seed, epoch=1, shuffle=True, world_size=before, rank=rank, drop_last=False)
         indexes = np.arange(len(stream))
         produced = []
         for worker in range(workers):
@@ -109,3 +108,18 @@ def test_a_cursor_remembers_it_read_a_cold_epoch() -> None:
     cursor = Cursor(2, 1, 4, (8,), cold=True)
     assert Cursor.from_json(cursor.to_json()) == cursor
     assert "cold" not in Cursor(2, 1, 4, (8,)).to_json()
+
+
+def test_the_cold_node_future_is_every_readers_shards_and_the_same_from_every_reader() -> None:
+    futures = [
+        node_cold_sequences(23, seed=7, epoch=0, shuffle=True, layout=Layout(3, rank, 2, worker, 4))
+        for rank in range(3)
+        for worker in range(2)
+    ]
+    assert all(future == futures[0] for future in futures), "nothing for one reader to overwrite"
+    future = futures[0]
+    assert sorted(future) == [f"{rank}.{worker}" for rank in range(3) for worker in range(2)]
+    for rank in range(3):
+        mine = tuple(rank_units(23, seed=7, epoch=0, shuffle=True, world_size=3, rank=rank).tolist())
+        assert future[f"{rank}.0"] == future[f"{rank}.1"] == mine, "each reader's shards in its rank's order"
+    assert sorted(u for rank in range(3) for u in future[f"{rank}.0"]) == list(range(23))

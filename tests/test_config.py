@@ -152,6 +152,24 @@ def test_config_mistakes_are_named(
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("where", ["env", "file", "flag"])
+def test_a_url_for_a_tier_directory_is_refused(cache_env: dict[str, str], tmp_path: Path, where: str) -> None:
+    """Taken as a path, ``s3://b/p`` was a folder ``s3:`` under the working directory."""
+    url = "s3://AKIAX:s3cr3t@bucket/cache"
+    env, path, overrides = dict(cache_env), None, None
+    if where == "env":
+        env["DATACACHE_SHARED_DIR"] = url
+    elif where == "file":
+        path = write_config(tmp_path, f'[cache]\nshared_dir = "{url}"\n')
+    else:
+        overrides = {"local_dir": url}
+    with pytest.raises(ConfigError) as caught:
+        load_settings(env, config_path=path, overrides=overrides)
+    message = str(caught.value)
+    assert "expected a directory, got the URL 's3://bucket/cache'" in message
+    assert "s3cr3t" not in message
+
+
 def test_missing_explicit_config_file(cache_env: dict[str, str], tmp_path: Path) -> None:
     env = {**cache_env, "DATACACHE_CONFIG": str(tmp_path / "nope.toml")}
     with pytest.raises(ConfigError, match="does not exist"):

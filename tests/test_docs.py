@@ -59,6 +59,9 @@ UNRUNNABLE: list[tuple[str, str]] = [
 ]
 """Command lines that cannot run on this machine, each with the reason."""
 
+OPTIONAL_MODULES = {"transformers": "pip install -e '.[hf]' (left out of the dev extra: ~120 MB)"}
+"""Modules a python block may import that `make test` does not install: the block is skipped without them, saying so."""
+
 VERDICTS: list[tuple[str, set[int], str, str]] = [
     (
         r"^datacache bench\b",
@@ -164,6 +167,16 @@ def _unrunnable(command: str) -> str | None:
     return next((why for pattern, why in UNRUNNABLE if re.search(pattern, command)), None)
 
 
+def _missing_module(block: Block) -> str | None:
+    import importlib.util
+
+    for name in OPTIONAL_MODULES:
+        imported = re.search(rf"^\s*(from|import) {name}\b", block.text, flags=re.M)
+        if imported and importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
 def _cases() -> Iterator[object]:
     for path in DOCS:
         for block in _blocks(path):
@@ -173,7 +186,9 @@ def _cases() -> Iterator[object]:
                 yield pytest.param(block, None, id=block.name, marks=pytest.mark.skip(reason=f"not run: {reason}"))
                 continue
             if kind != "shell":
-                yield pytest.param(block, None, id=block.name)
+                missing = _missing_module(block) if kind == "python" else None
+                marks = [pytest.mark.skip(reason=f"needs {missing}: {OPTIONAL_MODULES[missing]}")] if missing else []
+                yield pytest.param(block, None, id=block.name, marks=marks)
                 continue
             # The block's lines run in order in one test, as a user types them; a line that cannot
             # run here is left out of it and reported as a skipped test of its own.

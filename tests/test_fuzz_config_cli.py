@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import string
 from collections.abc import Iterator
 from pathlib import Path
@@ -362,6 +363,16 @@ def safe_dataset(token: str, work: Path) -> bool:
     return not (os.path.exists(expanded) or os.path.exists(work / expanded)) and not token.startswith(("~", "/", "."))
 
 
+def asked_cache_dir(argv: list[str], work: Path) -> Path | None:
+    """The local tier a command line names with ``--local-dir`` (the last one, as argparse takes it)."""
+    values = [argv[i + 1] for i, token in enumerate(argv[:-1]) if token == "--local-dir"]
+    if not values or not values[-1] or "\x00" in values[-1] or values[-1].startswith("-"):
+        return None
+    if "://" in values[-1]:
+        return None  # a URL is no directory: refused, nothing written
+    return Path(os.path.normpath(work / os.path.expanduser(values[-1])))
+
+
 @st.composite
 def argvs(draw: st.DrawFn) -> list[str]:
     command = draw(st.sampled_from([*flags, "bogus", ""]))
@@ -380,17 +391,31 @@ def argvs(draw: st.DrawFn) -> list[str]:
 @example(argv=["plan", "--gpus", "8", "--per-gpu", "nan", "--dataset", "1TB"])
 @example(argv=["warm", "s3://AKIAFUZZ:" + SECRET + "@bucket/p", "-q"])
 @example(argv=["status", "--local-capacity", "1e400"])
+# Found by test_cli_arguments_long: a URL for a directory became a relative path, "s3:/..." under the
+# working directory; a relative --local-dir, though, is where the user asked the cache to be.
+@example(argv=["warm", "s3://bucket/prefix", "--local-dir", "s3://AKIAFUZZ:" + SECRET + "@bucket/p"])
+@example(argv=["warm", "s3://bucket/prefix", "--local-dir", "8"])
 def test_cli_arguments_exit_cleanly_with_one_line(fuzz_root: Path, argv: list[str]) -> None:
     with cli_sandbox(fuzz_root) as work:
         if len(argv) > 1 and argv[0] in ("warm", "evict") and not safe_dataset(argv[1], work):
             return
+        cache = asked_cache_dir(argv, work)
+        if cache is not None and not cache.is_relative_to(work):
+            return  # a cache the fuzzer put outside its sandbox (--local-dir ../..): written where asked
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 status = main(argv)
             except SystemExit as exc:  # argparse: a usage error (2) or --help (0)
                 status = exc.code if isinstance(exc.code, int) else 2
-        leftovers = sorted(p.name for p in work.iterdir())
+        # What the asked cache holds, and the folders on the way to it, are where the user asked.
+        leftovers = sorted(
+            p.name for p in work.iterdir() if cache is None or not (p.is_relative_to(cache) or cache.is_relative_to(p))
+        )
+    caches = [fuzz_root / "cache"] if cache is None else [fuzz_root / "cache", cache]
+    outside = [p for p in fuzz_root.rglob("*") if p.is_file() and not any(p.is_relative_to(c) for c in caches)]
+    if cache is not None:  # the next example starts from an empty working directory
+        shutil.rmtree(work)
     stdout, stderr = out.getvalue(), err.getvalue()
     assert status in (0, 1, 2), (argv, status, stderr)
     assert "Traceback" not in stderr, stderr
@@ -400,7 +425,6 @@ def test_cli_arguments_exit_cleanly_with_one_line(fuzz_root: Path, argv: list[st
         assert len(errors) == 1, (argv, stderr)
         assert errors[0].startswith(("datacache: error:", "usage:")) or ": error: " in errors[0], stderr
     assert leftovers == [], f"files written outside the cache directory: {leftovers}"
-    outside = [p for p in fuzz_root.rglob("*") if p.is_file() and not p.is_relative_to(fuzz_root / "cache")]
     assert not [p for p in outside if p.name not in ("config.toml", "random.toml")], outside
 
 

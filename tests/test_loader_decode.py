@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,94 @@ def test_parquet_rows_have_keys(tmp_path: Path, settings: Settings) -> None:
     rows = list(CachedIterableDataset(str(directory), config=settings, shuffle=False))
     assert [row["__key__"] for row in rows] == [f"p{part}/{j}" for part in range(2) for j in range(5)]
     assert [row["i"] for row in rows] == list(range(10))
+
+
+def _image_shards(directory: Path) -> dict[str, Any]:
+    """Two shards whose samples hold a jpg, png and webp image of the same pixels, npy, json, txt and cls."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+
+    directory.mkdir(parents=True)
+    pixels = {}
+    with wds.ShardWriter(str(directory / "img-%04d.tar"), maxcount=3, verbose=0) as writer:
+        for i in range(6):
+            array = np.full((4 + i, 6, 3), 40 * i, dtype=np.uint8)
+            array[0, 0] = (255, 0, 0)
+            fields: dict[str, Any] = {"__key__": f"s{i}"}
+            for ext, fmt, extra in (
+                ("jpg", "JPEG", {"quality": 100}),
+                ("png", "PNG", {}),
+                ("webp", "WEBP", {"lossless": True}),
+            ):
+                sink = io.BytesIO()
+                Image.fromarray(array).save(sink, fmt, **extra)
+                fields[ext] = sink.getvalue()
+            sink = io.BytesIO()
+            np.save(sink, np.arange(i + 1))
+            fields.update(npy=sink.getvalue(), json=b'{"i": %d}' % i, txt=f"caption {i}".encode(), cls=str(i).encode())
+            writer.write(fields)
+            pixels[f"s{i}"] = array
+    return pixels
+
+
+def test_builtin_decoders_decode_images_arrays_json_text_and_labels(tmp_path: Path, settings: Settings) -> None:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    pixels = _image_shards(tmp_path / "img")
+    url = str(tmp_path / "img")
+    for sample in CachedIterableDataset(url, config=settings, shuffle=False, decode="pil"):
+        want = pixels[sample["__key__"]]
+        assert isinstance(sample["png"], Image.Image) and isinstance(sample["webp"], Image.Image)
+        assert np.array_equal(np.asarray(sample["png"].convert("RGB")), want)
+        assert np.array_equal(np.asarray(sample["webp"].convert("RGB")), want)
+        assert sample["jpg"].size == (want.shape[1], want.shape[0])
+        index = int(sample["__key__"][1:])
+        assert sample["json"] == {"i": index} and sample["txt"] == f"caption {index}" and sample["cls"] == index
+        assert np.array_equal(sample["npy"], np.arange(index + 1))
+        assert sample["__url__"].startswith(url) and sample["__url__"].endswith(".tar")
+    for sample in CachedIterableDataset(url, config=settings, shuffle=False, decode="numpy"):
+        want = pixels[sample["__key__"]]
+        assert sample["png"].dtype == np.uint8 and np.array_equal(sample["png"], want)
+        assert sample["jpg"].shape == want.shape
+    for sample in CachedIterableDataset(url, config=settings, shuffle=False, decode="torch"):
+        want = torch.from_numpy(pixels[sample["__key__"]]).permute(2, 0, 1)
+        assert sample["webp"].dtype == torch.uint8 and torch.equal(sample["webp"], want)
+        assert sample["jpg"].shape == want.shape
+
+
+def test_a_corrupt_image_is_named_and_skippable(tmp_path: Path, settings: Settings) -> None:
+    import webdataset as wds
+
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    with wds.ShardWriter(str(directory / "img-%04d.tar"), maxcount=10, verbose=0) as writer:
+        writer.write({"__key__": "broken", "seg.png": b"\x89PNG not really"})
+    with pytest.raises(DatacacheError, match=r"'img-0000.tar'.*'broken'.*field 'seg.png'"):
+        list(CachedIterableDataset(str(directory), config=settings, decode="pil"))
+    assert list(CachedIterableDataset(str(directory), config=settings, decode="pil", on_error="skip")) == []
+
+
+def test_unknown_decoder_names_and_a_missing_pillow_are_clear(
+    origin: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(DatacacheError, match=r"unknown decoder 'jpeg'.*'pil'"):
+        CachedIterableDataset(str(origin), config=settings, decode="jpeg")
+    monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    with pytest.raises(DatacacheError, match=r"Pillow, which is not installed: pip install 'datacache\[image\]'"):
+        CachedIterableDataset(str(origin), config=settings, decode="pil")
+    assert isinstance(next(iter(CachedIterableDataset(str(origin), config=settings, decode="basic")))["cls"], int)
+
+
+def _relabel(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"label": int(sample["cls"])}
+
+
+def test_a_custom_decoder_returning_a_new_dict_keeps_key_and_url(origin: Path, settings: Settings) -> None:
+    first = next(iter(CachedIterableDataset(str(origin), config=settings, shuffle=False, decode=_relabel)))
+    assert first == {"label": 0, "__key__": "sample000000", "__url__": f"{origin}/train-0000.tar"}

@@ -10,6 +10,11 @@ from pathlib import Path
 from _helpers import fill_dir, make_shards, run_cli
 
 from datacache._progress import Progress
+from datacache._protocol import warm_progress_to_wire
+from datacache.stager import WarmProgress
+
+PROGRESS_WORDS = {"shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_transferred", "rate_bytes_per_s"}
+"""What a warm's progress line says, in `warm --json` and in the daemon's /v1/warm alike (docs/DAEMON.md)."""
 
 
 class Clock:
@@ -79,3 +84,21 @@ def test_one_shard_is_one_shard(tmp_path: Path, cache_env: dict[str, str]) -> No
     assert re.search(r"transferred 10\.00 kB in 1 shard, ", result.stdout), result.stdout
     again = run_cli(["warm", str(origin)], env, check=True)
     assert again.stderr == "", "nothing to do: no progress line at all"
+
+
+def test_warm_progress_speaks_the_daemons_words() -> None:
+    """`warm --json` said shards/bytes where the daemon's /v1/warm says shards_done/bytes_done."""
+    clock = Clock()
+    shown, stream = progress("json", clock)
+    clock.now += 2.5
+    shown.moved(1000)
+    shown.item_done(1000, transferred=1000)
+    shown.close()
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert set(line) >= PROGRESS_WORDS, sorted(PROGRESS_WORDS - set(line))
+    assert (line["shards_done"], line["shards_total"], line["bytes_done"], line["bytes_total"]) == (1, 4, 1000, 4000)
+    # The old words stay one release, as aliases (docs/DAEMON.md).
+    assert (line["shards"], line["bytes"]) == (line["shards_done"], line["bytes_done"])
+    wire = warm_progress_to_wire(WarmProgress(1, 4, 1000, 4000, 1000, 2.5))
+    assert set(wire) >= PROGRESS_WORDS, sorted(PROGRESS_WORDS - set(wire))
+    assert {k: wire[k] for k in PROGRESS_WORDS} == {k: line[k] for k in PROGRESS_WORDS} | {"rate_bytes_per_s": 400.0}

@@ -22,7 +22,7 @@ from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
-from datacache.shard.job import Endpoint, ObjectCallback, ShardJob
+from datacache.shard.job import Endpoint, PackIO, ShardJob
 from datacache.shard.plan import (
     ParquetPayload,
     RowGroupRef,
@@ -32,7 +32,7 @@ from datacache.shard.plan import (
     ZarrPayload,
     digest_of,
 )
-from datacache.tiers import ObjectInfo, Tier
+from datacache.tiers import ObjectInfo
 
 __all__ = [
     "ZARR_METADATA",
@@ -188,15 +188,7 @@ async def _file_chunks(path: str) -> AsyncIterator[bytes]:
             yield chunk
 
 
-async def pack_parquet(
-    spec: UnitSpec,
-    job: ShardJob,
-    *,
-    source: Tier,
-    dest: Tier,
-    limiter: asyncio.Semaphore,
-    on_object: ObjectCallback,
-) -> tuple[int, str]:
+async def pack_parquet(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
     """Write one output Parquet file: spooled to a temporary file, then streamed to ``dest``."""
     if not isinstance(spec.payload, ParquetPayload):
         raise TypeError("a parquet unit needs a ParquetPayload")
@@ -204,10 +196,10 @@ async def pack_parquet(
     fd, spool = tempfile.mkstemp(prefix="datacache-shard-", suffix=".parquet")
     os.close(fd)
     try:
-        async with limiter:
+        async with io.limiter:
             await asyncio.to_thread(_write_parquet, spec, payload, job.source, spool)
         for group in payload.row_groups:
-            on_object(len(group), sum(ref.nbytes for ref in group))
+            io.on_object(len(group), sum(ref.nbytes for ref in group))
         hasher = new_hasher()
         size = 0
 
@@ -218,7 +210,7 @@ async def pack_parquet(
                 size += len(chunk)
                 yield chunk
 
-        await dest.put(spec.key, hashed())
+        await io.dest.put(spec.key, hashed())
         return size, checksum_of(hasher)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -326,25 +318,17 @@ def _copy_rows(payload: ZarrPayload, job: ShardJob) -> None:
     target[payload.start : payload.stop] = source[payload.start : payload.stop]
 
 
-async def pack_zarr(
-    spec: UnitSpec,
-    job: ShardJob,
-    *,
-    source: Tier,
-    dest: Tier,
-    limiter: asyncio.Semaphore,
-    on_object: ObjectCallback,
-) -> tuple[int, str]:
+async def pack_zarr(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
     """Write one output chunk through zarr (atomic per chunk), then checksum what was stored."""
     if not isinstance(spec.payload, ZarrPayload):
         raise TypeError("a zarr unit needs a ZarrPayload")
-    async with limiter:
+    async with io.limiter:
         await asyncio.to_thread(_copy_rows, spec.payload, job)
-    on_object(spec.objects, spec.input_bytes)
+    io.on_object(spec.objects, spec.input_bytes)
     try:
-        data = await dest.get(spec.key)
+        data = await io.dest.get(spec.key)
     except ShardNotFoundError:
-        raise ShardReadError(f"{dest.url}/{spec.key}: zarr did not write the chunk") from None
+        raise ShardReadError(f"{io.dest.url}/{spec.key}: zarr did not write the chunk") from None
     hasher = new_hasher()
     hasher.update(data)
     return len(data), checksum_of(hasher)

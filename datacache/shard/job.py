@@ -7,6 +7,7 @@ process and event loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from datacache.tiers import Tier, open_origin
 __all__ = [
     "Endpoint",
     "ObjectCallback",
+    "PackIO",
     "ShardJob",
     "UnitResult",
     "put_bytes",
@@ -37,6 +39,16 @@ class Endpoint:
     def open(self, *, writable: bool) -> Tier:
         """Open the tier (in the calling process and event loop)."""
         return open_origin(self.url, storage_options=dict(self.storage_options), writable=writable)
+
+
+@dataclass(frozen=True)
+class PackIO:
+    """What one packer reads from and writes to, in this process: one value for every kind of unit."""
+
+    source: Tier
+    dest: Tier
+    limiter: asyncio.Semaphore  # bounds the source reads in flight
+    on_object: ObjectCallback
 
 
 @dataclass(frozen=True)

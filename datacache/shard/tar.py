@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import DatacacheError, OriginChangedError
-from datacache.shard.job import ObjectCallback, ShardJob, put_bytes
+from datacache.shard.job import PackIO, ShardJob, put_bytes
 from datacache.shard.plan import ShardOptions, TarMemberPlan, TarPayload, UnitSpec, tar_header
 from datacache.tarindex import INDEX_SUFFIX, index_to_json
-from datacache.tiers import Tier
 
 __all__ = ["pack_tar"]
 
@@ -26,15 +25,9 @@ _STREAM_OVER = 8 << 20
 _END_OF_ARCHIVE = b"\x00" * 1024
 
 
-async def _tar_chunks(
-    payload: TarPayload,
-    *,
-    source: Tier,
-    options: ShardOptions,
-    limiter: asyncio.Semaphore,
-    on_object: ObjectCallback,
-) -> AsyncIterator[bytes]:
+async def _tar_chunks(payload: TarPayload, options: ShardOptions, io: PackIO) -> AsyncIterator[bytes]:
     """Yield the bytes of the tar shard ``spec`` describes, in chunks of about 1 MiB."""
+    source, limiter, on_object = io.source, io.limiter, io.on_object
     members = payload.members
     window: deque[tuple[TarMemberPlan, asyncio.Task[bytes] | None]] = deque()
     window_count = max(8, 2 * options.concurrency)
@@ -115,15 +108,7 @@ async def _tar_chunks(
             await asyncio.gather(*leftovers, return_exceptions=True)
 
 
-async def pack_tar(
-    spec: UnitSpec,
-    job: ShardJob,
-    *,
-    source: Tier,
-    dest: Tier,
-    limiter: asyncio.Semaphore,
-    on_object: ObjectCallback,
-) -> tuple[int, str]:
+async def pack_tar(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
     """Stream the tar shard ``spec`` plans into ``dest``, then its index; return (size, checksum)."""
     if not isinstance(spec.payload, TarPayload):
         raise TypeError("a tar unit needs a TarPayload")
@@ -133,17 +118,15 @@ async def pack_tar(
 
     async def hashed() -> AsyncIterator[bytes]:
         nonlocal written
-        async for chunk in _tar_chunks(
-            payload, source=source, options=job.options, limiter=limiter, on_object=on_object
-        ):
+        async for chunk in _tar_chunks(payload, job.options, io):
             hasher.update(chunk)
             written += len(chunk)
             yield chunk
 
-    await dest.put(spec.key, hashed())
+    await io.dest.put(spec.key, hashed())
     if written != spec.size:
         raise DatacacheError(
             f"shard {spec.key}: wrote {written} bytes, planned {spec.size} (a bug)"
         )
-    await put_bytes(dest, spec.key + INDEX_SUFFIX, index_to_json(payload.spans, shard_size=written))
+    await put_bytes(io.dest, spec.key + INDEX_SUFFIX, index_to_json(payload.spans, shard_size=written))
     return written, checksum_of(hasher)

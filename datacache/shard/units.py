@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ShardNotFoundError
 from datacache.shard import columnar
-from datacache.shard.job import ObjectCallback, ShardJob, UnitResult, put_bytes, record_key
+from datacache.shard.job import ObjectCallback, PackIO, ShardJob, UnitResult, put_bytes, record_key
 from datacache.shard.plan import TarPayload, UnitSpec
 from datacache.shard.tar import pack_tar
 from datacache.tarindex import INDEX_SUFFIX, index_to_json
@@ -75,7 +75,7 @@ async def _kept(spec: UnitSpec, dest: Tier) -> UnitResult | None:
     )
 
 
-Packer = Callable[..., Awaitable[tuple[int, str]]]
+Packer = Callable[[UnitSpec, ShardJob, PackIO], Awaitable[tuple[int, str]]]
 
 
 _PACKERS: dict[str, Packer] = {
@@ -113,14 +113,8 @@ async def ensure_unit(
         kept = await _kept(spec, dest)
         if kept is not None:
             return kept
-    size, checksum = await _packer(spec.kind)(
-        spec,
-        job,
-        source=source,
-        dest=dest,
-        limiter=limiter or asyncio.Semaphore(job.options.concurrency),
-        on_object=on_object or _ignore,
-    )
+    io = PackIO(source, dest, limiter or asyncio.Semaphore(job.options.concurrency), on_object or _ignore)
+    size, checksum = await _packer(spec.kind)(spec, job, io)
     record = {
         "key": spec.key,
         "digest": spec.digest,

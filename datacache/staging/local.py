@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Reservation
@@ -86,8 +86,14 @@ class LocalStager:
         """A lock shared by the processes of this node, named by ``parts``."""
         return NodeLock(self._settings.local_dir / "locks" / lock_name(*parts), self._lock_waiters)
 
-    async def stage(self, handle: DatasetHandle, shard: Shard) -> Location:
-        """Make the shard local (or say which lower tier to read, if eviction declines to make room)."""
+    async def stage(
+        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes, str], None] | None = None
+    ) -> Location:
+        """Make the shard local (or say which lower tier to read, if eviction declines to make room).
+
+        ``on_verified`` receives the shard's verified bytes before its local copy is durable
+        (see `Transfer.copy`).
+        """
         capacity = self.tier.capacity
         if capacity is not None and shard.size > capacity:
             raise TierFullError(
@@ -112,7 +118,7 @@ class LocalStager:
                 if not reservation.granted:
                     return await self._bypass(handle, shard, reservation.reason)
                 try:
-                    return await self._transfer_in(handle, shard)
+                    return await self._transfer_in(handle, shard, on_verified)
                 except TierFullError as exc:
                     if attempt == 2:
                         return await self._bypass(handle, shard, str(exc))
@@ -145,7 +151,9 @@ class LocalStager:
         )
         return location
 
-    async def _transfer_in(self, handle: DatasetHandle, shard: Shard) -> Location:
+    async def _transfer_in(
+        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes, str], None] | None
+    ) -> Location:
         """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
         tier_key = handle.tier_key(shard.key)
         started = time.monotonic()
@@ -153,7 +161,7 @@ class LocalStager:
             source, source_key, expected, source_name = await self._source(handle, shard)
             try:
                 info, checksum = await self._transfer.copy(
-                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name
+                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name, on_verified
                 )
             except ChecksumMismatchError:
                 if source_name != SHARED or self._shared is None:
@@ -162,7 +170,7 @@ class LocalStager:
                 await self._shared.tier.delete(tier_key)
                 source, source_key, expected, source_name = await self._source(handle, shard)
                 info, checksum = await self._transfer.copy(
-                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name
+                    handle, shard, source, source_key, self.tier, tier_key, expected, source_name, on_verified
                 )
             await self._catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
         except BaseException as exc:

@@ -76,6 +76,8 @@ class JobQueue:
     def _forget(self, ident: _Ident, job: Job) -> None:
         if self._jobs.get(ident) is job:
             del self._jobs[ident]
+        if job.early is not None and not job.early.done():
+            job.early.cancel()  # never verified early (failed, or bypassed): its waiters take ``future``
 
     async def _next_job(self) -> Job:
         while True:

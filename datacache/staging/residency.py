@@ -10,6 +10,9 @@ fewest steps any live reader has to go, from where it is, to reach it.
 from __future__ import annotations
 
 import bisect
+import json
+import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from datacache.catalog import ReaderRow
@@ -17,6 +20,9 @@ from datacache.eviction import Candidate, choose_victims
 from datacache.staging.types import DatasetHandle, FutureOrder
 
 __all__ = ["Chooser", "Residency", "next_uses"]
+
+_audit = logging.getLogger(__name__ + ".audit")
+"""Each eviction choice Belady makes, at DEBUG (off unless a benchmark or a person turns it on)."""
 
 Chooser = Callable[[Candidate, list[Candidate], int], "list[Candidate] | None"]
 """Given the incoming shard, the residents and the bytes needed: the victims, or None to decline."""
@@ -82,6 +88,7 @@ class Residency:
         # A known order is Belady's even when nothing resident is read again (an empty next_use).
         policy = "belady" if handle.config.policy == "auto" and uses is not None else handle.config.policy
         next_use: dict[str, int] | None = None
+        where: dict[str, int] = {}
         if uses is not None:
             where = {
                 row.reader: row.position if row.epoch == uses.epoch else 0
@@ -95,6 +102,34 @@ class Residency:
         def choose(incoming: Candidate, residents: list[Candidate], need: int) -> list[Candidate] | None:
             if handle.config.pinned:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
-            return choose_victims(incoming, residents, need, policy=policy, next_use=next_use)
+            victims = choose_victims(incoming, residents, need, policy=policy, next_use=next_use)
+            if next_use is not None and _audit.isEnabledFor(logging.DEBUG):
+                _audit.debug("%s", _audited(incoming, residents, victims, next_use, where))
+            return victims
 
         return choose
+
+
+def _audited(
+    incoming: Candidate,
+    residents: Sequence[Candidate],
+    victims: Sequence[Candidate] | None,
+    next_use: Mapping[str, int],
+    where: Mapping[str, int],
+) -> str:
+    """One eviction choice as a JSON line: each shard's next use (null: never), the readers' positions.
+
+    What `benchmarks/bigger.py --audit` reads to check the rule: a victim is never needed
+    sooner than the shard it makes room for, and the farthest residents go first.
+    """
+    farthest = max((next_use.get(c.key, math.inf) for c in residents), default=math.inf)
+    return json.dumps(
+        {
+            "incoming": incoming.key,
+            "incoming_next": next_use.get(incoming.key),
+            "victims": None if victims is None else [[v.key, next_use.get(v.key)] for v in victims],
+            "farthest": None if farthest == math.inf else farthest,
+            "candidates": len(residents),
+            "where": dict(where),
+        }
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -230,7 +231,7 @@ class Stager:
         if parts is None:
             raise DatacacheError("the stager is not running")
         if job.tier == LOCAL:
-            return await parts.local.stage(job.handle, job.shard)
+            return await parts.local.stage(job.handle, job.shard, functools.partial(_serve_early, job))
         if parts.shared is None:
             raise ConfigError("no shared tier is configured")
         path, checksum = await parts.shared.ensure(job.handle, job.shard)
@@ -346,12 +347,21 @@ class Stager:
     # -- the public verbs -----------------------------------------------------------------
 
     async def ensure(
-        self, handle: DatasetHandle, key: str, *, tier: str = LOCAL, priority: float = PRIORITY_URGENT
+        self,
+        handle: DatasetHandle,
+        key: str,
+        *,
+        tier: str = LOCAL,
+        priority: float = PRIORITY_URGENT,
+        early: bool = False,
     ) -> Location:
         """Make shard ``key`` resident on ``tier`` (waiting if it is being staged) and say where.
 
         If eviction declines to make room (the no-thrash or Belady policy
         keeps what is resident), the returned location is the next tier down.
+        With ``early`` (a reader in this process), a shard being staged onto the
+        local tier may be answered as soon as its bytes are verified in memory
+        (`Location.buffer`), while its local copy is still being made durable.
         """
         if tier not in TIERS:
             raise ConfigError(f"unknown tier {tier!r} (choose local or shared)")
@@ -366,6 +376,8 @@ class Stager:
                 self._events.emit(StagingEvent("hit", handle.id, key, LOCAL, size=shard.size))
                 return hit
         job = parts.queue.submit(handle, shard, tier, priority)
+        if early and tier == LOCAL:
+            return await _first_of(job)
         return await asyncio.shield(job.future)
 
     async def prefetch(
@@ -582,3 +594,22 @@ async def _close_quietly(origins: Sequence[Tier]) -> None:
     for origin in origins:
         with contextlib.suppress(Exception):
             await origin.close()
+
+
+def _serve_early(job: Job, data: bytes, checksum: str) -> None:
+    """The job's bytes are verified: readers waiting early read them now (see `Stager.ensure`)."""
+    if job.early is None:
+        job.early = asyncio.get_running_loop().create_future()  # for readers that ask during the fsync
+    if not job.early.done():
+        job.early.set_result(Location(LOCAL, None, job.shard, checksum, data))
+
+
+async def _first_of(job: Job) -> Location:
+    """The job's early answer (its bytes in memory) or its durable one, whichever comes first."""
+    if job.early is None:
+        job.early = asyncio.get_running_loop().create_future()
+    early = job.early
+    await asyncio.wait((job.future, early), return_when=asyncio.FIRST_COMPLETED)
+    if job.future.done() or early.cancelled():
+        return await asyncio.shield(job.future)
+    return early.result()

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from datacache._rate import TokenBucket
 from datacache.checksum import checksum_of, new_hasher
@@ -36,6 +36,9 @@ class Transfer:
         self._memory = asyncio.Semaphore(max(1, settings.memory_budget // settings.part_size))
         self._throttle = TokenBucket(settings.bandwidth_limit) if settings.bandwidth_limit else None
         self._events = events
+        # Whole shards kept for early serving share the budget with the parts in flight: at
+        # most one budget's worth across the transfers that may run at once.
+        self.keep_limit = settings.memory_budget // max(1, settings.concurrency)
 
     async def copy(
         self,
@@ -47,10 +50,18 @@ class Transfer:
         destination_key: str,
         expected: str | None,
         source_name: str,
+        on_verified: Callable[[bytes, str], None] | None = None,
     ) -> tuple[ObjectInfo, str]:
-        """Stream one shard from ``source`` into ``destination``, verified; return its info and checksum."""
+        """Stream one shard from ``source`` into ``destination``, verified; return its info and checksum.
+
+        With ``on_verified``, a shard of at most `keep_limit` bytes is also kept in memory and
+        handed over, with its checksum, once its size and checksum are verified, while the
+        destination is still making its copy durable (readers need not wait for the fsync).
+        """
         hasher = new_hasher()
         received = 0
+        # The chunks themselves, joined once verified: one part is handed over without a copy.
+        kept: list[bytes] | None = [] if on_verified is not None and shard.size <= self.keep_limit else None
         version = shard.version if source_name == ORIGIN else None
         counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
         events = self._events
@@ -62,6 +73,8 @@ class Transfer:
                 if received > shard.size:
                     break
                 hasher.update(chunk)
+                if kept is not None:
+                    kept.append(chunk)
                 events.count(counter, len(chunk))
                 if self._throttle is not None and source_name == ORIGIN:
                     await self._throttle.take(len(chunk))
@@ -79,6 +92,8 @@ class Transfer:
                 )
             # Tiers read metadata once the chunks are exhausted (see Tier.put).
             metadata["checksum"] = checksum_of(hasher)
+            if kept is not None and on_verified is not None:
+                on_verified(kept[0] if len(kept) == 1 else b"".join(kept), metadata["checksum"])
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}

@@ -63,13 +63,16 @@ class Location:
 
     ``tier`` is ``"local"`` or ``"shared"`` (then ``path`` is a file to open) or
     ``"origin"`` (the shard was not cached: read it with `Stager.read`).
-    ``checksum`` is what its bytes must hash to, when known.
+    ``checksum`` is what its bytes must hash to, when known. ``buffer``, when set,
+    holds the shard's bytes, verified in this process while its local copy is still
+    being made durable (``Stager.ensure(..., early=True)``); read them instead of ``path``.
     """
 
     tier: str
     path: Path | None
     shard: Shard
     checksum: str | None
+    buffer: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,8 @@ class Job:
     priority: float
     future: asyncio.Future[Location]
     started: bool = False
+    early: asyncio.Future[Location] | None = None
+    """Set once the shard's bytes are verified in memory, before its copy is durable (local tier only)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""What every verb of the command shares: the parser class, the cache-settings flags, the daemon probe."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pwd
+import sys
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+from datacache.client import DaemonClient
+from datacache.config import Settings, load_settings
+from datacache.errors import DaemonUnavailableError, DatacacheError
+from datacache.tiers import redact_url
+
+logger = logging.getLogger(__name__)
+
+Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
+"""The table of subcommands each verb module adds its parsers to."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit status 2
+        # Arguments are echoed in usage errors: a URL among them may carry credentials.
+        self.exit(2, f"datacache: error: {redact_url(message)} (see 'datacache --help')\n")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cache settings (override the config file and DATACACHE_* variables)")
+    group.add_argument(
+        "--config", metavar="FILE", help="TOML config file (default: DATACACHE_CONFIG, else the user's config dir)"
+    )
+    group.add_argument("--local-dir", metavar="DIR", help="local tier directory (DATACACHE_LOCAL_DIR)")
+    group.add_argument("--local-capacity", metavar="SIZE", help="local tier capacity, e.g. 500GB")
+    group.add_argument("--shared-dir", metavar="DIR", help="shared tier directory on the cluster filesystem")
+    group.add_argument("--shared-capacity", metavar="SIZE", help="shared tier capacity, e.g. 20TB")
+    group.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    group.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+
+
+def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None, **extra: Any) -> Settings:
+    overrides = {
+        "local_dir": args.local_dir,
+        "local_capacity": args.local_capacity,
+        "shared_dir": args.shared_dir,
+        "shared_capacity": args.shared_capacity,
+        **extra,
+    }
+    return load_settings(env, config_path=args.config, overrides=overrides)
+
+
+def bandwidth_flag(args: argparse.Namespace) -> float | None:
+    """``--bandwidth`` in bytes/s, its errors naming the flag as typed."""
+    from datacache.units import parse_bandwidth
+
+    return None if args.bandwidth is None else parse_bandwidth(args.bandwidth, what="--bandwidth")
+
+
+def progress_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "json", False):
+        return "json"
+    if getattr(args, "quiet", False):
+        return "quiet"
+    return "bar" if sys.stderr.isatty() else "lines"
+
+
+async def daemon_client(settings: Settings) -> DaemonClient | None:
+    """A client of the node's daemon if one answers on its socket, else None (work in-process)."""
+    if not settings.daemon_socket.exists():
+        return None
+    client = DaemonClient(settings)
+    try:
+        await client.health()
+    except DaemonUnavailableError as exc:
+        await client.close()
+        logger.info("%s; working in this process", exc)
+        return None
+    return client
+
+
+async def daemon_answer(settings: Settings) -> dict[str, Any]:
+    """Whether a daemon answers on the configured socket, and whose it is (for ``status``).
+
+    Bounded: a listener that accepts and never replies costs two seconds, not a hang.
+    """
+    socket_path = settings.daemon_socket
+    found: dict[str, Any] = {"socket": str(socket_path), "answers": False}
+    if not socket_path.exists():
+        return found | {"detail": "no socket there"}
+    client = DaemonClient(settings, connect_timeout=_PROBE_SECONDS)
+    try:
+        health = await client.health(within=_PROBE_SECONDS)
+    except DatacacheError as exc:  # nobody listening, a listener of another uid, a garbled reply
+        return found | {"detail": one_line(exc)}
+    finally:
+        await client.close()
+    uid = client.server_uid
+    return found | {
+        "answers": True,
+        "pid": health.get("pid"),
+        "uid": uid,
+        "user": _user_name(uid),
+        "version": health.get("version"),
+    }
+
+
+_PROBE_SECONDS = 2.0
+
+
+def _user_name(uid: int | None) -> str | None:
+    try:
+        return None if uid is None else pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid with no account on this machine (a container's)
+        return None
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line of text, credentials in URLs redacted."""
+    text = str(exc).strip().splitlines()
+    return redact_url(text[0]) if text else type(exc).__name__
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

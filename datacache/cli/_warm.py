@@ -1,0 +1,180 @@
+"""`datacache warm`: in this process, or through the node's daemon when one answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from typing import Any
+
+from datacache._progress import Progress
+from datacache._protocol import warm_report_from_wire, warm_report_to_wire
+from datacache.cli._common import (
+    Commands,
+    add_settings_flags,
+    bandwidth_flag,
+    daemon_client,
+    plural,
+    progress_mode,
+    settings_from,
+)
+from datacache.client import DaemonClient
+from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.errors import ConfigError, DaemonUnavailableError
+from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
+from datacache.tiers import redact_url
+from datacache.units import format_bytes, format_rate
+
+
+async def _warm(args: argparse.Namespace) -> int:
+    settings = settings_from(
+        args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
+    )
+    dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
+    if args.tier == SHARED and settings.shared_dir is None:
+        raise ConfigError("--tier shared needs a shared tier (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)")
+    if not args.no_daemon:
+        client = await daemon_client(settings)
+        if client is not None:
+            try:
+                return await _warm_through(client, args, dataset, settings)
+            finally:
+                await client.close()
+    async with Stager(settings) as stager:
+        handle = await stager.open(dataset, refresh=args.refresh)
+        shards = handle.manifest.select(args.shards)
+        if not shards:
+            raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
+        display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
+
+        def follow(progress: WarmProgress) -> None:
+            display.advance_to(
+                done_items=progress.shards_done, done_bytes=progress.bytes_done, moved_bytes=progress.bytes_transferred
+            )
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                display.tick()
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            report = await stager.warm(
+                handle,
+                shards,
+                tier=args.tier,
+                verify=args.verify,
+                bandwidth=settings.bandwidth_limit,
+                progress=follow,
+            )
+        finally:
+            ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticking
+            display.close()
+    _print_warm_report(report, redact_url(dataset.url), args.json)
+    return 0 if report.complete else 1
+
+
+def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes: int) -> Progress:
+    """The progress display of a warm, in-process or through the daemon alike."""
+    return Progress(
+        what=what,
+        total_items=shards,
+        total_bytes=total_bytes,
+        mode=progress_mode(args),
+        stream=sys.stderr if not args.json else sys.stdout,
+    )
+
+
+async def _warm_through(
+    client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig, settings: Settings
+) -> int:
+    """Have the node's daemon warm the dataset (one transfer per shard for every process of the node)."""
+    progress: Progress | None = None
+    done: dict[str, Any] = {}
+    try:
+        async for event in client.warm(
+            dataset,
+            tier=args.tier,
+            shards=args.shards,
+            verify=args.verify,
+            refresh=args.refresh,
+            bandwidth=settings.bandwidth_limit,
+        ):
+            kind = event.get("event")
+            if kind == "start":
+                # A daemon of the release before says only "shards" and "bytes" for the totals.
+                shards = event.get("shards_total", event.get("shards", 0))
+                total = event.get("bytes_total", event.get("bytes", 0))
+                progress = _warm_display(args, f"warm {dataset.name} (daemon)", int(shards), int(total))
+            elif kind == "progress" and progress is not None:
+                progress.advance_to(
+                    done_items=int(event.get("shards_done", 0)),
+                    done_bytes=int(event.get("bytes_done", 0)),
+                    moved_bytes=int(event.get("bytes_transferred", 0)),
+                )
+            elif kind == "done":
+                done = event
+    finally:
+        if progress is not None:
+            progress.close()
+    if not done:
+        raise DaemonUnavailableError("the daemon ended the warm without a summary")
+    report = warm_report_from_wire(done)
+    _print_warm_report(report, redact_url(dataset.url), args.json)
+    return 0 if report.complete else 1
+
+
+def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
+        return
+    if report.bytes_transferred == 0 and report.complete:
+        moved = "transferred 0 bytes: everything was already resident"
+    else:
+        moved = (
+            f"transferred {format_bytes(report.bytes_transferred)} in {plural(report.shards_transferred, 'shard')}, "
+            f"{report.seconds:.1f}s ({format_rate(report.rate)})"
+        )
+    verified = f", {report.shards_verified} re-verified" if report.shards_verified else ""
+    held = format_bytes(report.bytes_resident)
+    if report.bytes_resident != report.bytes_requested:
+        held += f" of {format_bytes(report.bytes_requested)}"
+    sys.stdout.write(
+        f"warm {url} -> {report.tier}: {report.shards_resident}/{report.shards_requested} shards resident "
+        f"({held}){verified}; {moved}\n"
+    )
+    for key, error in report.failures[:10]:
+        sys.stderr.write(f"datacache: shard {key}: {error}\n")
+    if len(report.failures) > 10:
+        sys.stderr.write(f"datacache: ... and {len(report.failures) - 10} more failed shards\n")
+    if not report.complete:
+        sys.stderr.write(
+            f"datacache: error: warm incomplete: {report.shards_requested - report.shards_resident} of "
+            f"{report.shards_requested} shards are not resident on the {report.tier} tier\n"
+        )
+
+
+def add_parsers(commands: Commands) -> None:
+    """Add ``warm`` to the command's subcommands."""
+    warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
+    warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
+    warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
+    warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
+    warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
+    warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
+    warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
+    warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
+    warm.add_argument(
+        "--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset"
+    )
+    warm.add_argument("--json", action="store_true", help="machine-readable progress and summary, one JSON per line")
+    warm.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
+    warm.add_argument(
+        "--no-daemon", action="store_true", help="stage in this process even if the node's daemon is running"
+    )
+    add_settings_flags(warm)
+    warm.set_defaults(run=_warm)

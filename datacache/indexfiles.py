@@ -1,0 +1,207 @@
+"""The files of a dataset snapshot's cluster index on the shared tier, and what each one holds.
+
+`datacache.indexing` decides what to count and who counts it; this module
+only reaches, reads and writes its files: every one reached without following
+a link, read bounded, aged by the file server's clock (see docs/SECURITY.md,
+"The shared tier"). `decide_cold` records, beside the counts, whether an
+epoch is read cold, so that every process of every node deals it one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from datacache.config import Settings
+from datacache.errors import ShardReadError
+from datacache.manifest import Manifest
+from datacache.sidecars import KnownCount
+from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, server_now
+
+__all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
+
+logger = logging.getLogger(__name__)
+
+
+def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
+    """Where a node keeps the unit plan (every shard's count) of one dataset snapshot for its readers."""
+    return local_dir / "indexes" / f"{manifest.dataset}-{manifest.snapshot}.json"
+
+
+def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
+    """Where the cluster keeps the counts of one dataset snapshot."""
+    return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
+
+
+# A count file is a few bytes a shard; anything past this is not one (a planted /dev/zero, say).
+_INDEX_FILE_LIMIT = 256 << 20
+
+
+class IndexFiles:
+    """The files of one snapshot's cluster index, reached as the shared tier's own files are.
+
+    Other users can write the shared tier: every file here is reached by walking down
+    from the tier's root without following a link, read only if it is a regular file of
+    bounded size, and written by an atomic write in the directory so reached (see
+    docs/SECURITY.md, "The shared tier"). Ages are measured by the file server's clock.
+    """
+
+    def __init__(self, settings: Settings, manifest: Manifest) -> None:
+        base = settings.shared_dir or settings.local_dir
+        self.path = index_dir(base, manifest)
+        self._base = base
+        self._parts = self.path.relative_to(base).parts
+        # The shared tier is the group's (setgid 2770); without one, the node's private cache.
+        self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
+
+    def place(self, name: str) -> Place:
+        return Place(self._base, self._parts, name, self._dir_mode)
+
+    def _directory(self) -> int:
+        """An fd of the index directory; FileNotFoundError if it does not exist yet."""
+        return self.place("_").open_parent()
+
+    def names(self) -> list[str]:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+
+    def read(self, name: str) -> bytes | None:
+        """The file's bytes, None if absent; `UnsafeFileError` for a link, FIFO, device or huge file."""
+        try:
+            return read_bounded(self.place(name), _INDEX_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    def unlink(self, name: str) -> None:
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last touched, by the file server's clock; None if absent."""
+        try:
+            fd = self._directory()
+        except FileNotFoundError:
+            return None
+        try:
+            mtime = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
+            return server_now(fd) - mtime
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+    def link_once(self, name: str, data: bytes) -> None:
+        """Create ``name`` holding ``data`` unless it exists (the first writer wins, atomically)."""
+        fd = self.place(name).open_parent(create=True)
+        temporary = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            out = os.open(temporary, flags, 0o640, dir_fd=fd)
+            try:
+                os.write(out, data)
+            finally:
+                os.close(out)
+            try:
+                os.link(temporary, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temporary, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+
+def parse_batch(raw: bytes, where: str) -> dict[str, KnownCount]:
+    """A cluster index file: each count with where it came from (the file itself, for counts it scanned)."""
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        raise ShardReadError(f"{where}: not valid JSON") from None
+    counts = document.get("counts") if isinstance(document, dict) else None
+    if not isinstance(counts, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
+    ):
+        raise ShardReadError(f"{where}: not a datacache count batch")
+    sources = document.get("sources")
+    source_of = document.get("source_of")
+    if not (isinstance(sources, list) and isinstance(source_of, list) and len(source_of) == len(counts)):
+        sources, source_of = [], [-1] * len(counts)
+    found: dict[str, KnownCount] = {}
+    for (key, samples), which in zip(counts.items(), source_of):
+        known = isinstance(which, int) and 0 <= which < len(sources) and isinstance(sources[which], str)
+        found[key] = KnownCount(samples, sources[which] if known else f"cluster index {where}")
+    return found
+
+
+def encode_batch(counts: Mapping[str, KnownCount]) -> bytes:
+    sources = sorted({count.source for count in counts.values() if count.source != "scanned"})
+    number = {source: i for i, source in enumerate(sources)}
+    document = {
+        "host": socket.gethostname(),
+        "written": time.time(),
+        "counts": {key: count.samples for key, count in counts.items()},
+        "sources": sources,
+        "source_of": [number.get(count.source, -1) for count in counts.values()],
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int, cold: bool) -> bool:
+    """Whether epoch ``epoch`` of ``seed`` is read cold: one answer for every process of every node.
+
+    The first process to ask decides (``cold``: its counts were incomplete)
+    and records it beside the cluster index; every later one, on any node,
+    reads that record, so that no two ranks deal one epoch two ways. A rerun
+    of the same seed and epoch reads it the same way again.
+    """
+    files = IndexFiles(settings, manifest)
+    if not cold and not files.names():
+        return False  # every count came from the manifest: no process could have started cold
+    name = f"epoch-{seed}-{epoch}.json"
+
+    def recorded() -> bool | None:
+        try:
+            raw = files.read(name)
+            return None if raw is None else bool(json.loads(raw).get("cold") is True)
+        except (ValueError, AttributeError, UnsafeFileError):
+            logger.warning("%s is damaged; reading epoch %d cold", files.path / name, epoch)
+            return True
+
+    decided = recorded()
+    if decided is not None:
+        return decided
+    files.link_once(name, json.dumps({"cold": cold}).encode())  # fails quietly if another decided first
+    decided = recorded()
+    return cold if decided is None else decided

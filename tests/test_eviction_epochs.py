@@ -1,0 +1,148 @@
+"""Belady across an epoch's end: leases end at a shard's last use, and the next epoch is prefetched.
+
+A reader of a dataset larger than its local tier opens each shard once per epoch.
+Two things decide whether the next epoch starts from local copies (issue 13):
+a shard's lease must end when its reader is done with it, not when the epoch
+ends (else the tier stays full of finished shards), and prefetch must run past
+the epoch's end into the next epoch's order, which every reader already knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from datacache.loaders import CachedIterableDataset
+from datacache.loaders.epoch import plan_epoch
+from datacache.loaders.order import Layout
+from test_loader import write_wds
+
+from datacache.catalog import Catalog, ReaderRow, ShardState
+from datacache.config import Settings, load_settings
+from datacache.eviction import Candidate
+from datacache.stager import DatasetHandle, FutureOrder, Stager
+from datacache.staging.residency import Residency
+
+PER_SHARD, SHARDS, CAPACITY_SHARDS = 8, 12, 3
+
+
+def _setup(tmp_path: Path) -> tuple[Path, Settings, list[str]]:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=PER_SHARD * SHARDS, per_shard=PER_SHARD, with_counts=True)
+    keys = sorted(path.name for path in origin.glob("*.tar"))
+    largest = max(path.stat().st_size for path in origin.glob("*.tar"))
+    settings = load_settings(
+        {},
+        overrides={
+            "local_dir": str(tmp_path / "local"),
+            "shared_dir": str(tmp_path / "shared"),
+            "local_capacity": CAPACITY_SHARDS * largest,
+            "default_policy": "auto",
+        },
+    )
+    return origin, settings, keys
+
+
+def _units(seed: int, epoch: int) -> tuple[int, ...]:
+    """The one reader's shards in order (a window of one shard: read one shard after another)."""
+    plan = plan_epoch(
+        [PER_SHARD] * SHARDS,
+        seed=seed,
+        epoch=epoch,
+        shuffle=True,
+        window=PER_SHARD,
+        cursors=(),
+        layout=Layout(1, 0, 1, 0, 1),
+        drop_last=False,
+    )
+    return plan.unit_sequence
+
+
+def _dataset(origin: Path, settings: Settings, seed: int) -> CachedIterableDataset:
+    return CachedIterableDataset(str(origin), config=settings, seed=seed, shuffle_buffer=PER_SHARD)
+
+
+def _shard_of(sample: dict[str, object]) -> int:
+    return int(str(sample["__key__"]).removeprefix("sample")) // PER_SHARD
+
+
+def _state(settings: Settings) -> tuple[set[str], set[str]]:
+    """Keys resident on the local tier, and keys leased by a live reader."""
+
+    async def look() -> tuple[set[str], set[str]]:
+        catalog = Catalog(settings.local_dir / "catalog.sqlite")
+        try:
+            entries = await catalog.entries()
+            leased = await catalog.leased()
+        finally:
+            await catalog.close()
+        return {e.key for e in entries if e.state == ShardState.RESIDENT}, {key for _, key in leased}
+
+    return asyncio.run(look())
+
+
+def test_a_shards_lease_ends_at_its_last_use_not_at_the_epochs_end(tmp_path: Path) -> None:
+    origin, settings, keys = _setup(tmp_path)
+    units = _units(5, 0)
+    dataset = _dataset(origin, settings, 5)
+    samples: Iterator[dict[str, object]] = iter(dataset)
+    # Read the first shard to its last sample: the reader closes it, and must say so.
+    for _ in range(PER_SHARD):
+        assert _shard_of(next(samples)) == units[0]
+    _, leased = _state(settings)
+    assert keys[units[0]] not in leased, leased
+    # The next shard, opened on the next sample, is leased while read.
+    assert _shard_of(next(samples)) == units[1]
+    assert keys[units[1]] in _state(settings)[1]
+    for _ in samples:
+        pass
+
+
+def test_the_next_epochs_first_shard_is_local_before_that_epoch_starts(tmp_path: Path) -> None:
+    origin, settings, keys = _setup(tmp_path)
+    # A seed whose next epoch starts with a shard read early in this one: only a prefetch
+    # that looks past this epoch's end brings it back before the next epoch opens it.
+    seed = next(s for s in range(100) if _units(s, 1)[0] in _units(s, 0)[: SHARDS // 2])
+    dataset = _dataset(origin, settings, seed)
+    dataset.set_epoch(0)
+    read = [_shard_of(sample) for sample in dataset]
+    assert read == [u for u in _units(seed, 0) for _ in range(PER_SHARD)]  # the plan the test reasons on
+    first = keys[_units(seed, 1)[0]]
+    deadline = time.monotonic() + 30
+    while first not in _state(settings)[0]:
+        assert time.monotonic() < deadline, f"{first} was not staged before epoch 1: {_state(settings)[0]}"
+        time.sleep(0.05)  # sleep-ok: polling the catalog for a background transfer, with a deadline
+
+
+def test_each_belady_choice_is_audited_with_every_shards_next_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    origin, settings, _ = _setup(tmp_path)
+
+    async def opened() -> DatasetHandle:
+        stager = Stager(settings, reconcile=False)
+        try:
+            return await stager.open(str(origin))
+        finally:
+            await stager.close()
+
+    handle = asyncio.run(opened())
+    residency = Residency()
+    residency.set_future_order(handle.id, FutureOrder(0, {"0.0": ("a", "b", "c", "d")}))
+    choose = residency.chooser(handle, [ReaderRow("0.0", 0, 1)])  # "a" was read: never again
+    residents = [Candidate(handle.id, key, 10, 0.0) for key in ("a", "c", "d")]
+    with caplog.at_level(logging.DEBUG, logger="datacache.staging.residency.audit"):
+        victims = choose(Candidate(handle.id, "b", 10, 0.0), residents, 20)
+        declined = choose(Candidate(handle.id, "d", 10, 0.0), [Candidate(handle.id, "c", 10, 0.0)], 10)
+    assert [v.key for v in victims or []] == ["a", "d"]
+    assert declined is None
+    made, refused = (json.loads(record.getMessage()) for record in caplog.records)
+    assert made["incoming"] == "b" and made["incoming_next"] == 0
+    assert made["victims"] == [["a", None], ["d", 2]]  # never read again first, then the farthest
+    assert made["farthest"] is None and made["where"] == {"0.0": 1}
+    assert refused["victims"] is None and refused["incoming_next"] == 2 and refused["farthest"] == 1
