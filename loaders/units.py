@@ -188,9 +188,7 @@ class UnitReaders:
         self._leased: dict[int, list[Location]] = {}
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
         self._coming: dict[int, tuple[int, ...]] = {}
-        """The units that follow each unit in this reader's sequence: twice its prefetch window."""
-        self._seen: set[str] = set()
-        """Keys a note located this epoch."""
+        """The `HOLD_AHEAD` units that follow each unit in this reader's sequence."""
         self._local: set[str] = set()
         """Keys a note found local: no prefetch is sent for them."""
         self._unsent: list[str] = []
@@ -221,7 +219,6 @@ class UnitReaders:
         self.readers.clear()
         with self._note_lock:
             self._leased.clear()
-            self._seen.clear()
             self._local.clear()
         if self._future is not None and self._future_told:
             self._note_progress(None, done=True)  # holds nothing any more
@@ -230,10 +227,9 @@ class UnitReaders:
         """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
         Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
-        before. One call notes, leases and locates them, before any is mapped, so eviction
-        cannot take one between locate and map; the next units found local are opened
-        later without asking again. The same call locates the units after them (twice the
-        prefetch window, not held), so that no prefetch goes for a shard already local.
+        before. One call notes, leases and locates ``unit`` and the next units, before any
+        is mapped, so eviction cannot take one between locate and map; the next units
+        found local are opened later without asking again, and no prefetch goes for them.
         Through a daemon: one round trip per few units, not two per unit. Without
         ``unit`` the position stays (a unit was closed: its lease goes), or with ``done``
         moves past this epoch.
@@ -246,8 +242,7 @@ class UnitReaders:
         with self._note_lock:
             coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
             asked = [] if unit is None else [unit, *coming]
-            held = asked[: 1 + HOLD_AHEAD]
-            units = {*self.readers, *self._opening, *self._leased, *held}
+            units = {*self.readers, *self._opening, *self._leased, *asked}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
             if unit is not None:
                 self._position = self._positions.get(unit, 0)
@@ -257,9 +252,8 @@ class UnitReaders:
             locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
             located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
-            self._seen.update(locate)
             self._local.update(key for key, loc in where.items() if loc.tier == "local")
-            for u in held[1:]:
+            for u in coming:
                 found = [where[key] for key in self._plan.units[u].keys]
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
                     self._leased[u] = found
@@ -415,7 +409,7 @@ class UnitReaders:
             self._next_index += 1
         depth = self._controller.depth
         ahead = self._ahead()
-        self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + 2 * depth])
+        self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + HOLD_AHEAD])
         until = min(len(ahead), self._next_index + 1 + depth)
         if until <= self._prefetched_until or depth == 0:
             return
@@ -496,16 +490,12 @@ class UnitReaders:
         """Where the unit's shards are (staging those only the origin has), and the slowest tier.
 
         A unit an earlier note leased and found local is opened from there without
-        asking, unless the prefetches held back name a shard no note has seen (this
-        note then also says where those are) or its copy failed (``again``).
+        asking, unless its copy failed (``again``).
         """
         runtime = self.runtime
-        with self._lock:
-            unsent = list(self._unsent)
         with self._note_lock:
             leased = self._leased.pop(unit, None)
-            seen = self._seen.issuperset(unsent)
-        if leased is not None and seen and not again:
+        if leased is not None and not again:
             return leased, "local"
         if self._future is None:
             located = runtime.loop.run(_locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))

@@ -79,9 +79,9 @@ def test_a_warm_epoch_through_the_daemon_asks_once_per_window_not_per_shard(
         assert sorted(keys_of(dataset)) == sorted(expected)  # warm: every shard local
         asked = _requests(daemon) - before
         assert dataset.stats().mode == "daemon"
-        # Before: a locate and a progress note per shard (24 round trips), and prefetches.
-        assert asked["locate"] == asked["ensure"] == asked["prefetch"] == 0, asked
-        assert 1 <= asked["progress"] <= 6, asked
+        # Before: a locate and a progress note per shard, waited for (26), and 4 prefetches.
+        assert asked["locate"] == asked["ensure"] == 0, asked
+        assert 1 <= asked["progress"] <= 6 and asked["prefetch"] <= 6, asked
         dataset.close()
     finally:
         daemon.stop()
