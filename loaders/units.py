@@ -285,7 +285,12 @@ class UnitReaders:
                 if self._future is not None and self._future_told:
                     # Its lease goes now, not at the epoch's end: the room it leaves is what
                     # brings in the shards read next (those of the next epoch, near the end).
-                    self._note_progress(None)
+                    # While units leased ahead are still to open, the note that leases the
+                    # next ones drops it (at most `HOLD_AHEAD` units later): no round trip now.
+                    with self._note_lock:
+                        later = bool(self._leased)
+                    if not later:
+                        self._note_progress(None)
                     self._prefetch_again()
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
