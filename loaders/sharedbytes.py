@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,12 @@ _HEADER = 64
 _RINGS_PER_WORKER = 3
 
 _RING_TOKENS = itertools.count(1)
+
+STORE_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+"""Whether this CPU keeps a load before a later store (x86's total store order). The reader marks a
+place read by a plain store after copying it out; Python has no memory fence, and on a weakly
+ordered CPU (ARM, POWER) that store could be seen before the copy's loads are done, letting the
+worker rewrite bytes still being read. There, every field is pickled through the pipe."""
 
 
 class RingBytes(bytes):
@@ -112,6 +119,8 @@ class SampleRing:
     def place(self, value: bytes) -> tuple[_Place, torch.Tensor | None] | None:
         """Copy ``value`` into the ring; its place, and the buffer if this is its first trip. None: no room."""
         size = len(value)
+        if not STORE_ORDERED:
+            return None
         with self._lock:
             if 4 * size > self._max - _HEADER:
                 return None
