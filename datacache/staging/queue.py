@@ -2,6 +2,9 @@
 
 A reader blocked on a shard jumps ahead of every prefetch: a job re-submitted
 with a smaller priority number is queued again, and the stale entry skipped.
+A shard the origin refused for good (missing, or forbidden) is remembered until
+it is staged, so that prefetches stop asking the origin for it again; a reader
+still asks (and so sees the error, or the shard once it is back).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 
-from datacache.errors import DatacacheError
+from datacache.errors import DatacacheError, OriginPermissionError, ShardNotFoundError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
 from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, StagingEvent
@@ -19,6 +22,9 @@ from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, Staging
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
+
+# The origin's final answers: asking again gets the same one (the retry policy never retries them).
+_REFUSALS = (ShardNotFoundError, OriginPermissionError)
 
 
 class JobQueue:
@@ -41,6 +47,7 @@ class JobQueue:
         self._jobs: dict[_Ident, Job] = {}
         self._queue: asyncio.PriorityQueue[tuple[float, int, Job]] = asyncio.PriorityQueue()
         self._sequence = itertools.count()
+        self._refused: set[_Ident] = set()
         self.workers = [
             asyncio.create_task(self._worker(), name=f"datacache-stager-{i}") for i in range(concurrency)
         ]
@@ -54,6 +61,10 @@ class JobQueue:
     def in_flight(self) -> int:
         """Jobs a worker is running."""
         return sum(1 for job in self._jobs.values() if job.started)
+
+    def refused(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
+        """Whether the last job for this shard and tier failed with a refusal of the origin."""
+        return (handle.id, shard.key, tier) in self._refused
 
     def submit(self, handle: DatasetHandle, shard: Shard, tier: str, priority: float) -> Job:
         """Queue a job, or join the one already queued or running for the same shard and tier."""
@@ -98,10 +109,13 @@ class JobQueue:
                 raise
             except Exception as exc:
                 self._events.count("failures")
+                if isinstance(exc, _REFUSALS):
+                    self._refused.add((job.handle.id, job.shard.key, job.tier))
                 self._events.emit(StagingEvent("failed", job.handle.id, job.shard.key, job.tier, error=str(exc)))
                 if not job.future.done():
                     job.future.set_exception(exc)
             else:
+                self._refused.discard((job.handle.id, job.shard.key, job.tier))
                 if not job.future.done():
                     job.future.set_result(location)
 

@@ -383,10 +383,16 @@ class Stager:
     async def prefetch(
         self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
     ) -> None:
-        """Queue ``keys`` for staging to the local tier, the first ones soonest; return at once."""
+        """Queue ``keys`` for staging to the local tier, the first ones soonest; return at once.
+
+        A shard the origin refused (missing, forbidden) is not asked for again here: the
+        reader that needs it asks, and reports the error (`JobQueue.refused`).
+        """
         parts = await self._ready()
         for position, key in enumerate(keys):
             shard = handle.manifest.shard(key)
+            if parts.queue.refused(handle, shard, LOCAL):
+                continue
             job = parts.queue.submit(handle, shard, LOCAL, priority + position * 1e-6)
             job.future.add_done_callback(_ignore_result)
 
