@@ -15,8 +15,8 @@ from _helpers import checksum, fill_bucket, fill_dir, make_shards, partial_files
 
 from datacache.catalog import Catalog, ShardState
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import OriginChangedError, TierFullError
-from datacache.stager import DatasetHandle, Location, Stager, StagerStats, WarmReport
+from datacache.errors import OriginChangedError, ShardNotFoundError, TierFullError
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Location, Stager, StagerStats, WarmReport
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -447,3 +447,33 @@ def test_a_change_of_event_loop_releases_the_earlier_runtime(s3: S3Bucket, setti
     # Each earlier runtime let its threads go; what is left is one runtime's worth.
     assert threading.active_count() <= after_one, [t.name for t in threading.enumerate()]
     asyncio.run(stager.close())
+
+
+def test_prefetch_asks_no_more_for_a_shard_the_origin_refused(s3: S3Bucket, settings: Settings) -> None:
+    # One worker: jobs run one after another in priority order, so waiting on the shard queued
+    # after the missing one means the missing one's job (if any) has run.
+    settings = replace(settings, concurrency=1)
+    shards = make_shards(3, 20_000)
+    fill_bucket(s3.client, s3.name, "ds", shards)
+    dataset = s3_dataset(s3, settings)
+    bad, first, second = shards
+
+    async def body(stager: Stager) -> None:
+        handle = await stager.open(dataset)
+        s3.client.delete_object(Bucket=s3.name, Key=f"ds/{bad}")
+        s3.server.reset_counts()
+        after = PRIORITY_PREFETCH + 1  # joins the prefetch's job without moving it ahead
+        await stager.prefetch(handle, [bad, first])
+        await stager.ensure(handle, first, priority=after)
+        assert gets_per_object(s3) == {bad: 1, first: 1}
+        await stager.prefetch(handle, [bad, second])
+        await stager.ensure(handle, second, priority=after)
+        assert gets_per_object(s3) == {bad: 1, first: 1, second: 1}, "prefetch asked again for a refused shard"
+        with pytest.raises(ShardNotFoundError, match=bad):
+            await stager.ensure(handle, bad)  # a reader still asks, and sees the error
+        s3.client.put_object(Bucket=s3.name, Key=f"ds/{bad}", Body=shards[bad])
+        location = await stager.ensure(handle, bad)  # and gets the shard once it is back
+        assert location.path is not None and location.path.read_bytes() == shards[bad]
+        assert gets_per_object(s3) == {bad: 3, first: 1, second: 1}
+
+    with_stager(settings, body)
