@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _helpers import wait_for
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 
@@ -61,9 +62,14 @@ def test_a_shard_that_fails_to_open_is_unmapped_at_once(tmp_path: Path, settings
     victim = origin / "train-0001.tar"
     victim.write_bytes(victim.read_bytes()[:3000])
     _write_counts(origin, {p.name: 10 for p in origin.glob("*.tar")})
+    # A first reader takes the shard's bytes from memory while it is staged (a cold shard is
+    # served before its local copy is durable): nothing mapped yet. Its local copy follows.
+    with pytest.raises(ShardReadError, match=r"train-0001\.tar"):
+        list(CachedIterableDataset(str(origin), config=settings, shuffle=False))
+    wait_for(lambda: any(settings.local_dir.rglob("train-0001.tar")), what="the bad shard's local copy")
     dataset = CachedIterableDataset(str(origin), config=settings, shuffle=False)
     with pytest.raises(ShardReadError, match=r"train-0001\.tar") as failure:
-        list(dataset)
+        list(dataset)  # this reader maps the local copy
     # The exception (and its traceback) is still held here, as a training loop that logs it would.
     cached = {str(p) for p in settings.local_dir.rglob("train-0001.tar")}
     assert cached, "the bad shard was staged before it was opened"
