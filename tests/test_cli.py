@@ -243,6 +243,20 @@ def test_warm_verify_restages_a_corrupt_local_shard(tmp_path: Path, env: dict[st
     assert victim.read_bytes() == shards["shard-0001.tar"]
 
 
+def test_warm_takes_the_loaders_brace_pattern(tmp_path: Path, env: dict[str, str]) -> None:
+    """A new user warmed 'dir/shard-{0000..0001}.tar' as the README's loader reads it: "no objects"."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 20_000))
+    result = run_cli(["warm", f"{origin}/shard-{{0000..0001}}.tar", "--json"], env, check=True)
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (done["complete"], done["shards_requested"], done["dataset"]) == (True, 2, dataset_id_for(str(origin)))
+    assert sorted(p.name for p in (local_data(tmp_path) / dataset_id_for(str(origin))).iterdir()) == [
+        "shard-0000.tar",
+        "shard-0001.tar",
+    ]
+    bad = run_cli(["warm", f"{origin}/shard-{{0000..}}.tar"], env)
+    assert bad.returncode != 0 and "a pattern is" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_truncated_local_shard_is_noticed_without_verify(
     tmp_path: Path, env: dict[str, str]
 ) -> None:

@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Any
 
+import braceexpand
+
 from datacache._progress import Progress
 from datacache._protocol import warm_report_from_wire, warm_report_to_wire
 from datacache.cli._common import (
@@ -28,7 +30,35 @@ from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 
 
+def _pattern_to_shards(args: argparse.Namespace) -> None:
+    """A brace pattern (``dir/shard-{0000..0099}.tar``) warms those shards of ``dir``'s dataset.
+
+    The same cached copies as the directory URL and as the loader's pattern: the directory
+    is the dataset, the expanded names its ``--shards``.
+    """
+    text = args.dataset
+    if "{" not in text and "}" not in text:
+        return
+    try:
+        urls = list(braceexpand.braceexpand(text))
+    except ValueError as exc:  # braceexpand's UnbalancedBracesError
+        raise ConfigError(f"pattern {redact_url(text)!r}: {exc}") from None
+    if any("{" in url or "}" in url for url in urls) or any("/" not in url for url in urls):
+        raise ConfigError(
+            f"pattern {redact_url(text)!r}: a pattern is DIR/name-{{a,b,c}} or DIR/name-{{000..099}}, "
+            "expanding to shard names in one directory"
+        )
+    folders = {url.rsplit("/", 1)[0] for url in urls}
+    if len(folders) != 1:
+        raise ConfigError(f"pattern {redact_url(text)!r} names shards in {len(folders)} directories: warm each one")
+    if args.shards is not None:
+        raise ConfigError("give a brace pattern or --shards, not both")
+    args.dataset = folders.pop() + "/"
+    args.shards = ",".join(url.rsplit("/", 1)[1] for url in urls)
+
+
 async def _warm(args: argparse.Namespace) -> int:
+    _pattern_to_shards(args)
     settings = settings_from(
         args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
     )
@@ -161,7 +191,11 @@ def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
 def add_parsers(commands: Commands) -> None:
     """Add ``warm`` to the command's subcommands."""
     warm = commands.add_parser("warm", help="stage a dataset onto a tier; exits 0 only when all of it is resident")
-    warm.add_argument("dataset", help="a URL (s3://bucket/prefix/, /path, file://...) or a configured name")
+    warm.add_argument(
+        "dataset",
+        help="a URL (s3://bucket/prefix/, /path, file://...), a configured name, or a brace pattern of shards "
+        "in one directory (quoted: 's3://bucket/prefix/shard-{0000..0099}.tar')",
+    )
     warm.add_argument("--tier", choices=(LOCAL, SHARED), default=LOCAL, help="where to stage to (default: local)")
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
