@@ -174,16 +174,20 @@ def node_unit_sequences(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
+    order: IntArray | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
 
     This epoch's remaining units, then the next epoch's, so that eviction near the end of
     an epoch keeps what the next one reads first. Every reader computes the same value.
+    ``order`` replaces this epoch's global order, as in `plan_epoch`.
     """
     found: dict[str, list[int]] = {}
-    for current, done in ((epoch, cursors), (epoch + 1, ())):
-        order = epoch_order(counts, seed=seed, epoch=current, shuffle=shuffle, window=window)
-        sequence = remaining_sequence(order, done, window)
+    if order is None:
+        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    following = epoch_order(counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window)
+    for current, done in ((order, cursors), (following, ())):
+        sequence = remaining_sequence(current, done, window)
         for rank in range(layout.world_size):
             for worker in range(layout.num_workers):
                 reader = Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk)

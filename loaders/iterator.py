@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.coldorder import node_cold_sequences
+from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import ReadPlan, initial_prefetch, node_unit_sequences, reader_name
 from datacache.loaders.mixed import mix_plan
@@ -131,12 +131,11 @@ class EpochIterator:
         self._skip_to(0)
         self._units.note_retries()
 
-    def _node_future(self) -> NodeFuture | None:
+    def _node_future(self) -> NodeFuture:
         """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
 
-        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`).
-        None when resuming a cold epoch (what it left is known only to this reader): it then
-        hands over its own order.
+        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`);
+        a resumed one reads what the cold epoch left (`coldorder.cold_remaining`), as its plan does.
         """
         dataset, runtime = self.dataset, self.runtime
         if isinstance(self._plan, ColdEpochPlan):
@@ -148,17 +147,27 @@ class EpochIterator:
                 layout=self.layout,
             )
             return NodeFuture(reader_name(self.layout), self.epoch, units)
-        if any(cursor.cold for cursor in self.cursors):
-            return None
+        cursors, order = self.cursors, None
+        if cursors and cursors[0].cold:
+            order = cold_remaining(
+                runtime.plan.counts,
+                cursors[0],
+                seed=dataset.seed,
+                epoch=self.epoch,
+                shuffle=dataset.shuffle,
+                drop_last=dataset.drop_last,
+            )
+            cursors = cursors[1:]
         units = node_unit_sequences(
             runtime.plan.counts,
             seed=dataset.seed,
             epoch=self.epoch,
             shuffle=dataset.shuffle,
             window=runtime.window,
-            cursors=self.cursors,
+            cursors=cursors,
             layout=self.layout,
             drop_last=dataset.drop_last,
+            order=order,
         )
         return NodeFuture(reader_name(self.layout), self.epoch, units)
 
