@@ -12,7 +12,14 @@ import numpy as np
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
 from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
-from datacache.loaders.epoch import ReadPlan, initial_prefetch, node_unit_sequences, reader_name
+from datacache.loaders.epoch import (
+    ReadPlan,
+    auto_window,
+    initial_prefetch,
+    node_epoch_sequences,
+    node_unit_sequences,
+    reader_name,
+)
 from datacache.loaders.mixed import mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
@@ -146,7 +153,7 @@ class EpochIterator:
                 shuffle=dataset.shuffle,
                 layout=self.layout,
             )
-            return NodeFuture(reader_name(self.layout), self.epoch, units)
+            return NodeFuture(reader_name(self.layout), self.epoch, units, later=self._next_epoch_units)
         cursors, order = self.cursors, None
         if cursors and cursors[0].cold:
             order = cold_remaining(
@@ -170,6 +177,24 @@ class EpochIterator:
             order=order,
         )
         return NodeFuture(reader_name(self.layout), self.epoch, units)
+
+    def _next_epoch_units(self) -> Mapping[str, tuple[int, ...]] | None:
+        """Every reader's units of the epoch after this cold one, once the cold epoch's counts are all known."""
+        runtime, dataset = self.runtime, self.dataset
+        book = runtime.book
+        if book is not None and not book.complete:
+            return None
+        counts = runtime.plan.counts if book is None else book.counts.copy()
+        window = runtime.window or dataset.shuffle_buffer or auto_window(int(counts.sum()), len(counts))
+        return node_epoch_sequences(
+            counts,
+            seed=dataset.seed,
+            epoch=self.epoch + 1,
+            shuffle=dataset.shuffle,
+            window=window,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+        )
 
     def _start_row(self) -> None:
         row = self._row
