@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from datacache.tiers import ByteRange, open_origin
+from test_loader import write_wds
+
+from datacache.config import load_settings
+from datacache.staging.stager import Stager
+from datacache.staging.types import LOCAL
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -42,3 +51,51 @@ def test_the_get_client_reuses_the_service_model_the_listing_loaded(
     asyncio.run(body())
     models = [path for path in parsed if Path(path).parent.parent.name == "s3" and Path(path).name == "service-2"]
     assert len(models) == 1, f"the S3 service model was parsed {len(models)} times: {models}"
+
+
+@contextlib.contextmanager
+def _held_fsync(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[int]]]:
+    """Hold every ``os.fsync`` until the event is set; each one that gave up waiting is counted."""
+    real = os.fsync
+    release = threading.Event()
+    gave_up: list[int] = []
+
+    def held(fd: int) -> None:
+        if not release.wait(timeout=5):  # bounded: a stager that waits for the disk fails, never hangs
+            gave_up.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", held)
+    try:
+        yield release, gave_up
+    finally:
+        release.set()
+
+
+def test_the_next_transfers_start_while_earlier_copies_are_made_durable(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker hands its shard's verified bytes over and starts the next GET; the fsync goes on
+    behind it. Before, each of the `concurrency` workers waited for its copy's fsync, rename and
+    catalog commit, so the disk's durable rate gated when the next GET could start."""
+    source = tmp_path / "upload"
+    write_wds(source, samples=40, per_shard=10)
+    shards = {path.name: path.read_bytes() for path in sorted(source.glob("*.tar"))}
+    assert len(shards) == 4
+    for name, data in shards.items():
+        s3.put(f"ds/{name}", data)
+    settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local"), "concurrency": "2"})
+
+    async def body(release: threading.Event) -> None:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(s3.url("ds"))
+            early = await asyncio.gather(*(stager.ensure(handle, key, early=True) for key in shards))
+            assert [location.buffer for location in early] == list(shards.values())
+            release.set()
+            durable = await asyncio.gather(*(stager.ensure(handle, key) for key in shards))
+            assert all(location.tier == LOCAL and location.path is not None for location in durable)
+            assert [location.path.read_bytes() for location in durable if location.path] == list(shards.values())
+
+    with _held_fsync(monkeypatch) as (release, gave_up):
+        asyncio.run(body(release))
+    assert not gave_up, f"{len(gave_up)} transfers waited for an earlier copy's fsync before starting"
