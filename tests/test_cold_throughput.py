@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,3 +101,51 @@ def test_the_next_transfers_start_while_earlier_copies_are_made_durable(
     with _held_fsync(monkeypatch) as (release, gave_up):
         asyncio.run(body(release))
     assert not gave_up, f"{len(gave_up)} transfers waited for an earlier copy's fsync before starting"
+
+
+_READ_ONE_EPOCH_AND_EXIT = """
+import os, sys, time
+real = os.fsync
+def slow(fd):
+    time.sleep(0.3)  # sleep-ok: a slow disk, so that copies are still being made durable at exit
+    real(fd)
+os.fsync = slow
+from datacache.loaders import CachedIterableDataset
+from datacache.config import load_settings
+settings = load_settings(overrides={"local_dir": sys.argv[2]})
+dataset = CachedIterableDataset(sys.argv[1], config=settings, batch_size=5, shuffle=False)
+print(sum(len(batch["__key__"]) for batch in dataset))
+"""
+
+
+def test_a_process_leaving_right_after_a_cold_epoch_keeps_the_copies_it_had_received(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """The readers finish on the verified bytes while the copies are still being made durable;
+    exit waits (bounded) for those copies instead of cancelling them, so the next process
+    reads every shard locally rather than from the origin again."""
+    source = tmp_path / "upload"
+    write_wds(source, samples=40, per_shard=10)
+    shards = sorted(path.name for path in source.glob("*.tar"))
+    for name in shards:
+        s3.put(f"ds/{name}", (source / name).read_bytes())
+    local = tmp_path / "local"
+    env = {**cache_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_ONE_EPOCH_AND_EXIT, s3.url("ds"), str(local)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["40"]
+    settings = load_settings(cache_env, overrides={"local_dir": str(local)})
+
+    async def tiers() -> list[str]:
+        async with Stager(settings, reconcile=True) as stager:
+            handle = await stager.open(s3.url("ds"))
+            return [(await stager.locate(handle, key)).tier for key in shards]
+
+    assert asyncio.run(tiers()) == [LOCAL] * len(shards)

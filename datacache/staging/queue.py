@@ -29,6 +29,9 @@ __all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
 
+DURABLE_WAIT = 20.0
+"""Seconds `JobQueue.close` waits for copies whose bytes are all in to become durable."""
+
 # The origin's final answers: asking again gets the same one (the retry policy never retries them).
 _REFUSALS = (ShardNotFoundError, OriginPermissionError)
 
@@ -114,7 +117,7 @@ class JobQueue:
             except asyncio.CancelledError:
                 if task not in self.tails:
                     # Still transferring: abandoned, and cleaned up (its partial file, its
-                    # catalog row) before this worker counts as stopped. Tails are `close`'s.
+                    # catalog row) before this worker counts as stopped. A tail is `close`'s.
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
@@ -153,20 +156,28 @@ class JobQueue:
             if not job.future.done():
                 job.future.set_result(location)
 
-    async def close(self) -> None:
-        """Stop the workers and fail every job still waiting."""
+    async def close(self, *, durable_wait: float = DURABLE_WAIT) -> None:
+        """Stop the workers and fail every job still waiting.
+
+        Transfers still receiving bytes are abandoned (their shards are staged again
+        next time); copies whose bytes are all in are given up to ``durable_wait``
+        seconds to become durable first, so that a process leaving right after an
+        epoch keeps what it read.
+        """
         workers, self.workers = self.workers, []
         for task in workers:
             task.cancel()
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        tails, self.tails = list(self.tails), set()
-        for task in tails:
-            task.cancel()
-        for task in tails:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tails, self.tails = set(self.tails), set()
+        if tails:
+            _, late = await asyncio.wait(tails, timeout=durable_wait)
+            for task in late:
+                task.cancel()
+            for task in late:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for job in self._jobs.values():
             if not job.future.done():
                 job.future.set_exception(DatacacheError("the stager closed before this shard was staged"))
