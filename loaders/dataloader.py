@@ -68,6 +68,7 @@ class _TakenInTurn(Iterator[Any]):
         dataset = loader.dataset
         if not isinstance(dataset, CachedIterableDataset) or loader.batch_size is None:  # pragma: no cover
             raise TypeError("in-process reading needs a CachedIterableDataset and a batch_size")
+        self._dataset = dataset
         self._streams: list[Iterator[Any] | None] = list(dataset._as_workers(loader.num_workers))
         self._batch_size = loader.batch_size
         self._drop_last = loader.drop_last
@@ -89,4 +90,5 @@ class _TakenInTurn(Iterator[Any]):
             self._next = worker + 1
             batch = default_collate(samples)
             return batch if self._pin_device is None else _pin(batch, self._pin_device)
+        self._dataset._done_as_workers()
         raise StopIteration

@@ -32,7 +32,7 @@ from datacache.loaders.readers import SpanCache
 from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
 from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
-from datacache.loaders.units import Runtime
+from datacache.loaders.units import KEEP_RELEASED, Runtime
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
@@ -326,6 +326,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if self.resample:
             raise ConfigError("a resample=True stream is read by DataLoader worker processes, not as workers here")
         runtime = self._prepare()
+        runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
         cursors = self._cursors_for(self._epoch)
         return [
             EpochIterator(self, runtime, self._layout(num_workers, worker), self._epoch, cursors)
@@ -348,6 +349,14 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch, cursors = epoch + 1, ()
 
     # -- resume ---------------------------------------------------------------------------
+
+    def _done_as_workers(self) -> None:
+        """Close the units `_as_workers` readers kept open for each other."""
+        runtime = self._runtime
+        if runtime is not None:
+            runtime.units.keep = 0
+            for reader in runtime.units.close_idle():
+                reader.close()
 
     def state_dict(self, samples_consumed: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
         """A few integers that resume this epoch exactly, on any number of ranks and workers.

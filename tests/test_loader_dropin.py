@@ -22,6 +22,7 @@ from datacache.loaders import CachedIterableDataset, sharedbytes
 from datacache.loaders import DataLoader as DatacacheLoader
 from datacache.loaders.dataloader import in_process_reason
 from datacache.loaders.sharedbytes import RingBytes, SampleRing
+from datacache.loaders.stats import Counter
 from torch.utils.data import DataLoader, default_collate
 
 from datacache.config import Settings
@@ -214,6 +215,23 @@ def test_datacache_dataloader_resumes_exactly_once(big_dataset: tuple[Path, Expe
     again = CachedIterableDataset(str(origin), config=settings, seed=17)
     again.load_state_dict(state)
     assert collect(DataLoader(again, batch_size=batch_size, num_workers=2)) == tail
+
+
+@MORE_WORKERS
+def test_the_datacache_dataloader_opens_each_shard_once_however_many_workers_it_reads_as(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    # In one process, N workers' readers share what is open: each shard is mapped,
+    # verified and indexed once, not once per worker that reads from it.
+    origin, expected = big_dataset
+    shards = len(list(origin.glob("*.tar")))
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=6, shuffle_buffer=10)
+    for epoch, workers in enumerate((1, 3)):
+        dataset.set_epoch(epoch)
+        check_batches(collect(DatacacheLoader(dataset, batch_size=4, num_workers=workers)), expected)
+    rows = dataset._table.table.numpy()[:3]
+    opened = rows[:, [Counter.UNITS_LOCAL, Counter.UNITS_SHARED, Counter.UNITS_ORIGIN]].sum()
+    assert opened == shards, f"{opened} shard opens for {shards} shards read as 3 workers"
 
 
 def test_batches_from_the_datacache_dataloader_stay_valid_while_held(
