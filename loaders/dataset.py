@@ -26,13 +26,14 @@ from datacache.loaders.decode import Compose, Decoder, check_decoder, check_tran
 from datacache.loaders.epoch import auto_window
 from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.mixed import open_handle, open_mix
+from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
 from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
 from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
-from datacache.loaders.units import KEEP_RELEASED, Runtime
+from datacache.loaders.units import Runtime
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread
