@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.openunits import OpenUnits
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     SpanCache,
@@ -70,6 +71,8 @@ class Runtime:
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: Any = None
     """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    units: OpenUnits = field(default_factory=OpenUnits)
+    """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Any = None
     """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
 
@@ -231,8 +234,9 @@ class UnitReaders:
         self._prefetched_until = 0
 
     def close_all(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
+        for unit, reader in self.readers.items():
+            for closing in self.runtime.units.release(unit, reader):
+                closing.close()
         self.readers.clear()
         noter, self._noter = self._noter, None
         if noter is not None:
@@ -297,11 +301,12 @@ class UnitReaders:
         if self._epoch.last_use.get(unit) == position:
             reader = self.readers.pop(unit, None)
             if reader is not None:
-                if pool is not None:
-                    # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
-                    pool.submit(reader.close)
-                else:
-                    reader.close()
+                for closing in self.runtime.units.release(unit, reader):
+                    if pool is not None:
+                        # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
+                        pool.submit(closing.close)
+                    else:
+                        closing.close()
                 if self._future is not None and self._future_told:
                     # Its lease goes now, not at the epoch's end: the room it leaves is what
                     # brings in the shards read next (those of the next epoch, near the end).
@@ -386,7 +391,7 @@ class UnitReaders:
                 return None
             self._opening.add(unit)
             try:
-                reader = self._open(unit)
+                reader = self.runtime.units.acquire(unit, lambda: self._open(unit))
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
                     raise
