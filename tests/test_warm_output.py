@@ -74,7 +74,8 @@ def test_the_summary_says_what_is_resident_and_why_not_the_rest(tmp_path: Path, 
     # Not the whole dataset's size as if resident: what is, out of what was asked.
     assert "2/5 shards resident (200.00 kB of 500.00 kB)" in result.stdout, result.stdout
     reasons = [line for line in result.stderr.splitlines() if line.startswith("datacache: shard ")]
-    assert len(reasons) == 3 and all("the tier is full (200.00 kB of its 250.00 kB)" in r for r in reasons), reasons
+    full = "the local tier is full (200.00 kB of its 250.00 kB)"
+    assert len(reasons) == 3 and all(full in r for r in reasons), reasons
 
 
 def test_one_shard_is_one_shard(tmp_path: Path, cache_env: dict[str, str]) -> None:
