@@ -7,6 +7,7 @@ that is full; `warm --tier local` says the sizes first, in one line.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _helpers import REPO
+from _helpers import REPO, fill_dir, make_shards, run_cli
 from test_loader import write_wds
 
 TRAIN = textwrap.dedent(
@@ -85,3 +86,38 @@ def test_training_says_once_per_dataset_per_process_that_the_local_tier_is_full(
     warned, bypassed = _warned(_train(tmp_path, cache_env, workers))
     assert set(warned) == bypassed, "each process says it for each dataset it bypasses for"
     assert max(warned.values()) == 1, f"said more than once at WARNING: {warned}"
+
+
+def test_warm_bigger_than_the_local_tier_says_the_sizes_in_one_line(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """It printed 10 per-shard 'not kept ... the tier is full' lines and '... and 17 more' first."""
+    origin = fill_dir(tmp_path / "origin", make_shards(40, 30_000))  # 1.2 MB, 3x the tier
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    args = ["warm", str(origin), "--tier", "local", "--local-capacity", "400kB"]
+    result = run_cli(args, env)
+    assert result.returncode == 1, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("datacache:")]
+    assert said[0] == "datacache: dataset 1.20 MB > local capacity 400.00 kB: 13 of 40 shards kept (-v lists the others)"
+    incomplete = "datacache: error: warm incomplete: 27 of 40 shards are not resident on the local tier"  # noqa: E501
+    assert said[1:] == [incomplete], said
+    # The details stay one flag away: every shard not kept, and why.
+    verbose = run_cli([*args, "-v"], env)
+    reasons = [line for line in verbose.stderr.splitlines() if line.startswith("datacache: shard ")]
+    assert len(reasons) == 27 and all("not kept on the local tier: the local tier is full" in r for r in reasons)
+    document = json.loads(run_cli([*args, "--json"], env).stdout.splitlines()[-1])
+    assert len(document["failures"]) == 27, document
+
+
+def test_warm_still_shows_a_shard_that_failed_for_another_reason(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """Only "not kept: no room" goes under -v; a shard that failed is an error the user sees."""
+    origin = fill_dir(tmp_path / "origin", make_shards(4, 30_000))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    args = ["warm", str(origin), "--local-capacity", "70kB"]
+    run_cli([*args, "--shards", "0:1"], env, check=True)  # the manifest is taken; then a shard goes away
+    (origin / "shard-0001.tar").unlink()
+    result = run_cli(args, env)
+    assert result.returncode == 1, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("datacache:")]
+    # (How many fit depends on which shard's room was reserved first: the missing one's, or not.)
+    assert re.fullmatch(r"datacache: dataset 120.00 kB > local capacity 70.00 kB: \d of 4 shards kept .*", said[0])
+    assert len(said) == 3 and said[1].startswith("datacache: shard shard-0001.tar: "), said
+    assert said[2].startswith("datacache: error: warm incomplete: "), said
