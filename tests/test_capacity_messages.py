@@ -96,8 +96,9 @@ def test_warm_bigger_than_the_local_tier_says_the_sizes_in_one_line(tmp_path: Pa
     result = run_cli(args, env)
     assert result.returncode == 1, result.stderr
     said = [line for line in result.stderr.splitlines() if line.startswith("datacache:")]
-    assert said[0] == "datacache: dataset 1.20 MB > local capacity 400.00 kB: 13 of 40 shards kept (-v lists the others)"
-    incomplete = "datacache: error: warm incomplete: 27 of 40 shards are not resident on the local tier"  # noqa: E501
+    sizes = "datacache: dataset 1.20 MB > local capacity 400.00 kB: 13 of 40 shards kept (-v lists the others)"
+    assert said[0] == sizes, said
+    incomplete = "datacache: error: warm incomplete: 27 of 40 shards are not resident on the local tier"
     assert said[1:] == [incomplete], said
     # The details stay one flag away: every shard not kept, and why.
     verbose = run_cli([*args, "-v"], env)
