@@ -268,7 +268,8 @@ class Catalog:
                                 f"{format_bytes(reserve_free)} kept for the catalog and the system)"
                             )
                         else:
-                            where = f"the tier is full ({format_bytes(used)} of its {format_bytes(capacity or 0)})"
+                            held, room = format_bytes(used), format_bytes(capacity or 0)
+                            where = f"the local tier is full ({held} of its {room})"
                         return Reservation(False, reason=f"{where}, and the policy keeps what is resident")
                     victims = [residents[(v.dataset, v.key)] for v in chosen]
                     c.executemany(

@@ -501,8 +501,8 @@ class Stager:
         tier_object = self.local if tier == LOCAL else self.shared
         capacity = tier_object.capacity if tier_object is not None else None
         if capacity is not None:
-            return f"the tier (capacity {format_bytes(capacity)}) holds less than the warm-up asked for"
-        return "the tier's device holds less than the warm-up asked for"
+            return f"the {tier} tier (capacity {format_bytes(capacity)}) holds less than the warm-up asked for"
+        return f"the {tier} tier's device holds less than the warm-up asked for"
 
     async def verify_resident(self, handle: DatasetHandle, shard: Shard, *, tier: str = LOCAL) -> bool:
         """Re-hash a resident copy; drop it if wrong. Return whether it was resident and right."""
