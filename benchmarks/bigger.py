@@ -4,8 +4,10 @@ Run by `benchmarks.run` (``make bench`` / ``make bench-quick``) or alone::
 
     python -m benchmarks.bigger [--quick]
 
-A file:// origin of WebDataset tar shards (with sample counts beside them), one
-shared tier for the cluster, two simulated nodes (each its own local tier),
+WebDataset tar shards without an index in moto's S3 server on 127.0.0.1 (so
+the first epoch is a cold one: whole shards dealt, counted once for the
+cluster; ``--origin file`` and ``--indexed`` for a file:// origin or sample
+counts beside the shards), one shared tier for the cluster, two simulated nodes (each its own local tier),
 each running two ranks (processes, ``RANK``/``WORLD_SIZE`` from the
 environment) with two forked DataLoader workers, 3 epochs. For each policy
 (auto, nothrash, lru) and local tier size (1/2, 1/4 of the dataset), per epoch:
@@ -52,8 +54,8 @@ POLICIES = ("auto", "nothrash", "lru")
 NODES, RANKS_PER_NODE, WORKERS, EPOCHS = 2, 2, 2, 3
 
 
-def _write_dataset(origin: Path, shards: int, per_shard: int, sample_bytes: int) -> int:
-    """Tar shards of ``per_shard`` samples each, and the manifest with their counts; return total bytes."""
+def _write_dataset(origin: Path, shards: int, per_shard: int, sample_bytes: int, *, indexed: bool) -> int:
+    """Tar shards of ``per_shard`` samples each (and, ``indexed``, the manifest with their counts); total bytes."""
     origin.mkdir(parents=True)
     entries = []
     for s in range(shards):
@@ -65,9 +67,21 @@ def _write_dataset(origin: Path, shards: int, per_shard: int, sample_bytes: int)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
         entries.append({"key": path.name, "size": path.stat().st_size, "samples": per_shard})
-    document = {"format_version": 1, "dataset": "bigger", "url": "", "format": "tar", "shards": entries}
-    (origin / "datacache-manifest.json").write_text(json.dumps(document))
+    if indexed:
+        document = {"format_version": 1, "dataset": "bigger", "url": "", "format": "tar", "shards": entries}
+        (origin / "datacache-manifest.json").write_text(json.dumps(document))
     return sum(entry["size"] for entry in entries)
+
+
+def _upload(origin: Path, endpoint: str) -> str:
+    """Put every file of ``origin`` in a bucket of the S3 server at ``endpoint``; the dataset's URL."""
+    from benchmarks._common import boto_client
+
+    client = boto_client(endpoint)
+    client.create_bucket(Bucket="bigger")
+    for path in sorted(origin.iterdir()):
+        client.upload_file(str(path), "bigger", f"ds/{path.name}")
+    return "s3://bigger/ds/"
 
 
 def _rank(spec: dict[str, Any]) -> None:
@@ -97,6 +111,7 @@ def _rank(spec: dict[str, Any]) -> None:
             dataset, batch_size=8, num_workers=WORKERS, multiprocessing_context="fork", worker_init_fn=track
         )
         _train(dataset.timed(loader), target)
+        _write_origin_bytes(spec["origin_log"], spec["node"], epoch, dataset)
         stats = dataset.stats()
         print(
             json.dumps(
@@ -124,16 +139,30 @@ def _track_origin(path: str, node: int, epoch: int, worker_id: int) -> None:
     multiprocessing.util.Finalize(None, _write_origin_bytes, args=(path, node, epoch), exitpriority=100)
 
 
-def _write_origin_bytes(path: str, node: int, epoch: int) -> None:
+_TOLD: dict[int, int] = {}
+"""Origin bytes each stager (by id) has already written to the log."""
+
+
+def _write_origin_bytes(path: str, node: int, epoch: int, dataset: Any = None) -> None:
+    """Append what this process's stager fetched from the origin since it last said (a daemon counts its own).
+
+    Called as each DataLoader worker exits, and by the rank itself after each epoch: a cold
+    epoch counts its shards in the rank's process.
+    """
     from torch.utils.data import get_worker_info
 
     from datacache.stager import Stager
 
-    info = get_worker_info()
-    access = getattr(getattr(info.dataset, "_runtime", None), "access", None) if info is not None else None
-    if isinstance(access, Stager):  # embedded: this worker's own stager (a daemon counts its own)
+    if dataset is None:
+        info = get_worker_info()
+        dataset = info.dataset if info is not None else None
+    access = getattr(getattr(dataset, "_runtime", None), "access", None)
+    if isinstance(access, Stager):
+        total = access.stats().bytes_from_origin
+        told = _TOLD.get(id(access), 0)
+        _TOLD[id(access)] = total
         with open(path, "a") as handle:
-            handle.write(json.dumps({"node": node, "epoch": epoch, "bytes": access.stats().bytes_from_origin}) + "\n")
+            handle.write(json.dumps({"node": node, "epoch": epoch, "bytes": total - told}) + "\n")
 
 
 def _origin_per_node(path: Path) -> list[list[int]]:
@@ -223,7 +252,7 @@ def run_scenario(
     policy: str,
     fraction: float,
     total: int,
-    origin: Path,
+    origin: str,
     mode: str = "embedded",
     target: float = 4e6,
     audit: bool = False,
@@ -251,7 +280,7 @@ def run_scenario(
 
 
 def _run_ranks(
-    run: Path, origin: Path, scenario: dict[str, Any], vanished: Path, *, daemons: bool, extra: dict[str, Any]
+    run: Path, origin: str, scenario: dict[str, Any], vanished: Path, *, daemons: bool, extra: dict[str, Any]
 ) -> dict[str, Any]:
     """Every node's ranks at once (clients of their node's daemon when ``daemons``); per-epoch figures.
 
@@ -264,7 +293,7 @@ def _run_ranks(
         for local_rank in range(RANKS_PER_NODE):
             rank = node * RANKS_PER_NODE + local_rank
             spec = {
-                "origin": str(origin),
+                "origin": origin,
                 "vanished": str(vanished),
                 "node": node,
                 **extra,
@@ -316,8 +345,8 @@ def _table(results: list[dict[str, Any]], shape: dict[str, Any]) -> str:
     daemon = bool(results) and results[0].get("mode") == "daemon"
     mark = DAEMON_MARK if daemon else MARK
     about = (
-        f"{shape['shards']} tar shards of {shape['per_shard']} samples, {shape['total'] / 1e6:.0f} MB, file:// "
-        f"origin; one shared tier; {NODES} simulated nodes (own local tiers) x {RANKS_PER_NODE} ranks x "
+        f"{shape['shards']} tar shards of {shape['per_shard']} samples, {shape['total'] / 1e6:.0f} MB, "
+        f"{shape['origin']}; one shared tier; {NODES} simulated nodes (own local tiers) x {RANKS_PER_NODE} ranks x "
         f"{WORKERS} workers; {EPOCHS} epochs; each rank trains at {shape['target'] / 1e6:.0f} MB/s (a sleep per "
         "batch). Local share = shards read from the local tier at open. Stall = the ranks' time waiting for a "
         "batch over their epoch's time (first batch of each epoch, the workers' start, not counted); reader "
@@ -424,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         help="128: the default shuffle window (256 samples) spans 2 shards, as with real WebDataset shards",
     )
     parser.add_argument("--audit", action="store_true", help="log and summarise every eviction choice")
+    parser.add_argument(
+        "--origin", choices=("s3", "file"), default="s3", help="moto's S3 server on 127.0.0.1 (default), or file://"
+    )
+    parser.add_argument("--indexed", action="store_true", help="sample counts beside the shards (no cold epoch)")
     args = parser.parse_args(argv)
     if args.rank:
         _rank(json.loads(args.rank))
@@ -434,7 +467,36 @@ def main(argv: list[str] | None = None) -> int:
     fractions = (0.5,) if args.quick else (0.5, 0.25)
     work = Path(os.environ.get("DATACACHE_BENCH_WORK", "/tmp/datacache-bench-bigger"))
     shutil.rmtree(work, ignore_errors=True)
-    total = _write_dataset(work / "origin", shards, per_shard, size)
+    total = _write_dataset(work / "origin", shards, per_shard, size, indexed=args.indexed)
+    server = None
+    url = str(work / "origin")
+    if args.origin == "s3":
+        from benchmarks._common import s3_env
+        from benchmarks.warm_vs_awscli import start_s3_server
+
+        server, endpoint = start_s3_server()
+        os.environ.update(s3_env(endpoint))  # the ranks and the daemons inherit it
+        url = _upload(work / "origin", endpoint)
+    try:
+        results = _run_all(work, url, total, fractions, args)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+            if server.stdout is not None:
+                server.stdout.close()
+    default = REPO / "benchmarks" / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
+    about = "un-indexed" if not args.indexed else "indexed"
+    where = "moto's S3 server" if args.origin == "s3" else "a file:// origin"
+    shape = {"shards": shards, "per_shard": per_shard, "total": total, "target": args.target}
+    shape["origin"] = f"{about}, in {where}"
+    write_table(_table(results, shape), args.results or default)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _run_all(work: Path, url: str, total: int, fractions: tuple[float, ...], args: argparse.Namespace) -> list[Any]:
+    """Every policy at every local tier size, one after another; their figures."""
     results = []
     for fraction in fractions:
         for policy in POLICIES:
@@ -444,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                 policy=policy,
                 fraction=fraction,
                 total=total,
-                origin=work / "origin",
+                origin=url,
                 mode=args.mode,
                 target=args.target,
                 audit=args.audit,
@@ -452,11 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = time.monotonic() - started
             print(json.dumps(result), flush=True)
             results.append(result)
-    default = REPO / "benchmarks" / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
-    shape = {"shards": shards, "per_shard": per_shard, "total": total, "target": args.target}
-    write_table(_table(results, shape), args.results or default)
-    (work / "results.json").write_text(json.dumps(results, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    batch at 1x, 4x and 16x the shards, with and without a wids index;
 5c. a weighted mix of three sources (``benchmarks/mixing.py``): throughput
    beside one source, and the realised proportions;
+5d. bigger than the cache (``benchmarks/bigger.py``): an un-indexed dataset in
+   the S3 server, 2 simulated nodes x 2 ranks x 2 workers, per eviction policy,
+   embedded and through one daemon per node;
 6. writes ``benchmarks/RESULTS.md``, ``benchmarks/results.json`` and
    ``benchmarks/throughput.png`` (``RESULTS-quick.md`` etc. for ``--quick``).
 """
@@ -629,8 +632,9 @@ def main() -> None:
     results = Bench(args).run()
     written = write_report(results, args.out)
     log(f"done in {results['seconds']:.0f}s; wrote {', '.join(_shown(p) for p in written)}")
-    log("the bigger-than-the-cache scenario (benchmarks/bigger.py)")
-    bigger.main([*(["--quick"] if args.quick else []), "--results", str(report)])
+    for mode in bigger.MODES:
+        log(f"the bigger-than-the-cache scenario (benchmarks/bigger.py --mode {mode})")
+        bigger.main([*(["--quick"] if args.quick else []), "--mode", mode, "--results", str(report)])
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["JsonFormatter", "RateLimit", "configure_logging"]
+__all__ = ["FirstTime", "JsonFormatter", "RateLimit", "configure_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,6 +59,26 @@ class RateLimit(logging.Filter):
         if len(self._seen) > 4096:  # bounded: forget the oldest templates
             self._seen.pop(next(iter(self._seen)))
         return True
+
+
+class FirstTime:
+    """The level of a notice that is news the first time and expected after: WARNING once per key, then DEBUG.
+
+    One per notice, process-wide: every stager of a process (two dataset objects over one
+    dataset, a ``.map()`` copy, each epoch's runtime) says it once between them. A forked
+    child starts with what its parent had said.
+    """
+
+    def __init__(self) -> None:
+        # No lock: a fork while another thread held one would leave it held in the child;
+        # the worst a race does here is say a notice twice.
+        self._said: set[Hashable] = set()
+
+    def level(self, key: Hashable) -> int:
+        if key in self._said:
+            return logging.DEBUG
+        self._said.add(key)
+        return logging.WARNING
 
 
 def configure_logging(verbosity: int = 0, *, json_format: bool = False, rate_limited: tuple[str, ...] = ()) -> None:

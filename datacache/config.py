@@ -149,6 +149,16 @@ def _path(value: Any, what: str) -> Path:
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+def _directory(value: Any, what: str) -> Path:
+    """A tier's directory: it may not exist yet, but it must be able to (no file where it or a parent is)."""
+    path = _path(value, what)
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        made = "" if existing == path else f"{path} cannot be made: "
+        raise ConfigError(f"{what}: {made}{existing} is a file, not a directory")
+    return path
+
+
 def _boolean(value: Any, what: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -211,9 +221,9 @@ def _uid(value: Any, what: str) -> int:
 
 
 _SETTINGS: dict[str, tuple[str, Any]] = {
-    "local_dir": ("cache", _path),
+    "local_dir": ("cache", _directory),
     "local_capacity": ("cache", _positive_size),
-    "shared_dir": ("cache", _path),
+    "shared_dir": ("cache", _directory),
     "shared_capacity": ("cache", _positive_size),
     "concurrency": ("staging", _positive_int),
     "part_size": ("staging", _positive_size),
@@ -309,6 +319,12 @@ def load_settings(
         loaded_from = path
         document = _read_toml(path)
         for section, table in document.items():
+            if section in _SETTINGS and not isinstance(table, dict):
+                home = _SETTINGS[section][0]
+                raise ConfigError(
+                    f"config file {path}: {section!r} at the top level: it is a setting of [{home}] "
+                    f"(write it under [{home}])"
+                )
             if section not in _SECTIONS:
                 raise ConfigError(f"config file {path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
             if not isinstance(table, dict):

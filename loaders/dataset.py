@@ -16,6 +16,7 @@ import copy
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -252,6 +253,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
         multiprocessing.util.Finalize(runtime, runtime.close, exitpriority=100)
+        # In the main process, atexit handlers run after the thread pools stopped taking work:
+        # the copies still being made durable (fsync, rename) could then only be cancelled, and
+        # read from the origin again next time. The interpreter's hook that runs before the pools
+        # stop lets `close` finish them (bounded, `JobQueue.close`); `close` runs once either way.
+        before_pools_stop = getattr(threading, "_register_atexit", None)
+        if before_pools_stop is not None:
+            before_pools_stop(runtime.close)
         return runtime
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "ReadPlan",
     "auto_window",
     "initial_prefetch",
+    "node_epoch_sequences",
     "node_unit_sequences",
     "plan_epoch",
     "reader_name",
@@ -174,24 +175,50 @@ def node_unit_sequences(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
+    order: IntArray | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
 
     This epoch's remaining units, then the next epoch's, so that eviction near the end of
     an epoch keeps what the next one reads first. Every reader computes the same value.
+    ``order`` replaces this epoch's global order, as in `plan_epoch`.
     """
-    found: dict[str, list[int]] = {}
-    for current, done in ((epoch, cursors), (epoch + 1, ())):
-        order = epoch_order(counts, seed=seed, epoch=current, shuffle=shuffle, window=window)
-        sequence = remaining_sequence(order, done, window)
-        for rank in range(layout.world_size):
-            for worker in range(layout.num_workers):
-                reader = Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk)
-                ids, _ = _reader_ids(sequence, window=window, layout=reader, drop_last=drop_last)
-                unit_of = _units_of(ids, counts)
-                _, first = np.unique(unit_of, return_index=True)
-                found.setdefault(reader_name(reader), []).extend(unit_of[np.sort(first)].tolist())
-    return {name: tuple(units) for name, units in found.items()}
+    if order is None:
+        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    now = _node_epoch(counts, remaining_sequence(order, cursors, window), window, layout, drop_last)
+    following = node_epoch_sequences(
+        counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
+    )
+    return {name: (*now.get(name, ()), *following.get(name, ())) for name in {*now, *following}}
+
+
+def node_epoch_sequences(
+    counts: Sequence[int] | IntArray,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    window: int,
+    layout: Layout,
+    drop_last: bool,
+) -> dict[str, tuple[int, ...]]:
+    """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
+    order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    return _node_epoch(counts, remaining_sequence(order, (), window), window, layout, drop_last)
+
+
+def _node_epoch(
+    counts: Sequence[int] | IntArray, sequence: IntArray, window: int, layout: Layout, drop_last: bool
+) -> dict[str, tuple[int, ...]]:
+    found: dict[str, tuple[int, ...]] = {}
+    for rank in range(layout.world_size):
+        for worker in range(layout.num_workers):
+            reader = Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk)
+            ids, _ = _reader_ids(sequence, window=window, layout=reader, drop_last=drop_last)
+            unit_of = _units_of(ids, counts)
+            _, first = np.unique(unit_of, return_index=True)
+            found[reader_name(reader)] = tuple(unit_of[np.sort(first)].tolist())
+    return found
 
 
 def auto_window(total: int, units: int) -> int:

@@ -10,9 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.coldorder import node_cold_sequences
+from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
-from datacache.loaders.epoch import ReadPlan, initial_prefetch, node_unit_sequences, reader_name
+from datacache.loaders.epoch import (
+    ReadPlan,
+    auto_window,
+    initial_prefetch,
+    node_epoch_sequences,
+    node_unit_sequences,
+    reader_name,
+)
 from datacache.loaders.mixed import mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
@@ -131,12 +138,11 @@ class EpochIterator:
         self._skip_to(0)
         self._units.note_retries()
 
-    def _node_future(self) -> NodeFuture | None:
+    def _node_future(self) -> NodeFuture:
         """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
 
-        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`).
-        None when resuming a cold epoch (what it left is known only to this reader): it then
-        hands over its own order.
+        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`);
+        a resumed one reads what the cold epoch left (`coldorder.cold_remaining`), as its plan does.
         """
         dataset, runtime = self.dataset, self.runtime
         if isinstance(self._plan, ColdEpochPlan):
@@ -147,20 +153,48 @@ class EpochIterator:
                 shuffle=dataset.shuffle,
                 layout=self.layout,
             )
-            return NodeFuture(reader_name(self.layout), self.epoch, units)
-        if any(cursor.cold for cursor in self.cursors):
-            return None
+            return NodeFuture(reader_name(self.layout), self.epoch, units, later=self._next_epoch_units)
+        cursors, order = self.cursors, None
+        if cursors and cursors[0].cold:
+            order = cold_remaining(
+                runtime.plan.counts,
+                cursors[0],
+                seed=dataset.seed,
+                epoch=self.epoch,
+                shuffle=dataset.shuffle,
+                drop_last=dataset.drop_last,
+            )
+            cursors = cursors[1:]
         units = node_unit_sequences(
             runtime.plan.counts,
             seed=dataset.seed,
             epoch=self.epoch,
             shuffle=dataset.shuffle,
             window=runtime.window,
-            cursors=self.cursors,
+            cursors=cursors,
+            layout=self.layout,
+            drop_last=dataset.drop_last,
+            order=order,
+        )
+        return NodeFuture(reader_name(self.layout), self.epoch, units)
+
+    def _next_epoch_units(self) -> Mapping[str, tuple[int, ...]] | None:
+        """Every reader's units of the epoch after this cold one, once the cold epoch's counts are all known."""
+        runtime, dataset = self.runtime, self.dataset
+        book = runtime.book
+        if book is not None and not book.complete:
+            return None
+        counts = runtime.plan.counts if book is None else book.counts.copy()
+        window = runtime.window or dataset.shuffle_buffer or auto_window(int(counts.sum()), len(counts))
+        return node_epoch_sequences(
+            counts,
+            seed=dataset.seed,
+            epoch=self.epoch + 1,
+            shuffle=dataset.shuffle,
+            window=window,
             layout=self.layout,
             drop_last=dataset.drop_last,
         )
-        return NodeFuture(reader_name(self.layout), self.epoch, units)
 
     def _start_row(self) -> None:
         row = self._row

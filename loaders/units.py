@@ -93,6 +93,18 @@ class NodeFuture:
     reader: str
     epoch: int
     units: Mapping[str, tuple[int, ...]]
+    later: Callable[[], Mapping[str, tuple[int, ...]] | None] | None = None
+    """A cold epoch's: the next epoch's units by reader, once its sample counts are all known (else None)."""
+    split: int | None = None
+    """Where this reader's units of the next epoch begin, once `grown` appended them."""
+
+    def grown(self) -> NodeFuture | None:
+        """This future and the next epoch's reads after it, when `later` can say them now (else None)."""
+        more = self.later() if self.later is not None else None
+        if more is None:
+            return None
+        units = {name: (*self.units.get(name, ()), *more.get(name, ())) for name in {*self.units, *more}}
+        return NodeFuture(self.reader, self.epoch, units, split=len(self.units.get(self.reader, ())))
 
     def order(self, plan: UnitPlan) -> FutureOrder:
         """The same future in shard keys, as the stager takes it."""
@@ -103,7 +115,7 @@ class NodeFuture:
 
     def after(self, units_this_epoch: int) -> tuple[int, ...]:
         """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
-        return self.units.get(self.reader, ())[units_this_epoch:]
+        return self.units.get(self.reader, ())[units_this_epoch if self.split is None else self.split :]
 
     def key_positions(self, plan: UnitPlan) -> dict[int, int]:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
@@ -459,9 +471,13 @@ class UnitReaders:
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
-        while self._next_index < len(sequence) and sequence[self._next_index] != unit:
-            self._next_index += 1
+        # A unit met before (a thread opening ahead got further) or not in this reader's sequence
+        # leaves where it stands unchanged. Walking on would leave the sequence's end, and nothing
+        # after it, the next epoch's first units included, would be prefetched.
+        with contextlib.suppress(ValueError):
+            self._next_index = sequence.index(unit, self._next_index)
         depth = self._controller.depth
+        self._grow_future()
         ahead = self._ahead()
         self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + HOLD_AHEAD])
         until = min(len(ahead), self._next_index + 1 + depth)
@@ -486,6 +502,23 @@ class UnitReaders:
         elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
         self._stage_in_order(later)
+
+    def _grow_future(self) -> None:
+        """Append the next epoch's reads to a cold epoch's future as soon as they are known, and say so.
+
+        Until then eviction sees nothing past this epoch: the shards it read first go first,
+        and the next epoch would begin with half of them gone.
+        """
+        future = self._future
+        if future is None or future.later is None:
+            return
+        grown = future.grown()
+        if grown is None:
+            return
+        self._future = grown
+        if self._future_told:
+            runtime = self.runtime
+            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
 
     def _send_prefetch(self) -> None:
         """Queue the held-back prefetches that no note found local."""

@@ -176,3 +176,39 @@ def test_a_cold_epoch_tells_the_stager_where_its_readers_are_in_the_node_future(
     assert [(row.reader, row.epoch) for row in rows] == [("1.0", 0)], "progress in the node's future, by reader name"
     del iterator
     dataset.close()
+
+
+def test_a_resumed_cold_epoch_hands_the_stager_the_whole_node_future(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=120, per_shard=6)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    first = CachedIterableDataset(str(origin), config=settings, seed=3, batch_size=4)
+    iterator = iter(first)
+    for _ in range(3):
+        next(iterator)
+    state = first.state_dict()
+    assert state["cursors"][0]["cold"] is True
+    del iterator
+    first.close()
+
+    # Resumed on another world size: every reader still computes the same node future (what the
+    # cold epoch left, dealt to the new layout), so progress is noted by reader name, not dropped.
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    resumed = CachedIterableDataset(str(origin), config=settings, seed=3, batch_size=4)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    next(iterator)
+
+    async def readers() -> list[ReaderRow]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            return await stager.catalog.readers(handle.id)
+
+    names = {row.reader for row in asyncio.run(readers())}
+    assert "2.0" in names, f"the resumed reader's progress in the node future: {names}"
+    del iterator
+    resumed.close()

@@ -138,6 +138,9 @@ def test_precedence_file_then_environment_then_flags(
         ("[datasets.'../evil']\nurl = 's3://b/x'\n", "dataset name '../evil'"),
         ("[cache\nlocal_dir = 1\n", "config file"),
         ("cache = 3\n", "[cache] must be a table"),
+        # A setting written at the top level said "unknown section [local_dir]": it is a key, of [cache].
+        ('local_dir = "x"\n', "'local_dir' at the top level: it is a setting of [cache] (write it under [cache])"),
+        ("concurrency = 2\n", "'concurrency' at the top level: it is a setting of [staging]"),
         # A bare number would be bytes/s: 10 B/s stalled a new user's warm for minutes, silently.
         ("[staging]\nbandwidth_limit = 10\n", "has no unit; write it as a string with one, e.g. '10MB/s'"),
     ],
@@ -168,6 +171,40 @@ def test_a_url_for_a_tier_directory_is_refused(cache_env: dict[str, str], tmp_pa
     message = str(caught.value)
     assert "expected a directory, got the URL 's3://bucket/cache'" in message
     assert "s3cr3t" not in message
+
+
+@pytest.mark.parametrize("where", ["env", "file", "flag"])
+@pytest.mark.parametrize("inside", [False, True], ids=["the-file", "below-the-file"])
+def test_a_file_for_a_tier_directory_is_refused_naming_the_setting(
+    cache_env: dict[str, str], tmp_path: Path, where: str, inside: bool
+) -> None:
+    """A regular file as DATACACHE_LOCAL_DIR said `error: [Errno 17] File exists: '...'`, naming no setting."""
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "cache" if inside else tmp_path / "a-file"
+    env, path, overrides = dict(cache_env), None, None
+    if where == "env":
+        env["DATACACHE_LOCAL_DIR"] = str(target)
+        named = "DATACACHE_LOCAL_DIR"
+    elif where == "file":
+        path = write_config(tmp_path, f'[cache]\nlocal_dir = "{target}"\n')
+        named = "cache.local_dir"
+    else:
+        overrides = {"local_dir": str(target)}
+        named = "--local-dir"
+    with pytest.raises(ConfigError) as caught:
+        load_settings(env, config_path=path, overrides=overrides)
+    message = str(caught.value)
+    assert named in message and f"{tmp_path / 'a-file'} is a file, not a directory" in message, message
+
+
+def test_the_cli_says_which_setting_names_a_file(cache_env: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "origin").mkdir()
+    result = run_cli(["warm", str(tmp_path / "origin")], {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "a-file")})
+    assert result.returncode != 0
+    assert result.stderr.splitlines() == [
+        f"datacache: error: DATACACHE_LOCAL_DIR: {tmp_path / 'a-file'} is a file, not a directory"
+    ], result.stderr
 
 
 def test_missing_explicit_config_file(cache_env: dict[str, str], tmp_path: Path) -> None:

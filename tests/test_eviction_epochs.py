@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from datacache.loaders import CachedIterableDataset
+from datacache.loaders.coldorder import rank_units
 from datacache.loaders.epoch import plan_epoch
 from datacache.loaders.order import Layout
 from test_loader import write_wds
@@ -149,6 +150,29 @@ def test_each_belady_choice_is_audited_with_every_shards_next_use(
     assert made["victims"] == [["a", None], ["d", 2]]  # never read again first, then the farthest
     assert made["farthest"] is None and made["where"] == {"0.0": 1}
     assert refused["victims"] is None and refused["incoming_next"] == 2 and refused["farthest"] == 1
+
+
+def test_a_cold_epoch_prefetches_the_next_epochs_first_shard_once_its_counts_are_known(tmp_path: Path) -> None:
+    origin, settings, keys = _setup(tmp_path)
+    for index in origin.glob("*.json"):
+        index.unlink()  # no counts beside the shards: epoch 0 is dealt cold
+    # A seed whose next epoch starts with a shard the cold epoch read early: evicted by its end,
+    # it is back before epoch 1 only if the cold epoch's future grew by the next epoch's reads.
+    seed = next(
+        s
+        for s in range(100)
+        if _units(s, 1)[0]
+        in rank_units(SHARDS, seed=s, epoch=0, shuffle=True, world_size=1, rank=0)[: SHARDS // 2].tolist()
+    )
+    dataset = _dataset(origin, settings, seed)
+    dataset.set_epoch(0)
+    read = [_shard_of(sample) for sample in dataset]
+    assert sorted(read) == sorted(u for u in range(SHARDS) for _ in range(PER_SHARD)), "a cold epoch, exactly once"
+    first = keys[_units(seed, 1)[0]]
+    deadline = time.monotonic() + 30
+    while first not in _state(settings)[0]:
+        assert time.monotonic() < deadline, f"{first} was not staged before epoch 1: {_state(settings)[0]}"
+        time.sleep(0.05)  # sleep-ok: polling the catalog for a background transfer, with a deadline
 
 
 def test_a_warm_epoch_asks_the_stager_for_each_shard_about_once(tmp_path: Path) -> None:

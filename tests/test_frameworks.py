@@ -123,6 +123,71 @@ def test_lightning_data_module_resumes_exactly_from_the_trainers_checkpoint(tmp_
         _assert_resumed_exactly(reference[:step], fit(str(checkpoint)), reference)
 
 
+class _Crash(Exception):
+    """What kills the first run of the recipe's script mid-epoch."""
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # lightning 2.6 on torch 2.13's pytree
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`:UserWarning")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.filterwarnings("ignore:The number of training batches .* is smaller than the logging interval")
+# A rerun writes into the folder of the run it resumes: Lightning's notice, not an error.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+def test_lightning_recipe_script_rerun_after_a_crash_resumes_mid_epoch(
+    tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The document's own ``train()``, as written, crashed mid-epoch and run again, resumes mid-epoch.
+
+    Only the origin and the checkpoint interval are changed (a 60-sample dataset has 8 steps per
+    epoch, fewer than the recipe's interval); the rest is the document's text.
+    """
+    pytest.importorskip("lightning", reason="pip install -e '.[lightning]'")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    url = _origin(tmp_path)
+    recipe = _recipe("class CachedDataModule")
+    recipe["ModelCheckpoint"] = lambda **kw: ModelCheckpoint(**{**kw, "every_n_train_steps": 3})
+    for name, value in cache_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DATACACHE_LOCAL_DIR", str(tmp_path / "local"))
+    seen: list[tuple[int, list[str]]] = []
+    crash_at: list[int] = []  # the global step whose batch raises, in the run that crashes
+
+    class Recording(recipe["Model"]):  # type: ignore[misc]
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            if crash_at and self.global_step == crash_at[0]:
+                raise _Crash
+            seen.append((self.current_epoch, list(batch["__key__"])))
+            return super().training_step(batch, batch_idx)
+
+    recipe["Model"] = Recording
+    data_module = recipe["CachedDataModule"]
+    recipe["CachedDataModule"] = lambda _doc_url, **kwargs: data_module(url, **kwargs)
+    train = recipe["train"]  # looks the names above up in the recipe's namespace, so it runs with them
+
+    reference = _in(tmp_path / "reference", monkeypatch, train, seen)
+    assert len(reference) == 16 and reference[-1][0] == 1  # 2 epochs of 8 steps
+    crash_at.append(11)  # steps 9, 10 and 11 are in epoch 1; the last checkpoint is step 9's
+    with pytest.raises(_Crash):
+        _in(tmp_path / "crashed", monkeypatch, train, seen)
+    assert seen == reference[:11]
+    crash_at.clear()
+    resumed = _in(tmp_path / "crashed", monkeypatch, train, seen)  # the rerun, in the same folder
+    assert resumed and resumed[0][0] == 1 and len(resumed) == 16 - 9, "the rerun did not resume from step 9"
+    _assert_resumed_exactly(reference[:9], resumed, reference)
+
+
+def _in(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, train: Any, seen: list[tuple[int, list[str]]]
+) -> list[tuple[int, list[str]]]:
+    """The batches ``train()`` trains on (recorded into ``seen``), run in ``folder``, where it writes runs/."""
+    folder.mkdir(exist_ok=True)
+    monkeypatch.chdir(folder)
+    seen.clear()
+    train()
+    return list(seen)
+
+
 def test_hugging_face_trainer_resumes_exactly_from_its_checkpoint_folders(tmp_path: Path, settings: Settings) -> None:
     pytest.importorskip("transformers", reason="pip install -e '.[hf]'")
     recipe = _recipe("class CachedTrainer")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -135,3 +136,15 @@ def test_an_object_of_unknown_size_is_an_error_never_an_empty_shard(
     assert len(lines) == 1 and lines[0].startswith("datacache: error: "), result.stderr
     assert "size" in lines[0] and "shard-0000.tar" in lines[0] and "Content-Length" in lines[0], lines[0]
     assert cached(tmp_path) == {}
+
+
+def test_an_unreachable_origin_is_a_connection_failure_not_an_empty_dataset(env: dict[str, str]) -> None:
+    """Connection refused said `no objects under http://127.0.0.1:1/x (... empty or does not exist)`."""
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens on it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_cli(["warm", f"http://127.0.0.1:{port}/x/"], env)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("datacache: error: "), result.stderr
+    assert "connection to the origin failed" in lines[0] and "no objects" not in lines[0], lines[0]

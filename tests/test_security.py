@@ -25,7 +25,7 @@ import pytest
 from _daemon import REPO, daemon_env, make_shards, start_daemon, wait_until
 from _helpers import run_cli
 from datacache.tiers import LocalTier, SharedTier, redact_url, validate_key
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datacache.config import Settings, dataset_id_for, load_settings
@@ -272,7 +272,7 @@ def test_symlinks_planted_in_the_shared_tier_are_not_followed(planted: str, tmp_
 REDACTION_INPUT = dict(
     scheme=st.sampled_from(["s3", "gs", "https", "az", "s3a"]),
     user=st.text(
-        st.characters(blacklist_characters="/@ \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0"), min_size=1, max_size=10
+        st.characters(blacklist_characters="/@ \t\n\r\x0b\x0c"), min_size=1, max_size=10
     ),
     password=st.text(st.characters(whitelist_categories=("L", "N")), min_size=6, max_size=16),
     before=st.text(max_size=20),
@@ -282,6 +282,9 @@ REDACTION_INPUT = dict(
 
 @PROPERTY
 @given(**REDACTION_INPUT)
+# Found by `make test-faults`: Unicode whitespace in the userinfo ended the URL before its secret.
+@example(scheme="s3", user="\u2000", password="000000", before="", after="")
+@example(scheme="gs", user="a\xa0b", password="hunter22", before="x", after="\x85")
 def test_redaction_removes_userinfo_from_urls_anywhere_in_a_message(
     scheme: str, user: str, password: str, before: str, after: str
 ) -> None:

@@ -69,12 +69,13 @@ def test_the_first_line_waits_for_a_measured_rate_and_the_last_one_is_final() ->
 def test_the_summary_says_what_is_resident_and_why_not_the_rest(tmp_path: Path, cache_env: dict[str, str]) -> None:
     origin = fill_dir(tmp_path / "origin", make_shards(5, 100_000))
     env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
-    result = run_cli(["warm", str(origin), "--local-capacity", "250kB"], env)
+    result = run_cli(["warm", str(origin), "--local-capacity", "250kB", "-v"], env)  # -v: each shard's reason
     assert result.returncode == 1
     # Not the whole dataset's size as if resident: what is, out of what was asked.
     assert "2/5 shards resident (200.00 kB of 500.00 kB)" in result.stdout, result.stdout
     reasons = [line for line in result.stderr.splitlines() if line.startswith("datacache: shard ")]
-    assert len(reasons) == 3 and all("the tier is full (200.00 kB of its 250.00 kB)" in r for r in reasons), reasons
+    full = "the local tier is full (200.00 kB of its 250.00 kB)"
+    assert len(reasons) == 3 and all(full in r for r in reasons), reasons
 
 
 def test_one_shard_is_one_shard(tmp_path: Path, cache_env: dict[str, str]) -> None:

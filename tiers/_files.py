@@ -30,7 +30,8 @@ __all__ = [
 
 PARTIAL_NAME = re.compile(r"^\..*\.[0-9a-f]{32}\.partial$")
 # A URL inside a message: a scheme, "://", then anything up to whitespace (a secret may hold quotes).
-_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S*")
+# ASCII whitespace ends a URL; any other character (U+2000, NBSP, ...) may be part of a secret in it.
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S*", re.ASCII)
 # "host:port/..." (not "user:secret/with/slash@..."), for schemes whose URLs carry ports.
 _PORT = re.compile(r"^[^:/@]*:\d{1,5}(/|$)")
 # Object stores name a bucket, never a port: a ":" in the bucket part starts a secret.

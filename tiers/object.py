@@ -380,12 +380,20 @@ class ObjectTier(Tier):
         base = self._root
 
         async def find() -> Any:
+            # fsspec's generic walk (http's listing pages) drops a folder it could not list, an
+            # unreachable server included, as if empty: keep what is not "not found", and raise it.
+            failed: list[OSError] = []
+            walk = {"on_error": failed.append} if self._protocol in ("http", "https") else {}
             try:
-                return await fs._find(base, detail=True)
+                found = await fs._find(base, detail=True, **walk)
             except FileNotFoundError as exc:
                 if error_code(exc) == "NoSuchBucket":
                     raise  # a missing bucket is an error; a missing prefix is just empty
                 return {}
+            unreachable = [err for err in failed if not isinstance(err, FileNotFoundError)]
+            if unreachable:
+                raise unreachable[0]
+            return found
 
         found = await self._call(self.url, find)
         for path in sorted(found):

@@ -104,7 +104,8 @@ async def _warm(args: argparse.Namespace) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await ticking
             display.close()
-    _print_warm_report(report, redact_url(dataset.url), args.json)
+    tier = stager.local if args.tier == LOCAL else stager.shared
+    _print_warm_report(report, redact_url(dataset.url), args, tier.capacity if tier is not None else None)
     return 0 if report.complete else 1
 
 
@@ -154,12 +155,18 @@ async def _warm_through(
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
     report = warm_report_from_wire(done)
-    _print_warm_report(report, redact_url(dataset.url), args.json)
+    # The daemon's capacity is its own configuration's, which this process may not share.
+    _print_warm_report(report, redact_url(dataset.url), args, None)
     return 0 if report.complete else 1
 
 
-def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
-    if as_json:
+_NO_ROOM = ("not kept on the ", "evicted from the ")
+"""How the stager's warm says a shard found no room on the tier (``staging/warm.py``), not that it failed."""
+
+
+def _print_warm_report(report: WarmReport, url: str, args: argparse.Namespace, capacity: int | None) -> None:
+    """The summary on stdout; on stderr, why shards are not resident: lack of room in one line, errors each."""
+    if args.json:
         sys.stdout.write(json.dumps(warm_report_to_wire(report, url)) + "\n")
         return
     if report.bytes_transferred == 0 and report.complete:
@@ -177,15 +184,31 @@ def _print_warm_report(report: WarmReport, url: str, as_json: bool) -> None:
         f"warm {url} -> {report.tier}: {report.shards_resident}/{report.shards_requested} shards resident "
         f"({held}){verified}; {moved}\n"
     )
-    for key, error in report.failures[:10]:
+    no_room = [failure for failure in report.failures if failure[1].startswith(_NO_ROOM)]
+    if no_room:
+        # A dataset bigger than the tier is a size to state, not one error per shard.
+        sys.stderr.write(f"datacache: {_no_room_line(report, capacity, whole=args.shards is None)}\n")
+    shown = report.failures if args.verbose else [f for f in report.failures if f not in no_room]
+    limit = len(shown) if args.verbose else 10
+    for key, error in shown[:limit]:
         sys.stderr.write(f"datacache: shard {key}: {error}\n")
-    if len(report.failures) > 10:
-        sys.stderr.write(f"datacache: ... and {len(report.failures) - 10} more failed shards\n")
+    if len(shown) > limit:
+        sys.stderr.write(f"datacache: ... and {len(shown) - limit} more failed shards\n")
     if not report.complete:
         sys.stderr.write(
             f"datacache: error: warm incomplete: {report.shards_requested - report.shards_resident} of "
             f"{report.shards_requested} shards are not resident on the {report.tier} tier\n"
         )
+
+
+def _no_room_line(report: WarmReport, capacity: int | None, *, whole: bool) -> str:
+    """``dataset 122.00 MB > local capacity 40.00 MB: 13 of 40 shards kept (-v lists the others)``."""
+    what = f"{'dataset' if whole else 'the requested shards'} {format_bytes(report.bytes_requested)}"
+    if capacity is not None and report.bytes_requested > capacity:
+        what += f" > {report.tier} capacity {format_bytes(capacity)}"
+    else:  # the tier's room, not its capacity, ran out: other data, or a full device
+        what += f" do not fit in the room left on the {report.tier} tier"
+    return f"{what}: {report.shards_resident} of {report.shards_requested} shards kept (-v lists the others)"
 
 
 def add_parsers(commands: Commands) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from datacache._logging import FirstTime
 from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Reservation
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
@@ -32,6 +33,9 @@ from datacache.units import format_bytes
 __all__ = ["LocalStager", "reserve_for"]
 
 logger = logging.getLogger(__name__)
+
+_BYPASS_SAID = FirstTime()
+"""Datasets this process has said it reads past the local tier for."""
 
 
 class LocalStager:
@@ -59,7 +63,6 @@ class LocalStager:
         self._residency = residency
         self._events = events
         self._lock_waiters = lock_waiters
-        self._bypass_reported = False
 
     async def hit(self, handle: DatasetHandle, shard: Shard, *, touch: bool = True) -> Location | None:
         """The shard's local copy if the catalog has it resident and its file is whole; else None."""
@@ -144,11 +147,10 @@ class LocalStager:
         self._events.count("bypassed")
         self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
         location = await self.next_tier_location(handle, shard)
-        level = logging.WARNING if not self._bypass_reported else logging.DEBUG
-        self._bypass_reported = True
-        logger.log(
-            level, "dataset %s: shard %r is read from the %s tier: %s", handle.id, shard.key, location.tier, reason
-        )
+        # A cache smaller than the dataset is the expected case: news once per dataset and process.
+        level = _BYPASS_SAID.level(handle.id)
+        tier = location.tier
+        logger.log(level, "dataset %s: shard %r is read from the %s tier: %s", handle.id, shard.key, tier, reason)
         return location
 
     async def _transfer_in(

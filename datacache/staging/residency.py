@@ -35,6 +35,7 @@ class _Uses:
     """One `FutureOrder`, indexed: reader -> shard key -> the positions that read it, ascending."""
 
     def __init__(self, order: FutureOrder) -> None:
+        self.order = order
         self.epoch = order.epoch
         self.positions: dict[str, dict[str, list[int]]] = {}
         for reader, keys in order.readers.items():
@@ -61,6 +62,13 @@ def next_uses(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[st
     return found
 
 
+def _extends(known: FutureOrder, order: FutureOrder) -> bool:
+    """Whether ``known`` is ``order`` with more reads after it (the next epoch's), reader by reader."""
+    if known.epoch != order.epoch or known == order:
+        return False
+    return all(known.readers.get(name, ())[: len(keys)] == keys for name, keys in order.readers.items())
+
+
 class Residency:
     """The future reads per dataset (for Belady), and the victim chooser per dataset."""
 
@@ -70,6 +78,9 @@ class Residency:
     def set_future_order(self, dataset_id: str, keys: Iterable[str] | FutureOrder) -> None:
         """Record the node's future reads of ``dataset_id``: a `FutureOrder`, or one plain sequence of keys."""
         order = keys if isinstance(keys, FutureOrder) else FutureOrder(0, {_ANONYMOUS: tuple(keys)})
+        known = self._orders.get(dataset_id)
+        if known is not None and _extends(known.order, order):
+            return  # a reader that does not know the next epoch yet (a cold one's counts): keep the longer
         self._orders[dataset_id] = _Uses(order)
 
     def knows(self, dataset_id: str) -> bool:

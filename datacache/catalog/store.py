@@ -1,11 +1,4 @@
-"""The catalog: what the local tier holds, in SQLite (WAL), shared by every process of a node.
-
-It survives ``kill -9``: each change is one transaction, and `Catalog.reconcile`
-repairs what a killed process left (transfers it never finished, evictions it
-never completed, files that vanished). Every process on the node uses the same
-file; capacity is reserved inside ``BEGIN IMMEDIATE`` transactions, so two
-processes cannot both fill the last free gigabyte.
-"""
+"""The catalog's transactions: datasets, shards, reservations, readers and leases."""
 
 from __future__ import annotations
 
@@ -13,216 +6,32 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-import socket
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from datacache.catalog.rows import (
+    COLUMNS,
+    SQLITE_FULL,
+    CatalogEntry,
+    DatasetRecord,
+    ReaderRow,
+    Reservation,
+    ShardState,
+    entry_from_row,
+    initialise,
+    leased_shards,
+    owner_alive,
+)
 from datacache.errors import TierFullError
 from datacache.eviction import Candidate
 from datacache.units import format_bytes
 
-__all__ = [
-    "CATALOG_ROOM",
-    "Catalog",
-    "CatalogEntry",
-    "DatasetRecord",
-    "ReaderRow",
-    "Reservation",
-    "ShardState",
-    "process_owner",
-]
+__all__ = ["Catalog"]
 
 T = TypeVar("T")
-
-CATALOG_ROOM = 512 << 10
-"""Bytes every reservation leaves free on the local device for the catalog, its WAL and small files."""
-_SQLITE_FULL = 13
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS datasets (
-    id TEXT PRIMARY KEY,
-    url TEXT NOT NULL,
-    policy TEXT NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    snapshot TEXT,
-    format TEXT,
-    shard_count INTEGER,
-    total_bytes INTEGER,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS shards (
-    dataset TEXT NOT NULL,
-    key TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    version TEXT,
-    checksum TEXT,
-    state TEXT NOT NULL,
-    owner TEXT,
-    last_access REAL NOT NULL,
-    staged_at REAL,
-    PRIMARY KEY (dataset, key)
-);
-CREATE INDEX IF NOT EXISTS shards_by_state ON shards (state, last_access);
-CREATE TABLE IF NOT EXISTS readers (
-    dataset TEXT NOT NULL,
-    reader TEXT NOT NULL,
-    owner TEXT NOT NULL,
-    epoch INTEGER NOT NULL,
-    position INTEGER NOT NULL,
-    updated REAL NOT NULL,
-    PRIMARY KEY (dataset, reader)
-);
-CREATE TABLE IF NOT EXISTS leases (
-    dataset TEXT NOT NULL,
-    key TEXT NOT NULL,
-    reader TEXT NOT NULL,
-    owner TEXT NOT NULL,
-    PRIMARY KEY (dataset, key, reader)
-);
-"""
-
-
-class ShardState(StrEnum):
-    """The life of a shard on the local tier (no row means absent).
-
-    Allowed transitions:
-
-    - absent -> ``STAGING``: a transfer begins; its bytes are reserved against capacity.
-    - ``STAGING`` -> ``RESIDENT``: the verified file was renamed into place.
-    - ``STAGING`` -> absent: the transfer failed or was cancelled, or its process died.
-    - ``RESIDENT`` -> ``EVICTING``: chosen as a victim to make room.
-    - ``EVICTING`` -> absent: its file was deleted. Until then no process may reserve it again
-      (a live evictor's row refuses `Catalog.reserve`; a dead one's is taken over).
-    - ``RESIDENT`` -> absent: its file was found missing or corrupt, or evicted by hand.
-    """
-
-    STAGING = "staging"
-    RESIDENT = "resident"
-    EVICTING = "evicting"
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogEntry:
-    """One row of the catalog."""
-
-    dataset: str
-    key: str
-    size: int
-    version: str | None
-    checksum: str | None
-    state: ShardState
-    owner: str | None
-    last_access: float
-
-
-@dataclass(frozen=True, slots=True)
-class DatasetRecord:
-    """A dataset the node has seen."""
-
-    id: str
-    url: str
-    policy: str
-    pinned: bool
-    snapshot: str | None
-    format: str | None
-    shard_count: int | None
-    total_bytes: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """The outcome of asking for room: granted (with victims to delete) or declined."""
-
-    granted: bool
-    victims: tuple[CatalogEntry, ...] = ()
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ReaderRow:
-    """Where one reader of a dataset on this node is: its epoch and its position in its own sequence."""
-
-    reader: str
-    epoch: int
-    position: int
-
-
-def process_owner() -> str:
-    """Identify this process for the rows it writes: ``host:pid``."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _owner_alive(owner: str | None) -> bool:
-    if not owner:
-        return False
-    host, _, pid = owner.rpartition(":")
-    if host != socket.gethostname():
-        return True  # another host's process: cannot tell, assume alive
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        return True
-    return True
-
-
-def _initialise(connection: sqlite3.Connection) -> None:
-    """Switch to WAL and create the tables, however many processes open the file at once.
-
-    Changing the journal mode takes an exclusive lock that SQLite's busy
-    handler does not wait for, so first openers can collide: retry briefly.
-    """
-    for attempt in range(100):
-        try:
-            if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
-            # Keep the WAL small (checkpoint every 64 pages, truncated to half the room): its room
-            # is what reservations leave free on the device (`CATALOG_ROOM`), not 4 MB by default.
-            connection.execute("PRAGMA wal_autocheckpoint=64")
-            connection.execute(f"PRAGMA journal_size_limit={CATALOG_ROOM // 2}")
-            connection.executescript(_SCHEMA)
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-            time.sleep(min(0.5, 0.005 * (attempt + 1)))
-    raise sqlite3.OperationalError("the catalog stayed locked while opening it")
-
-
-def _leased(c: sqlite3.Connection) -> set[tuple[str, str]]:
-    """Shards held by readers whose processes are alive (a dead reader's leases do not count)."""
-    rows = c.execute("SELECT dataset, key, owner FROM leases").fetchall()
-    alive: dict[str, bool] = {}
-    held: set[tuple[str, str]] = set()
-    for dataset, key, owner in rows:
-        if owner not in alive:
-            alive[owner] = _owner_alive(owner)
-        if alive[owner]:
-            held.add((dataset, key))
-    return held
-
-
-def _entry(row: Sequence[Any]) -> CatalogEntry:
-    return CatalogEntry(
-        dataset=row[0],
-        key=row[1],
-        size=row[2],
-        version=row[3],
-        checksum=row[4],
-        state=ShardState(row[5]),
-        owner=row[6],
-        last_access=row[7],
-    )
-
-
-_COLUMNS = "dataset, key, size, version, checksum, state, owner, last_access"
 
 
 class Catalog:
@@ -253,7 +62,7 @@ class Catalog:
             self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
-            _initialise(connection)
+            initialise(connection)
             self._connection = connection
         return self._connection
 
@@ -267,7 +76,7 @@ class Catalog:
         try:
             return await loop.run_in_executor(self._executor, lambda: function(self._connect()))
         except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
                 # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk.
                 raise TierFullError(f"the catalog {self._path} cannot grow: no space left on its device") from exc
             raise
@@ -277,7 +86,7 @@ class Catalog:
         connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
         try:
             connection.execute("PRAGMA busy_timeout=60000")
-            _initialise(connection)
+            initialise(connection)
             return function(connection)
         finally:
             connection.close()
@@ -361,8 +170,8 @@ class Catalog:
 
     async def get(self, dataset: str, key: str) -> CatalogEntry | None:
         def read(c: sqlite3.Connection) -> CatalogEntry | None:
-            row = c.execute(f"SELECT {_COLUMNS} FROM shards WHERE dataset=? AND key=?", (dataset, key)).fetchone()
-            return _entry(row) if row else None
+            row = c.execute(f"SELECT {COLUMNS} FROM shards WHERE dataset=? AND key=?", (dataset, key)).fetchone()
+            return entry_from_row(row) if row else None
 
         return await self._run(read)
 
@@ -375,10 +184,10 @@ class Catalog:
     @staticmethod
     def entries_sync(c: sqlite3.Connection, dataset: str | None = None) -> list[CatalogEntry]:
         if dataset is None:
-            rows = c.execute(f"SELECT {_COLUMNS} FROM shards ORDER BY dataset, key").fetchall()
+            rows = c.execute(f"SELECT {COLUMNS} FROM shards ORDER BY dataset, key").fetchall()
         else:
-            rows = c.execute(f"SELECT {_COLUMNS} FROM shards WHERE dataset=? ORDER BY key", (dataset,)).fetchall()
-        return [_entry(row) for row in rows]
+            rows = c.execute(f"SELECT {COLUMNS} FROM shards WHERE dataset=? ORDER BY key", (dataset,)).fetchall()
+        return [entry_from_row(row) for row in rows]
 
     async def touch(self, dataset: str, key: str) -> None:
         def write(c: sqlite3.Connection) -> None:
@@ -413,7 +222,7 @@ class Catalog:
                 existing = c.execute(
                     "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
                 ).fetchone()
-                if existing is not None and _owner_alive(existing[1]):
+                if existing is not None and owner_alive(existing[1]):
                     if existing[0] == ShardState.STAGING and existing[1] != owner:
                         return Reservation(False, reason=f"being staged by {existing[1]}")
                     if existing[0] == ShardState.EVICTING:
@@ -442,11 +251,11 @@ class Catalog:
                 if need > 0:
                     pinned = {row[0] for row in c.execute("SELECT id FROM datasets WHERE pinned=1")}
                     rows = c.execute(
-                        f"SELECT {_COLUMNS} FROM shards WHERE state=? AND NOT (dataset=? AND key=?)",
+                        f"SELECT {COLUMNS} FROM shards WHERE state=? AND NOT (dataset=? AND key=?)",
                         (ShardState.RESIDENT.value, dataset, key),
                     ).fetchall()
-                    leased = _leased(c)
-                    residents = {(r[0], r[1]): _entry(r) for r in rows if (r[0], r[1]) not in leased}
+                    leased = leased_shards(c)
+                    residents = {(r[0], r[1]): entry_from_row(r) for r in rows if (r[0], r[1]) not in leased}
                     candidates = [
                         Candidate(e.dataset, e.key, e.size, e.last_access, e.dataset in pinned)
                         for e in residents.values()
@@ -459,7 +268,8 @@ class Catalog:
                                 f"{format_bytes(reserve_free)} kept for the catalog and the system)"
                             )
                         else:
-                            where = f"the tier is full ({format_bytes(used)} of its {format_bytes(capacity or 0)})"
+                            held, room = format_bytes(used), format_bytes(capacity or 0)
+                            where = f"the local tier is full ({held} of its {room})"
                         return Reservation(False, reason=f"{where}, and the policy keeps what is resident")
                     victims = [residents[(v.dataset, v.key)] for v in chosen]
                     c.executemany(
@@ -529,14 +339,14 @@ class Catalog:
             with self._transaction(c):
                 if keys is None:
                     rows = c.execute(
-                        f"SELECT {_COLUMNS} FROM shards WHERE dataset=? AND state=?",
+                        f"SELECT {COLUMNS} FROM shards WHERE dataset=? AND state=?",
                         (dataset, ShardState.RESIDENT.value),
                     ).fetchall()
                 else:
                     rows = []
                     for key in keys:
                         row = c.execute(
-                            f"SELECT {_COLUMNS} FROM shards WHERE dataset=? AND key=? AND state=?",
+                            f"SELECT {COLUMNS} FROM shards WHERE dataset=? AND key=? AND state=?",
                             (dataset, key, ShardState.RESIDENT.value),
                         ).fetchone()
                         if row:
@@ -545,7 +355,7 @@ class Catalog:
                     "UPDATE shards SET state=?, owner=? WHERE dataset=? AND key=?",
                     [(ShardState.EVICTING.value, owner, r[0], r[1]) for r in rows],
                 )
-                return [_entry(r) for r in rows]
+                return [entry_from_row(r) for r in rows]
 
         return await self._run(write)
 
@@ -587,7 +397,7 @@ class Catalog:
 
     async def leased(self) -> set[tuple[str, str]]:
         """(dataset, key) of every shard a live reader holds."""
-        return await self._run(_leased)
+        return await self._run(leased_shards)
 
     async def usage(self) -> tuple[int, int]:
         """Bytes and shards held or reserved on the local tier."""
@@ -605,9 +415,9 @@ class Catalog:
 
         def read(c: sqlite3.Connection) -> list[CatalogEntry]:
             rows = c.execute(
-                f"SELECT {_COLUMNS} FROM shards WHERE state IN (?, ?)",
+                f"SELECT {COLUMNS} FROM shards WHERE state IN (?, ?)",
                 (ShardState.STAGING.value, ShardState.EVICTING.value),
             ).fetchall()
-            return [e for e in map(_entry, rows) if not _owner_alive(e.owner)]
+            return [e for e in map(entry_from_row, rows) if not owner_alive(e.owner)]
 
         return await self._run(read)

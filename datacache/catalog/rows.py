@@ -1,0 +1,217 @@
+"""The catalog's rows: its schema, the value types read from it, and who owns a row.
+
+Plain data and the SQL that creates it, so that `datacache.catalog.store`
+holds only the transactions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "CATALOG_ROOM",
+    "COLUMNS",
+    "SQLITE_FULL",
+    "CatalogEntry",
+    "DatasetRecord",
+    "ReaderRow",
+    "Reservation",
+    "ShardState",
+    "entry_from_row",
+    "initialise",
+    "leased_shards",
+    "owner_alive",
+    "process_owner",
+]
+
+CATALOG_ROOM = 512 << 10
+"""Bytes every reservation leaves free on the local device for the catalog, its WAL and small files."""
+SQLITE_FULL = 13
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS datasets (
+    id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    snapshot TEXT,
+    format TEXT,
+    shard_count INTEGER,
+    total_bytes INTEGER,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS shards (
+    dataset TEXT NOT NULL,
+    key TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    version TEXT,
+    checksum TEXT,
+    state TEXT NOT NULL,
+    owner TEXT,
+    last_access REAL NOT NULL,
+    staged_at REAL,
+    PRIMARY KEY (dataset, key)
+);
+CREATE INDEX IF NOT EXISTS shards_by_state ON shards (state, last_access);
+CREATE TABLE IF NOT EXISTS readers (
+    dataset TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (dataset, reader)
+);
+CREATE TABLE IF NOT EXISTS leases (
+    dataset TEXT NOT NULL,
+    key TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    PRIMARY KEY (dataset, key, reader)
+);
+"""
+
+
+class ShardState(StrEnum):
+    """The life of a shard on the local tier (no row means absent).
+
+    Allowed transitions:
+
+    - absent -> ``STAGING``: a transfer begins; its bytes are reserved against capacity.
+    - ``STAGING`` -> ``RESIDENT``: the verified file was renamed into place.
+    - ``STAGING`` -> absent: the transfer failed or was cancelled, or its process died.
+    - ``RESIDENT`` -> ``EVICTING``: chosen as a victim to make room.
+    - ``EVICTING`` -> absent: its file was deleted. Until then no process may reserve it again
+      (a live evictor's row refuses `Catalog.reserve`; a dead one's is taken over).
+    - ``RESIDENT`` -> absent: its file was found missing or corrupt, or evicted by hand.
+    """
+
+    STAGING = "staging"
+    RESIDENT = "resident"
+    EVICTING = "evicting"
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    """One row of the catalog."""
+
+    dataset: str
+    key: str
+    size: int
+    version: str | None
+    checksum: str | None
+    state: ShardState
+    owner: str | None
+    last_access: float
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetRecord:
+    """A dataset the node has seen."""
+
+    id: str
+    url: str
+    policy: str
+    pinned: bool
+    snapshot: str | None
+    format: str | None
+    shard_count: int | None
+    total_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """The outcome of asking for room: granted (with victims to delete) or declined."""
+
+    granted: bool
+    victims: tuple[CatalogEntry, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderRow:
+    """Where one reader of a dataset on this node is: its epoch and its position in its own sequence."""
+
+    reader: str
+    epoch: int
+    position: int
+
+
+def process_owner() -> str:
+    """Identify this process for the rows it writes: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(owner: str | None) -> bool:
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True  # another host's process: cannot tell, assume alive
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def initialise(connection: sqlite3.Connection) -> None:
+    """Switch to WAL and create the tables, however many processes open the file at once.
+
+    Changing the journal mode takes an exclusive lock that SQLite's busy
+    handler does not wait for, so first openers can collide: retry briefly.
+    """
+    for attempt in range(100):
+        try:
+            if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+            # Keep the WAL small (checkpoint every 64 pages, truncated to half the room): its room
+            # is what reservations leave free on the device (`CATALOG_ROOM`), not 4 MB by default.
+            connection.execute("PRAGMA wal_autocheckpoint=64")
+            connection.execute(f"PRAGMA journal_size_limit={CATALOG_ROOM // 2}")
+            connection.executescript(SCHEMA)
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            time.sleep(min(0.5, 0.005 * (attempt + 1)))
+    raise sqlite3.OperationalError("the catalog stayed locked while opening it")
+
+
+def leased_shards(c: sqlite3.Connection) -> set[tuple[str, str]]:
+    """Shards held by readers whose processes are alive (a dead reader's leases do not count)."""
+    rows = c.execute("SELECT dataset, key, owner FROM leases").fetchall()
+    alive: dict[str, bool] = {}
+    held: set[tuple[str, str]] = set()
+    for dataset, key, owner in rows:
+        if owner not in alive:
+            alive[owner] = owner_alive(owner)
+        if alive[owner]:
+            held.add((dataset, key))
+    return held
+
+
+def entry_from_row(row: Sequence[Any]) -> CatalogEntry:
+    return CatalogEntry(
+        dataset=row[0],
+        key=row[1],
+        size=row[2],
+        version=row[3],
+        checksum=row[4],
+        state=ShardState(row[5]),
+        owner=row[6],
+        last_access=row[7],
+    )
+
+
+COLUMNS = "dataset, key, size, version, checksum, state, owner, last_access"

@@ -1,0 +1,202 @@
+"""Taking a manifest: one listing of the origin, the shards picked from it, and the URLs to read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from datacache.config import DatasetConfig
+from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
+from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+
+__all__ = [
+    "OBJECT_KEY",
+    "SIDECAR_CANDIDATES",
+    "detect_format",
+    "object_url",
+    "reading_url",
+    "take_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def detect_format(keys: Iterable[str]) -> ShardFormat:
+    """Guess a dataset's format from its keys: tar shards, Parquet, a Zarr store, or plain files."""
+    keys = list(keys)
+    names = {key.rsplit("/", 1)[-1] for key in keys}
+    if names & {"zarr.json", ".zarray"}:
+        return ShardFormat.ZARR
+    if any(key.endswith(".tar") for key in keys):
+        return ShardFormat.TAR
+    if any(key.endswith(".parquet") for key in keys):
+        return ShardFormat.PARQUET
+    return ShardFormat.FILES
+
+
+def _shard_keys_for(fmt: ShardFormat, infos: list[ObjectInfo]) -> list[ObjectInfo]:
+    if fmt is ShardFormat.TAR:
+        return [info for info in infos if info.key.endswith(".tar")]
+    if fmt is ShardFormat.PARQUET:
+        return [info for info in infos if info.key.endswith(".parquet")]
+    return infos
+
+
+SIDECAR_CANDIDATES = "sidecar_candidates"
+"""In a tar manifest's ``extra``: ``[key, size]`` of each listed object that may be a sample index.
+
+`datacache.indexing` reads the sample indexes from these, so that a cold start lists the origin
+once (a listing costs about a second per thousand objects on some stores).
+"""
+
+
+def _sidecar_candidates(fmt: ShardFormat, infos: list[ObjectInfo]) -> dict[str, Any]:
+    if fmt is not ShardFormat.TAR:
+        return {}
+    found = [[info.key, info.size] for info in infos if info.key.endswith((".json", ".idx"))]
+    return {SIDECAR_CANDIDATES: found}
+
+
+OBJECT_KEY = "object"
+"""In a manifest's ``extra``: the dataset's URL names this one object, read as a key of the URL's parent."""
+
+
+def object_url(url: str) -> tuple[str, str] | None:
+    """``(parent URL, name)`` when ``url`` could name one object (no trailing slash, not a bare bucket)."""
+    if url.endswith("/"):
+        return None
+    rest = url.split("://", 1)[-1]
+    if "/" not in rest.strip("/"):
+        return None
+    parent, _, name = url.rpartition("/")
+    return (parent, name) if name not in ("", ".", "..") else None
+
+
+def reading_url(url: str, manifest: Manifest) -> str:
+    """The URL a dataset's shards are read under: its own, or its parent's when it names one object."""
+    if not manifest.extra.get(OBJECT_KEY):
+        return url
+    split = object_url(url)
+    if split is None:
+        raise ConfigError(f"dataset {manifest.dataset}: its manifest names one object, its URL a prefix")
+    return split[0]
+
+
+def _lists_itself(url: str, infos: list[ObjectInfo]) -> bool:
+    """Whether listing ``url`` found only the object ``url`` names (not a key under it)."""
+    split = object_url(url)
+    if split is None or len(infos) != 1:
+        return False
+    key = infos[0].key.lstrip("/")
+    return key != split[1] and url.endswith("/" + key)
+
+
+async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | None:
+    """The manifest of a dataset whose URL names one object (a shard, a Parquet file), else None."""
+    split = object_url(dataset.url)
+    if split is None:
+        return None
+    name = split[1]
+    try:
+        info = await parent.stat(name)
+    except InvalidKeyError:
+        return None
+    if info is None:
+        return None
+    fmt = ShardFormat(dataset.format) if dataset.format else detect_format([name])
+    shard = Shard(name, info.size, info.version)
+    return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
+
+
+def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: ShardFormat, infos: list[ObjectInfo]) -> None:
+    """Warn when a prefix holds shards of both formats and only one is read.
+
+    Not refused: img2dataset, for one, writes a ``.parquet`` of metadata beside each ``.tar``.
+    """
+    tars = sum(1 for info in infos if info.key.endswith(".tar"))
+    parquets = sum(1 for info in infos if info.key.endswith(".parquet"))
+    if fmt is ShardFormat.TAR and parquets:
+        logger.warning(
+            "dataset %s: %s holds %d .tar and %d .parquet files; reading the .tar shards only "
+            '(set format = "parquet" for the dataset in the config file to read the others)',
+            dataset.name,
+            redact_url(url),
+            tars,
+            parquets,
+        )
+
+
+async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | None = None) -> Manifest:
+    """List ``origin`` once and return the dataset's manifest.
+
+    If the origin holds a ``datacache-manifest.json`` (written by ``datacache
+    shard``) it is used, after checking that every shard it names exists with
+    the recorded size. With ``parent`` (the tier of the URL's parent), a URL
+    that names one object is a dataset of that one shard. Raises
+    `ShardNotFoundError` for a missing or empty bucket or prefix.
+    """
+    started = time.monotonic()
+    infos = [info async for info in origin.list()]
+    if parent is not None and _lists_itself(dataset.url, infos):
+        # Listing a URL that names an object yields that object under its full path.
+        whole = await _single_object(dataset, parent)
+        if whole is not None:
+            return whole
+    if not infos:
+        raise ShardNotFoundError(
+            f"dataset {dataset.name}: no objects under {origin.url} "
+            "(the prefix or directory is empty or does not exist)"
+        )
+    by_key = {info.key: info for info in infos}
+    if MANIFEST_NAME in by_key:
+        raw = await origin.get(MANIFEST_NAME)
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{origin.url}/{MANIFEST_NAME}: not valid JSON ({exc})") from None
+        written = Manifest.from_json(document, f"{origin.url}/{MANIFEST_NAME}")
+        shards = []
+        for shard in written.shards:
+            found = by_key.get(shard.key)
+            if found is None or found.size != shard.size:
+                raise ShardNotFoundError(
+                    f"dataset {dataset.name}: {MANIFEST_NAME} names {shard.key!r} "
+                    f"({shard.size} bytes) but the origin {'lacks it' if found is None else f'has {found.size} bytes'}"
+                )
+            shards.append(Shard(shard.key, shard.size, found.version, shard.checksum, shard.samples))
+        manifest = Manifest(
+            dataset=dataset.id, url=dataset.url, format=written.format, shards=tuple(shards), extra=written.extra
+        )
+    else:
+        fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
+        chosen = _shard_keys_for(fmt, infos)
+        if not dataset.format:
+            _say_what_is_left_out(dataset, origin.url, fmt, infos)
+        if not chosen:
+            raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
+        for info in chosen:
+            # Object stores allow keys such as "a/../../x" or "a//b"; none may become a path.
+            try:
+                validate_key(info.key)
+            except InvalidKeyError as exc:
+                raise InvalidKeyError(f"dataset {dataset.name}: refusing to cache {origin.url}: object {exc}") from None
+        manifest = Manifest(
+            dataset=dataset.id,
+            url=dataset.url,
+            format=fmt,
+            shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
+            extra=_sidecar_candidates(fmt, infos),
+        )
+    logger.info(
+        "listed %s: %d shards, %d bytes, format %s, in %.2fs",
+        origin.url,
+        len(manifest.shards),
+        manifest.total_bytes,
+        manifest.format.value,
+        time.monotonic() - started,
+    )
+    return manifest

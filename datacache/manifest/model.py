@@ -1,0 +1,239 @@
+"""A manifest and its shards: the snapshot of a dataset every epoch reads from, and its JSON form."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from typing import Any
+
+from datacache.errors import ConfigError, ShardNotFoundError
+from datacache.tiers import redact_url, validate_key
+
+__all__ = [
+    "MANIFEST_NAME",
+    "PARQUET_MAX_ROWS_PER_BYTE",
+    "TAR_BLOCK",
+    "Manifest",
+    "Shard",
+    "ShardFormat",
+    "max_samples",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "datacache-manifest.json"
+"""The file ``datacache shard`` writes at the root of its output."""
+
+_FORMAT_VERSION = 1
+
+
+class ShardFormat(StrEnum):
+    """How the samples of a dataset are laid out in its files."""
+
+    TAR = "tar"
+    PARQUET = "parquet"
+    ZARR = "zarr"
+    FILES = "files"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One file of a dataset, as the manifest snapshot recorded it."""
+
+    key: str
+    size: int
+    version: str | None = None
+    checksum: str | None = None
+    samples: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"key": self.key, "size": self.size}
+        for name in ("version", "checksum", "samples"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Shard:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a shard entry must be an object")
+        key = data.get("key")
+        size = data.get("size")
+        if not isinstance(key, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(f"{where}: a shard entry needs a string key and a non-negative integer size")
+        validate_key(key)
+        version = data.get("version")
+        checksum = data.get("checksum")
+        samples = data.get("samples")
+        if version is not None and not isinstance(version, str):
+            raise ConfigError(f"{where}: shard {key!r}: version must be a string")
+        if checksum is not None and not (isinstance(checksum, str) and checksum.startswith("xxh3_64:")):
+            raise ConfigError(f"{where}: shard {key!r}: checksum must look like 'xxh3_64:<hex>'")
+        if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
+            raise ConfigError(f"{where}: shard {key!r}: samples must be a non-negative integer")
+        return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
+
+
+TAR_BLOCK = 512
+"""A tar member takes one header block at least: a tar of N bytes holds at most N // 512 samples."""
+PARQUET_MAX_ROWS_PER_BYTE = 1024
+"""Parquet encodes a constant column in almost nothing (5M rows in 22 KB); more than this is a lie."""
+
+
+def max_samples(fmt: ShardFormat, size: int) -> int | None:
+    """The most samples ``size`` bytes of ``fmt`` can hold (None: no bound from the bytes alone).
+
+    A declared count above it is not backed by bytes: trusting it would let a
+    small file make every reader allocate for billions of samples.
+    """
+    if fmt is ShardFormat.TAR:
+        return size // TAR_BLOCK
+    if fmt is ShardFormat.PARQUET:
+        return max(size, 1) * PARQUET_MAX_ROWS_PER_BYTE
+    if fmt is ShardFormat.FILES:
+        return 1
+    return None
+
+
+def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> tuple[Shard, ...]:
+    """``shards`` with every count their bytes cannot back dropped (counted from the shard itself later)."""
+    checked = []
+    for shard in shards:
+        bound = max_samples(fmt, shard.size)
+        if shard.samples is not None and bound is not None and shard.samples > bound:
+            logger.warning(
+                "%s: shard %r claims %d samples in %d bytes (at most %d); counting them instead",
+                where,
+                shard.key,
+                shard.samples,
+                shard.size,
+                bound,
+            )
+            checked.append(Shard(shard.key, shard.size, shard.version, shard.checksum, None))
+        else:
+            checked.append(shard)
+    return tuple(checked)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A dataset's shards at one moment; an epoch reads one manifest, never two."""
+
+    dataset: str
+    url: str
+    format: ShardFormat
+    shards: tuple[Shard, ...]
+    created: float = field(default_factory=time.time)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def snapshot(self) -> str:
+        """A digest of every shard's key, size and version: equal snapshots, equal data."""
+        digest = hashlib.sha256()
+        for shard in self.shards:
+            digest.update(f"{shard.key}\0{shard.size}\0{shard.version}\n".encode())
+        return digest.hexdigest()[:16]
+
+    @cached_property
+    def _by_key(self) -> dict[str, Shard]:
+        return {shard.key: shard for shard in self.shards}
+
+    def shard(self, key: str) -> Shard:
+        """Return the shard ``key``; raise `ShardNotFoundError` naming the dataset if absent."""
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise ShardNotFoundError(f"dataset {self.dataset}: no shard {key!r} in its manifest") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(shard.size for shard in self.shards)
+
+    @property
+    def total_samples(self) -> int | None:
+        """Sum of the sample counts, or ``None`` if any shard's count is unknown."""
+        counts = [shard.samples for shard in self.shards]
+        if any(count is None for count in counts):
+            return None
+        return sum(count for count in counts if count is not None)
+
+    def select(self, spec: str | None) -> list[Shard]:
+        """Return the shards a ``--shards`` spec names: ``"0:10"`` (indexes), ``"a.tar,b.tar"`` (keys) or all."""
+        if not spec:
+            return list(self.shards)
+        if ":" in spec and all(part.strip().lstrip("-").isdigit() or not part.strip() for part in spec.split(":")):
+            parts = [int(p) if p.strip() else None for p in spec.split(":")]
+            if len(parts) > 3:
+                raise ConfigError(f"--shards {spec!r}: expected START:STOP[:STEP]")
+            return list(self.shards[slice(*parts)])
+        selected = []
+        for key in (k.strip() for k in spec.split(",")):
+            if key:
+                selected.append(self._shard_or_index(key, spec))
+        return selected
+
+    def _shard_or_index(self, key: str, spec: str) -> Shard:
+        """The shard named ``key``; a bare number that names no shard is an index (``--shards 3``)."""
+        if key in self._by_key or not key.lstrip("-").isdigit():
+            return self.shard(key)
+        index = int(key)
+        if not -len(self.shards) <= index < len(self.shards):
+            raise ConfigError(
+                f"--shards {spec}: index {index} is out of range (the dataset has {len(self.shards)} shards)"
+            )
+        return self.shards[index]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": _FORMAT_VERSION,
+            "dataset": self.dataset,
+            "url": redact_url(self.url),
+            "format": self.format.value,
+            "created": self.created,
+            "snapshot": self.snapshot,
+            "extra": dict(self.extra),
+            "shards": [shard.to_json() for shard in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Manifest:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: a manifest must be a JSON object")
+        if data.get("format_version") != _FORMAT_VERSION:
+            raise ConfigError(f"{where}: unsupported manifest format_version {data.get('format_version')!r}")
+        try:
+            fmt = ShardFormat(str(data.get("format")))
+        except ValueError:
+            raise ConfigError(f"{where}: unknown format {data.get('format')!r}") from None
+        shards = data.get("shards")
+        if not isinstance(shards, list):
+            raise ConfigError(f"{where}: 'shards' must be a list")
+        extra = data.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{where}: 'extra' must be an object")
+        parsed = _backed_counts(fmt, tuple(Shard.from_json(entry, where) for entry in shards), where)
+        if len({s.key for s in parsed}) != len(parsed):
+            raise ConfigError(f"{where}: duplicate shard keys")
+        created = data.get("created", 0.0)
+        if not isinstance(created, int | float) or isinstance(created, bool) or not -1e12 < created < 1e12:
+            created = 0.0  # not a timestamp (a huge integer, NaN, infinity): informational only
+        return cls(
+            dataset=str(data.get("dataset", "")),
+            url=str(data.get("url", "")),
+            format=fmt,
+            shards=parsed,
+            created=float(created),
+            extra=extra,
+        )
+
+
+_ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")

@@ -1,0 +1,122 @@
+"""Persisted manifests: this node's own, read back only from trusted files; the shared tier's, written for others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from datacache.errors import DatacacheError, InvalidKeyError
+from datacache.manifest.model import Manifest
+from datacache.tiers import LocalTier, SharedTier, validate_key
+from datacache.tiers._dirfd import Place, read_bounded_stat
+from datacache.tiers._files import atomic_write
+
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "ManifestStore",
+    "default_trusted_uids",
+]
+
+logger = logging.getLogger(__name__)
+
+
+MAX_MANIFEST_BYTES = 1 << 30
+"""A persisted manifest larger than this is not read (about ten million shards)."""
+
+
+def default_trusted_uids() -> frozenset[int]:
+    """Whose files a process trusts without checking them against the origin: itself and root."""
+    return frozenset({os.geteuid(), 0})
+
+
+class ManifestStore:
+    """Persisted manifests, one JSON file per dataset in each given directory.
+
+    The first directory is this node's own (the local tier, private: 0700/0600):
+    only it is read back, and only a regular file owned by a trusted uid, of at
+    most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
+    link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
+    The others (on the shared tier, the group's: 2770/0640) are written for
+    tools and other nodes to inspect, never taken as a snapshot: whoever can
+    write there could name any shards and versions, so each reader takes its
+    own listing of the origin (docs/SECURITY.md).
+    """
+
+    def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
+        if not directories:
+            raise ValueError("ManifestStore needs at least one directory")
+        self._directories = directories
+        self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
+
+    def _place(self, position: int, dataset_id: str) -> Place:
+        validate_key(dataset_id)
+        directory = self._directories[position]
+        dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
+        return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
+
+    def _file_mode(self, position: int) -> int | None:
+        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
+
+    def _read_trusted(self, place: Place) -> bytes | None:
+        """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
+        try:
+            st, raw = read_bounded_stat(place, MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("ignoring manifest %s: %s", place.path, exc)
+            return None
+        if st.st_uid not in self._trusted:
+            logger.warning("ignoring manifest %s: not a file of this user, root or the daemon", place.path)
+            return None
+        return raw
+
+    def _load_sync(self, dataset_id: str) -> Manifest | None:
+        place = self._place(0, dataset_id)
+        raw = self._read_trusted(place)
+        if raw is None:
+            return None
+        try:
+            manifest = Manifest.from_json(json.loads(raw), str(place.path))
+        except (ValueError, DatacacheError) as exc:
+            logger.warning("ignoring unreadable manifest %s: %s", place.path, exc)
+            return None
+        if manifest.dataset != dataset_id:
+            logger.warning("ignoring manifest %s: it describes dataset %r", place.path, manifest.dataset)
+            return None
+        return manifest
+
+    async def load(self, dataset_id: str) -> Manifest | None:
+        """Return the manifest of ``dataset_id`` this node persisted, or ``None``."""
+        return await asyncio.to_thread(self._load_sync, dataset_id)
+
+    async def save(self, manifest: Manifest) -> None:
+        """Persist ``manifest`` atomically in every directory."""
+        encoded = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield encoded
+
+        for position, directory in enumerate(self._directories):
+            place = self._place(position, manifest.dataset)
+            try:
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+            except (OSError, InvalidKeyError) as exc:
+                logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
+
+    async def delete(self, dataset_id: str) -> None:
+        def unlink(place: Place) -> None:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, InvalidKeyError):
+                fd = place.open_parent()
+                try:
+                    os.unlink(place.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+
+        for position in range(len(self._directories)):
+            await asyncio.to_thread(unlink, self._place(position, dataset_id))

@@ -1,0 +1,124 @@
+"""A dataset bigger than the local tier: what training and `datacache warm` say about it.
+
+A cache smaller than the dataset is the expected case, so the reason a shard is
+read from the next tier is said once per dataset per process, naming the tier
+that is full; `warm --tier local` says the sizes first, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _helpers import REPO, fill_dir, make_shards, run_cli
+from test_loader import write_wds
+
+TRAIN = textwrap.dedent(
+    """\
+    import logging, sys
+    from torch.utils.data import DataLoader
+    from datacache.loaders import CachedIterableDataset
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(process)d %(levelname)s %(message)s")
+    logging.getLogger("datacache.staging.local").setLevel(logging.DEBUG)  # the repeats too, to count them
+    datasets = [CachedIterableDataset(url, seed=1) for url in sys.argv[2:]]
+    for epoch in range(2):
+        for ds in datasets:
+            ds.set_epoch(epoch)
+            for batch in DataLoader(ds, batch_size=4, num_workers=int(sys.argv[1])):
+                pass
+    """
+)
+
+
+def _train(tmp_path: Path, cache_env: dict[str, str], workers: int) -> list[str]:
+    """The lines saying a shard bypassed the local tier, over two epochs of two datasets.
+
+    Each dataset is 3x the tier's capacity; one is read through two objects.
+    """
+    origins = [tmp_path / name for name in ("a", "b")]
+    for origin in origins:
+        write_wds(origin, samples=80, per_shard=10)  # 8 shards
+    size = sum(p.stat().st_size for p in origins[0].glob("*.tar"))
+    env = {
+        **cache_env,
+        "DATACACHE_LOCAL_DIR": str(tmp_path / "local"),
+        "DATACACHE_LOCAL_CAPACITY": str(size // 3),
+        "PYTHONPATH": str(REPO),
+    }
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    result = subprocess.run(
+        # "a" twice: two dataset objects over one dataset in one process (a copy, a .map()) say it once too.
+        [sys.executable, str(script), str(workers), *map(str, [origins[0], *origins])],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if " is read from the " in line]
+    assert said, f"no process said why shards were read from the next tier:\n{result.stderr}"
+    # (A shard another worker is staging is read from the next tier too, saying so.)
+    full = [line for line in said if "tier is full" in line]
+    named = re.compile(r"the local tier is full \([\d.]+ \w?B of its [\d.]+ \w?B\)")
+    assert full and all(named.search(line) for line in full), said
+    return said
+
+
+def _warned(said: list[str]) -> tuple[Counter[tuple[str, str]], set[tuple[str, str]]]:
+    """(process, dataset) -> WARNING lines; and every (process, dataset) that bypassed at all."""
+
+    def who(line: str) -> tuple[str, str]:
+        return line.split(maxsplit=1)[0], line.split("dataset ", 1)[1].split(":", maxsplit=1)[0]
+
+    return Counter(who(line) for line in said if " WARNING " in line), {who(line) for line in said}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_says_once_per_dataset_per_process_that_the_local_tier_is_full(
+    tmp_path: Path, cache_env: dict[str, str], workers: int
+) -> None:
+    """Said several times per epoch per process, as "the tier is full" (which tier?)."""
+    warned, bypassed = _warned(_train(tmp_path, cache_env, workers))
+    assert set(warned) == bypassed, "each process says it for each dataset it bypasses for"
+    assert max(warned.values()) == 1, f"said more than once at WARNING: {warned}"
+
+
+def test_warm_bigger_than_the_local_tier_says_the_sizes_in_one_line(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """It printed 10 per-shard 'not kept ... the tier is full' lines and '... and 17 more' first."""
+    origin = fill_dir(tmp_path / "origin", make_shards(40, 30_000))  # 1.2 MB, 3x the tier
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    args = ["warm", str(origin), "--tier", "local", "--local-capacity", "400kB"]
+    result = run_cli(args, env)
+    assert result.returncode == 1, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("datacache:")]
+    sizes = "datacache: dataset 1.20 MB > local capacity 400.00 kB: 13 of 40 shards kept (-v lists the others)"
+    assert said[0] == sizes, said
+    incomplete = "datacache: error: warm incomplete: 27 of 40 shards are not resident on the local tier"
+    assert said[1:] == [incomplete], said
+    # The details stay one flag away: every shard not kept, and why.
+    verbose = run_cli([*args, "-v"], env)
+    reasons = [line for line in verbose.stderr.splitlines() if line.startswith("datacache: shard ")]
+    assert len(reasons) == 27 and all("not kept on the local tier: the local tier is full" in r for r in reasons)
+    document = json.loads(run_cli([*args, "--json"], env).stdout.splitlines()[-1])
+    assert len(document["failures"]) == 27, document
+
+
+def test_warm_still_shows_a_shard_that_failed_for_another_reason(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """Only "not kept: no room" goes under -v; a shard that failed is an error the user sees."""
+    origin = fill_dir(tmp_path / "origin", make_shards(4, 30_000))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    args = ["warm", str(origin), "--local-capacity", "70kB"]
+    run_cli([*args, "--shards", "0:1"], env, check=True)  # the manifest is taken; then a shard goes away
+    (origin / "shard-0001.tar").unlink()
+    result = run_cli(args, env)
+    assert result.returncode == 1, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("datacache:")]
+    # (How many fit depends on which shard's room was reserved first: the missing one's, or not.)
+    assert re.fullmatch(r"datacache: dataset 120.00 kB > local capacity 70.00 kB: \d of 4 shards kept .*", said[0])
+    assert len(said) == 3 and said[1].startswith("datacache: shard shard-0001.tar: "), said
+    assert said[2].startswith("datacache: error: warm incomplete: "), said
