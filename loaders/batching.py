@@ -25,8 +25,8 @@ from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
+from datacache.loaders.runtime import Units
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import Units
 
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat

@@ -37,7 +37,7 @@ from datacache.loaders.epoch import ReadPlan, auto_window, plan_epoch
 from datacache.loaders.order import Cursor, Layout, worker_positions
 from datacache.loaders.plan import save_plan
 from datacache.loaders.readers import Unit, UnitPlan
-from datacache.loaders.units import Runtime
+from datacache.loaders.runtime import Runtime
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess

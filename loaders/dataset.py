@@ -32,9 +32,9 @@ from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
 from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
+from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
-from datacache.loaders.units import Runtime
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache._sync import LoopThread

@@ -25,9 +25,10 @@ from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import TarReader, sample_of
+from datacache.loaders.runtime import NodeFuture, Runtime, Units
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code
-from datacache.loaders.units import NodeFuture, Runtime, UnitReaders, Units
+from datacache.loaders.units import UnitReaders
 from torch.utils.data import get_worker_info
 
 from datacache.access import ThroughputReporter

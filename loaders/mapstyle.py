@@ -28,9 +28,10 @@ from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import EpochPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
+from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import Runtime, UnitReaders
+from datacache.loaders.units import UnitReaders
 from datacache.tiers import redact_url
 from torch.utils.data import Dataset
 

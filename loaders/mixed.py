@@ -23,8 +23,8 @@ from datacache.loaders.mixing import mixed_order, source_counts
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
+from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import SourceSpec
-from datacache.loaders.units import Runtime
 from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread

@@ -19,7 +19,8 @@ from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.mixed import Mix
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
-from datacache.loaders.units import Runtime, UnitReaders
+from datacache.loaders.runtime import Runtime
+from datacache.loaders.units import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
 

@@ -8,7 +8,7 @@ from typing import Any
 from datacache.loaders.iterator import ITERATOR_MARK
 from datacache.loaders.mixed import Mix
 from datacache.loaders.order import Cursor
-from datacache.loaders.units import Runtime
+from datacache.loaders.runtime import Runtime
 
 __all__ = ["STATE_VERSION", "find_iterator_states", "identity", "state_from_iterators"]
 

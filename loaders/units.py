@@ -14,38 +14,32 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.openunits import OpenUnits
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
-    SpanCache,
     TarReader,
-    UnitPlan,
     UnitReader,
     hash_buffer,
     map_file,
     open_unit_reader,
 )
+from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url
 
-from datacache._sync import LoopThread
 from datacache.access import ShardAccess
-from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, FutureOrder, Location, ReaderProgress, Stager
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Location, ReaderProgress, Stager
 
-__all__ = ["HOLD_AHEAD", "NodeFuture", "Runtime", "UnitReaders", "Units"]
+__all__ = ["HOLD_AHEAD", "UnitReaders"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,109 +47,6 @@ HOLD_AHEAD = 4
 """Units after the one being opened that a reader's note leases (and maps later without asking).
 
 Few: a held shard cannot be evicted, and every reader of the node holds its own."""
-
-
-@dataclass
-class Runtime:
-    """What one process opened for a dataset; never pickled."""
-
-    pid: int
-    loop: LoopThread
-    settings: Settings
-    access: ShardAccess
-    handle: DatasetHandle
-    plan: UnitPlan
-    window: int
-    closed: bool = False
-    spans: SpanCache = field(default_factory=SpanCache)
-    """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
-    book: Any = None
-    """The `coldplan.CountBook` while some shard's sample count is unknown."""
-    units: OpenUnits = field(default_factory=OpenUnits)
-    """Units open in this process, shared by its readers (`OpenUnits`)."""
-    mix: Any = None
-    """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
-
-    def close(self) -> None:
-        if self.pid != os.getpid() or self.closed:
-            return
-        self.closed = True
-        try:
-            self.loop.run(self.access.close(), timeout=30)
-        finally:
-            self.loop.close()
-
-
-@dataclass(frozen=True)
-class NodeFuture:
-    """The node's future reads (every reader's units, from `epoch.node_unit_sequences`) and this reader's name."""
-
-    reader: str
-    epoch: int
-    units: Mapping[str, tuple[int, ...]]
-    later: Callable[[], Mapping[str, tuple[int, ...]] | None] | None = None
-    """A cold epoch's: the next epoch's units by reader, once its sample counts are all known (else None)."""
-    split: int | None = None
-    """Where this reader's units of the next epoch begin, once `grown` appended them."""
-
-    def grown(self) -> NodeFuture | None:
-        """This future and the next epoch's reads after it, when `later` can say them now (else None)."""
-        more = self.later() if self.later is not None else None
-        if more is None:
-            return None
-        units = {name: (*self.units.get(name, ()), *more.get(name, ())) for name in {*self.units, *more}}
-        return NodeFuture(self.reader, self.epoch, units, split=len(self.units.get(self.reader, ())))
-
-    def order(self, plan: UnitPlan) -> FutureOrder:
-        """The same future in shard keys, as the stager takes it."""
-        return FutureOrder(
-            self.epoch,
-            {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
-        )
-
-    def after(self, units_this_epoch: int) -> tuple[int, ...]:
-        """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
-        return self.units.get(self.reader, ())[units_this_epoch if self.split is None else self.split :]
-
-    def key_positions(self, plan: UnitPlan) -> dict[int, int]:
-        """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
-        found: dict[int, int] = {}
-        position = 0
-        for unit in self.units.get(self.reader, ()):
-            found.setdefault(unit, position)
-            position += len(plan.units[unit].keys)
-        return found
-
-
-class Units(Protocol):
-    """What walking a plan needs of the units it reads: `UnitReaders`, or `mixunits.MixedUnitReaders`."""
-
-    runtime: Runtime
-
-    @property
-    def skipped_why(self) -> dict[int, str]: ...
-
-    @property
-    def staged_bytes(self) -> float: ...
-
-    @property
-    def staging_seconds(self) -> float: ...
-
-    def restart(self, produced: int) -> None: ...
-
-    def close_all(self) -> None: ...
-
-    def note_retries(self) -> None: ...
-
-    def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None: ...
-
-    def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None: ...
-
-    def reader_at(self, position: int) -> UnitReader | None: ...
-
-    def reader_for(self, unit: int) -> UnitReader | None: ...
-
-    def url_of(self, reader: UnitReader) -> str: ...
 
 
 class UnitReaders:
