@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.nextepoch import NextEpochStaging
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     TarReader,
@@ -37,7 +38,7 @@ from datacache.tiers import redact_url
 from datacache.access import ShardAccess
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Location, ReaderProgress, Stager
+from datacache.stager import DatasetHandle, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "UnitReaders"]
 
@@ -105,15 +106,10 @@ class UnitReaders:
         self._future_told = False
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
-        self._later: list[str] = []
-        self._later_lock = threading.Lock()
-        self._chain: concurrent.futures.Future[None] | None = None
-        """The one task staging the next epoch's keys in order (`_stage_in_order`)."""
+        self._next_epoch = NextEpochStaging(runtime)
         self._noter: concurrent.futures.ThreadPoolExecutor | None = None
         """The thread that sends the notes dropping released units' leases (`_release_soon`)."""
         self._release_pending = False
-        self._staged_next: set[str] = set()
-        """Next-epoch keys that task found local: not asked again (each ask is a catalog write)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -324,41 +320,7 @@ class UnitReaders:
             now = [key for key in now if key not in self._local]  # found local (and leased) by a note
         if now:
             self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
-        self._stage_in_order(later)
-
-    def _stage_in_order(self, keys: list[str]) -> None:
-        """Stage the next epoch's ``keys`` one after another, the soonest first, in one task per reader.
-
-        Started together, a later one could take the room the first needs while it is still
-        being written (not evictable), and the first would find none.
-        """
-        with self._later_lock:
-            keys = [key for key in keys if key not in self._staged_next]
-            if not keys:
-                return
-            self._later = keys  # the task running takes the newest list when it is done with its own
-            if self._chain is None or self._chain.done():
-                self._chain = self.runtime.loop.submit(self._stage_later())
-
-    async def _stage_later(self) -> None:
-        access, handle = self.runtime.access, self.runtime.handle
-        while True:
-            with self._later_lock:  # never `_note_lock`: its holder waits on this loop
-                keys, self._later = self._later, []
-            if not keys:
-                return
-            for key in keys:
-                with self._later_lock:
-                    if key in self._staged_next:  # in an older list too, and found local there
-                        continue
-                try:
-                    location = await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
-                except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
-                    logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
-                    continue
-                if location.tier == "local":  # declined ones (no room yet) are asked again as room frees
-                    with self._later_lock:
-                        self._staged_next.add(key)
+        self._next_epoch.stage(later)
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence
@@ -392,7 +354,7 @@ class UnitReaders:
             self._unsent.extend(keys)
         elif keys:
             runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
-        self._stage_in_order(later)
+        self._next_epoch.stage(later)
 
     def _grow_future(self) -> None:
         """Append the next epoch's reads to a cold epoch's future as soon as they are known, and say so.
