@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -9,7 +10,7 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["FirstTime", "JsonFormatter", "RateLimit", "configure_logging"]
+__all__ = ["FirstFew", "FirstTime", "JsonFormatter", "RateLimit", "configure_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -79,6 +80,37 @@ class FirstTime:
             return logging.DEBUG
         self._said.add(key)
         return logging.WARNING
+
+
+class FirstFew:
+    """A notice that may come thousands of times (a skipped sample): the first few at WARNING, then a count.
+
+    The first ``first`` are logged in full; the last of them says that later ones are
+    counted (``count_in``, where the user reads the total) and logged at DEBUG, with one
+    WARNING line every ``every`` giving the number so far.
+    """
+
+    def __init__(self, what: str, count_in: str, *, first: int = 5, every: int = 1000) -> None:
+        self.what, self.count_in, self.first, self.every = what, count_in, first, every
+        self._seen = itertools.count(1)  # next() is atomic: reader threads may share one
+
+    def log(self, logger: logging.Logger, message: str, *args: object) -> None:
+        seen = next(self._seen)
+        if seen > self.first:
+            logger.debug(message, *args)
+            if seen % self.every == 0:
+                logger.warning("%s: %d so far in this process (%s)", self.what, seen, self.count_in)
+            return
+        logger.warning(message, *args)
+        if seen == self.first:
+            logger.warning(
+                "%s: the first %d are logged above; later ones are counted in %s (each logged at DEBUG, "
+                "and the number so far every %d)",
+                self.what,
+                seen,
+                self.count_in,
+                self.every,
+            )
 
 
 def configure_logging(verbosity: int = 0, *, json_format: bool = False, rate_limited: tuple[str, ...] = ()) -> None:

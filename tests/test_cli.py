@@ -29,8 +29,10 @@ from _helpers import (
     run_cli,
     wait_for,
 )
+from datacache.loaders import CachedIterableDataset
 
-from datacache.config import dataset_id_for
+from datacache.config import Settings, dataset_id_for
+from datacache.errors import ShardNotFoundError
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -255,6 +257,21 @@ def test_warm_takes_the_loaders_brace_pattern(tmp_path: Path, env: dict[str, str
     ]
     bad = run_cli(["warm", f"{origin}/shard-{{0000..}}.tar"], env)
     assert bad.returncode != 0 and "a pattern is" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_warm_names_a_pattern_that_matches_no_shard_as_the_loader_does(
+    tmp_path: Path, env: dict[str, str], settings: Settings
+) -> None:
+    """It said `no shard 'shard-0100.tar' in its manifest`; the README says the error names the pattern."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 20_000))
+    for pattern in (f"{origin}/shard-{{0100..0101}}.tar", f"{origin}/shard-{{0001..0004}}.tar"):
+        result = run_cli(["warm", pattern], env)
+        assert result.returncode != 0
+        loader = CachedIterableDataset(pattern, config=settings)
+        with pytest.raises(ShardNotFoundError) as caught:
+            next(iter(loader))
+        assert result.stderr.splitlines() == [f"datacache: error: {caught.value}"], result.stderr
+        assert pattern in result.stderr
 
 
 def test_truncated_local_shard_is_noticed_without_verify(
