@@ -301,6 +301,9 @@ def test_changed_origin_object_fails_then_refresh_restages(
     result = run_cli(["warm", s3.url("ds")], s3_env)
     assert result.returncode == 1
     assert "changed at the origin" in result.stderr
+    # What to do about it, in the same line: the user's fix was a new snapshot.
+    changed = next(line for line in result.stderr.splitlines() if "changed at the origin" in line)
+    assert "datacache warm --refresh" in changed, changed
     assert "warm incomplete: 1 of 2 shards" in result.stderr
     dataset = dataset_id_for(s3.url("ds"))
     assert "shard-0001.tar" not in resident_files(local_data(tmp_path) / dataset)
