@@ -76,11 +76,13 @@ def import_streaming() -> Any:
 # -- datacache ---------------------------------------------------------------------------------
 
 
-def datacache_loader(ctx: Context, *, drop_in: bool = False) -> Loader:
+def datacache_loader(ctx: Context, *, drop_in: bool = False, ours: bool = False) -> Loader:
     """Batch mode (the dataset batches, fields as `PackedBytes`), or with ``drop_in`` the form users
-    start with: per-sample dicts that the DataLoader batches with its ``default_collate``."""
+    start with: per-sample dicts that the DataLoader batches with its ``default_collate``; with
+    ``ours`` as well, the same script with ``from datacache.loaders import DataLoader``."""
     from datacache.loaders import CachedIterableDataset
-    from torch.utils.data import DataLoader
+    from datacache.loaders import DataLoader as Ours
+    from torch.utils.data import DataLoader as Torch
 
     from datacache.config import load_settings
 
@@ -89,6 +91,7 @@ def datacache_loader(ctx: Context, *, drop_in: bool = False) -> Loader:
     dataset = CachedIterableDataset(
         ctx.dataset, batch_size=batch_size, config=settings, shuffle=True, seed=SHUFFLE_SEED
     )
+    DataLoader = Ours if ours else Torch
     loader = DataLoader(dataset, batch_size=ctx.batch_size if drop_in else None, num_workers=ctx.num_workers)
     per_rank = -(-ctx.expected // ctx.world)
 
@@ -288,10 +291,15 @@ def datacache_dropin_loader(ctx: Context) -> Loader:
     return datacache_loader(ctx, drop_in=True)
 
 
+def datacache_dataloader(ctx: Context) -> Loader:
+    return datacache_loader(ctx, drop_in=True, ours=True)
+
+
 FACTORIES: dict[str, Callable[[Context], Loader]] = {
     "dataloader-ceiling": ceiling_loader,
     "datacache": datacache_loader,
     "datacache-dropin": datacache_dropin_loader,
+    "datacache-dataloader": datacache_dataloader,
     "webdataset": webdataset_loader,
     "fsspec-filecache": fsspec_loader,
     "mosaicml-streaming": mosaic_loader,

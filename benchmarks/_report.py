@@ -16,8 +16,16 @@ from benchmarks import cold_start, mixing
 REFERENCE = "datacache-inprocess"
 WORKERS_REFERENCE = "datacache-workers"
 DROPIN = "datacache-dropin"
-MODES = {DROPIN: "drop-in, 2 workers", REFERENCE: "in-process", WORKERS_REFERENCE: "2 workers"}
+DROPIN_LOADER = "datacache-dataloader"
+DROPINS = (DROPIN_LOADER, DROPIN)
+MODES = {
+    DROPIN_LOADER: "drop-in, datacache.loaders.DataLoader",
+    DROPIN: "drop-in, 2 workers",
+    REFERENCE: "in-process",
+    WORKERS_REFERENCE: "2 workers",
+}
 GOALS = {
+    DROPIN_LOADER: {"best anchor warm": 2.0, "ceiling": 1.5, "best anchor cold": 1.2},
     DROPIN: {"best anchor warm": 2.0, "ceiling": 1.5, "best anchor cold": 1.2},
     REFERENCE: {"best anchor warm": 3.0, "ceiling": 1.0, "best anchor cold": 1.0},
     WORKERS_REFERENCE: {"best anchor warm": 3.0, "ceiling": 1.0, "best anchor cold": 1.0},
@@ -75,7 +83,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     get = _limit(results, "s3_get_ceiling")
     durable = _limit(results, "durable_write")
     ceiling = _median(loaders.get("dataloader-ceiling"), "warm")
-    for key in (DROPIN, REFERENCE, WORKERS_REFERENCE):
+    for key in (*DROPINS, REFERENCE, WORKERS_REFERENCE):
         entry = loaders.get(key)
         if entry is None:
             continue
@@ -99,7 +107,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
 
-        if key != DROPIN:
+        if key not in DROPINS:
             add("warm epoch / plain read (readinto)", warm, readinto, 0.5)
         add(
             "warm epoch / best anchor warm",
@@ -110,7 +118,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
         add("warm epoch / no-I/O DataLoader ceiling", warm, ceiling, goals["ceiling"], "past the ceiling")
         _dropin_against_batch(add, key, loaders)
-        if key == DROPIN:
+        if key in DROPINS:
             add(
                 "cold epoch / best anchor cold",
                 cold,
@@ -191,7 +199,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     training = results.get("training", {})
-    for key in (DROPIN, REFERENCE, WORKERS_REFERENCE):
+    for key in (*DROPINS, REFERENCE, WORKERS_REFERENCE):
         entry = training.get(key)
         if not entry or "worst_stall_fraction" not in entry:
             continue
@@ -221,8 +229,8 @@ def _dropin_against_batch(add: Any, key: str, loaders: dict[str, Any]) -> None:
     dropin, batch = loaders.get(DROPIN), loaders.get(WORKERS_REFERENCE)
     if dropin is None or batch is None:
         return
-    if key == DROPIN:
-        add("cold epoch / batch mode cold (2 workers)", _median(dropin, "cold"), _median(batch, "cold"), 0.9)
+    if key in DROPINS:
+        add("cold epoch / batch mode cold (2 workers)", _median(loaders.get(key), "cold"), _median(batch, "cold"), 0.9)
     else:
         add(
             "warm epoch / drop-in warm",
@@ -268,8 +276,10 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         f"`torch.utils.data.DataLoader` with batch size {results['batch_size']} and "
         f"`num_workers={results['num_workers']}`, shuffling, and its consumer copies every byte it receives into a "
         "preallocated buffer and counts samples; `torch.set_num_threads(1)` in every consumer. "
-        "datacache runs three ways: drop-in (`DataLoader(CachedIterableDataset(url), batch_size=64, "
+        "datacache runs four ways: drop-in (`DataLoader(CachedIterableDataset(url), batch_size=64, "
         "num_workers=2)`, per-sample dicts batched by the DataLoader's `default_collate`: what users start with), "
+        "the same with one import changed (`from datacache.loaders import DataLoader`: the same batches, read "
+        "in the training process), "
         "batch mode with the same 2 worker processes as the anchors, and batch mode in its recommended "
         "in-process mode (`num_workers=0`, 2 reader threads inside the training process). Cold = empty cache, "
         "data in S3; warm = the next epoch, cache full (hot page cache). MB = 10^6 bytes. "

@@ -14,7 +14,8 @@ What it does, all against one local S3 server (moto, 127.0.0.1):
    s3fs ``get``, ``datacache warm``, plain reads of the cached files
    (``readinto``, ``cat``), and a DataLoader with 2 workers doing no I/O;
 3. runs every loader through a DataLoader (batch 64, 2 workers; datacache
-   three ways: drop-in, per-sample dicts the DataLoader batches; batch mode
+   four ways: drop-in, per-sample dicts the DataLoader batches, with torch's
+   DataLoader and with ``datacache.loaders.DataLoader``; batch mode
    with 2 workers; batch mode in-process), one cold epoch (empty cache) and one warm
    epoch, each in a fresh process, repeated; every consumer copies every
    byte and counts samples;
@@ -79,6 +80,14 @@ class LoaderRun:
 
 def loader_runs() -> list[LoaderRun]:
     return [
+        LoaderRun(
+            "datacache-dataloader",
+            "datacache-dataloader",
+            NUM_WORKERS,
+            f"datacache drop-in, one import changed: datacache.loaders.DataLoader(ds, batch_size={BATCH_SIZE}, "
+            f"num_workers={NUM_WORKERS})",
+            False,
+        ),
         LoaderRun(
             "datacache-dropin",
             "datacache-dropin",

@@ -158,6 +158,7 @@ class FailoverAccess:
         self._down_until: float | None = None
         self._down = False
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
+        self._closing = False
         self.failovers = 0
         self.reconnects = 0
 
@@ -189,6 +190,11 @@ class FailoverAccess:
             try:
                 result = await call(self.primary)
             except DaemonUnavailableError as exc:
+                if self._closing:
+                    # This process closed its own connections under the request (a DataLoader
+                    # worker leaving at its epoch's end, its prefetches in flight): the daemon
+                    # is fine, and nothing here needs the answer any more.
+                    raise
                 if not self._down:
                     self.failovers += 1
                     logger.warning(
@@ -287,6 +293,7 @@ class FailoverAccess:
             logger.debug("the daemon is unreachable: throughput report dropped")
 
     async def close(self) -> None:
+        self._closing = True
         await self.primary.close()
         if self._fallback is not None:
             fallback, self._fallback = self._fallback, None

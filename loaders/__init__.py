@@ -5,6 +5,7 @@ This is the only package of datacache that imports torch.
 
 from __future__ import annotations
 
+from datacache.loaders.dataloader import DataLoader
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import DECODERS, basic_decoders
 from datacache.loaders.mapstyle import CachedMapDataset
@@ -16,6 +17,7 @@ __all__ = [
     "DECODERS",
     "CachedIterableDataset",
     "CachedMapDataset",
+    "DataLoader",
     "LoaderStats",
     "PackedBytes",
     "Source",

@@ -16,6 +16,7 @@ import copy
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from datacache.loaders.decode import Compose, Decoder, check_decoder, check_tran
 from datacache.loaders.epoch import auto_window
 from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.mixed import open_handle, open_mix
+from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
@@ -251,6 +253,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
         multiprocessing.util.Finalize(runtime, runtime.close, exitpriority=100)
+        # In the main process, atexit handlers run after the thread pools stopped taking work:
+        # the copies still being made durable (fsync, rename) could then only be cancelled, and
+        # read from the origin again next time. The interpreter's hook that runs before the pools
+        # stop lets `close` finish them (bounded, `JobQueue.close`); `close` runs once either way.
+        before_pools_stop = getattr(threading, "_register_atexit", None)
+        if before_pools_stop is not None:
+            before_pools_stop(runtime.close)
         return runtime
 
     def close(self) -> None:
@@ -300,22 +309,38 @@ class CachedIterableDataset(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         runtime = self._prepare()
         info = get_worker_info()
-        rank, world = self._rank_world()
-        layout = Layout(
-            world_size=world,
-            rank=rank,
-            num_workers=info.num_workers if info is not None else 1,
-            worker=info.id if info is not None else 0,
-            chunk=self.batch_size or 1,
-        )
+        layout = self._layout(info.num_workers if info is not None else 1, info.id if info is not None else 0)
         epoch = self._table.epoch if info is not None else self._epoch
-        cursors = self._cursors if (self._resume_epoch is None or self._resume_epoch == epoch) else ()
+        cursors = self._cursors_for(epoch)
         if self.resample:
             return self._endless(runtime, layout, epoch, cursors)
         iterator = EpochIterator(self, runtime, layout, epoch, cursors)
         if info is None:
             self._main_iterator = iterator
         return iterator
+
+    def _layout(self, num_workers: int, worker: int) -> Layout:
+        rank, world = self._rank_world()
+        return Layout(world_size=world, rank=rank, num_workers=num_workers, worker=worker, chunk=self.batch_size or 1)
+
+    def _cursors_for(self, epoch: int) -> tuple[Cursor, ...]:
+        return self._cursors if (self._resume_epoch is None or self._resume_epoch == epoch) else ()
+
+    def _as_workers(self, num_workers: int) -> list[EpochIterator]:
+        """This epoch as ``num_workers`` DataLoader workers would each read it, read in this process.
+
+        Iterator ``i`` yields exactly the samples, in the same order, that worker ``i`` of a
+        DataLoader with ``num_workers`` workers would (`dataloader.DataLoader` batches them).
+        """
+        if self.resample:
+            raise ConfigError("a resample=True stream is read by DataLoader worker processes, not as workers here")
+        runtime = self._prepare()
+        runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
+        cursors = self._cursors_for(self._epoch)
+        return [
+            EpochIterator(self, runtime, self._layout(num_workers, worker), self._epoch, cursors)
+            for worker in range(num_workers)
+        ]
 
     def _endless(self, runtime: Runtime, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
         """Epoch after epoch from ``epoch`` on (``resample=True``); the main process's epoch follows."""
@@ -333,6 +358,14 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch, cursors = epoch + 1, ()
 
     # -- resume ---------------------------------------------------------------------------
+
+    def _done_as_workers(self) -> None:
+        """Close the units `_as_workers` readers kept open for each other."""
+        runtime = self._runtime
+        if runtime is not None:
+            runtime.units.keep = 0
+            for reader in runtime.units.close_idle():
+                reader.close()
 
     def state_dict(self, samples_consumed: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
         """A few integers that resume this epoch exactly, on any number of ranks and workers.

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.openunits import OpenUnits
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import (
     SpanCache,
@@ -70,6 +71,8 @@ class Runtime:
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: Any = None
     """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    units: OpenUnits = field(default_factory=OpenUnits)
+    """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Any = None
     """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
 
@@ -215,6 +218,11 @@ class UnitReaders:
         self._later_lock = threading.Lock()
         self._chain: concurrent.futures.Future[None] | None = None
         """The one task staging the next epoch's keys in order (`_stage_in_order`)."""
+        self._noter: concurrent.futures.ThreadPoolExecutor | None = None
+        """The thread that sends the notes dropping released units' leases (`_release_soon`)."""
+        self._release_pending = False
+        self._staged_next: set[str] = set()
+        """Next-epoch keys that task found local: not asked again (each ask is a catalog write)."""
         self.staged_bytes = 0.0
         self.staging_seconds = 0.0
 
@@ -226,9 +234,13 @@ class UnitReaders:
         self._prefetched_until = 0
 
     def close_all(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
+        for unit, reader in self.readers.items():
+            for closing in self.runtime.units.release(unit, reader):
+                closing.close()
         self.readers.clear()
+        noter, self._noter = self._noter, None
+        if noter is not None:
+            noter.shutdown(wait=True)  # its last note before the final one
         with self._note_lock:
             self._leased.clear()
             self._local.clear()
@@ -289,11 +301,12 @@ class UnitReaders:
         if self._epoch.last_use.get(unit) == position:
             reader = self.readers.pop(unit, None)
             if reader is not None:
-                if pool is not None:
-                    # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
-                    pool.submit(reader.close)
-                else:
-                    reader.close()
+                for closing in self.runtime.units.release(unit, reader):
+                    if pool is not None:
+                        # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
+                        pool.submit(closing.close)
+                    else:
+                        closing.close()
                 if self._future is not None and self._future_told:
                     # Its lease goes now, not at the epoch's end: the room it leaves is what
                     # brings in the shards read next (those of the next epoch, near the end).
@@ -301,9 +314,35 @@ class UnitReaders:
                     # next ones drops it (at most `HOLD_AHEAD` units later): no round trip now.
                     with self._note_lock:
                         later = bool(self._leased)
-                    if not later:
-                        self._note_progress(None)
-                    self._prefetch_again()
+                    if later:
+                        self._prefetch_again()
+                    else:
+                        self._release_soon()
+
+    def _release_soon(self) -> None:
+        """Drop released units' leases, then ask again for room, on a helper thread.
+
+        A note is a round trip through the stager to the catalog (a write): the
+        reader does not wait for it. Notes queued while one is pending are one note:
+        each takes the holdings as they are when it is sent.
+        """
+        with self._note_lock:
+            if self._release_pending:
+                return
+            self._release_pending = True
+            if self._noter is None:
+                self._noter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datacache-note")
+            noter = self._noter
+        noter.submit(self._release_now)
+
+    def _release_now(self) -> None:
+        with self._note_lock:
+            self._release_pending = False
+        try:
+            self._note_progress(None)
+            self._prefetch_again()
+        except Exception as exc:  # the next note (a unit opened, the epoch's end) drops the leases
+            logger.debug("%s: dropping released leases failed: %s", self._where, exc)
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
         """Open (map and verify) on ``submit`` the units first used in ``[begin, horizon)``.
@@ -352,7 +391,7 @@ class UnitReaders:
                 return None
             self._opening.add(unit)
             try:
-                reader = self._open(unit)
+                reader = self.runtime.units.acquire(unit, lambda: self._open(unit))
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
                     raise
@@ -390,6 +429,8 @@ class UnitReaders:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
             now, later = self._keys_ahead(self._next_index + 1, self._prefetched_until)
+        with self._note_lock:
+            now = [key for key in now if key not in self._local]  # found local (and leased) by a note
         if now:
             self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
         self._stage_in_order(later)
@@ -400,9 +441,10 @@ class UnitReaders:
         Started together, a later one could take the room the first needs while it is still
         being written (not evictable), and the first would find none.
         """
-        if not keys:
-            return
         with self._later_lock:
+            keys = [key for key in keys if key not in self._staged_next]
+            if not keys:
+                return
             self._later = keys  # the task running takes the newest list when it is done with its own
             if self._chain is None or self._chain.done():
                 self._chain = self.runtime.loop.submit(self._stage_later())
@@ -415,10 +457,17 @@ class UnitReaders:
             if not keys:
                 return
             for key in keys:
+                with self._later_lock:
+                    if key in self._staged_next:  # in an older list too, and found local there
+                        continue
                 try:
-                    await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
+                    location = await access.ensure(handle, key, priority=PRIORITY_PREFETCH)
                 except (DatacacheError, OSError) as exc:  # met again, and reported, when the shard is opened
                     logger.debug("dataset %s: prefetching %r failed: %s", handle.id, key, exc)
+                    continue
+                if location.tier == "local":  # declined ones (no room yet) are asked again as room frees
+                    with self._later_lock:
+                        self._staged_next.add(key)
 
     def _advance_prefetch(self, unit: int) -> None:
         sequence = self._sequence

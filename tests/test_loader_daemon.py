@@ -7,6 +7,8 @@ import collections
 import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from _daemon import DaemonProcess, start_daemon
@@ -146,5 +148,42 @@ def test_progress_locates_only_shards_of_a_dataset_the_caller_opened(tmp_path: P
             assert code in (400, 404) and reply["error"]["code"] in ("invalid_key", "not_found", "bad_request"), reply
         code, reply = daemon.request("POST", "/v1/progress", {**body, "dataset": "someone-elses-0123456789abcdef"})
         assert code == 409 and reply["error"]["code"] == "unknown_dataset", reply
+    finally:
+        daemon.stop()
+
+
+_EPOCHS_SCRIPT = """
+import sys
+from torch.utils.data import DataLoader
+from datacache.loaders import CachedIterableDataset
+dataset = CachedIterableDataset(sys.argv[1], seed=2, shuffle_buffer=16)
+for epoch in range(3):
+    dataset.set_epoch(epoch)
+    count = sum(len(batch["__key__"]) for batch in DataLoader(dataset, batch_size=8, num_workers=2))
+    print(epoch, count, dataset.stats().mode, flush=True)
+"""
+
+
+def test_workers_leaving_at_an_epochs_end_do_not_report_a_live_daemon_unreachable(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    # Each epoch's workers close their client while their prefetches of the next epoch are in
+    # flight: those requests end with the connection, which is not the daemon going away.
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=96, per_shard=8, with_counts=True)
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _EPOCHS_SCRIPT, str(origin)],
+            env={**daemon.env, "PYTHONWARNINGS": "ignore::UserWarning"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split() == [str(x) for e in range(3) for x in (e, len(expected), "daemon")]
+        assert "unreachable" not in run.stderr, run.stderr[-2000:]
+        assert daemon.process.poll() is None
     finally:
         daemon.stop()

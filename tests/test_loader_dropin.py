@@ -9,6 +9,7 @@ the training loop must still get exactly what a plain DataLoader gives: plain
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -18,7 +19,10 @@ import pytest
 import torch
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, sharedbytes
+from datacache.loaders import DataLoader as DatacacheLoader
+from datacache.loaders.dataloader import in_process_reason
 from datacache.loaders.sharedbytes import RingBytes, SampleRing
+from datacache.loaders.stats import Counter
 from torch.utils.data import DataLoader, default_collate
 
 from datacache.config import Settings
@@ -144,6 +148,104 @@ def test_resume_with_workers_is_exact_through_the_rings(big_dataset: tuple[Path,
     resumed.load_state_dict(state)
     tail = collect(DataLoader(resumed, batch_size=batch_size, num_workers=2))
     check_batches(head + tail, expected)
+
+
+# -- datacache.loaders.DataLoader: torch's, reading raw samples in the training process ----------
+
+MORE_WORKERS = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@MORE_WORKERS
+@pytest.mark.parametrize(("batch_size", "num_workers", "drop_last"), [(8, 2, False), (7, 3, True), (64, 2, False)])
+def test_datacache_dataloader_yields_exactly_what_torchs_yields(
+    big_dataset: tuple[Path, Expected], settings: Settings, batch_size: int, num_workers: int, drop_last: bool
+) -> None:
+    origin, expected = big_dataset
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=5)
+    ours = DatacacheLoader(dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    assert in_process_reason(ours) is None
+    plain = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    for epoch in (0, 1):
+        dataset.set_epoch(epoch)
+        got = []
+        for batch in ours:
+            assert not multiprocessing.active_children(), "read in the training process: no worker started"
+            got.append(batch)
+        want = collect(plain)
+        # The same batches: samples, grouping per worker, the workers' turns, types.
+        assert got == want
+        assert [{k: [type(v) for v in vs] for k, vs in b.items()} for b in got] == [
+            {k: [type(v) for v in vs] for k, vs in b.items()} for b in want
+        ]
+        if not drop_last:
+            check_batches(got, expected)
+
+
+def test_datacache_dataloader_falls_back_to_workers_where_they_may_be_needed(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    origin, _ = big_dataset
+
+    def collate(samples: list[dict[str, Any]]) -> list[str]:
+        return [s["__key__"] for s in samples]
+
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=5)
+    custom = DatacacheLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate)
+    assert in_process_reason(custom) == "a collate_fn"
+    assert collect(custom) == collect(DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate))
+    decoded = CachedIterableDataset(str(origin), config=settings, seed=5, decode="basic")
+    assert in_process_reason(DatacacheLoader(decoded, batch_size=8, num_workers=2)) == "a decoder or transform"
+    batched = CachedIterableDataset(str(origin), config=settings, seed=5, batch_size=8)
+    assert in_process_reason(DatacacheLoader(batched, batch_size=None, num_workers=2)) == "batch_size=None"
+
+
+def test_datacache_dataloader_resumes_exactly_once(big_dataset: tuple[Path, Expected], settings: Settings) -> None:
+    origin, expected = big_dataset
+    batch_size, steps = 8, 5
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=17)
+    iterator = iter(DatacacheLoader(dataset, batch_size=batch_size, num_workers=2))
+    head = [next(iterator) for _ in range(steps)]
+    del iterator
+    state = dataset.state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)
+    resumed = CachedIterableDataset(str(origin), config=settings, seed=17)
+    resumed.load_state_dict(state)
+    tail = collect(DatacacheLoader(resumed, batch_size=batch_size, num_workers=2))
+    check_batches(head + tail, expected)
+    # And the same state resumes torch's DataLoader, with worker processes, on the same samples.
+    again = CachedIterableDataset(str(origin), config=settings, seed=17)
+    again.load_state_dict(state)
+    assert collect(DataLoader(again, batch_size=batch_size, num_workers=2)) == tail
+
+
+@MORE_WORKERS
+def test_the_datacache_dataloader_opens_each_shard_once_however_many_workers_it_reads_as(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    # In one process, N workers' readers share what is open: each shard is mapped,
+    # verified and indexed once, not once per worker that reads from it.
+    origin, expected = big_dataset
+    shards = len(list(origin.glob("*.tar")))
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=6, shuffle_buffer=10)
+    for epoch, workers in enumerate((1, 3)):
+        dataset.set_epoch(epoch)
+        check_batches(collect(DatacacheLoader(dataset, batch_size=4, num_workers=workers)), expected)
+    rows = dataset._table.table.numpy()[:3]
+    opened = rows[:, [Counter.UNITS_LOCAL, Counter.UNITS_SHARED, Counter.UNITS_ORIGIN]].sum()
+    assert opened == shards, f"{opened} shard opens for {shards} shards read as 3 workers"
+
+
+def test_batches_from_the_datacache_dataloader_stay_valid_while_held(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    origin, expected = big_dataset
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=9)
+    loader = DatacacheLoader(dataset, batch_size=4, num_workers=2)
+    held = []
+    for epoch in range(3):  # each epoch's shards are unmapped when it ends
+        dataset.set_epoch(epoch)
+        held.append(collect(loader))
+    for batches in held:
+        check_batches(batches, expected)
 
 
 # -- the ring itself ------------------------------------------------------------------------------

@@ -96,7 +96,19 @@ def sync_client_like(fs: Any, *, max_pool_connections: int) -> Any:
         client_kwargs = {k: v for k, v in client_kwargs.items() if k not in secrets}
         config_kwargs["signature_version"] = UNSIGNED
     session = botocore.session.Session(**dict(fs.kwargs)) if fs.kwargs else botocore.session.get_session()
+    # The service model and endpoint rules that ``fs``'s session parsed already (100-250 ms of
+    # JSON, on a cold epoch's path before its first byte): parsed once, not once per client.
+    loader = _data_loader(fs)
+    if loader is not None:
+        session.register_component("data_loader", loader)
     return session.create_client("s3", config=botocore.config.Config(**config_kwargs), **init_kwargs, **client_kwargs)
+
+
+def _data_loader(fs: Any) -> Any:
+    """The botocore data loader of ``fs``'s session (None before its session is set)."""
+    session = getattr(fs, "session", None)
+    get_component = getattr(session, "get_component", None)
+    return get_component("data_loader") if get_component is not None else None
 
 
 class ThreadedGet:

@@ -5,6 +5,12 @@ with a smaller priority number is queued again, and the stale entry skipped.
 A shard the origin refused for good (missing, or forbidden) is remembered until
 it is staged, so that prefetches stop asking the origin for it again; a reader
 still asks (and so sees the error, or the shard once it is back).
+
+A worker stays with a local-tier job only until its bytes are in and verified
+(`serve_early`): making the copy durable (fsync, rename, catalog) goes on
+behind it while it starts the next transfer, at most ``concurrency`` such
+tails at once. Otherwise the disk's durable rate would decide when the next
+GET may start, and a cold epoch would be bound by it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, Staging
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
+
+DURABLE_WAIT = 20.0
+"""Seconds `JobQueue.close` waits for copies whose bytes are all in to become durable."""
 
 # The origin's final answers: asking again gets the same one (the retry policy never retries them).
 _REFUSALS = (ShardNotFoundError, OriginPermissionError)
@@ -48,9 +57,10 @@ class JobQueue:
         self._queue: asyncio.PriorityQueue[tuple[float, int, Job]] = asyncio.PriorityQueue()
         self._sequence = itertools.count()
         self._refused: set[_Ident] = set()
-        self.workers = [
-            asyncio.create_task(self._worker(), name=f"datacache-stager-{i}") for i in range(concurrency)
-        ]
+        self._concurrency = concurrency
+        self.tails: set[asyncio.Task[None]] = set()
+        """Jobs whose bytes are in, still being made durable, that no worker waits for."""
+        self.workers = [asyncio.create_task(self._worker(), name=f"datacache-stager-{i}") for i in range(concurrency)]
 
     @property
     def depth(self) -> int:
@@ -101,32 +111,73 @@ class JobQueue:
     async def _worker(self) -> None:
         while True:
             job = await self._next_job()
+            task = asyncio.create_task(self._complete(job))
             try:
-                location = await self._run(job)
+                await self._until_transferred(job, task)
             except asyncio.CancelledError:
-                if not job.future.done():
-                    job.future.set_exception(DatacacheError("the stager stopped before this shard was staged"))
+                if task not in self.tails:
+                    # Still transferring: abandoned, and cleaned up (its partial file, its
+                    # catalog row) before this worker counts as stopped. A tail is `close`'s.
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 raise
-            except Exception as exc:
-                self._events.count("failures")
-                if isinstance(exc, _REFUSALS):
-                    self._refused.add((job.handle.id, job.shard.key, job.tier))
-                self._events.emit(StagingEvent("failed", job.handle.id, job.shard.key, job.tier, error=str(exc)))
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            else:
-                self._refused.discard((job.handle.id, job.shard.key, job.tier))
-                if not job.future.done():
-                    job.future.set_result(location)
 
-    async def close(self) -> None:
-        """Stop the workers and fail every job still waiting."""
+    async def _until_transferred(self, job: Job, task: asyncio.Task[None]) -> None:
+        """Wait until ``job`` is done, or its bytes are verified and fewer than `concurrency` tails run."""
+        if job.early is None:
+            job.early = self._loop.create_future()
+        await asyncio.wait((task, job.early), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return
+        self.tails.add(task)
+        task.add_done_callback(self.tails.discard)
+        while len(self.tails) > self._concurrency and not task.done():
+            # The disk is behind the network: this worker waits for a tail before its next GET.
+            await asyncio.wait(set(self.tails), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _complete(self, job: Job) -> None:
+        """Run ``job`` and settle its future."""
+        try:
+            location = await self._run(job)
+        except asyncio.CancelledError:
+            if not job.future.done():
+                job.future.set_exception(DatacacheError("the stager stopped before this shard was staged"))
+            raise
+        except Exception as exc:
+            self._events.count("failures")
+            if isinstance(exc, _REFUSALS):
+                self._refused.add((job.handle.id, job.shard.key, job.tier))
+            self._events.emit(StagingEvent("failed", job.handle.id, job.shard.key, job.tier, error=str(exc)))
+            if not job.future.done():
+                job.future.set_exception(exc)
+        else:
+            self._refused.discard((job.handle.id, job.shard.key, job.tier))
+            if not job.future.done():
+                job.future.set_result(location)
+
+    async def close(self, *, durable_wait: float = DURABLE_WAIT) -> None:
+        """Stop the workers and fail every job still waiting.
+
+        Transfers still receiving bytes are abandoned (their shards are staged again
+        next time); copies whose bytes are all in are given up to ``durable_wait``
+        seconds to become durable first, so that a process leaving right after an
+        epoch keeps what it read.
+        """
         workers, self.workers = self.workers, []
         for task in workers:
             task.cancel()
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        tails, self.tails = set(self.tails), set()
+        if tails:
+            _, late = await asyncio.wait(tails, timeout=durable_wait)
+            for task in late:
+                task.cancel()
+            for task in late:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for job in self._jobs.values():
             if not job.future.done():
                 job.future.set_exception(DatacacheError("the stager closed before this shard was staged"))

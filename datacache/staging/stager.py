@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
-import hashlib
-import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from datacache.catalog import Catalog, process_owner
@@ -31,6 +27,7 @@ from datacache.manifest import ManifestStore, Shard, object_url, reading_url, ta
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
+from datacache.staging.origins import Origins, close_quietly
 from datacache.staging.queue import JobQueue, first_answer, serve_early
 from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
@@ -53,7 +50,7 @@ from datacache.staging.types import (
     WarmReport,
 )
 from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
-from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, open_origin, redact_url
+from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, redact_url
 from datacache.units import format_bytes
 
 __all__ = ["Stager"]
@@ -111,7 +108,7 @@ class Stager:
         self._parts: _Parts | None = None
         self._reconciling: asyncio.Task[dict[str, int]] | None = None
         self._events.reset_counters()
-        self._origins: dict[tuple[str, str, str], Tier] = {}
+        self._origins = Origins(self.settings)
         self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -136,7 +133,7 @@ class Stager:
 
     def origin_retries(self) -> int:
         """Origin requests retried after a transient error since this stager started (any thread)."""
-        return sum(origin.stats().retries for origin in list(self._origins.values()))
+        return self._origins.retries()
 
     def stats(self) -> StagerStats:
         """Counters since this stager started, with the live queue depth."""
@@ -171,14 +168,14 @@ class Stager:
         of loop kept a lock-waiter thread pool, the origins' GET threads and sessions, and the
         queue's worker tasks.
         """
-        old_loop, parts, origins = self._loop, self._parts, list(self._origins.values())
+        old_loop, parts, origins = self._loop, self._parts, self._origins.tiers()
         if parts is not None:
             parts.lock_waiters.shutdown(wait=False, cancel_futures=True)
             if old_loop is not None and not old_loop.is_closed():
                 for task in parts.queue.workers:
                     old_loop.call_soon_threadsafe(task.cancel)
         if origins:
-            closing = loop.create_task(_close_quietly(origins))
+            closing = loop.create_task(close_quietly(origins))
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
 
@@ -245,10 +242,7 @@ class Stager:
         parts = self._parts
         if parts is not None:
             await parts.queue.close()
-        for origin in self._origins.values():
-            with contextlib.suppress(Exception):
-                await origin.close()
-        self._origins.clear()
+        await self._origins.close()
         await self.catalog.close()
         if parts is not None:
             parts.lock_waiters.shutdown(wait=False)
@@ -261,26 +255,6 @@ class Stager:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def _origin_for(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
-        """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
-        url = url or dataset.url
-        # One client per origin and credentials: a second set of options never rides on the first's.
-        ident = (dataset.id, _options_digest(dataset.storage_options), url)
-        origin = self._origins.get(ident)
-        if origin is None:
-            self._check_origin_outside_tiers(url)
-            origin = open_origin(url, storage_options=dataset.storage_options, retry=self.settings.retry)
-            self._origins[ident] = origin
-        return origin
-
-    def _check_origin_outside_tiers(self, url: str) -> None:
-        if "://" in url and not url.startswith("file://"):
-            return
-        path = Path(url.removeprefix("file://")).absolute()
-        for tier_dir in (self.settings.local_dir, self.settings.shared_dir):
-            if tier_dir is not None and (path == tier_dir or tier_dir in path.parents):
-                raise ConfigError(f"origin {path} lies inside the cache directory {tier_dir}; use another folder")
-
     async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
         """Return a handle on ``dataset`` with its manifest: persisted, or listed now.
 
@@ -290,7 +264,7 @@ class Stager:
         """
         parts = await self._ready()
         config = dataset if isinstance(dataset, DatasetConfig) else resolve_dataset(dataset, self.settings)
-        origin = self._origin_for(config)
+        origin = self._origins.get(config)
         manifest = None if refresh else await self.manifests.load(config.id)
         if manifest is None:
             # One process per node lists the origin; the others wait and read what it saved.
@@ -298,10 +272,10 @@ class Stager:
                 manifest = None if refresh else await self.manifests.load(config.id)
                 if manifest is None:
                     split = object_url(config.url)
-                    parent = self._origin_for(config, split[0]) if split is not None else None
+                    parent = self._origins.get(config, split[0]) if split is not None else None
                     manifest = await take_manifest(config, origin, parent=parent)
                     await self.manifests.save(manifest)
-        origin = self._origin_for(config, reading_url(config.url, manifest))
+        origin = self._origins.get(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
             config.id,
             url=redact_url(config.url),  # the catalog is a file on disk: no credentials in it
@@ -587,16 +561,3 @@ class Stager:
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _options_digest(options: Mapping[str, Any]) -> str:
-    """A digest of storage options (credentials among them), to key clients without holding secrets in keys."""
-    encoded = json.dumps(options, sort_keys=True, default=str).encode()
-    return hashlib.sha256(encoded).hexdigest()
-
-
-async def _close_quietly(origins: Sequence[Tier]) -> None:
-    """Close clients whose loop is gone: what can be closed from here is; the rest is dropped."""
-    for origin in origins:
-        with contextlib.suppress(Exception):
-            await origin.close()

@@ -1,0 +1,94 @@
+"""`DataLoader`: torch's DataLoader, the same class and signature, that reads raw samples in-process.
+
+With worker processes, a DataLoader pickles (or, with `sharedbytes`, copies
+through shared memory) every sample from each worker to the training
+process, and each worker opens the dataset anew every epoch. For a
+`CachedIterableDataset` whose samples are raw bytes (no decoder, no
+transform) the workers do nothing a thread could not: reading a cached shard
+is a memory copy. This DataLoader then reads in the training process, as the
+``num_workers`` workers would each read (`CachedIterableDataset._as_workers`),
+groups each one's samples into batches and takes the batches in turn, as
+torch's DataLoader does. The batches are exactly torch's: the same samples,
+grouping, order and types (``default_collate``'s dicts of lists of ``bytes``),
+and the dataset's resume arithmetic (`state_dict(samples_consumed=...)`)
+holds unchanged. Anything else (a decoder or transform, which may need the
+workers' CPUs; a ``collate_fn``; ``worker_init_fn``; ``batch_size=None``;
+``num_workers=0``; a dataset that batches itself or resamples) runs through
+torch's DataLoader as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.data
+from datacache.loaders.dataset import CachedIterableDataset
+from torch.utils.data import default_collate
+from torch.utils.data._utils import pin_memory as _pinning
+
+__all__ = ["DataLoader"]
+
+_pin: Callable[[Any, str], Any] = _pinning.pin_memory
+"""torch's own pinning of a batch (what its DataLoader applies with ``pin_memory=True``)."""
+
+
+class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """``torch.utils.data.DataLoader``, the same arguments; raw datacache samples are read in-process."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if in_process_reason(self) is not None:
+            return super().__iter__()
+        return _TakenInTurn(self)
+
+
+def in_process_reason(loader: torch.utils.data.DataLoader[Any]) -> str | None:
+    """Why ``loader`` runs as torch's DataLoader (its worker processes); None: it reads in-process."""
+    dataset = loader.dataset
+    if not isinstance(dataset, CachedIterableDataset):
+        return "not a CachedIterableDataset"
+    checks = (
+        (loader.num_workers == 0, "num_workers=0 reads in-process already"),
+        (loader.batch_size is None, "batch_size=None"),
+        (loader.collate_fn is not default_collate, "a collate_fn"),
+        (loader.worker_init_fn is not None, "a worker_init_fn"),
+        (bool(dataset.batch_size), "the dataset batches"),
+        (dataset.resample, "resample=True"),
+        (dataset.decode != "auto" or dataset.transform is not None, "a decoder or transform"),
+    )
+    return next((why for failed, why in checks if failed), None)
+
+
+class _TakenInTurn(Iterator[Any]):
+    """Batches of each emulated worker's samples, one worker after another (skipping finished ones)."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        dataset = loader.dataset
+        if not isinstance(dataset, CachedIterableDataset) or loader.batch_size is None:  # pragma: no cover
+            raise TypeError("in-process reading needs a CachedIterableDataset and a batch_size")
+        self._dataset = dataset
+        self._streams: list[Iterator[Any] | None] = list(dataset._as_workers(loader.num_workers))
+        self._batch_size = loader.batch_size
+        self._drop_last = loader.drop_last
+        self._next = 0
+        accelerator = torch.accelerator.current_accelerator() if loader.pin_memory else None
+        self._pin_device = accelerator.type if accelerator is not None and accelerator.type != "mps" else None
+
+    def __next__(self) -> Any:
+        count = len(self._streams)
+        for turn in range(count):
+            worker = (self._next + turn) % count
+            stream = self._streams[worker]
+            if stream is None:
+                continue
+            samples = list(itertools.islice(stream, self._batch_size))
+            if not samples or (self._drop_last and len(samples) < self._batch_size):
+                self._streams[worker] = None  # this worker is done: torch's skips it from now on
+                continue
+            self._next = worker + 1
+            batch = default_collate(samples)
+            return batch if self._pin_device is None else _pin(batch, self._pin_device)
+        self._dataset._done_as_workers()
+        raise StopIteration

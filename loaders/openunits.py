@@ -1,0 +1,78 @@
+"""Units open in one process, shared by the readers of a dataset there (`OpenUnits`)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+
+from datacache.loaders.readers import UnitReader
+
+__all__ = ["KEEP_RELEASED", "OpenUnits"]
+
+KEEP_RELEASED = 8
+"""Units no reader holds that stay open for the next reader, while several read in one process (`OpenUnits`)."""
+
+
+class OpenUnits:
+    """Units open in one process, shared by its readers of one dataset.
+
+    `dataloader.DataLoader` reads as N workers would, in one process: each of them
+    reads from most shards, and would otherwise map, verify and index each shard up
+    to N times. While ``keep`` is set, a unit no reader holds stays open until
+    ``keep`` later ones are released (the next worker to read it takes it as it is);
+    otherwise it is closed at once, as with one reader. A unit held by a reader that
+    never finished (its iterator abandoned) goes with that reader.
+    """
+
+    def __init__(self) -> None:
+        self.keep = 0
+        self._lock = threading.Lock()
+        self._open: weakref.WeakValueDictionary[int, UnitReader] = weakref.WeakValueDictionary()
+        self._users: dict[int, int] = {}
+        """id() of each open reader -> how many readers hold it."""
+        self._idle: OrderedDict[int, UnitReader] = OrderedDict()
+        """Released units kept open, by unit, the oldest first."""
+        self._opening: dict[int, threading.Lock] = {}
+
+    def acquire(self, unit: int, opener: Callable[[], UnitReader]) -> UnitReader:
+        """The open reader of ``unit``, or ``opener()`` if none is."""
+        with self._lock:
+            gate = self._opening.setdefault(unit, threading.Lock())
+        with gate:  # one opening per unit at a time; the others take what it opened
+            with self._lock:
+                reader = self._idle.pop(unit, None) or self._open.get(unit)
+                if reader is not None and id(reader) in self._users:
+                    self._users[id(reader)] += 1
+                    return reader
+            reader = opener()
+            with self._lock:
+                self._open[unit] = reader
+                self._users[id(reader)] = 1
+                weakref.finalize(reader, self._users.pop, id(reader), None)
+            return reader
+
+    def release(self, unit: int, reader: UnitReader) -> list[UnitReader]:
+        """One reader is done with ``reader`` (of ``unit``); returns the units to close now."""
+        with self._lock:
+            left = self._users.get(id(reader), 1) - 1
+            self._users[id(reader)] = left
+            if left > 0:
+                return []
+            self._idle[unit] = reader
+            closing = []
+            while len(self._idle) > self.keep:
+                _, oldest = self._idle.popitem(last=False)
+                self._users.pop(id(oldest), None)
+                closing.append(oldest)
+            return closing
+
+    def close_idle(self) -> list[UnitReader]:
+        """Every released unit still open (the dataset is done with this process's readers)."""
+        with self._lock:
+            closing = list(self._idle.values())
+            for reader in closing:
+                self._users.pop(id(reader), None)
+            self._idle.clear()
+            return closing

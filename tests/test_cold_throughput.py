@@ -1,0 +1,151 @@
+"""What bounds a cold epoch's rate: the fixed costs before the first GET, and the work per byte staged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from datacache.tiers import ByteRange, open_origin
+from test_loader import write_wds
+
+from datacache.config import load_settings
+from datacache.staging.stager import Stager
+from datacache.staging.types import LOCAL
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
+
+
+def test_the_get_client_reuses_the_service_model_the_listing_loaded(
+    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore's S3 service description is parsed once per origin: the GET threads' client
+    shares the data loader of the session that listed (parsing it again cost 100-250 ms of
+    the cold epoch, before its first byte)."""
+    import botocore.loaders
+
+    s3.put("ds/a.tar", b"x" * 1000)
+    parsed: list[str] = []
+    real = botocore.loaders.JSONFileLoader.load_file
+
+    def counting(self: Any, file_path: str) -> Any:
+        parsed.append(str(file_path))
+        return real(self, file_path)
+
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file", counting)
+
+    async def body() -> None:
+        origin = open_origin(s3.url("ds"))
+        try:
+            assert [info.key async for info in origin.list()] == ["a.tar"]
+            assert await origin.get("a.tar", ByteRange(0, 10)) == b"x" * 10  # the GET threads' client
+        finally:
+            await origin.close()
+
+    asyncio.run(body())
+    models = [path for path in parsed if Path(path).parent.parent.name == "s3" and Path(path).name == "service-2"]
+    assert len(models) == 1, f"the S3 service model was parsed {len(models)} times: {models}"
+
+
+@contextlib.contextmanager
+def _held_fsync(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[int]]]:
+    """Hold every ``os.fsync`` until the event is set; each one that gave up waiting is counted."""
+    real = os.fsync
+    release = threading.Event()
+    gave_up: list[int] = []
+
+    def held(fd: int) -> None:
+        if not release.wait(timeout=5):  # bounded: a stager that waits for the disk fails, never hangs
+            gave_up.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", held)
+    try:
+        yield release, gave_up
+    finally:
+        release.set()
+
+
+def test_the_next_transfers_start_while_earlier_copies_are_made_durable(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker hands its shard's verified bytes over and starts the next GET; the fsync goes on
+    behind it. Before, each of the `concurrency` workers waited for its copy's fsync, rename and
+    catalog commit, so the disk's durable rate gated when the next GET could start."""
+    source = tmp_path / "upload"
+    write_wds(source, samples=40, per_shard=10)
+    shards = {path.name: path.read_bytes() for path in sorted(source.glob("*.tar"))}
+    assert len(shards) == 4
+    for name, data in shards.items():
+        s3.put(f"ds/{name}", data)
+    settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local"), "concurrency": "2"})
+
+    async def body(release: threading.Event) -> None:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(s3.url("ds"))
+            early = await asyncio.gather(*(stager.ensure(handle, key, early=True) for key in shards))
+            assert [location.buffer for location in early] == list(shards.values())
+            release.set()
+            durable = await asyncio.gather(*(stager.ensure(handle, key) for key in shards))
+            assert all(location.tier == LOCAL and location.path is not None for location in durable)
+            assert [location.path.read_bytes() for location in durable if location.path] == list(shards.values())
+
+    with _held_fsync(monkeypatch) as (release, gave_up):
+        asyncio.run(body(release))
+    assert not gave_up, f"{len(gave_up)} transfers waited for an earlier copy's fsync before starting"
+
+
+_READ_ONE_EPOCH_AND_EXIT = """
+import os, sys, time
+real = os.fsync
+def slow(fd):
+    time.sleep(0.3)  # sleep-ok: a slow disk, so that copies are still being made durable at exit
+    real(fd)
+os.fsync = slow
+from datacache.loaders import CachedIterableDataset
+from datacache.config import load_settings
+settings = load_settings(overrides={"local_dir": sys.argv[2]})
+dataset = CachedIterableDataset(sys.argv[1], config=settings, batch_size=5, shuffle=False)
+print(sum(len(batch["__key__"]) for batch in dataset))
+"""
+
+
+def test_a_process_leaving_right_after_a_cold_epoch_keeps_the_copies_it_had_received(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """The readers finish on the verified bytes while the copies are still being made durable;
+    exit waits (bounded) for those copies instead of cancelling them, so the next process
+    reads every shard locally rather than from the origin again."""
+    source = tmp_path / "upload"
+    write_wds(source, samples=40, per_shard=10)
+    shards = sorted(path.name for path in source.glob("*.tar"))
+    for name in shards:
+        s3.put(f"ds/{name}", (source / name).read_bytes())
+    local = tmp_path / "local"
+    env = {**cache_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_ONE_EPOCH_AND_EXIT, s3.url("ds"), str(local)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["40"]
+    settings = load_settings(cache_env, overrides={"local_dir": str(local)})
+
+    async def tiers() -> list[str]:
+        async with Stager(settings, reconcile=True) as stager:
+            handle = await stager.open(s3.url("ds"))
+            return [(await stager.locate(handle, key)).tier for key in shards]
+
+    assert asyncio.run(tiers()) == [LOCAL] * len(shards)
