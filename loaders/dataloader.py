@@ -73,7 +73,8 @@ class _TakenInTurn(Iterator[Any]):
         self._batch_size = loader.batch_size
         self._drop_last = loader.drop_last
         self._next = 0
-        accelerator = torch.accelerator.current_accelerator() if loader.pin_memory else None
+        pinning = loader.pin_memory and torch.accelerator.is_available()  # as torch's own iterators decide
+        accelerator = torch.accelerator.current_accelerator() if pinning else None
         self._pin_device = accelerator.type if accelerator is not None and accelerator.type != "mps" else None
 
     def __next__(self) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import webdataset as wds
+from _daemon import start_daemon
 from datacache.loaders import CachedIterableDataset, sharedbytes
 from datacache.loaders import DataLoader as DatacacheLoader
 from datacache.loaders.dataloader import in_process_reason
@@ -25,7 +26,7 @@ from datacache.loaders.sharedbytes import RingBytes, SampleRing
 from datacache.loaders.stats import Counter
 from torch.utils.data import DataLoader, default_collate
 
-from datacache.config import Settings
+from datacache.config import Settings, load_settings
 
 Expected = dict[str, dict[str, bytes]]
 
@@ -300,3 +301,20 @@ def test_a_weakly_ordered_cpu_pickles_every_field_through_the_pipe(monkeypatch: 
     monkeypatch.setattr(sharedbytes, "STORE_ORDERED", False)
     message = ForkingPickler.dumps(large)
     assert len(message) > 100_000 and pickle.loads(message) == large
+
+
+def test_datacache_dataloader_through_the_daemon(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    with wds.ShardWriter(str(origin / "train-%04d.tar"), maxcount=10, verbose=0) as writer:
+        for i in range(45):
+            writer.write({"__key__": f"s{i:05d}", "bin": big_payload(i), "cls": str(i % 10).encode()})
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        settings = load_settings(daemon.env)
+        dataset = CachedIterableDataset(str(origin), config=settings, seed=8)
+        ours = collect(DatacacheLoader(dataset, batch_size=4, num_workers=2))
+        assert dataset.stats().mode == "daemon"
+        assert ours == collect(DataLoader(dataset, batch_size=4, num_workers=2))
+    finally:
+        daemon.stop()

@@ -226,7 +226,9 @@ class Daemon:
         work = [] if self.scheduler is None else [self.scheduler.stop(lifecycle.drain_timeout)]
         abandoned = await lifecycle.drain(*work)
         if self.stager is not None:
-            await self.stager.close()
+            # Copies whose bytes are in finish within what is left of the operator's drain bound.
+            left = max(0.0, lifecycle.drain_timeout - (time.monotonic() - started))
+            await self.stager.close(durable_wait=left)
         await lifecycle.release()
         logger.info(
             "stopped after %.1fs; %d requests abandoned",

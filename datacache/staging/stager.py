@@ -28,7 +28,7 @@ from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
-from datacache.staging.queue import JobQueue, first_answer, serve_early
+from datacache.staging.queue import DURABLE_WAIT, JobQueue, first_answer, serve_early
 from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
@@ -234,14 +234,18 @@ class Stager:
         path, checksum = await parts.shared.ensure(job.handle, job.shard)
         return Location(SHARED, path, job.shard, checksum)
 
-    async def close(self) -> None:
-        """Stop the workers (abandoning queued transfers) and release clients."""
+    async def close(self, *, durable_wait: float = DURABLE_WAIT) -> None:
+        """Stop the workers (abandoning queued transfers) and release clients.
+
+        Copies whose bytes are all in get up to ``durable_wait`` seconds to become durable
+        (`JobQueue.close`).
+        """
         if self._closed:
             return
         self._closed = True
         parts = self._parts
         if parts is not None:
-            await parts.queue.close()
+            await parts.queue.close(durable_wait=durable_wait)
         await self._origins.close()
         await self.catalog.close()
         if parts is not None:
