@@ -24,7 +24,7 @@ from datacache.cli._common import (
 )
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ConfigError, DaemonUnavailableError
+from datacache.errors import ConfigError, DaemonUnavailableError, ShardNotFoundError
 from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -154,6 +154,11 @@ async def _warm_through(
                 )
             elif kind == "done":
                 done = event
+    except ShardNotFoundError as exc:
+        if args.pattern is None:
+            raise
+        # The daemon names the first missing shard; the user wrote a pattern (the loader's words).
+        raise ShardNotFoundError(f"{args.pattern} matches no shard: {exc}") from None
     finally:
         if progress is not None:
             progress.close()
