@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
 import json
 import logging
+import os
 import sys
 import time
-from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FirstTime", "JsonFormatter", "RateLimit", "configure_logging"]
+__all__ = ["FirstFew", "FirstTime", "JsonFormatter", "RateLimit", "configure_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -66,19 +70,91 @@ class FirstTime:
 
     One per notice, process-wide: every stager of a process (two dataset objects over one
     dataset, a ``.map()`` copy, each epoch's runtime) says it once between them. A forked
-    child starts with what its parent had said.
+    child starts with what its parent had said. Given ``run_dir``, once per run too: the
+    processes of one process group (a training process and its DataLoader workers, a new
+    set of them every epoch; torchrun starts each rank in a group of its own) share a
+    marker file per key there.
     """
 
     def __init__(self) -> None:
         # No lock: a fork while another thread held one would leave it held in the child;
         # the worst a race does here is say a notice twice.
-        self._said: set[Hashable] = set()
+        self._said: set[str] = set()
 
-    def level(self, key: Hashable) -> int:
+    def level(self, key: str, *, run_dir: Path | None = None) -> int:
         if key in self._said:
             return logging.DEBUG
         self._said.add(key)
+        if run_dir is not None and not _first_in_run(run_dir, key):
+            return logging.DEBUG
         return logging.WARNING
+
+
+def _first_in_run(directory: Path, key: str) -> bool:
+    """Whether this is the first process of its process group to say ``key`` (a marker file records it)."""
+    group = os.getpgrp()
+    name = f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.{group}.{_started(group)}"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _forget_ended_runs(directory)
+        os.close(os.open(directory / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot tell: say it
+    return True
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot): with the pid, names one group leader ever."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22, counted after the name
+    except (OSError, IndexError):
+        return "0"  # no /proc, or the leader has exited (its group id is not reused while the group lives)
+
+
+def _forget_ended_runs(directory: Path) -> None:
+    """Delete the markers of process groups that no longer exist (one small file per run and notice)."""
+    for entry in os.scandir(directory):
+        try:
+            os.killpg(int(entry.name.split(".")[1]), 0)
+        except (IndexError, ValueError, PermissionError):
+            continue  # not a marker, or a group that lives (another user's)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+class FirstFew:
+    """A notice that may come thousands of times (a skipped sample): the first few at WARNING, then a count.
+
+    The first ``first`` are logged in full; the last of them says that later ones are
+    counted (``count_in``, where the user reads the total) and logged at DEBUG, with one
+    WARNING line every ``every`` giving the number so far.
+    """
+
+    def __init__(self, what: str, count_in: str, *, first: int = 5, every: int = 1000) -> None:
+        self.what, self.count_in, self.first, self.every = what, count_in, first, every
+        self._seen = itertools.count(1)  # next() is atomic: reader threads may share one
+
+    def log(self, logger: logging.Logger, message: str, *args: object) -> None:
+        seen = next(self._seen)
+        if seen > self.first:
+            logger.debug(message, *args)
+            if seen % self.every == 0:
+                logger.warning("%s: %d so far in this process (%s)", self.what, seen, self.count_in)
+            return
+        logger.warning(message, *args)
+        if seen == self.first:
+            logger.warning(
+                "%s: the first %d are logged above; later ones are counted in %s (each logged at DEBUG, "
+                "and the number so far every %d)",
+                self.what,
+                seen,
+                self.count_in,
+                self.every,
+            )
 
 
 def configure_logging(verbosity: int = 0, *, json_format: bool = False, rate_limited: tuple[str, ...] = ()) -> None:

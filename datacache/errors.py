@@ -61,6 +61,14 @@ class TransientOriginError(OriginError):
 class OriginChangedError(DatacacheError):
     """An origin object no longer matches the manifest snapshot that asked for it."""
 
+    @classmethod
+    def since_manifest(cls, where: str, what: str = "object") -> OriginChangedError:
+        """The error for ``where``, saying what fixes it: a new snapshot (``warm --refresh``)."""
+        return cls(
+            f"{where}: the {what} changed at the origin since the manifest was taken; "
+            "take a new snapshot with `datacache warm --refresh` on the dataset's URL"
+        )
+
 
 class ChecksumMismatchError(DatacacheError):
     """Bytes read did not match the size or checksum the manifest records."""

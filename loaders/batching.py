@@ -28,6 +28,7 @@ from datacache.loaders.readers import UnitReader
 from datacache.loaders.runtime import Units
 from datacache.loaders.stats import Counter
 
+from datacache._logging import FirstFew
 from datacache.errors import SampleDecodeError
 from datacache.manifest import ShardFormat
 
@@ -64,6 +65,7 @@ class BatchBuilder:
         self._tally = tally
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = skip_bad
+        self._skips = FirstFew("skipped samples", "stats().skipped_samples")
         self._epoch = epoch
         self._decoding = SampleDecoding(decode, transform, "")
         self._row = row
@@ -157,7 +159,7 @@ class BatchBuilder:
         except SampleDecodeError as exc:
             if not self._skip_bad:
                 raise
-            logger.warning("skipping %s", exc)
+            self._skips.log(logger, "skipping %s", exc)
             return SKIPPED
         finally:
             self._row[Counter.DECODE] += time.perf_counter() - started

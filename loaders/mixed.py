@@ -25,7 +25,6 @@ from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import SourceSpec
-from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -44,18 +43,7 @@ def only_keys(handle: DatasetHandle, keys: tuple[str, ...], label: str) -> Datas
     Its manifest (hence its snapshot, unit plan and index) holds those shards only.
     """
     manifest = handle.manifest
-    missing = [key for key in keys if key not in manifest]
-    if len(missing) == len(keys):
-        raise ShardNotFoundError(
-            f"{label} matches no shard of {redact_url(handle.config.url)} (dataset {handle.id}); "
-            f"the names it gives start with {keys[0]!r}"
-        )
-    if missing:
-        raise ShardNotFoundError(
-            f"{label}: {len(missing)} of its {len(keys)} shards are not in {redact_url(handle.config.url)} "
-            f"(dataset {handle.id}), the first {missing[0]!r}"
-        )
-    shards = tuple(manifest.shard(key) for key in keys)
+    shards = manifest.named(keys, label=label, url=handle.config.url)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
     subset = dataclasses.replace(manifest, shards=shards, dataset=f"{handle.id}-only-{digest}")
     # The whole dataset's snapshot: a daemon serving the dataset knows that one (it names the data; the

@@ -29,8 +29,10 @@ from _helpers import (
     run_cli,
     wait_for,
 )
+from datacache.loaders import CachedIterableDataset
 
-from datacache.config import dataset_id_for
+from datacache.config import Settings, dataset_id_for
+from datacache.errors import ShardNotFoundError
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
@@ -257,6 +259,21 @@ def test_warm_takes_the_loaders_brace_pattern(tmp_path: Path, env: dict[str, str
     assert bad.returncode != 0 and "a pattern is" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_warm_names_a_pattern_that_matches_no_shard_as_the_loader_does(
+    tmp_path: Path, env: dict[str, str], settings: Settings
+) -> None:
+    """It said `no shard 'shard-0100.tar' in its manifest`; the README says the error names the pattern."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 20_000))
+    for pattern in (f"{origin}/shard-{{0100..0101}}.tar", f"{origin}/shard-{{0001..0004}}.tar"):
+        result = run_cli(["warm", pattern], env)
+        assert result.returncode != 0
+        loader = CachedIterableDataset(pattern, config=settings)
+        with pytest.raises(ShardNotFoundError) as caught:
+            next(iter(loader))
+        assert result.stderr.splitlines() == [f"datacache: error: {caught.value}"], result.stderr
+        assert pattern in result.stderr
+
+
 def test_truncated_local_shard_is_noticed_without_verify(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -284,6 +301,9 @@ def test_changed_origin_object_fails_then_refresh_restages(
     result = run_cli(["warm", s3.url("ds")], s3_env)
     assert result.returncode == 1
     assert "changed at the origin" in result.stderr
+    # What to do about it, in the same line: the user's fix was a new snapshot.
+    changed = next(line for line in result.stderr.splitlines() if "changed at the origin" in line)
+    assert "datacache warm --refresh" in changed, changed
     assert "warm incomplete: 1 of 2 shards" in result.stderr
     dataset = dataset_id_for(s3.url("ds"))
     assert "shard-0001.tar" not in resident_files(local_data(tmp_path) / dataset)

@@ -68,6 +68,21 @@ def test_the_daemons_own_error_is_shown_not_unreachable(tmp_path: Path, cache_en
         daemon.stop()
 
 
+def test_a_pattern_naming_no_shard_is_named_through_the_daemon_too(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """Warm names the pattern as the loader does; through the daemon it said `no shard ... in its manifest`."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 2, 1000)
+    pattern = f"{origin}/shard-{{0100..0101}}.tar"
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        done = run(daemon.env, "warm", pattern)
+        assert done.returncode != 0
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"datacache: error: {pattern} matches no shard"), done.stderr
+    finally:
+        daemon.stop()
+
+
 # -- one warm: the stager's, through the daemon (issue 12 item 8) ----------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,27 @@ def _relabel(sample: dict[str, Any]) -> dict[str, Any]:
 def test_a_custom_decoder_returning_a_new_dict_keeps_key_and_url(origin: Path, settings: Settings) -> None:
     first = next(iter(CachedIterableDataset(str(origin), config=settings, shuffle=False, decode=_relabel)))
     assert first == {"label": 0, "__key__": "sample000000", "__url__": f"{origin}/train-0000.tar"}
+
+
+def _bad_odd_cls(value: bytes) -> int:
+    if int(value) % 2:
+        raise ValueError("odd")
+    return int(value)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_skipped_samples_are_logged_a_few_then_counted(
+    tmp_path: Path, settings: Settings, batch_size: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`on_error="skip"` logged one WARNING line per skipped sample: 1,000 bad samples, 1,000 lines."""
+    write_wds(tmp_path / "many", samples=300, per_shard=100)  # cls = i % 10: 150 odd ones
+    dataset = CachedIterableDataset(
+        str(tmp_path / "many"), config=settings, decode={"cls": _bad_odd_cls}, batch_size=batch_size, on_error="skip"
+    )
+    with caplog.at_level(logging.WARNING, logger="datacache"):
+        got = keys_of(dataset)
+    assert len(got) == 150 and dataset.stats().skipped_samples == 150
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "skipping" in r.getMessage()]
+    assert len(lines) == 5 and all("odd" in line for line in lines), lines  # the first few, each with its reason
+    counted = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "skipped" in r.getMessage()]
+    assert counted and "later ones are counted" in counted[0], counted

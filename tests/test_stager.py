@@ -271,7 +271,7 @@ def test_changed_s3_object_fails_instead_of_mixing_versions(
     assert settings.shared_dir is not None
     assert not (settings.shared_dir / "data" / handle.id / changed_key).exists()
 
-    with pytest.raises(OriginChangedError):
+    with pytest.raises(OriginChangedError, match=r"datacache warm --refresh|refresh=True"):
         with_stager(settings, lambda s: _ensure(s, dataset, changed_key))
 
     report = with_stager(settings, lambda s: warm(s, True))

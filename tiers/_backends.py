@@ -102,7 +102,7 @@ def past_the_end(exc: BaseException) -> bool:
 
 
 def _changed(where: str) -> OriginChangedError:
-    return OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+    return OriginChangedError.since_manifest(where)
 
 
 async def pinned_cat(

@@ -174,7 +174,7 @@ class DirectoryTier(Tier):
             raise ShardNotFoundError(f"{self._root}: {key!r} is not a regular file")
         if version is not None and version != f"{st.st_mtime_ns}:{st.st_size}":
             os.close(fd)
-            raise OriginChangedError(f"{self._root}/{key}: the file changed since the manifest was taken")
+            raise OriginChangedError.since_manifest(f"{self._root}/{key}", "file")
         return fd
 
     def _read_sync(self, key: str, span: ByteRange, version: str | None) -> bytes:

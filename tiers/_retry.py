@@ -144,7 +144,7 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
             if code in _PERMISSION_CODES:
                 return OriginPermissionError(f"{where}: access denied by the origin ({code})")
             if code in _CHANGED_CODES:
-                return OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+                return OriginChangedError.since_manifest(where)
             if code in _TRANSIENT_CODES:
                 return TransientOriginError(f"{where}: transient origin error ({code})")
             return OriginError(f"{where}: origin error ({code})")

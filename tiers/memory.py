@@ -48,7 +48,7 @@ class MemoryTier(Tier):
             raise ShardNotFoundError(f"{self.url}: no object {key!r}")
         data, current, _ = entry
         if version is not None and version != current:
-            raise OriginChangedError(f"{self.url}/{key}: changed since the manifest was taken")
+            raise OriginChangedError.since_manifest(f"{self.url}/{key}")
         span = byte_range or ByteRange()
         return data[span.start : span.end]
 

@@ -307,7 +307,7 @@ class ObjectTier(Tier):
             if current is None:
                 raise ShardNotFoundError(f"{where}: not found at the origin")
             if current.version != version:
-                raise OriginChangedError(f"{where}: the object changed at the origin since the manifest was taken")
+                raise OriginChangedError.since_manifest(where)
 
         async def cat() -> bytes:
             try:

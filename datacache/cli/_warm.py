@@ -24,7 +24,7 @@ from datacache.cli._common import (
 )
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ConfigError, DaemonUnavailableError
+from datacache.errors import ConfigError, DaemonUnavailableError, ShardNotFoundError
 from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -55,6 +55,7 @@ def _pattern_to_shards(args: argparse.Namespace) -> None:
         raise ConfigError("give a brace pattern or --shards, not both")
     args.dataset = folders.pop() + "/"
     args.shards = ",".join(url.rsplit("/", 1)[1] for url in urls)
+    args.pattern = redact_url(text)  # what errors name: the user's pattern, as the loader's do
 
 
 async def _warm(args: argparse.Namespace) -> int:
@@ -74,7 +75,11 @@ async def _warm(args: argparse.Namespace) -> int:
                 await client.close()
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
-        shards = handle.manifest.select(args.shards)
+        if args.pattern is not None:
+            keys = args.shards.split(",")
+            shards = list(handle.manifest.named(keys, label=args.pattern, url=handle.config.url))
+        else:
+            shards = handle.manifest.select(args.shards)
         if not shards:
             raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
         display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
@@ -149,6 +154,11 @@ async def _warm_through(
                 )
             elif kind == "done":
                 done = event
+    except ShardNotFoundError as exc:
+        if args.pattern is None:
+            raise
+        # The daemon names the first missing shard; the user wrote a pattern (the loader's words).
+        raise ShardNotFoundError(f"{args.pattern} matches no shard: {exc}") from None
     finally:
         if progress is not None:
             progress.close()
@@ -234,4 +244,4 @@ def add_parsers(commands: Commands) -> None:
         "--no-daemon", action="store_true", help="stage in this process even if the node's daemon is running"
     )
     add_settings_flags(warm)
-    warm.set_defaults(run=_warm)
+    warm.set_defaults(run=_warm, pattern=None)

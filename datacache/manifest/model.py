@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -150,6 +150,24 @@ class Manifest:
             return self._by_key[key]
         except KeyError:
             raise ShardNotFoundError(f"dataset {self.dataset}: no shard {key!r} in its manifest") from None
+
+    def named(self, keys: Sequence[str], *, label: str, url: str) -> tuple[Shard, ...]:
+        """The shards ``keys`` (in that order) that ``label``, a pattern or list the user gave, names.
+
+        A missing one is an error naming ``label``, as the user wrote it, not the first
+        expanded name: the loader and ``datacache warm`` say the same.
+        """
+        missing = [key for key in keys if key not in self._by_key]
+        where = f"{redact_url(url)} (dataset {self.dataset})"
+        if keys and len(missing) == len(keys):
+            raise ShardNotFoundError(
+                f"{label} matches no shard of {where}; the names it gives start with {keys[0]!r}"
+            )
+        if missing:
+            raise ShardNotFoundError(
+                f"{label}: {len(missing)} of its {len(keys)} shards are not in {where}, the first {missing[0]!r}"
+            )
+        return tuple(self._by_key[key] for key in keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._by_key

@@ -147,8 +147,8 @@ class LocalStager:
         self._events.count("bypassed")
         self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
         location = await self.next_tier_location(handle, shard)
-        # A cache smaller than the dataset is the expected case: news once per dataset and process.
-        level = _BYPASS_SAID.level(handle.id)
+        # A cache smaller than the dataset is the expected case: news once per dataset and run.
+        level = _BYPASS_SAID.level(handle.id, run_dir=self._settings.local_dir / "notices")
         tier = location.tier
         logger.log(level, "dataset %s: shard %r is read from the %s tier: %s", handle.id, shard.key, tier, reason)
         return location
