@@ -20,6 +20,8 @@ torch's DataLoader as it is.
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +43,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if in_process_reason(self) is not None:
             return super().__iter__()
-        return _TakenInTurn(self)
+        # As many batches ahead as torch's workers keep in flight (prefetch_factor each).
+        depth = max(1, (self.prefetch_factor or 2) * self.num_workers)
+        return _BuiltAhead(_TakenInTurn(self), depth)
 
 
 def in_process_reason(loader: torch.utils.data.DataLoader[Any]) -> str | None:
@@ -93,3 +97,64 @@ class _TakenInTurn(Iterator[Any]):
             return batch if self._pin_device is None else _pin(batch, self._pin_device)
         self._dataset._done_as_workers()
         raise StopIteration
+
+
+_END = object()
+
+
+class _BuiltAhead(Iterator[Any]):
+    """Batches built on a thread of their own, up to ``depth`` ahead of the training loop.
+
+    Built in the training loop's thread, each batch's reading and copying would add to every
+    step (torch's workers build theirs while the step runs); this thread builds them while the
+    loop computes or waits on the accelerator. The batches, their order and the dataset's
+    resume arithmetic are `_TakenInTurn`'s. An iterator dropped before its end stops the
+    thread at its next batch.
+    """
+
+    def __init__(self, batches: Iterator[Any], depth: int) -> None:
+        self._queue: queue.Queue[tuple[object, Any]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=_build, args=(batches, self._queue, self._stop), name="datacache-dataloader", daemon=True
+        )
+        self._thread.start()
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        kind, value = self._queue.get()
+        if kind is _END:
+            self._done = True
+            self._thread.join()
+            if isinstance(value, BaseException):
+                raise value
+            raise StopIteration
+        return value
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _build(batches: Iterator[Any], out: queue.Queue[tuple[object, Any]], stop: threading.Event) -> None:
+    """Put each batch of ``batches`` on ``out`` (blocking while it is full), then the end or the error."""
+    end: BaseException | None = None
+    try:
+        for batch in batches:
+            if stop.is_set() or not _put(out, ("batch", batch), stop):
+                return
+    except BaseException as exc:  # raised in the training loop's thread, where torch's would be
+        end = exc
+    _put(out, (_END, end), stop)
+
+
+def _put(out: queue.Queue[tuple[object, Any]], item: tuple[object, Any], stop: threading.Event) -> bool:
+    """Put ``item`` once there is room; False if the loop dropped the iterator meanwhile."""
+    while True:
+        try:
+            out.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            if stop.is_set():
+                return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import pickle
+import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,25 @@ def test_the_datacache_dataloader_opens_each_shard_once_however_many_workers_it_
     rows = dataset._table.table.numpy()[:3]
     opened = rows[:, [Counter.UNITS_LOCAL, Counter.UNITS_SHARED, Counter.UNITS_ORIGIN]].sum()
     assert opened == shards, f"{opened} shard opens for {shards} shards read as 3 workers"
+
+
+def test_the_datacache_dataloader_builds_batches_while_the_training_step_runs(
+    big_dataset: tuple[Path, Expected], settings: Settings
+) -> None:
+    # Built in the training loop's thread, reading would add to every step; torch's workers
+    # build the next batches while the step runs, and so must this.
+    origin, expected = big_dataset
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=4)
+    loader = DatacacheLoader(dataset, batch_size=4, num_workers=2, prefetch_factor=2)
+    iterator = iter(loader)
+    batches = [next(iterator)]
+    ahead = iterator._queue  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while ahead.qsize() < 4:  # prefetch_factor x num_workers batches, built while this "step" runs
+        assert time.monotonic() < deadline, f"only {ahead.qsize()} batches built ahead of the step"
+        time.sleep(0.01)  # sleep-ok: polling the read-ahead queue, with a deadline
+    batches.extend(iterator)
+    check_batches(batches, expected)
 
 
 def test_batches_from_the_datacache_dataloader_stay_valid_while_held(
