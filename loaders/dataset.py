@@ -253,6 +253,10 @@ class CachedIterableDataset(IterableDataset[Any]):
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
         multiprocessing.util.Finalize(runtime, runtime.close, exitpriority=100)
+        if get_worker_info() is not None:
+            # Before anything that could wait on the dead parent (that close, and multiprocessing
+            # joining the worker's queue thread, -5); what it leaves, reconcile repairs.
+            multiprocessing.util.Finalize(None, _leave_if_orphaned, args=(os.getppid(),), exitpriority=101)
         # In the main process, atexit handlers run after the thread pools stopped taking work:
         # the copies still being made durable (fsync, rename) could then only be cancelled, and
         # read from the origin again next time. The interpreter's hook that runs before the pools
@@ -546,3 +550,15 @@ class CachedIterableDataset(IterableDataset[Any]):
             row[Counter.CONSUMER_TIME] += got - last
             last = got
             yield batch
+
+
+def _leave_if_orphaned(parent: int) -> None:
+    """End a DataLoader worker whose training process is gone, now.
+
+    torch's worker leaves its loop when its parent dies, but then multiprocessing waits,
+    at exit, for its queue's thread to finish sending a batch into a pipe nobody reads:
+    with batches larger than the pipe holds, it waited forever (holding the parent's
+    stdout and its leases; a killed training run left two such workers each time).
+    """
+    if os.getppid() != parent:
+        os._exit(0)
