@@ -19,6 +19,7 @@ torch's DataLoader as it is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -119,6 +120,7 @@ class _BuiltAhead(Iterator[Any]):
         self._thread = threading.Thread(
             target=_build, args=(batches, self._queue, self._stop), name="datacache-dataloader", daemon=True
         )
+        _stop_at_exit(self._thread, self._stop)
         self._thread.start()
 
     def __next__(self) -> Any:
@@ -146,7 +148,43 @@ def _build(batches: Iterator[Any], out: queue.Queue[tuple[object, Any]], stop: t
                 return
     except BaseException as exc:  # raised in the training loop's thread, where torch's would be
         end = exc
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(threading.current_thread(), None)
     _put(out, (_END, end), stop)
+
+
+_LIVE: dict[threading.Thread, threading.Event] = {}
+"""Building threads still running (an iterator dropped mid-epoch leaves one until its next batch)."""
+_LIVE_LOCK = threading.Lock()
+_EXIT_JOIN = 10.0
+"""Seconds the interpreter's exit waits for each building thread to stop."""
+
+
+def _stop_at_exit(thread: threading.Thread, stop: threading.Event) -> None:
+    """Stop and join ``thread`` when the interpreter exits, before the dataset's runtime closes.
+
+    A daemon thread left inside torch or the dataset's readers while the interpreter finalizes
+    can abort the process ("terminate called without an active exception", exit 134): a
+    training script that leaves an epoch early and exits would be reported failed. The hook
+    runs before the thread pools stop and, registered after the dataset's own (each iterator
+    registers it again; it does nothing twice), before the dataset's runtime closes.
+    """
+    with _LIVE_LOCK:
+        _LIVE[thread] = stop
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # the interpreter is already exiting
+            register(_stop_all)
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+    for _, stop in live:
+        stop.set()
+    for thread, _ in live:
+        thread.join(_EXIT_JOIN)
 
 
 def _put(out: queue.Queue[tuple[object, Any]], item: tuple[object, Any], stop: threading.Event) -> bool:
