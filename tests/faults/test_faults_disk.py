@@ -241,11 +241,23 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(raw))
 
 
-def loader_epoch(url: str, settings: Settings, workers: int = 0) -> tuple[list[tuple[str, bytes]], Any]:
+def loader_epoch(
+    url: str, settings: Settings, workers: int = 0, *, close: bool = False
+) -> tuple[list[tuple[str, bytes]], Any]:
+    """One epoch; with ``close``, its dataset is closed before returning.
+
+    Closing stops what the epoch left running behind it (durable copies, the next epoch's
+    prefetch, which checks each local copy's size): a bit flipped while that still runs can be
+    met mid-rewrite, and the copy dropped and re-staged from the origin before the next epoch
+    reads it, so that no reader ever meets the bad copy.
+    """
     dataset = CachedIterableDataset(url, config=settings, shuffle=False)
     items = dataset if workers == 0 else DataLoader(dataset, batch_size=None, num_workers=workers)
     seen = sample_pairs(items)
-    return seen, dataset.stats()
+    stats = dataset.stats()
+    if close:
+        dataset.close()
+    return seen, stats
 
 
 @pytest.mark.parametrize("where", ["local", "shared", "both"])
@@ -255,7 +267,8 @@ def test_a_flipped_bit_on_any_tier_is_never_served(where: str, tmp_path: Path, s
     origin.mkdir()
     for name, data in files.items():
         (origin / name).write_bytes(data)
-    seen, _ = loader_epoch(str(origin), settings)
+    # Closed: nothing of the first epoch runs on while the bits are flipped.
+    seen, _ = loader_epoch(str(origin), settings, close=True)
     assert check_exactly_once(seen, expected) == (0, 0)
     assert settings.shared_dir is not None
     victim = "shard-0002.tar"
