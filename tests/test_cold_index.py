@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from _helpers import DATACACHE, REPO, run_cli, with_stager
 from datacache.loaders import CachedIterableDataset
+from faults._faultproxy import FaultProxy
 from test_loader import write_wds
 
 from datacache.config import Settings, load_settings
@@ -163,18 +165,36 @@ def test_two_nodes_index_at_once_and_the_origin_serves_each_shard_once(
 ) -> None:
     truth = upload(s3, tmp_path, samples=600, per_shard=20)
     s3.server.reset_counts()
-    processes = [
-        subprocess.Popen(
-            [*DATACACHE, "index", s3.url("ds"), "--json", "--no-write"],
-            env=node_env(s3, tmp_path, node, cache_env),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    outputs = [process.communicate(timeout=180) for process in processes]
+    # Both nodes reach S3 through one proxy, each with an access key of its own, and the proxy
+    # holds a node's shard reads until the other node has asked for a shard too. Without it, a
+    # node that started a few seconds late on a busy machine found every batch counted already,
+    # and took no share. (The lease of a batch a held read is in is renewed meanwhile.)
+    arrived = {"node-0": threading.Event(), "node-1": threading.Event()}
+
+    def hold(_: str, key: str) -> None:
+        arrived[key].set()
+        other = "node-1" if key == "node-0" else "node-0"
+        if not arrived[other].wait(timeout=150):
+            raise AssertionError(f"{other} never asked for a shard")
+
+    with FaultProxy(s3.server.endpoint) as proxy:
+        proxy.add_client_hook(rf"^GET /{s3.name}/ds/[^/]+\.tar$", hold)
+        processes = [
+            subprocess.Popen(
+                [*DATACACHE, "index", s3.url("ds"), "--json", "--no-write"],
+                env={
+                    **node_env(s3, tmp_path, node, cache_env),
+                    "AWS_ENDPOINT_URL": proxy.endpoint,
+                    "AWS_ACCESS_KEY_ID": f"node-{node}",
+                },
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for node in range(2)
+        ]
+        outputs = [process.communicate(timeout=180) for process in processes]
     for process, (_, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr
     reports = [json.loads(stdout) for stdout, _ in outputs]

@@ -147,6 +147,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._rules: list[Rule] = []
         self._hooks: list[tuple[re.Pattern[str], Callable[[str], None]]] = []
+        self._client_hooks: list[tuple[re.Pattern[str], Callable[[str, str], None]]] = []
         self._forced: list[_Forced] = []
         self._state = _State()
         self._lock = threading.Lock()
@@ -184,12 +185,22 @@ class FaultProxy:
         with self._lock:
             self._rules.clear()
             self._hooks.clear()
+            self._client_hooks.clear()
             self._forced.clear()
 
     def add_hook(self, pattern: str, hook: Callable[[str], None]) -> None:
         """Call ``hook("METHOD /path")`` (in the proxy's thread) before forwarding a matching request."""
         with self._lock:
             self._hooks.append((re.compile(pattern), hook))
+
+    def add_client_hook(self, pattern: str, hook: Callable[[str, str], None]) -> None:
+        """Call ``hook("METHOD /path", access_key_id)`` (in the proxy's thread) before forwarding a matching request.
+
+        The access key id is the one the request was signed with ("" when unsigned): clients
+        given different keys are told apart, while the dataset they read stays the same.
+        """
+        with self._lock:
+            self._client_hooks.append((re.compile(pattern), hook))
 
     def counts(self) -> dict[str, int]:
         """Requests received, per ``METHOD /path``."""
@@ -316,6 +327,7 @@ class FaultProxy:
             self._state.counts[what] += 1
             rule = next((r for r in self._rules if r.pattern.search(what)), None)
             hooks = [hook for pattern, hook in self._hooks if pattern.search(what)]
+            client_hooks = [hook for pattern, hook in self._client_hooks if pattern.search(what)]
         if rule is not None:
             self._record("rule", what)
             if request.method == "HEAD":
@@ -323,6 +335,10 @@ class FaultProxy:
             return s3_error(rule.status, rule.code, rule.message, request.path)
         for hook in hooks:
             await asyncio.to_thread(hook, what)
+        if client_hooks:
+            key = _access_key(request.headers.get("Authorization", ""))
+            for client_hook in client_hooks:
+                await asyncio.to_thread(client_hook, what, key)
         fault = self._pick(request.method, what)
         if fault in _ERRORS:
             self._record(fault, what)
@@ -406,3 +422,9 @@ class FaultProxy:
             if task is not None:
                 self._stalled.discard(task)
         raise ConnectionAbortedError("the fault proxy stopped during a stall")
+
+
+def _access_key(authorization: str) -> str:
+    """The access key id of a SigV4 ``Authorization`` header (``Credential=KEY/date/...``), or ""."""
+    found = re.search(r"Credential=([^/,\s]+)/", authorization)
+    return found.group(1) if found else ""
