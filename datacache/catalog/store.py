@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,9 +31,26 @@ from datacache.errors import TierFullError
 from datacache.eviction import Candidate
 from datacache.units import format_bytes
 
-__all__ = ["Catalog"]
+__all__ = ["Catalog", "CatalogWrites"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+TOUCH_BATCH = 64
+"""Pending accesses that make `Catalog.touch` write them all, in one transaction."""
+
+TOUCH_SECONDS = 5.0
+"""Age of the oldest pending access that makes `Catalog.touch` write them all."""
+
+
+@dataclass(frozen=True)
+class CatalogWrites:
+    """What this process's catalog wrote so far: write transactions, and the longest one took, waits included."""
+
+    writes: int
+    longest_wait: float
+    touches: int
 
 
 class Catalog:
@@ -47,9 +66,25 @@ class Catalog:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._connection: sqlite3.Connection | None = None
         self._pid = os.getpid()
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        # Accesses not yet written (last_access by shard), oldest first; and what was written.
+        self._touches: dict[tuple[str, str], float] = {}
+        self._writes = 0
+        self._longest_write = 0.0
+        self._touched = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_path": self._path, "_executor": None, "_connection": None, "_pid": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_counts()
+
+    def writes(self) -> CatalogWrites:
+        """Write transactions this process made so far, the longest one's duration, and the shard reads it saw."""
+        return CatalogWrites(self._writes, self._longest_write, self._touched)
 
     @property
     def path(self) -> Path:
@@ -66,9 +101,20 @@ class Catalog:
             self._connection = connection
         return self._connection
 
+    async def _write(self, function: Callable[[sqlite3.Connection], T]) -> T:
+        """`_run` for a write, counted and timed (its wait for the database's write lock included)."""
+        started = time.monotonic()
+        try:
+            return await self._run(function)
+        finally:
+            self._writes += 1
+            self._longest_write = max(self._longest_write, time.monotonic() - started)
+
     async def _run(self, function: Callable[[sqlite3.Connection], T]) -> T:
         if self._executor is None or self._pid != os.getpid():
-            # A forked child must not reuse its parent's thread or connection.
+            # A forked child must not reuse its parent's thread or connection, nor its counts.
+            if self._pid != os.getpid():
+                self._reset_counts()
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datacache-catalog")
             self._connection = None
             self._pid = os.getpid()
@@ -93,6 +139,21 @@ class Catalog:
 
     async def close(self) -> None:
         if self._executor is not None and self._pid == os.getpid():
+            try:
+                await self.flush_touches()
+            except RuntimeError:
+                # At interpreter exit the executor refuses work; its thread is idle: write here.
+                if self._connection is not None and self._touches:
+                    with contextlib.suppress(sqlite3.OperationalError), self._transaction(self._connection):
+                        self._write_touches(self._connection, self._touches)
+                    self._touches = {}
+            except sqlite3.OperationalError as exc:
+                logger.debug("catalog %s: %d reads not recorded: %s", self._path, len(self._touches), exc)
+            if self._writes:
+                logger.debug(
+                    "catalog %s: %d write transactions, the longest %.3f s; %d reads recorded",
+                    self._path, self._writes, self._longest_write, self._touched,
+                )
 
             def shut(connection: sqlite3.Connection) -> None:
                 connection.close()
@@ -132,6 +193,22 @@ class Catalog:
         shard_count: int | None = None,
         total_bytes: int | None = None,
     ) -> None:
+        def same(c: sqlite3.Connection) -> bool:
+            row = c.execute(
+                "SELECT url, policy, pinned, snapshot, format, shard_count, total_bytes FROM datasets WHERE id=?",
+                (dataset_id,),
+            ).fetchone()
+            if row is None:
+                return False
+            given = (url, policy, int(pinned), snapshot, format, shard_count, total_bytes)
+            # A None leaves the recorded value (coalesce below): it is no change.
+            return all(new is None or new == old for new, old in zip(given, row, strict=True))
+
+        # Every process (each DataLoader worker, each epoch) opens its datasets: almost always
+        # the row is there already, and a read takes no lock that other processes wait for.
+        if await self._run(same):
+            return
+
         def write(c: sqlite3.Connection) -> None:
             c.execute(
                 "INSERT INTO datasets (id, url, policy, pinned, snapshot, format, shard_count, total_bytes, updated)"
@@ -142,13 +219,13 @@ class Catalog:
                 (dataset_id, url, policy, int(pinned), snapshot, format, shard_count, total_bytes, time.time()),
             )
 
-        await self._run(write)
+        await self._write(write)
 
     async def set_pinned(self, dataset_id: str, pinned: bool) -> bool:
         def write(c: sqlite3.Connection) -> bool:
             return c.execute("UPDATE datasets SET pinned=? WHERE id=?", (int(pinned), dataset_id)).rowcount > 0
 
-        return await self._run(write)
+        return await self._write(write)
 
     async def datasets(self) -> list[DatasetRecord]:
         return await self._run(self.datasets_sync)
@@ -164,7 +241,7 @@ class Catalog:
         def write(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM datasets WHERE id=?", (dataset_id,))
 
-        await self._run(write)
+        await self._write(write)
 
     # -- shards ---------------------------------------------------------------------------
 
@@ -176,6 +253,8 @@ class Catalog:
         return await self._run(read)
 
     async def entries(self, dataset: str | None = None) -> list[CatalogEntry]:
+        await self.flush_touches()
+
         def read(c: sqlite3.Connection) -> list[CatalogEntry]:
             return self.entries_sync(c, dataset)
 
@@ -190,10 +269,50 @@ class Catalog:
         return [entry_from_row(row) for row in rows]
 
     async def touch(self, dataset: str, key: str) -> None:
-        def write(c: sqlite3.Connection) -> None:
-            c.execute("UPDATE shards SET last_access=? WHERE dataset=? AND key=?", (time.time(), dataset, key))
+        """Record a read of the shard (its ``last_access``, for LRU eviction).
 
-        await self._run(write)
+        Kept in memory and written with the others in one transaction: when `TOUCH_BATCH`
+        are pending or the oldest is `TOUCH_SECONDS` old, before this process reserves room
+        (its eviction sees its own reads), and at close. A write per shard read was the
+        read path's main use of the database's single write lock, which every reader of
+        the node shares. Other processes see these reads up to a few seconds late.
+        """
+        now = time.time()
+        self._touched += 1
+        self._touches.pop((dataset, key), None)
+        self._touches[(dataset, key)] = now
+        oldest = next(iter(self._touches.values()))
+        if len(self._touches) >= TOUCH_BATCH or now - oldest >= TOUCH_SECONDS:
+            try:
+                await self.flush_touches()
+            except sqlite3.OperationalError as exc:
+                # Busy for the whole busy timeout: the reads stay pending for the next flush; a
+                # reader never fails for its bookkeeping.
+                logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
+
+    async def flush_touches(self) -> None:
+        """Write the pending reads of `touch` now."""
+        if not self._touches:
+            return
+        pending = self._touches
+        self._touches = {}
+
+        def write(c: sqlite3.Connection) -> None:
+            self._write_touches(c, pending)
+
+        try:
+            await self._write(write)
+        except BaseException:
+            for shard, when in pending.items():
+                self._touches.setdefault(shard, when)
+            raise
+
+    @staticmethod
+    def _write_touches(c: sqlite3.Connection, pending: dict[tuple[str, str], float]) -> None:
+        c.executemany(
+            "UPDATE shards SET last_access=max(last_access, ?) WHERE dataset=? AND key=?",
+            [(when, dataset, key) for (dataset, key), when in pending.items()],
+        )
 
     async def reserve(
         self,
@@ -217,8 +336,12 @@ class Catalog:
         The caller deletes the victims' files and then calls `evicted`.
         """
 
+        reads, self._touches = self._touches, {}
+
         def write(c: sqlite3.Connection) -> Reservation:
             with self._transaction(c):
+                # This process's reads first: its eviction must see them.
+                self._write_touches(c, reads)
                 existing = c.execute(
                     "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
                 ).fetchone()
@@ -285,7 +408,13 @@ class Catalog:
                 )
                 return Reservation(True, victims=tuple(victims))
 
-        return await self._run(write)
+        try:
+            reservation = await self._write(write)
+        except BaseException:
+            for shard, when in reads.items():
+                self._touches.setdefault(shard, when)
+            raise
+        return reservation
 
     async def commit(self, dataset: str, key: str, *, size: int, version: str | None, checksum: str) -> None:
         """``STAGING`` -> ``RESIDENT``: the verified file is in place."""
@@ -300,7 +429,7 @@ class Catalog:
                 (dataset, key, size, version, checksum, ShardState.RESIDENT.value, now, now),
             )
 
-        await self._run(write)
+        await self._write(write)
 
     async def abandon(self, dataset: str, key: str, owner: str) -> None:
         """``STAGING`` -> absent, if ``owner`` still holds the reservation."""
@@ -311,7 +440,7 @@ class Catalog:
                 (dataset, key, ShardState.STAGING.value, owner),
             )
 
-        await self._run(write)
+        await self._write(write)
 
     async def remove(self, dataset: str, key: str) -> None:
         """Forget a shard whatever its state (its file is gone or not to be trusted)."""
@@ -319,7 +448,7 @@ class Catalog:
         def write(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM shards WHERE dataset=? AND key=?", (dataset, key))
 
-        await self._run(write)
+        await self._write(write)
 
     async def evicted(self, victims: Sequence[CatalogEntry]) -> None:
         """``EVICTING`` -> absent for each victim whose file is deleted."""
@@ -330,7 +459,7 @@ class Catalog:
                 [(v.dataset, v.key, ShardState.EVICTING.value) for v in victims],
             )
 
-        await self._run(write)
+        await self._write(write)
 
     async def mark_evicting(self, dataset: str, keys: Sequence[str] | None, owner: str) -> list[CatalogEntry]:
         """``RESIDENT`` -> ``EVICTING`` for a dataset's shards (all when ``keys`` is None)."""
@@ -357,7 +486,7 @@ class Catalog:
                 )
                 return [entry_from_row(r) for r in rows]
 
-        return await self._run(write)
+        return await self._write(write)
 
     # -- readers: progress and leases (eviction never takes a shard a live reader holds) -----
 
@@ -380,7 +509,7 @@ class Catalog:
                     [(dataset, key, reader, owner) for key in holding],
                 )
 
-        await self._run(write)
+        await self._write(write)
 
     async def readers(self, dataset: str) -> list[ReaderRow]:
         """Every reader of the dataset this node has seen, with its last epoch and position.
