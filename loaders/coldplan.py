@@ -232,6 +232,10 @@ class ColdEpochPlan:
     def local(self) -> IntArray:
         return self._local[: self._size]
 
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        unit = int(self._unit_of[position])
+        return (unit,) if self.last_use.get(unit) == position else ()
+
     def units_from(self, produced: int) -> tuple[int, ...]:
         self.ensure(produced + 1)
         placed = set(self.unit_of[produced:].tolist())

@@ -44,6 +44,12 @@ class SourcePlan:
     def __len__(self) -> int:
         return self._length
 
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        if not self._mine[position]:
+            return ()
+        unit = int(self.unit_of[position])
+        return (unit,) if self.last_use.get(unit) == position else ()
+
     def units_from(self, produced: int) -> tuple[int, ...]:
         if not produced:
             return self.unit_sequence

@@ -1,0 +1,154 @@
+"""One reader's share of an indexed epoch, computed a segment at a time: O(shards), never O(samples).
+
+The reader's position ``i`` is a spot of its rank's stream (`sequence.worker_spots`), which is
+a position of the epoch's order (`sequence.Deal`), whose sample is computed by the order
+(`sequence.Order.ids`), and whose unit and index within it come from per-unit starts. Positions
+are computed in segments of `SEGMENT` when first asked for, and a few segments are kept.
+
+What prefetch, opening ahead and closing need is said per *piece* (the reader's part of one
+block of its rank's stream), conservatively: a unit is first used at the first piece that may
+read it, and closed after the last such piece (`releases_after`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.order import Layout
+from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum, worker_count, worker_spots
+
+__all__ = ["SEGMENT", "LazyEpochPlan", "rank_unit_sequence"]
+
+IntArray = npt.NDArray[np.int64]
+SEGMENT = 1 << 15
+"""Reader positions computed together (and kept, a few segments at a time)."""
+_KEEP = 4
+
+
+class _UnitMap(Mapping[int, int]):
+    """unit -> position, as an array (-1: absent): a dict of a million units would cost ~100 MB."""
+
+    def __init__(self, values: IntArray) -> None:
+        self._values = values
+
+    def __getitem__(self, unit: int) -> int:
+        if not 0 <= unit < len(self._values) or self._values[unit] < 0:
+            raise KeyError(unit)
+        return int(self._values[unit])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.nonzero(self._values >= 0)[0].tolist())
+
+    def __len__(self) -> int:
+        return int((self._values >= 0).sum())
+
+
+class _Column:
+    """``plan.unit_of`` or ``plan.local``: indexable by position, computed a segment at a time."""
+
+    def __init__(self, plan: LazyEpochPlan, which: int) -> None:
+        self._plan = plan
+        self._which = which
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, position: int) -> int:
+        if isinstance(position, slice):
+            start, stop, step = position.indices(len(self._plan))
+            return self._plan.columns(np.arange(start, stop, step, dtype=np.int64))[self._which]  # type: ignore[return-value]
+        segment, at = divmod(int(position), SEGMENT)
+        return int(self._plan.segment(segment)[self._which][at])
+
+
+def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tuple[int, ...]:
+    """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says)."""
+    spot_start, spot_stop, start, stop = deal.pieces(rank, length)
+    which, units = order.units_of_ranges(start, stop)
+    _, units = dedupe_ranges(np.zeros_like(units), units)
+    return tuple(units.tolist())
+
+
+class LazyEpochPlan:
+    """What one reader reads of ``order`` (see the module's docstring); the `ReadPlan` interface."""
+
+    def __init__(
+        self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool
+    ) -> None:
+        self._order = order
+        self._bounds = exclusive_sum(counts)
+        self._layout = layout
+        self._deal = Deal(order.total, layout.world_size, block)
+        rank_length = self._deal.length(drop_last=drop_last)
+        self._rank_length = rank_length
+        self._length = int(worker_count(layout, rank_length))
+        natural = min(self._deal.natural(layout.rank), rank_length)
+        self.padded = self._length - int(worker_count(layout, natural))
+        self._segments: OrderedDict[int, tuple[IntArray, IntArray]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.unit_of = _Column(self, 0)
+        self.local = _Column(self, 1)
+        self._layout_units(len(counts))
+
+    def _layout_units(self, units: int) -> None:
+        """First use, release point and order of every unit this reader may read, per piece."""
+        spot_start, spot_stop, start, stop = self._deal.pieces(self._layout.rank, self._rank_length)
+        first = worker_count(self._layout, spot_start)
+        last = worker_count(self._layout, spot_stop) - 1
+        mine = last >= first
+        which, unit = self._order.units_of_ranges(start[mine], stop[mine])
+        first, last = first[mine][which], last[mine][which]
+        first_use = np.full(units, -1, dtype=np.int64)
+        release = np.full(units, -1, dtype=np.int64)
+        # Reversed assignment keeps the first piece's value; plain assignment keeps the last's.
+        first_use[unit[::-1]] = first[::-1]
+        release[unit] = last
+        self.first_use: Mapping[int, int] = _UnitMap(first_use)
+        self.last_use: Mapping[int, int] = _UnitMap(release)
+        _, ordered = dedupe_ranges(np.zeros_like(unit), unit)
+        self.unit_sequence: tuple[int, ...] = tuple(ordered.tolist())
+        closing = np.nonzero(release >= 0)[0]
+        by_position = np.argsort(release[closing], kind="stable")
+        self._release_units = closing[by_position]
+        self._release_at = release[closing][by_position]
+
+    def __len__(self) -> int:
+        return self._length
+
+    def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of each of this reader's ``positions``."""
+        spots = worker_spots(self._layout, positions)
+        ids = self._order.ids(self._deal.positions(self._layout.rank, spots))
+        unit = np.searchsorted(self._bounds, ids, side="right") - 1
+        return unit, ids - self._bounds[unit]
+
+    def segment(self, index: int) -> tuple[IntArray, IntArray]:
+        with self._lock:
+            found = self._segments.get(index)
+            if found is not None:
+                self._segments.move_to_end(index)
+                return found
+        start = index * SEGMENT
+        computed = self.columns(np.arange(start, min(start + SEGMENT, self._length), dtype=np.int64))
+        with self._lock:
+            self._segments[index] = computed
+            while len(self._segments) > _KEEP:
+                self._segments.popitem(last=False)
+        return computed
+
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        """Units no position after ``position`` reads: closed once it is read."""
+        lo = np.searchsorted(self._release_at, position, side="left")
+        hi = np.searchsorted(self._release_at, position, side="right")
+        return tuple(self._release_units[lo:hi].tolist())
+
+    def units_from(self, produced: int) -> tuple[int, ...]:
+        """`unit_sequence` less the units no position from ``produced`` on reads."""
+        if not produced:
+            return self.unit_sequence
+        release: IntArray = self.last_use._values  # type: ignore[attr-defined]
+        return tuple(u for u in self.unit_sequence if release[u] >= produced)
