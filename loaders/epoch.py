@@ -114,7 +114,7 @@ class EpochPlan:
             last_use[unit] = position
             first_use.setdefault(unit, position)
         return cls(
-            ids=np.zeros(0, dtype=np.int64),
+            ids=plan.bounds[unit_of] + local,
             unit_of=unit_of,
             local=local,
             padded=plan.padded,

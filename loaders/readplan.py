@@ -12,6 +12,7 @@ read it, and closed after the last such piece (`releases_after`).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,10 @@ class _UnitMap(Mapping[int, int]):
 
     def __init__(self, values: IntArray) -> None:
         self._values = values
+
+    @property
+    def values(self) -> IntArray:
+        return self._values
 
     def __getitem__(self, unit: int) -> int:
         if not 0 <= unit < len(self._values) or self._values[unit] < 0:
@@ -92,10 +97,11 @@ class LazyEpochPlan:
         self._lock = threading.Lock()
         self.unit_of = _Column(self, 0)
         self.local = _Column(self, 1)
-        self._layout_units(len(counts))
 
-    def _layout_units(self, units: int) -> None:
+    @functools.cached_property
+    def _units(self) -> tuple[_UnitMap, _UnitMap, tuple[int, ...], IntArray, IntArray]:
         """First use, release point and order of every unit this reader may read, per piece."""
+        units = len(self._bounds) - 1
         spot_start, spot_stop, start, stop = self._deal.pieces(self._layout.rank, self._rank_length)
         first = worker_count(self._layout, spot_start)
         last = worker_count(self._layout, spot_stop) - 1
@@ -107,17 +113,31 @@ class LazyEpochPlan:
         # Reversed assignment keeps the first piece's value; plain assignment keeps the last's.
         first_use[unit[::-1]] = first[::-1]
         release[unit] = last
-        self.first_use: Mapping[int, int] = _UnitMap(first_use)
-        self.last_use: Mapping[int, int] = _UnitMap(release)
         _, ordered = dedupe_ranges(np.zeros_like(unit), unit)
-        self.unit_sequence: tuple[int, ...] = tuple(ordered.tolist())
         closing = np.nonzero(release >= 0)[0]
         by_position = np.argsort(release[closing], kind="stable")
-        self._release_units = closing[by_position]
-        self._release_at = release[closing][by_position]
+        sequence = tuple(ordered.tolist())
+        return _UnitMap(first_use), _UnitMap(release), sequence, closing[by_position], release[closing][by_position]
+
+    @property
+    def first_use(self) -> Mapping[int, int]:
+        return self._units[0]
+
+    @property
+    def last_use(self) -> Mapping[int, int]:
+        return self._units[1]
+
+    @property
+    def unit_sequence(self) -> tuple[int, ...]:
+        return self._units[2]
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def bounds(self) -> IntArray:
+        """Each unit's first sample id, and the total: ``unit_of`` and ``local`` make ids with it."""
+        return self._bounds
 
     def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
         """``(unit, index in unit)`` of each of this reader's ``positions``."""
@@ -142,13 +162,14 @@ class LazyEpochPlan:
 
     def releases_after(self, position: int) -> tuple[int, ...]:
         """Units no position after ``position`` reads: closed once it is read."""
-        lo = np.searchsorted(self._release_at, position, side="left")
-        hi = np.searchsorted(self._release_at, position, side="right")
-        return tuple(self._release_units[lo:hi].tolist())
+        _, _, _, units, at = self._units
+        lo = np.searchsorted(at, position, side="left")
+        hi = np.searchsorted(at, position, side="right")
+        return tuple(units[lo:hi].tolist())
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         """`unit_sequence` less the units no position from ``produced`` on reads."""
         if not produced:
             return self.unit_sequence
-        release: IntArray = self.last_use._values  # type: ignore[attr-defined]
+        release = self._units[1].values
         return tuple(u for u in self.unit_sequence if release[u] >= produced)

@@ -174,18 +174,10 @@ class ArrayOrder:
         return result
 
     def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
-        bounds = exclusive_sum(self.counts)
-        which: list[IntArray] = []
-        units: list[IntArray] = []
-        for index, (start, stop) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(stops).tolist())):
-            found = np.searchsorted(bounds, self.order[start:stop], side="right") - 1
-            _, first = np.unique(found, return_index=True)
-            mine = found[np.sort(first)]
-            units.append(mine)
-            which.append(np.full(len(mine), index, dtype=np.int64))
-        if not units:
-            return _EMPTY, _EMPTY
-        return np.concatenate(which), np.concatenate(units)
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        which, positions = _expand(starts, stops - 1)
+        units = np.searchsorted(exclusive_sum(self.counts), self.order[positions], side="right") - 1
+        return dedupe_ranges(which, units.astype(np.int64))
 
 
 @dataclass(frozen=True)
