@@ -36,19 +36,22 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.permute import mix_key, permute
+from datacache.loaders.sequence import exclusive_sum
 
 __all__ = [
     "WINDOW_UNITS",
     "Settlement",
+    "Streams",
     "cold_remaining",
     "final_stream",
     "lower_bound_length",
     "natural_stream",
+    "natural_units",
     "node_cold_sequences",
     "rank_units",
     "settle",
-    "window_ids",
-    "window_order",
+    "window_bounds",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -88,54 +91,155 @@ def node_cold_sequences(
     return found
 
 
-def window_order(
-    counts: Sequence[int] | IntArray, *, seed: int, epoch: int, rank: int, index: int, shuffle: bool
-) -> IntArray:
-    """The order of one window's samples, as indexes into its units' samples laid end to end."""
-    total = int(np.sum(counts)) if len(counts) else 0
-    if not shuffle or total < 2:
-        return np.arange(total, dtype=np.int64)
-    order: IntArray = _rng(seed, epoch, rank, index, len(counts)).permutation(total).astype(np.int64)
-    return order
+def window_bounds(counts: IntArray, units: IntArray) -> IntArray:
+    """Where each window of a rank's natural stream starts (and the stream's length, last): its units' counts known."""
+    per = np.asarray(counts, dtype=np.int64)[units]
+    padded = np.zeros(-(-len(per) // WINDOW_UNITS) * WINDOW_UNITS, dtype=np.int64)
+    padded[: len(per)] = per
+    return exclusive_sum(padded.reshape(-1, WINDOW_UNITS).sum(axis=1))
 
 
-def window_ids(
-    units: Sequence[int] | IntArray,
-    counts: Sequence[int] | IntArray,
-    starts: Sequence[int] | IntArray,
+def natural_units(
+    counts: IntArray,
+    units: IntArray,
+    bounds: IntArray,
+    spots: IntArray,
     *,
     seed: int,
     epoch: int,
     rank: int,
-    index: int,
     shuffle: bool,
-) -> IntArray:
-    """Sample ids of one window: the samples of ``units`` (with their ``counts`` and first ids), shuffled."""
-    pieces = [np.arange(int(s), int(s) + int(c), dtype=np.int64) for s, c in zip(starts, counts)]
-    ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    order = window_order(counts, seed=seed, epoch=epoch, rank=rank, index=index, shuffle=shuffle)
-    result: IntArray = ids[order]
-    return result
+) -> tuple[IntArray, IntArray]:
+    """``(unit, index in unit)`` at ``spots`` of rank ``rank``'s natural stream (its ``units``, windows ``bounds``).
+
+    A window's samples (its units' samples laid end to end) are permuted by a keyed bijection of
+    ``(seed, epoch, rank, window)``: nothing is stored per sample.
+    """
+    spots = np.asarray(spots, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    window = np.searchsorted(bounds, spots, side="right") - 1
+    offset = spots - bounds[window]
+    if shuffle and len(spots):
+        size = bounds[window + 1] - bounds[window]
+        offset = permute(offset, size, mix_key(seed, epoch, rank, window, _TAG))
+    unit = np.full(len(spots), -1, dtype=np.int64)
+    local = offset.copy()
+    for slot in range(WINDOW_UNITS):
+        index = window * WINDOW_UNITS + slot
+        present = index < len(units)
+        here = units[np.where(present, index, 0)] if len(units) else np.zeros(len(spots), dtype=np.int64)
+        size = np.where(present, counts[here], 0)
+        open_ = unit < 0
+        found = open_ & (local < size)
+        unit = np.where(found, here, unit)
+        local = np.where(open_ & ~found, local - size, local)
+    return unit, local
+
+
+class Streams:
+    """Every rank's natural and settled stream of a cold epoch, computed per spot (every count known).
+
+    O(shards) to build; a spot's sample costs a few integer operations.
+    """
+
+    def __init__(
+        self, counts: IntArray, *, seed: int, epoch: int, shuffle: bool, world_size: int, drop_last: bool
+    ) -> None:
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.units = [
+            rank_units(len(counts), seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, rank=r)
+            for r in range(world_size)
+        ]
+        self.bounds = [window_bounds(self.counts, units) for units in self.units]
+        self.naturals = np.asarray([int(b[-1]) for b in self.bounds], dtype=np.int64)
+        self.settled = settle(self.naturals.tolist(), drop_last=drop_last)
+        self._received = [
+            (
+                np.asarray([d for d, _, _ in got], dtype=np.int64),
+                np.asarray([a for _, a, _ in got], dtype=np.int64),
+                exclusive_sum([b - a for _, a, b in got]),
+            )
+            for got in self.settled.receive
+        ]
+
+    @property
+    def length(self) -> int:
+        return self.settled.length
+
+    def own(self, rank: int) -> int:
+        """Spots of rank ``rank``'s settled stream that are not repeats."""
+        return self.settled.keep[rank] + int(self._received[rank][2][-1])
+
+    def natural(self, rank: int, spots: IntArray) -> tuple[IntArray, IntArray]:
+        return natural_units(
+            self.counts,
+            self.units[rank],
+            self.bounds[rank],
+            spots,
+            seed=self.seed,
+            epoch=self.epoch,
+            rank=rank,
+            shuffle=self.shuffle,
+        )
+
+    def sources(self, rank: int, spots: IntArray) -> tuple[IntArray, IntArray]:
+        """``(rank, natural spot)`` that spots ``spots`` of rank ``rank``'s settled stream read."""
+        spots = np.asarray(spots, dtype=np.int64)
+        keep = self.settled.keep[rank]
+        donors, firsts, sums = self._received[rank]
+        own = self.own(rank)
+        if not own:
+            # No stream of its own to repeat: the first samples of every natural stream, in rank order.
+            everything = exclusive_sum(self.naturals)
+            spot = spots % max(1, int(everything[-1]))
+            source = np.searchsorted(everything, spot, side="right") - 1
+            return source, spot - everything[source]
+        spots = np.where(spots >= own, (spots - own) % own, spots)
+        if not len(donors):
+            return np.full(len(spots), rank, dtype=np.int64), spots
+        received = spots >= keep
+        index = np.clip(np.searchsorted(sums, spots - keep, side="right") - 1, 0, len(donors) - 1)
+        source = np.where(received, donors[index], rank)
+        natural = np.where(received, firsts[index] + spots - keep - sums[index], spots)
+        return source, natural
+
+    def settled_units(self, rank: int, spots: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` at ``spots`` of rank ``rank``'s settled stream."""
+        source, natural = self.sources(rank, spots)
+        unit = np.zeros(len(natural), dtype=np.int64)
+        local = np.zeros(len(natural), dtype=np.int64)
+        for donor in np.unique(source).tolist():
+            mine = source == donor
+            unit[mine], local[mine] = self.natural(int(donor), natural[mine])
+        return unit, local
+
+    def ids(self, rank: int, spots: IntArray) -> IntArray:
+        unit, local = self.settled_units(rank, spots)
+        result: IntArray = exclusive_sum(self.counts)[unit] + local
+        return result
+
+    def window_units(self, rank: int, start: int, stop: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Pieces ``(spot start, spot stop, units)`` of rank ``rank``'s natural spots ``[start, stop)``."""
+        bounds, units = self.bounds[rank], self.units[rank]
+        pieces = []
+        first = int(np.searchsorted(bounds, start, side="right") - 1)
+        for window in range(max(first, 0), len(bounds) - 1):
+            lo, hi = max(start, int(bounds[window])), min(stop, int(bounds[window + 1]))
+            if lo >= stop:
+                break
+            if hi > lo:
+                mine = units[window * WINDOW_UNITS : (window + 1) * WINDOW_UNITS]
+                pieces.append((lo, hi, tuple(u for u in mine.tolist() if self.counts[u] > 0)))
+        return pieces
 
 
 def natural_stream(counts: IntArray, *, seed: int, epoch: int, shuffle: bool, world_size: int, rank: int) -> IntArray:
-    """A rank's whole natural stream (every count known): its windows, one after another."""
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    units = rank_units(len(counts), seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, rank=rank)
-    windows = [
-        window_ids(
-            units[i : i + WINDOW_UNITS],
-            counts[units[i : i + WINDOW_UNITS]],
-            starts[units[i : i + WINDOW_UNITS]],
-            seed=seed,
-            epoch=epoch,
-            rank=rank,
-            index=i // WINDOW_UNITS,
-            shuffle=shuffle,
-        )
-        for i in range(0, len(units), WINDOW_UNITS)
-    ]
-    return np.concatenate(windows) if windows else np.zeros(0, dtype=np.int64)
+    """A rank's whole natural stream as sample ids (every count known): O(its samples), for resume and tests."""
+    streams = Streams(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, drop_last=True)
+    unit, local = streams.natural(rank, np.arange(int(streams.naturals[rank]), dtype=np.int64))
+    result: IntArray = exclusive_sum(streams.counts)[unit] + local
+    return result
 
 
 def lower_bound_length(known_total: int, world_size: int) -> int:
@@ -188,20 +292,9 @@ def settle(lengths: Sequence[int], *, drop_last: bool) -> Settlement:
 def final_stream(
     counts: IntArray, *, seed: int, epoch: int, shuffle: bool, world_size: int, rank: int, drop_last: bool
 ) -> tuple[IntArray, int]:
-    """A rank's settled stream (every count known), and how many of its positions are repeats."""
-    naturals = [
-        natural_stream(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, rank=r)
-        for r in range(world_size)
-    ]
-    settled = settle([len(s) for s in naturals], drop_last=drop_last)
-    own = naturals[rank][: settled.keep[rank]]
-    parts = [own, *(naturals[donor][start:stop] for donor, start, stop in settled.receive[rank])]
-    stream = np.concatenate(parts)
-    repeats = settled.repeats[rank]
-    if repeats:
-        source = stream if len(stream) else np.concatenate(naturals)
-        stream = np.concatenate((stream, np.resize(source, repeats)))
-    return stream.astype(np.int64), repeats
+    """A rank's settled stream as sample ids (every count known), and how many of its positions are repeats."""
+    streams = Streams(counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=world_size, drop_last=drop_last)
+    return streams.ids(rank, np.arange(streams.length, dtype=np.int64)), streams.settled.repeats[rank]
 
 
 def cold_remaining(

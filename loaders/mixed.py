@@ -14,8 +14,8 @@ import dataclasses
 import hashlib
 import os
 import resource
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt

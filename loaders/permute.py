@@ -39,7 +39,11 @@ def mix_key(*parts: int | IntArray) -> U64:
     key = np.zeros((), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for part in parts:
-            word = np.asarray(part).astype(np.int64).view(np.uint64) if np.ndim(part) else np.uint64(int(part) & (2**64 - 1))
+            word = (
+                np.asarray(part).astype(np.int64).view(np.uint64)
+                if np.ndim(part)
+                else np.uint64(int(part) & (2**64 - 1))
+            )
             key = _splitmix(key * _GOLDEN + word + _GOLDEN)
     return np.asarray(key, dtype=np.uint64)
 

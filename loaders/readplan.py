@@ -16,13 +16,14 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order import Layout
 from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum, worker_count, worker_spots
 
-__all__ = ["SEGMENT", "LazyEpochPlan", "rank_unit_sequence"]
+__all__ = ["SEGMENT", "LazyEpochPlan", "Segmented", "rank_unit_sequence"]
 
 IntArray = npt.NDArray[np.int64]
 SEGMENT = 1 << 15
@@ -37,7 +38,7 @@ class _UnitMap(Mapping[int, int]):
         self._values = values
 
     @property
-    def values(self) -> IntArray:
+    def array(self) -> IntArray:
         return self._values
 
     def __getitem__(self, unit: int) -> int:
@@ -55,35 +56,69 @@ class _UnitMap(Mapping[int, int]):
 class _Column:
     """``plan.unit_of`` or ``plan.local``: indexable by position, computed a segment at a time."""
 
-    def __init__(self, plan: LazyEpochPlan, which: int) -> None:
+    def __init__(self, plan: Segmented, which: int) -> None:
         self._plan = plan
         self._which = which
 
     def __len__(self) -> int:
         return len(self._plan)
 
-    def __getitem__(self, position: int) -> int:
+    def __getitem__(self, position: int | slice) -> Any:
         if isinstance(position, slice):
             start, stop, step = position.indices(len(self._plan))
-            return self._plan.columns(np.arange(start, stop, step, dtype=np.int64))[self._which]  # type: ignore[return-value]
+            return self._plan.columns(np.arange(start, stop, step, dtype=np.int64))[self._which]
         segment, at = divmod(int(position), SEGMENT)
         return int(self._plan.segment(segment)[self._which][at])
 
 
+class Segmented:
+    """A reader's plan whose positions are computed when asked for, `SEGMENT` at a time, a few kept.
+
+    Subclasses say how many positions there are and compute ``(unit, index in unit)`` for some.
+    """
+
+    def __init__(self) -> None:
+        self._segments: OrderedDict[int, tuple[IntArray, IntArray]] = OrderedDict()
+        self._segment_lock = threading.Lock()
+        self.unit_of = _Column(self, 0)
+        self.local = _Column(self, 1)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of each of this reader's ``positions``."""
+        raise NotImplementedError
+
+    def segment(self, index: int) -> tuple[IntArray, IntArray]:
+        with self._segment_lock:
+            found = self._segments.get(index)
+            if found is not None:
+                self._segments.move_to_end(index)
+                return found
+        start = index * SEGMENT
+        stop = min(start + SEGMENT, len(self))
+        computed = self.columns(np.arange(start, stop, dtype=np.int64))
+        if stop == start + SEGMENT:  # a plan that grows (a cold epoch's) completes its last segment later
+            with self._segment_lock:
+                self._segments[index] = computed
+                while len(self._segments) > _KEEP:
+                    self._segments.popitem(last=False)
+        return computed
+
+
 def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tuple[int, ...]:
     """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says)."""
-    spot_start, spot_stop, start, stop = deal.pieces(rank, length)
-    which, units = order.units_of_ranges(start, stop)
+    _, _, start, stop = deal.pieces(rank, length)
+    _, units = order.units_of_ranges(start, stop)
     _, units = dedupe_ranges(np.zeros_like(units), units)
     return tuple(units.tolist())
 
 
-class LazyEpochPlan:
+class LazyEpochPlan(Segmented):
     """What one reader reads of ``order`` (see the module's docstring); the `ReadPlan` interface."""
 
-    def __init__(
-        self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool
-    ) -> None:
+    def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
         self._order = order
         self._bounds = exclusive_sum(counts)
         self._layout = layout
@@ -93,10 +128,7 @@ class LazyEpochPlan:
         self._length = int(worker_count(layout, rank_length))
         natural = min(self._deal.natural(layout.rank), rank_length)
         self.padded = self._length - int(worker_count(layout, natural))
-        self._segments: OrderedDict[int, tuple[IntArray, IntArray]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.unit_of = _Column(self, 0)
-        self.local = _Column(self, 1)
+        super().__init__()
 
     @functools.cached_property
     def _units(self) -> tuple[_UnitMap, _UnitMap, tuple[int, ...], IntArray, IntArray]:
@@ -146,20 +178,6 @@ class LazyEpochPlan:
         unit = np.searchsorted(self._bounds, ids, side="right") - 1
         return unit, ids - self._bounds[unit]
 
-    def segment(self, index: int) -> tuple[IntArray, IntArray]:
-        with self._lock:
-            found = self._segments.get(index)
-            if found is not None:
-                self._segments.move_to_end(index)
-                return found
-        start = index * SEGMENT
-        computed = self.columns(np.arange(start, min(start + SEGMENT, self._length), dtype=np.int64))
-        with self._lock:
-            self._segments[index] = computed
-            while len(self._segments) > _KEEP:
-                self._segments.popitem(last=False)
-        return computed
-
     def releases_after(self, position: int) -> tuple[int, ...]:
         """Units no position after ``position`` reads: closed once it is read."""
         _, _, _, units, at = self._units
@@ -171,5 +189,5 @@ class LazyEpochPlan:
         """`unit_sequence` less the units no position from ``produced`` on reads."""
         if not produced:
             return self.unit_sequence
-        release = self._units[1].values
+        release = self._units[1].array
         return tuple(u for u in self.unit_sequence if release[u] >= produced)

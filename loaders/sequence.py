@@ -214,17 +214,17 @@ class RemainingOrder:
             stop = min(int(stops[index]), head)
             spots = self.explicit[int(starts[index]) : stop]
             # One range per explicit position: exact, and the explicit part is short by construction.
-            which, units = self.base.units_of_ranges(spots, spots + 1)
+            _, units = self.base.units_of_ranges(spots, spots + 1)
             parts_which.append(np.full(len(units), index, dtype=np.int64))
             parts_units.append(units)
             parts_phase.append(np.zeros(len(units), dtype=np.int64))
         later = stops > head
         if later.any():
-            index = np.nonzero(later)[0]
-            begin = self.tail + np.maximum(starts[index], head) - head
-            end = self.tail + stops[index] - head
+            ranges = np.nonzero(later)[0].astype(np.int64)
+            begin = self.tail + np.maximum(starts[ranges], head) - head
+            end = self.tail + stops[ranges] - head
             which, units = self.base.units_of_ranges(begin, end)
-            parts_which.append(index[which])
+            parts_which.append(ranges[which])
             parts_units.append(units)
             parts_phase.append(np.ones(len(units), dtype=np.int64))
         if not parts_units:
@@ -287,10 +287,10 @@ class Deal:
         full = min(self.rounds * self.block, length)
         count = -(-full // self.block)
         spot_start = np.arange(count, dtype=np.int64) * self.block
-        spot_stop = np.minimum(spot_start + self.block, full)
+        spot_stop: IntArray = np.minimum(spot_start + self.block, full).astype(np.int64)
         position_start = (rank + self.world * np.arange(count, dtype=np.int64)) * self.block
-        position_stop = position_start + (spot_stop - spot_start)
-        pieces = [(spot_start, spot_stop, position_start, position_stop)]
+        position_stop: IntArray = position_start + (spot_stop - spot_start)
+        pieces: list[tuple[IntArray, ...]] = [(spot_start, spot_stop, position_start, position_stop)]
         natural = self.natural(rank)
         stop = min(natural, length)
         if stop > full:
@@ -304,9 +304,7 @@ class Deal:
         return joined[0], joined[1], joined[2], joined[3]
 
 
-def epoch_order(
-    counts: Sequence[int] | IntArray, *, seed: int, epoch: int, shuffle: bool, window: int
-) -> IntArray:
+def epoch_order(counts: Sequence[int] | IntArray, *, seed: int, epoch: int, shuffle: bool, window: int) -> IntArray:
     """Every sample id of ``counts`` in `WindowedOrder`'s order, as one array: O(samples), for a mix's sources."""
     order = WindowedOrder(np.asarray(counts, dtype=np.int64), seed, epoch, shuffle, window)
     return order.ids(np.arange(order.total, dtype=np.int64))
@@ -322,9 +320,9 @@ def worker_spots(layout: Layout, indexes: IntArray) -> IntArray:
 
 def worker_count(layout: Layout, length: int | IntArray) -> IntArray:
     """How many of a rank stream's first ``length`` spots worker ``layout.worker`` reads."""
-    length = np.asarray(length, dtype=np.int64)
+    lengths = np.asarray(length, dtype=np.int64)
     chunk, workers, worker = layout.chunk, layout.num_workers, layout.worker
-    chunks, rest = length // chunk, length % chunk
+    chunks, rest = lengths // chunk, lengths % chunk
     result: IntArray = (chunks // workers) * chunk + np.where(worker < chunks % workers, chunk, 0)
     return result + np.where(chunks % workers == worker, rest, 0)
 

@@ -36,7 +36,7 @@ from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url
 
 from datacache.access import ShardAccess
-from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle, Location, ReaderProgress, Stager
 
@@ -253,6 +253,21 @@ class UnitReaders:
         """Open the unit first used at ``position`` ahead of need; errors surface when it is used."""
         with contextlib.suppress(Exception):
             self.reader_at(position)
+
+    def count_samples(self, unit: int) -> int:
+        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples.
+
+        A shard skipped as unreadable (``on_error="skip"``) counts 0 and is recorded as such.
+        """
+        reader = self.reader_for(unit)
+        if reader is None:
+            book = self.runtime.book
+            if book is not None:
+                book.unreadable[self._plan.units[unit].keys[0]] = self.skipped_why.get(unit, "unreadable")
+            return 0
+        if not isinstance(reader, TarReader):
+            raise ConfigError(f"{self._where}: only tar shards are read before they are counted")
+        return len(reader.spans)
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""

@@ -163,7 +163,9 @@ def test_a_plan_of_ten_billion_samples_costs_what_its_shards_cost(world: int) ->
         common = {"seed": 1, "epoch": 0, "shuffle": True, "window": 16384, "drop_last": False}
         plan = plan_epoch(counts, cursors=(), layout=layout, **common)  # type: ignore[arg-type]
         first = [plan.unit_of[i] for i in range(100)]
-        resumed = plan_epoch(counts, cursors=(Cursor(world, 4, 64, (10**6, 10**6 + 64, 10**6, 10**6)),), layout=layout, **common)  # type: ignore[arg-type]
+        resumed = plan_epoch(
+            counts, cursors=(Cursor(world, 4, 64, (10**6, 10**6 + 64, 10**6, 10**6)),), layout=layout, **common
+        )  # type: ignore[arg-type]
         assert len(resumed) < len(plan) and resumed.unit_of[0] >= 0
         future = node_unit_sequences(counts, cursors=(), layout=layout, **common)  # type: ignore[arg-type]
         _, peak = tracemalloc.get_traced_memory()
