@@ -35,12 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.permute import mix_key, permute
-from datacache.loaders.sequence import exclusive_sum
+from datacache.loaders.sequence import dedupe_ranges, exclusive_sum, worker_spots
 
 __all__ = [
     "WINDOW_UNITS",
+    "ColdRemainder",
     "Settlement",
     "Streams",
     "cold_remaining",
@@ -219,6 +220,36 @@ class Streams:
         result: IntArray = exclusive_sum(self.counts)[unit] + local
         return result
 
+    def holder(self, rank: int, natural: int) -> tuple[int, int]:
+        """``(rank, spot)`` of the settled stream that reads rank ``rank``'s natural spot ``natural`` (-1: none)."""
+        if natural < self.settled.keep[rank]:
+            return rank, natural
+        for reader, got in enumerate(self.settled.receive):
+            offset = self.settled.keep[reader]
+            for donor, start, stop in got:
+                if donor == rank and start <= natural < stop:
+                    return reader, offset + natural - start
+                offset += stop - start
+        return -1, -1
+
+    def spot_units(self, rank: int, start: int, stop: int) -> list[int]:
+        """The units spots ``[start, stop)`` of rank ``rank``'s settled stream may read, in order."""
+        found: list[int] = []
+        keep = self.settled.keep[rank]
+        for _, _, units in self.window_units(rank, start, min(stop, keep)):
+            found.extend(units)
+        offset = keep
+        for donor, first, last in self.settled.receive[rank]:
+            lo, hi = max(start, offset), min(stop, offset + last - first)
+            if hi > lo:
+                for _, _, units in self.window_units(donor, first + lo - offset, first + hi - offset):
+                    found.extend(units)
+            offset += last - first
+        if stop > offset:
+            unit, _ = self.settled_units(rank, np.arange(max(start, offset), stop, dtype=np.int64))
+            found.extend(unit.tolist())
+        return list(dict.fromkeys(found))
+
     def window_units(self, rank: int, start: int, stop: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """Pieces ``(spot start, spot stop, units)`` of rank ``rank``'s natural spots ``[start, stop)``."""
         bounds, units = self.bounds[rank], self.units[rank]
@@ -299,31 +330,99 @@ def final_stream(
 
 def cold_remaining(
     counts: IntArray, cursor: Cursor, *, seed: int, epoch: int, shuffle: bool, drop_last: bool
-) -> IntArray:
-    """What a cold epoch read by ``cursor``'s layout left: every sample it did not consume, in its ranks' order."""
-    consumed = np.zeros(int(counts.sum()), dtype=np.bool_)
-    left: list[IntArray] = []
+) -> ColdRemainder:
+    """What a cold epoch read by ``cursor``'s layout left: every sample it did not consume, in its ranks' order.
+
+    Each sample once: a repeat (the settled streams' padding) is left out, and so is a sample a
+    consumed repeat already delivered. A layout consumed the same spots of every rank's settled
+    stream: all below the slowest worker's end, some below the fastest's; so what is left is, per
+    rank, a few spots listed one by one and a tail, at a cost of ranks x the workers' spread.
+    """
+    streams = Streams(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=cursor.world_size, drop_last=drop_last
+    )
+    produced = np.asarray(cursor.produced, dtype=np.int64)
+    ends = [
+        int(worker_spots(Layout(1, 0, cursor.num_workers, w, cursor.chunk), np.asarray([n]))[0])
+        for w, n in enumerate(cursor.produced)
+    ]
+    low, high = min(*ends, streams.length), min(max(ends), streams.length)
+    band = np.arange(low, high, dtype=np.int64)
+    chunk_index = band // cursor.chunk
+    index = (chunk_index // cursor.num_workers) * cursor.chunk + band % cursor.chunk
+    taken = band[index < produced[chunk_index % cursor.num_workers]]
+    left = np.setdiff1d(band, taken, assume_unique=True)
+    excluded: dict[int, set[int]] = {}
     for rank in range(cursor.world_size):
-        stream, _ = final_stream(
-            counts,
-            seed=seed,
-            epoch=epoch,
-            shuffle=shuffle,
-            world_size=cursor.world_size,
-            rank=rank,
-            drop_last=drop_last,
-        )
-        taken = np.zeros(len(stream), dtype=np.bool_)
-        indexes = np.arange(len(stream), dtype=np.int64)
-        for worker in range(cursor.num_workers):
-            mine = worker_positions(indexes, cursor.num_workers, worker, cursor.chunk)
-            taken[mine[: cursor.produced[worker]]] = True
-        consumed[stream[taken]] = True
-        left.append(stream[~taken])
-    # Each sample once, in the order the old ranks would have read it (a repeat of a consumed
-    # sample, or a second copy, is dropped: the new layout pads by its own rule).
-    merged = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
-    _, first = np.unique(merged, return_index=True)
-    merged = merged[np.sort(first)]
-    result: IntArray = merged[~consumed[merged]]
-    return result
+        own = streams.own(rank)
+        repeats = np.arange(own, min(low, streams.length), dtype=np.int64)
+        for spot in np.concatenate((repeats, taken[taken >= own])).tolist():
+            source, natural = streams.sources(rank, np.asarray([spot], dtype=np.int64))
+            holder, at = streams.holder(int(source[0]), int(natural[0]))
+            excluded.setdefault(holder, set()).add(at)
+    pieces: list[tuple[int, int, int]] = []
+    for rank in range(cursor.world_size):
+        own = streams.own(rank)
+        gone = excluded.get(rank, set())
+        cuts = sorted(s for s in gone if high <= s < own)  # the tail is split around them
+        begin = high
+        for spot in [s for s in left[left < own].tolist() if s not in gone]:
+            _append(pieces, rank, spot, spot + 1)
+        for cut in cuts:
+            _append(pieces, rank, begin, cut)
+            begin = cut + 1
+        _append(pieces, rank, begin, own)
+    return ColdRemainder(streams, pieces)
+
+
+def _append(pieces: list[tuple[int, int, int]], rank: int, start: int, stop: int) -> None:
+    if stop <= start:
+        return
+    if pieces and pieces[-1][0] == rank and pieces[-1][2] == start:
+        pieces[-1] = (rank, pieces[-1][1], stop)
+    else:
+        pieces.append((rank, start, stop))
+
+
+class ColdRemainder:
+    """An `Order`: what a cold epoch left, as runs of its ranks' settled streams, in rank order."""
+
+    def __init__(self, streams: Streams, pieces: list[tuple[int, int, int]]) -> None:
+        self._streams = streams
+        self._rank = np.asarray([p[0] for p in pieces], dtype=np.int64)
+        self._start = np.asarray([p[1] for p in pieces], dtype=np.int64)
+        self._sums = exclusive_sum([p[2] - p[1] for p in pieces])
+
+    @property
+    def total(self) -> int:
+        return int(self._sums[-1])
+
+    def _locate(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        piece = np.searchsorted(self._sums, positions, side="right") - 1
+        return self._rank[piece], self._start[piece] + positions - self._sums[piece]
+
+    def ids(self, positions: IntArray) -> IntArray:
+        ranks, spots = self._locate(np.asarray(positions, dtype=np.int64))
+        result = np.zeros(len(spots), dtype=np.int64)
+        for rank in np.unique(ranks).tolist():
+            mine = ranks == rank
+            result[mine] = self._streams.ids(int(rank), spots[mine])
+        return result
+
+    def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        which: list[int] = []
+        units: list[int] = []
+        for index, (start, stop) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(stops).tolist())):
+            if stop <= start:
+                continue
+            first = int(np.searchsorted(self._sums, start, side="right") - 1)
+            last = int(np.searchsorted(self._sums, stop - 1, side="right") - 1)
+            for piece in range(first, last + 1):
+                base = int(self._sums[piece])
+                lo = int(self._start[piece]) + max(start, base) - base
+                hi = int(self._start[piece]) + min(stop, int(self._sums[piece + 1])) - base
+                for unit in self._streams.spot_units(int(self._rank[piece]), lo, hi):
+                    which.append(index)
+                    units.append(unit)
+        found = np.asarray(which, dtype=np.int64), np.asarray(units, dtype=np.int64)
+        return dedupe_ranges(*found)

@@ -362,6 +362,7 @@ class ColdEpochPlan(Segmented):
         self.final = True
         with self._segment_lock:
             self._segments.clear()
+            self._last = (-1, self._last[1])
         placed = [u for u in self.unit_sequence if u in self.first_use]
         ours = set(self.unit_sequence)
         extra = [u for u in self.first_use if u not in ours]

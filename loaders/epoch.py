@@ -132,15 +132,17 @@ def epoch_sequence(
     shuffle: bool,
     window: int,
     cursors: tuple[Cursor, ...] = (),
-    order: IntArray | None = None,
+    order: IntArray | Order | None = None,
 ) -> Order:
     """Epoch ``epoch``'s order less what ``cursors`` consumed (``order`` replaces the epoch's own)."""
     sizes = np.asarray(counts, dtype=np.int64)
     sequence: Order
     if order is None:
         sequence = WindowedOrder(sizes, seed, epoch, shuffle, window)
-    else:
+    elif isinstance(order, np.ndarray):
         sequence = ArrayOrder(np.asarray(order, dtype=np.int64), sizes)
+    else:
+        sequence = order
     for cursor in cursors:
         sequence = remaining(sequence, cursor, window)
     return sequence
@@ -156,7 +158,7 @@ def plan_epoch(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
-    order: IntArray | None = None,
+    order: IntArray | Order | None = None,
 ) -> LazyEpochPlan:
     """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
 
@@ -183,7 +185,7 @@ def node_unit_sequences(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
-    order: IntArray | None = None,
+    order: IntArray | Order | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
 

@@ -29,6 +29,7 @@ IntArray = npt.NDArray[np.int64]
 SEGMENT = 1 << 15
 """Reader positions computed together (and kept, a few segments at a time)."""
 _KEEP = 4
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class _UnitMap(Mapping[int, int]):
@@ -68,7 +69,7 @@ class _Column:
             start, stop, step = position.indices(len(self._plan))
             return self._plan.columns(np.arange(start, stop, step, dtype=np.int64))[self._which]
         segment, at = divmod(int(position), SEGMENT)
-        return int(self._plan.segment(segment)[self._which][at])
+        return int(self._plan.segment(segment, at)[self._which][at])
 
 
 class Segmented:
@@ -80,6 +81,7 @@ class Segmented:
     def __init__(self) -> None:
         self._segments: OrderedDict[int, tuple[IntArray, IntArray]] = OrderedDict()
         self._segment_lock = threading.Lock()
+        self._last: tuple[int, tuple[IntArray, IntArray]] = (-1, (_NONE, _NONE))
         self.unit_of = _Column(self, 0)
         self.local = _Column(self, 1)
 
@@ -90,20 +92,26 @@ class Segmented:
         """``(unit, index in unit)`` of each of this reader's ``positions``."""
         raise NotImplementedError
 
-    def segment(self, index: int) -> tuple[IntArray, IntArray]:
+    def segment(self, index: int, at: int = 0) -> tuple[IntArray, IntArray]:
+        """Positions ``index * SEGMENT`` on, as far as laid out, holding at least offset ``at``."""
+        last = self._last  # one attribute read: threads share it without the lock
+        if last[0] == index and at < len(last[1][0]):
+            return last[1]
         with self._segment_lock:
             found = self._segments.get(index)
-            if found is not None:
+            if found is not None and at < len(found[0]):
                 self._segments.move_to_end(index)
+                self._last = (index, found)
                 return found
         start = index * SEGMENT
-        stop = min(start + SEGMENT, len(self))
-        computed = self.columns(np.arange(start, stop, dtype=np.int64))
-        if stop == start + SEGMENT:  # a plan that grows (a cold epoch's) completes its last segment later
-            with self._segment_lock:
-                self._segments[index] = computed
-                while len(self._segments) > _KEEP:
-                    self._segments.popitem(last=False)
+        # A growing plan (a cold epoch's) lays out more of its last segment later: kept as far as it
+        # goes, computed again only when a position past it is asked for.
+        computed = self.columns(np.arange(start, min(start + SEGMENT, len(self)), dtype=np.int64))
+        with self._segment_lock:
+            self._segments[index] = computed
+            self._last = (index, computed)
+            while len(self._segments) > _KEEP:
+                self._segments.popitem(last=False)
         return computed
 
 

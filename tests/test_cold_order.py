@@ -97,9 +97,9 @@ def test_resume_of_a_cold_epoch_on_another_world_size_is_exactly_once(
     remaining = cold_remaining(sizes, cursor, seed=seed, epoch=1, shuffle=True, drop_last=False)
     resumed: list[int] = []
     for rank in range(after):
-        deal = Deal(len(remaining), after, 4)
+        deal = Deal(remaining.total, after, 4)
         spots = np.arange(deal.length(drop_last=False), dtype=np.int64)
-        resumed.extend(remaining[deal.positions(rank, spots)].tolist())
+        resumed.extend(remaining.ids(deal.positions(rank, spots)).tolist())
     everything = Counter(consumed + resumed)
     assert set(everything) == set(range(int(sizes.sum()))), "a sample was skipped"
     assert sum(n - 1 for n in everything.values()) < before + after, "only the final padding repeats"
