@@ -129,14 +129,14 @@ def memory_limit() -> int:
     return min(limits)
 
 
-def _check_fits(total: int, labels: tuple[str, ...]) -> None:
+def _check_fits(epoch: int, sources: int, labels: tuple[str, ...]) -> None:
     """Refuse, before any epoch allocates for it, a mix this process's memory cannot plan."""
-    need, limit = total * MIX_BYTES_PER_SAMPLE, memory_limit()
+    need, limit = (epoch + sources) * MIX_BYTES_PER_SAMPLE, memory_limit()
     if need > limit // 2:
         raise DatasetTooLargeError(
-            f"the mix of {', '.join(labels)} gives {total} samples an epoch; planning a mixed epoch needs "
-            f"{format_bytes(need)}, over half this process's memory limit ({format_bytes(limit)}); "
-            "read the largest source on its own, or give a smaller epoch_size="
+            f"the mix of {', '.join(labels)} ({sources} samples, {epoch} an epoch) needs "
+            f"{format_bytes(need)} to plan an epoch, over half this process's memory limit "
+            f"({format_bytes(limit)}): a mix still plans per sample; read the largest source on its own"
         )
 
 
@@ -181,7 +181,7 @@ def open_mix(
         {key: why for part in parts for key, why in part.plan.unreadable.items()},
     )
     total = int(counts.sum())
-    _check_fits(total + sum(part.plan.total for part in parts), labels)
+    _check_fits(total, sum(part.plan.total for part in parts), labels)
     window = shuffle_buffer or auto_window(total, len(combined.units))
     first = parts[0]
     runtime = Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans)
