@@ -115,6 +115,7 @@ bench-quick: $(ANCHORS_STAMP)
 
 bench: $(ANCHORS_STAMP)
 	$(ANCHORS)/bin/python -m benchmarks.run
+	$(ANCHORS)/bin/python -m benchmarks.scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

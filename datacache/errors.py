@@ -19,6 +19,7 @@ __all__ = [
     "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
+    "StagerClosedError",
     "TierAccessError",
     "TierFullError",
     "TransientOriginError",
@@ -76,6 +77,10 @@ class ChecksumMismatchError(DatacacheError):
 
 class ShardReadError(DatacacheError):
     """A shard could not be parsed (truncated tar, corrupt Parquet, ...)."""
+
+
+class StagerClosedError(DatacacheError):
+    """The stager was closed while a transfer was asked for or in flight (the process is shutting down)."""
 
 
 class DatasetTooLargeError(DatacacheError, MemoryError):

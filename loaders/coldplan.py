@@ -20,35 +20,36 @@ import concurrent.futures
 import logging
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.coldorder import (
     WINDOW_UNITS,
+    Streams,
     cold_remaining,
-    final_stream,
     lower_bound_length,
+    natural_units,
     rank_units,
-    window_order,
 )
 from datacache.loaders.epoch import ReadPlan, auto_window, plan_epoch
-from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.plan import save_plan
 from datacache.loaders.readers import Unit, UnitPlan
+from datacache.loaders.readplan import Segmented
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.sequence import worker_count, worker_spots
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError, StagerClosedError
 from datacache.indexing import ClusterIndex, decide_cold
 from datacache.manifest import Shard
 from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
 from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
-__all__ = ["ColdEpochPlan", "CountBook", "complete_runtime", "epoch_is_cold", "epoch_plan"]
+__all__ = ["ColdEpochPlan", "CountBook", "UnitCounter", "complete_runtime", "epoch_is_cold", "epoch_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class CountBook:
                 return await count_tar_samples(self._handle.origin, shard, where=where)
             return await asyncio.to_thread(count_tar_file, location.path, shard, where=where)
         except (ChecksumMismatchError, DatacacheError, OSError) as exc:
-            if isinstance(exc, ShardReadError):
+            # A shard is recorded as uncountable (for every node) only for what its bytes are, never
+            # because this process is closing: a run that checkpoints and stops mid-index resumes it.
+            if isinstance(exc, ShardReadError | StagerClosedError):
                 raise
             raise ShardReadError(f"{where}: {exc}") from None
 
@@ -172,173 +175,197 @@ class _FirstUse(dict[int, int]):
         return sys.maxsize
 
 
-class ColdEpochPlan:
-    """One reader's plan of a cold epoch, extended by `ensure` as counts become known.
+class UnitCounter(Protocol):
+    """What counts a cold epoch's units: opens one (it is read next anyway) and says its samples."""
+
+    def count_samples(self, unit: int) -> int: ...
+
+
+class ColdEpochPlan(Segmented):
+    """One reader's plan of a cold epoch, extended by `ensure` as counts become known; O(shards).
 
     Parameters
     ----------
     book
         The process's counts.
-    count_unit
-        Counts one unit's samples by opening it (the reader's own units, so the open is reused).
     layout, seed, epoch, shuffle, drop_last
         As for an indexed epoch.
+
+    A unit whose count is unknown is counted by the `UnitCounter` given to `count_with`
+    (the reader's own units, so the open is reused). A position's sample is computed when
+    asked for (`coldorder.natural_units`, then `coldorder.Streams` once settled).
     """
 
     def __init__(
-        self,
-        book: CountBook,
-        count_unit: Callable[[int], int],
-        *,
-        layout: Layout,
-        seed: int,
-        epoch: int,
-        shuffle: bool,
-        drop_last: bool,
+        self, book: CountBook, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool
     ) -> None:
+        super().__init__()
         self._book = book
-        self._count_unit = count_unit
+        self._counter: UnitCounter | None = None
         self._layout = layout
         self._seed, self._epoch, self._shuffle, self._drop_last = seed, epoch, shuffle, drop_last
         self._units = rank_units(
             len(book.counts), seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=layout.rank
         )
-        self._unit_of = np.zeros(0, dtype=np.int64)
-        self._local = np.zeros(0, dtype=np.int64)
-        self._size = 0
-        self._window = 0
-        self._rank_position = 0
-        """Positions of the rank's stream laid out so far (this reader's and its siblings')."""
-        self._pending: tuple[IntArray, IntArray] | None = None
-        """The current window's units and offsets, in order, from ``_pending_from`` on not laid out yet."""
-        self._pending_from = 0
+        self._bounds = np.zeros(1, dtype=np.int64)
+        """Where each counted window of the rank's natural stream starts, and where the last ends."""
+        self._placed = 0
+        """Spots of the rank's stream laid out so far (this reader's and its siblings')."""
+        self._released = 0
+        """Windows whose units' release positions are recorded."""
+        self._streams: Streams | None = None
         self.final = False
         self.padded = 0
         self.first_use: dict[int, int] = _FirstUse()
         self.last_use: dict[int, int] = {}
+        self._releases: dict[int, list[int]] = {}
         self.unit_sequence: tuple[int, ...] = tuple(int(u) for u in self._units)
         self._lock = threading.Lock()
 
-    # -- the EpochPlan interface -------------------------------------------------------------
+    def count_with(self, counter: UnitCounter) -> None:
+        """Count unknown units through ``counter`` (the units the reader opens)."""
+        self._counter = counter
+
+    # -- the ReadPlan interface -------------------------------------------------------------
 
     def __len__(self) -> int:
-        return self._size
+        return int(worker_count(self._layout, self._placed))
 
-    @property
-    def unit_of(self) -> IntArray:
-        return self._unit_of[: self._size]
+    def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        spots = worker_spots(self._layout, positions)
+        if self._streams is not None:
+            return self._streams.settled_units(self._layout.rank, spots)
+        return natural_units(
+            self._book.counts,
+            self._units,
+            self._bounds,
+            spots,
+            seed=self._seed,
+            epoch=self._epoch,
+            rank=self._layout.rank,
+            shuffle=self._shuffle,
+        )
 
-    @property
-    def local(self) -> IntArray:
-        return self._local[: self._size]
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        return tuple(self._releases.get(position, ()))
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         self.ensure(produced + 1)
-        placed = set(self.unit_of[produced:].tolist())
-        later = [u for u in self.unit_sequence if u in placed or u not in self.first_use]
-        return tuple(later)
+        return tuple(u for u in self.unit_sequence if self.last_use.get(u, sys.maxsize) >= produced)
 
     # -- growing ----------------------------------------------------------------------------
 
     def ensure(self, length: int) -> int:
         """Lay out positions until there are ``length`` of them or the epoch's end; return how many there are."""
         with self._lock:
-            while self._size < length and not self.final:
+            while len(self) < length and not self.final:
                 self._grow()
-            return self._size
+            return len(self)
 
     def _grow(self) -> None:
-        if self._pending is None:
-            units = self._units[self._window * WINDOW_UNITS : (self._window + 1) * WINDOW_UNITS]
-            if not len(units) or self._book.complete:
+        if self._book.complete:
+            self._settle()
+            return
+        known = int(self._bounds[-1])
+        if self._placed >= known:
+            window = len(self._bounds) - 1
+            units = self._units[window * WINDOW_UNITS : (window + 1) * WINDOW_UNITS]
+            if not len(units):
                 self._settle()
                 return
-            counts = [self._count(int(u)) for u in units]
-            order = window_order(
-                counts,
-                seed=self._seed,
-                epoch=self._epoch,
-                rank=self._layout.rank,
-                index=self._window,
-                shuffle=self._shuffle,
-            )
-            which = np.repeat(np.asarray(units, dtype=np.int64), counts)[order]
-            offsets = np.concatenate([np.arange(n, dtype=np.int64) for n in counts])[order]
-            self._pending, self._pending_from = (which, offsets), 0
-            self._window += 1
-        which, offsets = self._pending
-        # Only positions provably kept by settling: below T for the smallest total the known counts allow.
+            samples = sum(self._count(int(u)) for u in units)
+            self._bounds = np.append(self._bounds, known + samples)
+            # The first window is counted: now index the rest at the origin's rate, behind the first batch.
+            self._book.start()
+            known += samples
+        # Only spots provably kept by settling: below T for the smallest total the known counts allow.
         bound = lower_bound_length(self._book.known_total(), self._layout.world_size)
-        take = min(len(which) - self._pending_from, bound - self._rank_position)
-        if take <= 0 and len(which) > self._pending_from:
-            if self._book.complete or not self._book.wait_for_more(self._book.known_total()):
+        stop = min(known, bound)
+        if stop <= self._placed:
+            if self._placed < known and (self._book.complete or not self._book.wait_for_more(self._book.known_total())):
                 self._settle()
             return
-        stop = self._pending_from + take
-        # The first window is counted: now index the rest at the origin's rate, behind the first batch.
-        self._book.start()
-        self._append(self._rank_position, which[self._pending_from : stop], offsets[self._pending_from : stop])
-        self._rank_position += take
-        self._pending_from = stop
-        if stop >= len(which):
-            self._pending = None
+        self._place(self._placed, stop)
 
     def _count(self, unit: int) -> int:
         known = int(self._book.counts[unit])
         if known >= 0:
             return known
-        samples = self._count_unit(unit)
+        if self._counter is None:
+            raise DatacacheError("a cold epoch's plan was read before it was given its unit counter")
+        samples = self._counter.count_samples(unit)
         self._book.note(unit, samples)
         return samples
 
-    def _mine(self, start: int, stop: int) -> IntArray:
-        """The rank positions in ``[start, stop)`` this reader takes (chunks dealt round robin to workers)."""
-        layout = self._layout
-        positions = np.arange(start, stop, dtype=np.int64)
-        if layout.num_workers == 1:
-            return positions - start
-        chunk_of = positions // layout.chunk
-        mine: IntArray = np.nonzero(chunk_of % layout.num_workers == layout.worker)[0].astype(np.int64)
-        return mine
+    def _note(self, start: int, stop: int, units: tuple[int, ...], *, closed: bool) -> None:
+        """Spots ``[start, stop)`` read ``units``: first use, and release (``closed``: whole piece)."""
+        first = int(worker_count(self._layout, start))
+        last = int(worker_count(self._layout, stop)) - 1
+        if last < first:
+            return
+        for unit in units:
+            self.first_use.setdefault(unit, first)
+            self.last_use[unit] = max(last, self.last_use.get(unit, -1))
+        if closed:
+            self._releases.setdefault(last, []).extend(units)
 
-    def _append(self, start: int, units: IntArray, offsets: IntArray) -> None:
-        picked = self._mine(start, start + len(units))
-        units, offsets = units[picked], offsets[picked]
-        need = self._size + len(units)
-        if need > len(self._unit_of):
-            capacity = max(need, 2 * len(self._unit_of), 1024)
-            self._unit_of = np.resize(self._unit_of, capacity)
-            self._local = np.resize(self._local, capacity)
-        self._unit_of[self._size : need] = units
-        self._local[self._size : need] = offsets
-        for position, unit in enumerate(units.tolist(), start=self._size):
-            self.first_use.setdefault(unit, position)
-            self.last_use[unit] = position
-        self._size = need
+    def _place(self, start: int, stop: int) -> None:
+        """Lay out the rank's natural spots ``[start, stop)``, recording the windows it completes."""
+        units = self._units
+        bounds = self._bounds
+        for window in range(self._released, len(bounds) - 1):
+            lo, hi = int(bounds[window]), int(bounds[window + 1])
+            if lo >= stop:
+                break
+            mine = tuple(
+                u
+                for u in units[window * WINDOW_UNITS : (window + 1) * WINDOW_UNITS].tolist()
+                if self._book.counts[u] > 0
+            )
+            complete = hi <= stop
+            self._note(max(lo, start), min(hi, stop), mine, closed=complete)
+            if complete:
+                self._released = window + 1
+        self._placed = stop
 
     def _settle(self) -> None:
         """Every count known: lay out the rest of the rank's settled stream (kept, received, repeated)."""
         counts = self._book.wait_complete()
         layout = self._layout
-        stream, repeats = final_stream(
+        rank = layout.rank
+        streams = Streams(
             counts,
             seed=self._seed,
             epoch=self._epoch,
             shuffle=self._shuffle,
             world_size=layout.world_size,
-            rank=layout.rank,
             drop_last=self._drop_last,
         )
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        rest = stream[self._rank_position :]
-        unit_of = np.searchsorted(starts, rest, side="right") - 1
-        self._append(self._rank_position, unit_of.astype(np.int64), rest - starts[unit_of])
-        mine = worker_positions(np.arange(len(stream), dtype=np.int64), layout.num_workers, layout.worker, layout.chunk)
-        self.padded = int((mine >= len(stream) - repeats).sum())
-        self._rank_position = len(stream)
+        keep = streams.settled.keep[rank]
+        start = min(self._placed, keep)
+        for lo, hi, units in streams.window_units(rank, start, keep):
+            self._note(lo, hi, units, closed=True)
+        offset = keep
+        for donor, begin, end in streams.settled.receive[rank]:
+            for lo, hi, units in streams.window_units(donor, begin, end):
+                self._note(offset + lo - begin, offset + hi - begin, units, closed=True)
+            offset += end - begin
+        own, length = streams.own(rank), streams.length
+        if length > own:
+            spots = np.arange(own, length, dtype=np.int64)
+            unit, _ = streams.settled_units(rank, spots)
+            for spot, one in zip(spots.tolist(), unit.tolist()):
+                self._note(spot, spot + 1, (one,), closed=True)
+        self.padded = int(worker_count(layout, length) - worker_count(layout, own))
+        self._streams = streams
+        self._placed = length
         self.final = True
+        with self._segment_lock:
+            self._segments.clear()
+            self._last = (-1, self._last[1])
         placed = [u for u in self.unit_sequence if u in self.first_use]
-        extra = [u for u in self.first_use if u not in set(self.unit_sequence)]
+        ours = set(self.unit_sequence)
+        extra = [u for u in self.first_use if u not in ours]
         self.unit_sequence = tuple(placed + sorted(extra, key=self.first_use.__getitem__))
 
 
@@ -370,14 +397,11 @@ def epoch_plan(
     drop_last: bool,
     shuffle_buffer: int | None,
     cursors: tuple[Cursor, ...],
-    count_unit: Callable[[int], int],
 ) -> ReadPlan:
     """The reader's plan of an epoch: cold (whole shards, growing) or indexed, resumed after ``cursors``."""
     if not cursors and epoch_is_cold(runtime, seed=seed, epoch=epoch):
         book = runtime.book or CountBook(runtime.plan, runtime.handle, runtime.settings, runtime.loop, runtime.access)
-        return ColdEpochPlan(
-            book, count_unit, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last
-        )
+        return ColdEpochPlan(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
     complete_runtime(runtime, shuffle_buffer)
     counts = runtime.plan.counts
     order = None

@@ -439,7 +439,9 @@ class CachedIterableDataset(IterableDataset[Any]):
         return 1
 
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
-        runtime = self._complete()
+        # Never waits for sample counts (a cold first epoch's are still arriving): the default
+        # window follows from the snapshot, which the state names, so it is kept as None.
+        runtime = self._prepare()
         dataset, snapshot = identity(runtime)
         return {
             "version": STATE_VERSION,
@@ -448,7 +450,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             **({"mix": runtime.mix.counts.tolist(), "replacement": self.replacement} if runtime.mix else {}),
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "shuffle_buffer": runtime.window,
+            "shuffle_buffer": runtime.window or self.shuffle_buffer,
             "drop_last": self.drop_last,
             "epoch": self._epoch,
             "cursors": [cursor.to_json() for cursor in cursors],
@@ -477,7 +479,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if version != STATE_VERSION:
             raise ConfigError(f"unsupported state version {version!r}")
         ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
-        if "shuffle_buffer" in state:
+        if state.get("shuffle_buffer") is not None:
             ours["shuffle_buffer"] = self._complete().window
         if "mix" in state or self._mixed:
             mix = self._complete().mix

@@ -1,34 +1,30 @@
 """One reader's plan for an epoch: which samples it yields, in what order, from which units.
 
 Pure arithmetic on plain values (numpy, no I/O, no torch): the global order
-and the dealing come from `datacache.loaders.order`; this module turns them
-into what a reader needs to walk its share, namely each position's unit and
-index within that unit, and the order in which units are first and last used
-(for prefetch, opening ahead, and closing a unit after its last sample).
+and the dealing come from `datacache.loaders.sequence`, a reader's share of
+them from `datacache.loaders.readplan`, computed a segment at a time; this
+module picks the order of an epoch (resumed after earlier layouts) and says
+every reader's units in order for the node's future. Nothing here costs more
+than the shards do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import (
-    Cursor,
-    Layout,
-    epoch_order,
-    equalize,
-    rank_positions,
-    remaining_sequence,
-    worker_positions,
-)
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
 
 __all__ = [
     "EpochPlan",
     "ReadPlan",
     "auto_window",
+    "epoch_sequence",
     "initial_prefetch",
     "node_epoch_sequences",
     "node_unit_sequences",
@@ -39,14 +35,22 @@ __all__ = [
 IntArray = npt.NDArray[np.int64]
 
 
+class Column(Protocol):
+    """A value per position of a reader's plan (an array, or one computed a segment at a time)."""
+
+    def __getitem__(self, position: int, /) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
 class ReadPlan(Protocol):
-    """What readers need of a plan: an `EpochPlan`, or a cold epoch's plan that grows as it is read."""
+    """What readers need of a plan: a `LazyEpochPlan`, an `EpochPlan`, or a cold epoch's plan that grows."""
 
     @property
-    def unit_of(self) -> IntArray: ...
+    def unit_of(self) -> Column: ...
 
     @property
-    def local(self) -> IntArray: ...
+    def local(self) -> Column: ...
 
     @property
     def padded(self) -> int: ...
@@ -64,10 +68,12 @@ class ReadPlan(Protocol):
 
     def units_from(self, produced: int) -> tuple[int, ...]: ...
 
+    def releases_after(self, position: int) -> tuple[int, ...]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class EpochPlan:
-    """What one reader (a rank's worker) reads this epoch, position by position."""
+    """A reader's plan as whole arrays, position by position: a mix's (its readers split them by source)."""
 
     ids: IntArray
     """Global sample ids, in the order this reader yields them."""
@@ -87,12 +93,59 @@ class EpochPlan:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        unit = int(self.unit_of[position])
+        return (unit,) if self.last_use.get(unit) == position else ()
+
     def units_from(self, produced: int) -> tuple[int, ...]:
         """`unit_sequence` less the units no position from ``produced`` on reads."""
         if not produced:
             return self.unit_sequence
         upcoming = set(self.unit_of[produced:].tolist())
         return tuple(u for u in self.unit_sequence if u in upcoming)
+
+    @classmethod
+    def of(cls, plan: LazyEpochPlan) -> EpochPlan:
+        """``plan`` computed whole (O(the reader's samples))."""
+        unit_of, local = plan.columns(np.arange(len(plan), dtype=np.int64))
+        last_use: dict[int, int] = {}
+        first_use: dict[int, int] = {}
+        for position, unit in enumerate(unit_of.tolist()):
+            last_use[unit] = position
+            first_use.setdefault(unit, position)
+        return cls(
+            ids=plan.bounds[unit_of] + local,
+            unit_of=unit_of,
+            local=local,
+            padded=plan.padded,
+            first_use=first_use,
+            last_use=last_use,
+            unit_sequence=tuple(sorted(first_use, key=first_use.__getitem__)),
+        )
+
+
+def epoch_sequence(
+    counts: Sequence[int] | IntArray,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    window: int,
+    cursors: tuple[Cursor, ...] = (),
+    order: IntArray | Order | None = None,
+) -> Order:
+    """Epoch ``epoch``'s order less what ``cursors`` consumed (``order`` replaces the epoch's own)."""
+    sizes = np.asarray(counts, dtype=np.int64)
+    sequence: Order
+    if order is None:
+        sequence = WindowedOrder(sizes, seed, epoch, shuffle, window)
+    elif isinstance(order, np.ndarray):
+        sequence = ArrayOrder(np.asarray(order, dtype=np.int64), sizes)
+    else:
+        sequence = order
+    for cursor in cursors:
+        sequence = remaining(sequence, cursor, window)
+    return sequence
 
 
 def plan_epoch(
@@ -105,59 +158,16 @@ def plan_epoch(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
-    order: IntArray | None = None,
-) -> EpochPlan:
+    order: IntArray | Order | None = None,
+) -> LazyEpochPlan:
     """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
 
     ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
     """
-    if order is None:
-        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    sequence = remaining_sequence(order, cursors, window)
-    return _deal(sequence, counts, window=window, layout=layout, drop_last=drop_last)
-
-
-def _deal(
-    sequence: IntArray, counts: Sequence[int] | IntArray, *, window: int, layout: Layout, drop_last: bool
-) -> EpochPlan:
-    """The part of the epoch's remaining ``sequence`` that reader ``layout`` reads."""
-    ids, padded = _reader_ids(sequence, window=window, layout=layout, drop_last=drop_last)
-    unit_of = _units_of(ids, counts)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    local = ids - starts[unit_of]
-    last_use: dict[int, int] = {}
-    first_use: dict[int, int] = {}
-    for position, unit in enumerate(unit_of.tolist()):
-        last_use[unit] = position
-        first_use.setdefault(unit, position)
-    return EpochPlan(
-        ids=ids,
-        unit_of=unit_of,
-        local=local,
-        padded=padded,
-        first_use=first_use,
-        last_use=last_use,
-        unit_sequence=tuple(sorted(first_use, key=first_use.__getitem__)),
+    sequence = epoch_sequence(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order
     )
-
-
-def _reader_ids(sequence: IntArray, *, window: int, layout: Layout, drop_last: bool) -> tuple[IntArray, int]:
-    """The sample ids reader ``layout`` yields, in order, and how many of them are padding."""
-    total = len(sequence)
-    own = rank_positions(total, layout.world_size, layout.rank, window)
-    natural = len(own)
-    positions, _ = equalize(own, total, layout.world_size, drop_last=drop_last)
-    padded = np.arange(len(positions)) >= natural
-    indexes = np.arange(len(positions), dtype=np.int64)
-    mine = worker_positions(indexes, layout.num_workers, layout.worker, layout.chunk)
-    return sequence[positions[mine]], int(padded[mine].sum())
-
-
-def _units_of(ids: IntArray, counts: Sequence[int] | IntArray) -> IntArray:
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    # Units with no samples share a start with the next one; searchsorted picks the last of them.
-    units: IntArray = np.searchsorted(starts, ids, side="right") - 1
-    return units
+    return LazyEpochPlan(sequence, np.asarray(counts, dtype=np.int64), block=window, layout=layout, drop_last=drop_last)
 
 
 def reader_name(layout: Layout) -> str:
@@ -175,17 +185,21 @@ def node_unit_sequences(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     drop_last: bool,
-    order: IntArray | None = None,
+    order: IntArray | Order | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
 
     This epoch's remaining units, then the next epoch's, so that eviction near the end of
     an epoch keeps what the next one reads first. Every reader computes the same value.
-    ``order`` replaces this epoch's global order, as in `plan_epoch`.
+    ``order`` replaces this epoch's global order, as in `plan_epoch`. A rank's workers share
+    its sequence (each reads a part of every block of its rank): O(shards), not O(samples).
     """
-    if order is None:
-        order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    now = _node_epoch(counts, remaining_sequence(order, cursors, window), window, layout, drop_last)
+    now = _node_epoch(
+        epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order),
+        window,
+        layout,
+        drop_last,
+    )
     following = node_epoch_sequences(
         counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
     )
@@ -203,21 +217,18 @@ def node_epoch_sequences(
     drop_last: bool,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
-    order = epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    return _node_epoch(counts, remaining_sequence(order, (), window), window, layout, drop_last)
+    sequence = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
+    return _node_epoch(sequence, window, layout, drop_last)
 
 
-def _node_epoch(
-    counts: Sequence[int] | IntArray, sequence: IntArray, window: int, layout: Layout, drop_last: bool
-) -> dict[str, tuple[int, ...]]:
+def _node_epoch(sequence: Order, window: int, layout: Layout, drop_last: bool) -> dict[str, tuple[int, ...]]:
+    deal = Deal(sequence.total, layout.world_size, window)
+    length = deal.length(drop_last=drop_last)
     found: dict[str, tuple[int, ...]] = {}
     for rank in range(layout.world_size):
+        units = rank_unit_sequence(sequence, deal, rank, length)
         for worker in range(layout.num_workers):
-            reader = Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk)
-            ids, _ = _reader_ids(sequence, window=window, layout=reader, drop_last=drop_last)
-            unit_of = _units_of(ids, counts)
-            _, first = np.unique(unit_of, return_index=True)
-            found[reader_name(reader)] = tuple(unit_of[np.sort(first)].tolist())
+            found[reader_name(Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk))] = units
     return found
 
 

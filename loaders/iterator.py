@@ -13,6 +13,7 @@ from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_
 from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import (
+    EpochPlan,
     ReadPlan,
     auto_window,
     initial_prefetch,
@@ -24,7 +25,7 @@ from datacache.loaders.mixed import mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import TarReader, sample_of
+from datacache.loaders.readers import sample_of
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code
@@ -79,12 +80,11 @@ class EpochIterator:
             "drop_last": dataset.drop_last,
             "cursors": cursors,
         }
+        mixed: EpochPlan | None = None
         if runtime.mix is not None:
-            self._plan = mix_plan(runtime, layout, **common)
+            self._plan = mixed = mix_plan(runtime, layout, **common)
         else:
-            self._plan = epoch_plan(
-                runtime, layout, shuffle_buffer=dataset.shuffle_buffer, count_unit=self._count_unit, **common
-            )
+            self._plan = epoch_plan(runtime, layout, shuffle_buffer=dataset.shuffle_buffer, **common)
         plan = runtime.plan
         share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
         self.controller = PrefetchController(
@@ -115,11 +115,14 @@ class EpochIterator:
             "skip_bad": dataset.on_error == "skip",
             "in_consumer": self._in_consumer,
         }
-        if runtime.mix is not None:
-            self._units = self._mixed = MixedUnitReaders(runtime, self._plan, **readers)
+        if mixed is not None:
+            self._units = self._mixed = MixedUnitReaders(runtime, mixed, **readers)
             self._tallied = np.full(len(self._plan), -1, dtype=np.int64)
         else:
-            self._units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
+            units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
+            if isinstance(self._plan, ColdEpochPlan):
+                self._plan.count_with(units)  # a cold epoch counts the shards it reads as it opens them
+            self._units = units
         self._builder = BatchBuilder(
             self._units,
             self._plan,
@@ -270,18 +273,6 @@ class EpochIterator:
         if isinstance(self._plan, ColdEpochPlan):
             return self._plan.ensure(length)
         return len(self._plan)
-
-    def _count_unit(self, unit: int) -> int:
-        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples."""
-        reader = self._units.reader_for(unit)
-        if reader is None:  # skipped as unreadable (on_error="skip"): no sample of it is dealt
-            book = self.runtime.book
-            if book is not None:
-                book.unreadable[self.runtime.plan.units[unit].keys[0]] = self._units.skipped_why.get(unit, "unreadable")
-            return 0
-        if not isinstance(reader, TarReader):
-            raise ConfigError(f"dataset {self.runtime.handle.id}: only tar shards are read before they are counted")
-        return len(reader.spans)
 
     # -- iteration ------------------------------------------------------------------------
 

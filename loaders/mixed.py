@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -29,8 +31,9 @@ from datacache.loaders.sources import SourceSpec
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ConfigError, ShardNotFoundError
+from datacache.errors import ConfigError, DatasetTooLargeError, ShardNotFoundError
 from datacache.stager import DatasetHandle
+from datacache.units import format_bytes
 
 __all__ = ["Mix", "mix_plan", "only_keys", "open_handle", "open_mix"]
 
@@ -105,6 +108,38 @@ class Mix:
         return ids, hashlib.sha256(joined.encode()).hexdigest()[:16]
 
 
+MIX_BYTES_PER_SAMPLE = 72
+"""What a mixed epoch holds per sample while it is planned (the order, each source's draw, a reader's
+arrays and their temporaries; measured ~65). One dataset's epoch holds nothing per sample."""
+
+
+def memory_limit() -> int:
+    """The memory this process may use: its address-space limit, its cgroup's, or the machine's."""
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits)
+
+
+def _check_fits(epoch: int, sources: int, labels: tuple[str, ...]) -> None:
+    """Refuse, before any epoch allocates for it, a mix this process's memory cannot plan."""
+    need, limit = (epoch + sources) * MIX_BYTES_PER_SAMPLE, memory_limit()
+    if need > limit // 2:
+        raise DatasetTooLargeError(
+            f"the mix of {', '.join(labels)} ({sources} samples, {epoch} an epoch) needs "
+            f"{format_bytes(need)} to plan an epoch, over half this process's memory limit "
+            f"({format_bytes(limit)}): a mix still plans per sample; read the largest source on its own"
+        )
+
+
 def open_mix(
     loop: LoopThread,
     access: ShardAccess,
@@ -146,6 +181,7 @@ def open_mix(
         {key: why for part in parts for key, why in part.plan.unreadable.items()},
     )
     total = int(counts.sum())
+    _check_fits(total, sum(part.plan.total for part in parts), labels)
     window = shuffle_buffer or auto_window(total, len(combined.units))
     first = parts[0]
     runtime = Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans)
@@ -172,7 +208,7 @@ def mix_plan(
 ) -> EpochPlan:
     """The reader ``layout``'s share of mixed epoch ``epoch``, less what ``cursors`` consumed."""
     mix: Mix = runtime.mix
-    return plan_epoch(
+    plan = plan_epoch(
         runtime.plan.counts,
         seed=seed,
         epoch=epoch,
@@ -183,3 +219,5 @@ def mix_plan(
         drop_last=drop_last,
         order=mix.order(seed=seed, epoch=epoch, shuffle=shuffle),
     )
+    # Whole arrays: a mix's readers split positions by source (`mixunits`), and its order is one array.
+    return EpochPlan.of(plan)

@@ -13,7 +13,7 @@ source, cycle)``, each time the source is exhausted), and epoch ``e`` takes the
 ``e``-th run of its count from that stream. So consecutive epochs cover the
 whole source before any sample repeats, and a source smaller than its share
 cycles. With replacement, each epoch draws its count uniformly with
-replacement. The permutations are `order.epoch_order` (shards shuffled, samples
+replacement. The permutations are `sequence.epoch_order` (shards shuffled, samples
 shuffled within windows), so a source's reads stay local to a few shards.
 
 **How they interleave** (`interleave`): source ``s``'s ``j``-th sample sits at
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import epoch_order
+from datacache.loaders.sequence import epoch_order
 
 from datacache.errors import ConfigError
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.epoch import EpochPlan
 from datacache.loaders.mixed import Mix
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
@@ -30,7 +30,7 @@ IntArray = npt.NDArray[np.int64]
 class SourcePlan:
     """The positions of a mixed plan that read source ``source``, its units numbered as in that source."""
 
-    def __init__(self, plan: ReadPlan, mine: npt.NDArray[np.bool_], offset: int, units: int) -> None:
+    def __init__(self, plan: EpochPlan, mine: npt.NDArray[np.bool_], offset: int, units: int) -> None:
         self._mine = mine
         self.unit_of: IntArray = plan.unit_of - offset
         self.local: IntArray = plan.local
@@ -43,6 +43,12 @@ class SourcePlan:
 
     def __len__(self) -> int:
         return self._length
+
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        if not self._mine[position]:
+            return ()
+        unit = int(self.unit_of[position])
+        return (unit,) if self.last_use.get(unit) == position else ()
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         if not produced:
@@ -57,7 +63,7 @@ class MixedUnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: ReadPlan,
+        epoch: EpochPlan,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],

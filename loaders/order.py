@@ -1,9 +1,10 @@
-"""The order of an epoch, and who reads what: pure arithmetic on sample ids (numpy, no torch).
+"""Who reads what, and how far a layout got: pure arithmetic (numpy, no torch).
 
 **The global order** of an epoch depends only on ``(seed, epoch)``: the shards
-are shuffled, their samples laid end to end, and the samples shuffled within
-consecutive windows of ``window`` samples (a bounded shuffle, so that reads
-stay local to a few shards at a time).
+are shuffled, their samples laid end to end, and the samples permuted within
+consecutive windows of ``window`` samples by a keyed bijection (a bounded
+shuffle, so that reads stay local to a few shards at a time; see
+`datacache.loaders.sequence`, which computes all of this per position).
 
 **Dealing** hands that sequence to ``R`` ranks in blocks of ``window``
 positions, round robin (rank ``r`` reads blocks ``r, r+R, ...``), so that each
@@ -23,7 +24,6 @@ of ranks and workers: no sample is repeated or skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,12 +32,7 @@ import numpy.typing as npt
 __all__ = [
     "Cursor",
     "Layout",
-    "consumed_mask",
-    "epoch_order",
-    "equalize",
     "produced_from_consumed",
-    "rank_positions",
-    "remaining_sequence",
     "worker_positions",
 ]
 
@@ -101,57 +96,6 @@ class Cursor:
         return cls(world, workers, chunk, produced, cold=data.get("cold") is True)
 
 
-def epoch_order(
-    counts: Sequence[int] | npt.NDArray[np.int64], *, seed: int, epoch: int, shuffle: bool, window: int
-) -> IntArray:
-    """Return every sample id of the dataset in this epoch's order.
-
-    Sample ids number the samples shard by shard in manifest order. The order
-    is a function of ``(seed, epoch)`` (and the dataset), nothing else.
-    """
-    sizes = np.asarray(counts, dtype=np.int64)
-    total = int(sizes.sum())
-    if not shuffle:
-        return np.arange(total, dtype=np.int64)
-    rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch, 0x44435348])
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    shard_order = rng.permutation(len(sizes))
-    ordered_sizes = sizes[shard_order]
-    # ids = concatenation of ranges [starts[s], starts[s] + sizes[s]) in shard order
-    offsets = np.repeat(starts[shard_order] - np.concatenate(([0], np.cumsum(ordered_sizes)[:-1])), ordered_sizes)
-    ids = np.arange(total, dtype=np.int64) + offsets
-    if window > 1 and total > 1:
-        keys = rng.random(total)
-        windows = np.arange(total, dtype=np.int64) // window
-        ids = ids[np.lexsort((keys, windows))]
-    return ids
-
-
-def rank_positions(total: int, world_size: int, rank: int, block: int) -> IntArray:
-    """Positions of a sequence of ``total`` that rank ``rank`` reads, in order (before equalizing)."""
-    round_size = world_size * block
-    head = total // round_size * round_size
-    blocks = np.arange(rank, head // block, world_size, dtype=np.int64)
-    full = (blocks[:, None] * block + np.arange(block, dtype=np.int64)[None, :]).reshape(-1)
-    tail = np.arange(head + rank, total, world_size, dtype=np.int64)
-    return np.concatenate((full, tail))
-
-
-def equalize(positions: IntArray, total: int, world_size: int, *, drop_last: bool) -> tuple[IntArray, int]:
-    """Cut or pad a rank's positions to the common length; return them and how many are repeats."""
-    if drop_last:
-        return positions[: total // world_size], 0
-    target = -(-total // world_size)
-    missing = target - len(positions)
-    if missing <= 0:
-        return positions, 0
-    source = positions if len(positions) else np.arange(min(total, target), dtype=np.int64)
-    if len(source) == 0:
-        return positions, 0
-    repeats = np.resize(source, missing)
-    return np.concatenate((positions, repeats)), missing
-
-
 def worker_positions(rank_stream: IntArray, num_workers: int, worker: int, chunk: int) -> IntArray:
     """The part of a rank's stream one worker reads: chunks ``worker, worker+W, ...`` of ``chunk`` samples."""
     if num_workers == 1:
@@ -174,22 +118,3 @@ def produced_from_consumed(consumed: int, num_workers: int, chunk: int) -> tuple
         extra = partial if worker == full_chunks % num_workers else 0
         produced.append(chunks * chunk + extra)
     return tuple(produced)
-
-
-def consumed_mask(total: int, cursor: Cursor, block: int) -> npt.NDArray[np.bool_]:
-    """Which positions of a sequence of ``total`` the layout in ``cursor`` consumed (on every rank)."""
-    mask = np.zeros(total, dtype=np.bool_)
-    for rank in range(cursor.world_size):
-        stream = rank_positions(total, cursor.world_size, rank, block)
-        for worker in range(cursor.num_workers):
-            mine = worker_positions(stream, cursor.num_workers, worker, cursor.chunk)
-            mask[mine[: cursor.produced[worker]]] = True
-    return mask
-
-
-def remaining_sequence(order: IntArray, cursors: Sequence[Cursor], block: int) -> IntArray:
-    """The epoch's order with what each earlier layout consumed removed, in order."""
-    sequence = order
-    for cursor in cursors:
-        sequence = np.asarray(sequence[~consumed_mask(len(sequence), cursor, block)], dtype=np.int64)
-    return sequence

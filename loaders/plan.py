@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,13 +26,12 @@ from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import DatasetTooLargeError, ShardReadError
+from datacache.errors import ShardReadError
 from datacache.indexing import ClusterIndex, node_plan_path
 from datacache.locks import NodeLock
 from datacache.manifest import ShardFormat, max_samples
 from datacache.sidecars import KnownCount
 from datacache.stager import DatasetHandle
-from datacache.units import format_bytes
 
 __all__ = ["complete", "load_or_build_plan", "save_plan"]
 
@@ -127,21 +125,6 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings,
     return UnitPlan(tuple(Unit((s.key,), known[s.key], s.key) for s in manifest.shards), {}, unreadable)
 
 
-PLAN_BYTES_PER_SAMPLE = 48
-"""What an epoch plan holds per sample (order, unit and offset arrays, and their temporaries)."""
-
-
-def _check_fits(plan: UnitPlan, handle: DatasetHandle) -> None:
-    """Refuse, before any epoch allocates for it, a sample count this machine's memory cannot plan."""
-    total = sum(unit.count for unit in plan.units)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if total * PLAN_BYTES_PER_SAMPLE > memory // 2:
-        raise DatasetTooLargeError(
-            f"dataset {handle.id}: {total} samples declared; planning an epoch needs "
-            f"{format_bytes(total * PLAN_BYTES_PER_SAMPLE)}, over half this machine's memory ({format_bytes(memory)})"
-        )
-
-
 def _sources(found: Mapping[str, KnownCount]) -> dict[str, Any]:
     sources = sorted({count.source for count in found.values() if count.source != "scanned"})
     return {COUNT_SOURCES: sources} if sources else {}
@@ -191,6 +174,5 @@ async def load_or_build_plan(
                 return plan
             plan = await _build(access, handle, settings, wait=wait)
             if complete(plan):
-                _check_fits(plan, handle)
                 await save_plan(settings, handle, plan)
     return plan

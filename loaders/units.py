@@ -36,7 +36,7 @@ from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url
 
 from datacache.access import ShardAccess
-from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
 from datacache.manifest import ShardFormat
 from datacache.stager import DatasetHandle, Location, ReaderProgress, Stager
 
@@ -183,28 +183,32 @@ class UnitReaders:
             self._row[Counter.RETRIES] = self.runtime.access.origin_retries()
 
     def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None:
-        """Close the unit ``position`` reads if this was its last use (on ``pool`` when given)."""
-        unit = int(self._epoch.unit_of[position])
-        if self._epoch.last_use.get(unit) == position:
-            reader = self.readers.pop(unit, None)
-            if reader is not None:
-                for closing in self.runtime.units.release(unit, reader):
-                    if pool is not None:
-                        # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
-                        pool.submit(closing.close)
-                    else:
-                        closing.close()
-                if self._future is not None and self._future_told:
-                    # Its lease goes now, not at the epoch's end: the room it leaves is what
-                    # brings in the shards read next (those of the next epoch, near the end).
-                    # While units leased ahead are still to open, the note that leases the
-                    # next ones drops it (at most `HOLD_AHEAD` units later): no round trip now.
-                    with self._note_lock:
-                        later = bool(self._leased)
-                    if later:
-                        self._prefetch_again()
-                    else:
-                        self._release_soon()
+        """Close the units ``position`` reads for the last time (on ``pool`` when given)."""
+        for unit in self._epoch.releases_after(position):
+            self._release(unit, pool)
+
+    def _release(self, unit: int, pool: concurrent.futures.Executor | None) -> None:
+        """Close ``unit``, read for the last time (on ``pool`` when given), and let its lease go."""
+        reader = self.readers.pop(unit, None)
+        if reader is None:
+            return
+        for closing in self.runtime.units.release(unit, reader):
+            if pool is not None:
+                # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
+                pool.submit(closing.close)
+            else:
+                closing.close()
+        if self._future is not None and self._future_told:
+            # Its lease goes now, not at the epoch's end: the room it leaves is what
+            # brings in the shards read next (those of the next epoch, near the end).
+            # While units leased ahead are still to open, the note that leases the
+            # next ones drops it (at most `HOLD_AHEAD` units later): no round trip now.
+            with self._note_lock:
+                later = bool(self._leased)
+            if later:
+                self._prefetch_again()
+            else:
+                self._release_soon()
 
     def _release_soon(self) -> None:
         """Drop released units' leases, then ask again for room, on a helper thread.
@@ -249,6 +253,21 @@ class UnitReaders:
         """Open the unit first used at ``position`` ahead of need; errors surface when it is used."""
         with contextlib.suppress(Exception):
             self.reader_at(position)
+
+    def count_samples(self, unit: int) -> int:
+        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples.
+
+        A shard skipped as unreadable (``on_error="skip"``) counts 0 and is recorded as such.
+        """
+        reader = self.reader_for(unit)
+        if reader is None:
+            book = self.runtime.book
+            if book is not None:
+                book.unreadable[self._plan.units[unit].keys[0]] = self.skipped_why.get(unit, "unreadable")
+            return 0
+        if not isinstance(reader, TarReader):
+            raise ConfigError(f"{self._where}: only tar shards are read before they are counted")
+        return len(reader.spans)
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""

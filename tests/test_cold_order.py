@@ -14,7 +14,8 @@ from datacache.loaders.coldorder import (
     node_cold_sequences,
     rank_units,
 )
-from datacache.loaders.order import Cursor, Layout, equalize, rank_positions, worker_positions
+from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.sequence import Deal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,9 +97,9 @@ def test_resume_of_a_cold_epoch_on_another_world_size_is_exactly_once(
     remaining = cold_remaining(sizes, cursor, seed=seed, epoch=1, shuffle=True, drop_last=False)
     resumed: list[int] = []
     for rank in range(after):
-        own = rank_positions(len(remaining), after, rank, 4)
-        positions, _ = equalize(own, len(remaining), after, drop_last=False)
-        resumed.extend(remaining[positions].tolist())
+        deal = Deal(remaining.total, after, 4)
+        spots = np.arange(deal.length(drop_last=False), dtype=np.int64)
+        resumed.extend(remaining.ids(deal.positions(rank, spots)).tolist())
     everything = Counter(consumed + resumed)
     assert set(everything) == set(range(int(sizes.sum()))), "a sample was skipped"
     assert sum(n - 1 for n in everything.values()) < before + after, "only the final padding repeats"

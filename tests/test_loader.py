@@ -14,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, PackedBytes, basic_decoders
-from datacache.loaders.order import epoch_order
+from datacache.loaders.sequence import epoch_order
 from torch.utils.data import DataLoader
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 
-from datacache.errors import DatacacheError, OriginPermissionError, ShardNotFoundError
+from datacache.errors import OriginPermissionError, ShardNotFoundError, StagerClosedError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
 from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, StagingEvent
@@ -142,7 +142,7 @@ class JobQueue:
             location = await self._run(job)
         except asyncio.CancelledError:
             if not job.future.done():
-                job.future.set_exception(DatacacheError("the stager stopped before this shard was staged"))
+                job.future.set_exception(StagerClosedError("the stager stopped before this shard was staged"))
             raise
         except Exception as exc:
             self._events.count("failures")
@@ -180,7 +180,7 @@ class JobQueue:
                     await task
         for job in self._jobs.values():
             if not job.future.done():
-                job.future.set_exception(DatacacheError("the stager closed before this shard was staged"))
+                job.future.set_exception(StagerClosedError("the stager closed before this shard was staged"))
         self._jobs.clear()
 
 

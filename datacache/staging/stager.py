@@ -22,7 +22,14 @@ from typing import Any
 from datacache.catalog import Catalog, process_owner
 from datacache.checksum import hash_file
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, InvalidKeyError, TierFullError
+from datacache.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    DatacacheError,
+    InvalidKeyError,
+    StagerClosedError,
+    TierFullError,
+)
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
@@ -152,7 +159,7 @@ class Stager:
         """The parts bound to the running loop, built on first use in it."""
         loop = asyncio.get_running_loop()
         if self._closed:
-            raise DatacacheError("the stager is closed")
+            raise StagerClosedError("the stager is closed")
         if self._parts is None or self._loop is not loop:
             if self._loop is not None:
                 self._abandon_runtime(loop)
@@ -226,7 +233,7 @@ class Stager:
     async def _run_job(self, job: Job) -> Location:
         parts = self._parts
         if parts is None:
-            raise DatacacheError("the stager is not running")
+            raise StagerClosedError("the stager is not running")
         if job.tier == LOCAL:
             return await parts.local.stage(job.handle, job.shard, functools.partial(serve_early, job))
         if parts.shared is None:

@@ -1,0 +1,201 @@
+"""One reader's share of an indexed epoch, computed a segment at a time: O(shards), never O(samples).
+
+The reader's position ``i`` is a spot of its rank's stream (`sequence.worker_spots`), which is
+a position of the epoch's order (`sequence.Deal`), whose sample is computed by the order
+(`sequence.Order.ids`), and whose unit and index within it come from per-unit starts. Positions
+are computed in segments of `SEGMENT` when first asked for, and a few segments are kept.
+
+What prefetch, opening ahead and closing need is said per *piece* (the reader's part of one
+block of its rank's stream), conservatively: a unit is first used at the first piece that may
+read it, and closed after the last such piece (`releases_after`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.order import Layout
+from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum, worker_count, worker_spots
+
+__all__ = ["SEGMENT", "LazyEpochPlan", "Segmented", "rank_unit_sequence"]
+
+IntArray = npt.NDArray[np.int64]
+SEGMENT = 1 << 15
+"""Reader positions computed together (and kept, a few segments at a time)."""
+_KEEP = 4
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class _UnitMap(Mapping[int, int]):
+    """unit -> position, as an array (-1: absent): a dict of a million units would cost ~100 MB."""
+
+    def __init__(self, values: IntArray) -> None:
+        self._values = values
+
+    @property
+    def array(self) -> IntArray:
+        return self._values
+
+    def __getitem__(self, unit: int) -> int:
+        if not 0 <= unit < len(self._values) or self._values[unit] < 0:
+            raise KeyError(unit)
+        return int(self._values[unit])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.nonzero(self._values >= 0)[0].tolist())
+
+    def __len__(self) -> int:
+        return int((self._values >= 0).sum())
+
+
+class _Column:
+    """``plan.unit_of`` or ``plan.local``: indexable by position, computed a segment at a time."""
+
+    def __init__(self, plan: Segmented, which: int) -> None:
+        self._plan = plan
+        self._which = which
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __getitem__(self, position: int | slice) -> Any:
+        if isinstance(position, slice):
+            start, stop, step = position.indices(len(self._plan))
+            return self._plan.columns(np.arange(start, stop, step, dtype=np.int64))[self._which]
+        segment, at = divmod(int(position), SEGMENT)
+        return int(self._plan.segment(segment, at)[self._which][at])
+
+
+class Segmented:
+    """A reader's plan whose positions are computed when asked for, `SEGMENT` at a time, a few kept.
+
+    Subclasses say how many positions there are and compute ``(unit, index in unit)`` for some.
+    """
+
+    def __init__(self) -> None:
+        self._segments: OrderedDict[int, tuple[IntArray, IntArray]] = OrderedDict()
+        self._segment_lock = threading.Lock()
+        self._last: tuple[int, tuple[IntArray, IntArray]] = (-1, (_NONE, _NONE))
+        self.unit_of = _Column(self, 0)
+        self.local = _Column(self, 1)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of each of this reader's ``positions``."""
+        raise NotImplementedError
+
+    def segment(self, index: int, at: int = 0) -> tuple[IntArray, IntArray]:
+        """Positions ``index * SEGMENT`` on, as far as laid out, holding at least offset ``at``."""
+        last = self._last  # one attribute read: threads share it without the lock
+        if last[0] == index and at < len(last[1][0]):
+            return last[1]
+        with self._segment_lock:
+            found = self._segments.get(index)
+            if found is not None and at < len(found[0]):
+                self._segments.move_to_end(index)
+                self._last = (index, found)
+                return found
+        start = index * SEGMENT
+        # A growing plan (a cold epoch's) lays out more of its last segment later: kept as far as it
+        # goes, computed again only when a position past it is asked for.
+        computed = self.columns(np.arange(start, min(start + SEGMENT, len(self)), dtype=np.int64))
+        with self._segment_lock:
+            self._segments[index] = computed
+            self._last = (index, computed)
+            while len(self._segments) > _KEEP:
+                self._segments.popitem(last=False)
+        return computed
+
+
+def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tuple[int, ...]:
+    """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says)."""
+    _, _, start, stop = deal.pieces(rank, length)
+    _, units = order.units_of_ranges(start, stop)
+    _, units = dedupe_ranges(np.zeros_like(units), units)
+    return tuple(units.tolist())
+
+
+class LazyEpochPlan(Segmented):
+    """What one reader reads of ``order`` (see the module's docstring); the `ReadPlan` interface."""
+
+    def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
+        self._order = order
+        self._bounds = exclusive_sum(counts)
+        self._layout = layout
+        self._deal = Deal(order.total, layout.world_size, block)
+        rank_length = self._deal.length(drop_last=drop_last)
+        self._rank_length = rank_length
+        self._length = int(worker_count(layout, rank_length))
+        natural = min(self._deal.natural(layout.rank), rank_length)
+        self.padded = self._length - int(worker_count(layout, natural))
+        super().__init__()
+
+    @functools.cached_property
+    def _units(self) -> tuple[_UnitMap, _UnitMap, tuple[int, ...], IntArray, IntArray]:
+        """First use, release point and order of every unit this reader may read, per piece."""
+        units = len(self._bounds) - 1
+        spot_start, spot_stop, start, stop = self._deal.pieces(self._layout.rank, self._rank_length)
+        first = worker_count(self._layout, spot_start)
+        last = worker_count(self._layout, spot_stop) - 1
+        mine = last >= first
+        which, unit = self._order.units_of_ranges(start[mine], stop[mine])
+        first, last = first[mine][which], last[mine][which]
+        first_use = np.full(units, -1, dtype=np.int64)
+        release = np.full(units, -1, dtype=np.int64)
+        # Reversed assignment keeps the first piece's value; plain assignment keeps the last's.
+        first_use[unit[::-1]] = first[::-1]
+        release[unit] = last
+        _, ordered = dedupe_ranges(np.zeros_like(unit), unit)
+        closing = np.nonzero(release >= 0)[0]
+        by_position = np.argsort(release[closing], kind="stable")
+        sequence = tuple(ordered.tolist())
+        return _UnitMap(first_use), _UnitMap(release), sequence, closing[by_position], release[closing][by_position]
+
+    @property
+    def first_use(self) -> Mapping[int, int]:
+        return self._units[0]
+
+    @property
+    def last_use(self) -> Mapping[int, int]:
+        return self._units[1]
+
+    @property
+    def unit_sequence(self) -> tuple[int, ...]:
+        return self._units[2]
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def bounds(self) -> IntArray:
+        """Each unit's first sample id, and the total: ``unit_of`` and ``local`` make ids with it."""
+        return self._bounds
+
+    def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of each of this reader's ``positions``."""
+        spots = worker_spots(self._layout, positions)
+        ids = self._order.ids(self._deal.positions(self._layout.rank, spots))
+        unit = np.searchsorted(self._bounds, ids, side="right") - 1
+        return unit, ids - self._bounds[unit]
+
+    def releases_after(self, position: int) -> tuple[int, ...]:
+        """Units no position after ``position`` reads: closed once it is read."""
+        _, _, _, units, at = self._units
+        lo = np.searchsorted(at, position, side="left")
+        hi = np.searchsorted(at, position, side="right")
+        return tuple(units[lo:hi].tolist())
+
+    def units_from(self, produced: int) -> tuple[int, ...]:
+        """`unit_sequence` less the units no position from ``produced`` on reads."""
+        if not produced:
+            return self.unit_sequence
+        release = self._units[1].array
+        return tuple(u for u in self.unit_sequence if release[u] >= produced)

@@ -1,0 +1,364 @@
+"""An epoch's global order as a function of position, dealt to ranks, and what a resumed layout left.
+
+Pure arithmetic (numpy, no I/O, no torch), and nothing here holds an array with one entry per
+sample of the dataset:
+
+- **`WindowedOrder`**: the shards are shuffled by ``(seed, epoch)`` and their samples laid end
+  to end; the samples inside each window of ``window`` consecutive positions are permuted by a
+  keyed bijection (`permute`) seeded by ``(seed, epoch, window index)``. Position ``p``'s sample
+  is computed when asked for, from per-shard arrays only.
+- **`Deal`**: ranks read blocks of ``window`` positions round robin (rank ``r`` reads blocks
+  ``r, r+R, ...``); the last partial round is dealt one position at a time; a short rank repeats
+  its first positions (``drop_last=False``) or a long one drops its last (``drop_last=True``).
+  Workers take chunks of their rank's stream round robin. All of it is a closed form per
+  position.
+- **`RemainingOrder`**: what an earlier layout (a `Cursor`) did not consume, in order. What a
+  layout consumed is a common prefix of every rank's stream plus a band as wide as the workers'
+  spread; so the remainder is a short explicit list followed by a contiguous tail of the order
+  it came from, at a cost of ranks x (window + band), not of samples.
+- **`ArrayOrder`**: an order given as an array (a mix of sources, what a cold epoch left).
+
+Every order also says, conservatively, which shards a range of its positions may read
+(`units_of_ranges`): the node's future, prefetch and closing work from that, per window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.permute import mix_key, permute
+
+__all__ = [
+    "ArrayOrder",
+    "Deal",
+    "Order",
+    "RemainingOrder",
+    "WindowedOrder",
+    "dedupe_ranges",
+    "epoch_order",
+    "exclusive_sum",
+    "remaining",
+]
+
+IntArray = npt.NDArray[np.int64]
+_EMPTY = np.zeros(0, dtype=np.int64)
+_ORDER_TAG = 0x44435348  # "DCSH": the shard permutation's stream
+
+
+def exclusive_sum(counts: Sequence[int] | IntArray) -> IntArray:
+    """``[0, c0, c0+c1, ...]`` with one more entry than ``counts``: where each one starts, and the total."""
+    sums = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(counts, dtype=np.int64), out=sums[1:])
+    return sums
+
+
+class Order(Protocol):
+    """A sequence of sample ids (numbered shard by shard in manifest order), computed per position."""
+
+    @property
+    def total(self) -> int: ...
+
+    def ids(self, positions: IntArray) -> IntArray:
+        """The sample id at each of ``positions``."""
+        ...
+
+    def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        """``(range index, unit)`` pairs, grouped by range in order: every unit positions ``[start, stop)`` may read.
+
+        A superset is allowed (a unit whose window overlaps the range); units of no samples never appear.
+        """
+        ...
+
+
+def dedupe_ranges(which: IntArray, units: IntArray) -> tuple[IntArray, IntArray]:
+    """``(which, units)`` without a repeated pair, first occurrences kept in order."""
+    if not len(units):
+        return which, units
+    key = which * (int(units.max()) + 1) + units
+    _, first = np.unique(key, return_index=True)
+    first.sort()
+    return which[first], units[first]
+
+
+def _expand(lo: IntArray, hi: IntArray) -> tuple[IntArray, IntArray]:
+    """For each ``i``, the integers ``lo[i] .. hi[i]`` (inclusive): ``(i repeated, integer)``."""
+    lengths = np.maximum(hi - lo + 1, 0)
+    which = np.repeat(np.arange(len(lo), dtype=np.int64), lengths)
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return which, lo[which] + offsets
+
+
+@dataclass(frozen=True)
+class WindowedOrder:
+    """Shards shuffled, then samples permuted within windows (see the module's docstring)."""
+
+    counts: IntArray
+    seed: int
+    epoch: int
+    shuffle: bool
+    window: int
+
+    def __post_init__(self) -> None:
+        counts = np.asarray(self.counts, dtype=np.int64)
+        object.__setattr__(self, "counts", counts)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32 & 0xFFFFFFFF, self.epoch, _ORDER_TAG])
+            perm = rng.permutation(len(counts)).astype(np.int64)
+        else:
+            perm = np.arange(len(counts), dtype=np.int64)
+        object.__setattr__(self, "_perm", perm)
+        object.__setattr__(self, "_starts", exclusive_sum(counts))
+        object.__setattr__(self, "_laid", exclusive_sum(counts[perm]))
+
+    @property
+    def total(self) -> int:
+        return int(self._starts[-1])  # type: ignore[attr-defined]
+
+    @property
+    def _permuted(self) -> bool:
+        return self.shuffle and self.window > 1
+
+    def ids(self, positions: IntArray) -> IntArray:
+        positions = np.asarray(positions, dtype=np.int64)
+        laid: IntArray = self._laid  # type: ignore[attr-defined]
+        perm: IntArray = self._perm  # type: ignore[attr-defined]
+        starts: IntArray = self._starts  # type: ignore[attr-defined]
+        if not self.shuffle:
+            return positions.copy()
+        pre = positions
+        if self._permuted:
+            window = positions // self.window
+            base = window * self.window
+            size = np.minimum(self.window, self.total - base)
+            pre = base + permute(positions - base, size, mix_key(self.seed, self.epoch, window))
+        slot = np.searchsorted(laid, pre, side="right") - 1
+        unit = perm[slot]
+        result: IntArray = starts[unit] + (pre - laid[slot])
+        return result
+
+    def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        keep = stops > starts
+        if self._permuted:
+            starts = starts // self.window * self.window
+            stops = np.minimum(self.total, -(-stops // self.window) * self.window)
+        laid: IntArray = self._laid  # type: ignore[attr-defined]
+        perm: IntArray = self._perm  # type: ignore[attr-defined]
+        lo = np.searchsorted(laid, starts, side="right") - 1
+        hi = np.searchsorted(laid, stops - 1, side="right") - 1
+        hi = np.where(keep, hi, lo - 1)
+        which, slots = _expand(lo, hi)
+        units = perm[slots]
+        nonempty = self.counts[units] > 0
+        return which[nonempty], units[nonempty]
+
+
+@dataclass(frozen=True)
+class ArrayOrder:
+    """An order given as an array of sample ids (a mix, or what a cold epoch left)."""
+
+    order: IntArray
+    counts: IntArray
+
+    @property
+    def total(self) -> int:
+        return len(self.order)
+
+    def ids(self, positions: IntArray) -> IntArray:
+        result: IntArray = self.order[np.asarray(positions, dtype=np.int64)]
+        return result
+
+    def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        which, positions = _expand(starts, stops - 1)
+        units = np.searchsorted(exclusive_sum(self.counts), self.order[positions], side="right") - 1
+        return dedupe_ranges(which, units.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class RemainingOrder:
+    """``base`` less a consumed part: positions ``explicit`` of it, then ``tail..base.total`` in order."""
+
+    base: Order
+    explicit: IntArray
+    tail: int
+
+    @property
+    def total(self) -> int:
+        return len(self.explicit) + self.base.total - self.tail
+
+    def _base_positions(self, positions: IntArray) -> IntArray:
+        positions = np.asarray(positions, dtype=np.int64)
+        head = len(self.explicit)
+        inside = positions < head
+        picked = self.explicit[np.where(inside, positions, 0)] if head else np.zeros_like(positions)
+        result: IntArray = np.where(inside, picked, self.tail + positions - head)
+        return result
+
+    def ids(self, positions: IntArray) -> IntArray:
+        return self.base.ids(self._base_positions(positions))
+
+    def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        head = len(self.explicit)
+        parts_which: list[IntArray] = []
+        parts_units: list[IntArray] = []
+        parts_phase: list[IntArray] = []
+        inside = np.nonzero(starts < np.minimum(stops, head))[0]
+        for index in inside.tolist():
+            stop = min(int(stops[index]), head)
+            spots = self.explicit[int(starts[index]) : stop]
+            # One range per explicit position: exact, and the explicit part is short by construction.
+            _, units = self.base.units_of_ranges(spots, spots + 1)
+            parts_which.append(np.full(len(units), index, dtype=np.int64))
+            parts_units.append(units)
+            parts_phase.append(np.zeros(len(units), dtype=np.int64))
+        later = stops > head
+        if later.any():
+            ranges = np.nonzero(later)[0].astype(np.int64)
+            begin = self.tail + np.maximum(starts[ranges], head) - head
+            end = self.tail + stops[ranges] - head
+            which, units = self.base.units_of_ranges(begin, end)
+            parts_which.append(ranges[which])
+            parts_units.append(units)
+            parts_phase.append(np.ones(len(units), dtype=np.int64))
+        if not parts_units:
+            return _EMPTY, _EMPTY
+        which, units, phase = (np.concatenate(p) for p in (parts_which, parts_units, parts_phase))
+        ordering = np.lexsort((phase, which))
+        return dedupe_ranges(which[ordering], units[ordering])
+
+
+@dataclass(frozen=True)
+class Deal:
+    """Positions ``[0, total)`` dealt to ``world`` ranks in blocks of ``block`` (see the module's docstring)."""
+
+    total: int
+    world: int
+    block: int
+
+    @property
+    def rounds(self) -> int:
+        """Full rounds (every rank one block)."""
+        return self.total // (self.world * self.block)
+
+    @property
+    def head(self) -> int:
+        return self.rounds * self.world * self.block
+
+    def natural(self, rank: int) -> int:
+        """Positions rank ``rank`` reads before lengths are made equal."""
+        tail = max(0, -(-(self.total - self.head - rank) // self.world))
+        return self.rounds * self.block + tail
+
+    def length(self, *, drop_last: bool) -> int:
+        """Every rank's length once made equal."""
+        return self.total // self.world if drop_last else -(-self.total // self.world)
+
+    def positions(self, rank: int, spots: IntArray) -> IntArray:
+        """The positions of the order that spots ``spots`` of rank ``rank``'s equalised stream read."""
+        spots = np.asarray(spots, dtype=np.int64)
+        natural = self.natural(rank)
+        if len(spots) and int(spots.max()) >= natural:
+            # Repeats: np.resize of the rank's own positions (or of the first ones, for a rank with none).
+            extra = spots - natural
+            if natural:
+                spots = np.where(spots >= natural, extra % natural, spots)
+            else:
+                return extra % max(1, min(self.total, self.length(drop_last=False)))
+        full = self.rounds * self.block
+        blocks = rank + self.world * (spots // self.block)
+        result: IntArray = np.where(
+            spots < full, blocks * self.block + spots % self.block, self.head + rank + self.world * (spots - full)
+        )
+        return result
+
+    def pieces(self, rank: int, length: int) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+        """The rank's stream up to ``length`` as pieces: ``(spot start, spot stop, position start, position stop)``.
+
+        One piece per block; the last partial round is one piece covering its positions
+        conservatively; repeats are one piece per repeated position.
+        """
+        full = min(self.rounds * self.block, length)
+        count = -(-full // self.block)
+        spot_start = np.arange(count, dtype=np.int64) * self.block
+        spot_stop: IntArray = np.minimum(spot_start + self.block, full).astype(np.int64)
+        position_start = (rank + self.world * np.arange(count, dtype=np.int64)) * self.block
+        position_stop: IntArray = position_start + (spot_stop - spot_start)
+        pieces: list[tuple[IntArray, ...]] = [(spot_start, spot_stop, position_start, position_stop)]
+        natural = self.natural(rank)
+        stop = min(natural, length)
+        if stop > full:
+            one = np.asarray([full]), np.asarray([stop])
+            pieces.append((*one, np.asarray([self.head]), np.asarray([self.total])))
+        if length > natural:
+            spots = np.arange(max(natural, full), length, dtype=np.int64)
+            where = self.positions(rank, spots)
+            pieces.append((spots, spots + 1, where, where + 1))
+        joined = [np.concatenate([piece[i] for piece in pieces]).astype(np.int64) for i in range(4)]
+        return joined[0], joined[1], joined[2], joined[3]
+
+
+def epoch_order(counts: Sequence[int] | IntArray, *, seed: int, epoch: int, shuffle: bool, window: int) -> IntArray:
+    """Every sample id of ``counts`` in `WindowedOrder`'s order, as one array: O(samples), for a mix's sources."""
+    order = WindowedOrder(np.asarray(counts, dtype=np.int64), seed, epoch, shuffle, window)
+    return order.ids(np.arange(order.total, dtype=np.int64))
+
+
+def worker_spots(layout: Layout, indexes: IntArray) -> IntArray:
+    """The spots of the rank's stream that worker ``layout.worker``'s positions ``indexes`` read."""
+    indexes = np.asarray(indexes, dtype=np.int64)
+    chunk, workers = layout.chunk, layout.num_workers
+    result: IntArray = ((indexes // chunk) * workers + layout.worker) * chunk + indexes % chunk
+    return result
+
+
+def worker_count(layout: Layout, length: int | IntArray) -> IntArray:
+    """How many of a rank stream's first ``length`` spots worker ``layout.worker`` reads."""
+    lengths = np.asarray(length, dtype=np.int64)
+    chunk, workers, worker = layout.chunk, layout.num_workers, layout.worker
+    chunks, rest = lengths // chunk, lengths % chunk
+    result: IntArray = (chunks // workers) * chunk + np.where(worker < chunks % workers, chunk, 0)
+    return result + np.where(chunks % workers == worker, rest, 0)
+
+
+def remaining(order: Order, cursor: Cursor, block: int) -> RemainingOrder:
+    """What ``cursor``'s layout did not consume of ``order`` dealt in blocks of ``block``, in order.
+
+    A rank's consumed spots are every spot below the smallest worker's end, and some of those
+    below the largest's: the same on every rank. So the consumed positions are a prefix of whole
+    rounds plus, per rank, a span of about a block and the workers' spread, listed explicitly.
+    """
+    deal = Deal(order.total, cursor.world_size, block)
+    produced = np.asarray(cursor.produced, dtype=np.int64)
+    ends = np.asarray(
+        [
+            int(worker_spots(Layout(1, 0, cursor.num_workers, w, cursor.chunk), np.asarray([n]))[0])
+            for w, n in enumerate(cursor.produced)
+        ],
+        dtype=np.int64,
+    )
+    low, high = int(ends.min()), int(ends.max())
+    full_blocks = min(low, deal.rounds * block) // block
+    prefix = full_blocks * deal.world * block
+    consumed: list[IntArray] = []
+    for rank in range(deal.world):
+        natural = deal.natural(rank)
+        spots = np.arange(full_blocks * block, min(high, natural), dtype=np.int64)
+        if not len(spots):
+            continue
+        chunk_index = spots // cursor.chunk
+        worker = chunk_index % cursor.num_workers
+        index = (chunk_index // cursor.num_workers) * cursor.chunk + spots % cursor.chunk
+        taken = spots[index < produced[worker]]
+        consumed.append(deal.positions(rank, taken))
+    gone = np.unique(np.concatenate(consumed)) if consumed else _EMPTY
+    tail = int(gone[-1]) + 1 if len(gone) else prefix
+    tail = max(tail, prefix)
+    explicit = np.setdiff1d(np.arange(prefix, tail, dtype=np.int64), gone, assume_unique=True)
+    return RemainingOrder(order, explicit, tail)
