@@ -50,7 +50,7 @@ class Transfer:
         destination_key: str,
         expected: str | None,
         source_name: str,
-        on_verified: Callable[[bytes, str], None] | None = None,
+        on_verified: Callable[[bytes | bytearray, str], None] | None = None,
     ) -> tuple[ObjectInfo, str]:
         """Stream one shard from ``source`` into ``destination``, verified; return its info and checksum.
 
@@ -60,29 +60,44 @@ class Transfer:
         """
         hasher = new_hasher()
         received = 0
-        # The chunks themselves, joined once verified: one part is handed over without a copy.
-        kept: list[bytes] | None = [] if on_verified is not None and shard.size <= self.keep_limit else None
         version = shard.version if source_name == ORIGIN else None
         counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
         events = self._events
+        throttle = self._throttle if source_name == ORIGIN else None
+        # A shard that fits the keep limit lands once, in one buffer of its size, read straight
+        # into by the source (in a thread, which hashes it there too), and is written and
+        # served from that same memory: no chunk allocated, no join, no hashing on the loop.
+        whole = shard.size <= self.keep_limit and (shard.size <= self._part_size or source.kind != "object")
+        kept = bytearray(shard.size) if whole else None
+        # The other way: chunks, hashed here.
+        chunks = (
+            source.read_into(source_key, memoryview(kept), version=version, hasher=hasher)
+            if kept is not None
+            else self._parts(source, source_key, shard.size, version)
+        )
 
-        async def verified_chunks() -> AsyncIterator[bytes]:
+        async def verified_chunks() -> AsyncIterator[bytes | memoryview]:
             nonlocal received
-            async for chunk in self._parts(source, source_key, shard.size, version):
-                received += len(chunk)
-                if received > shard.size:
-                    break
-                hasher.update(chunk)
-                if kept is not None:
-                    kept.append(chunk)
-                events.count(counter, len(chunk))
-                if self._throttle is not None and source_name == ORIGIN:
-                    await self._throttle.take(len(chunk))
-                events.emit(StagingEvent("bytes", handle.id, shard.key, destination.kind, source_name, len(chunk)))
-                yield chunk
+            try:
+                async for chunk in chunks:
+                    received += len(chunk)
+                    if received > shard.size:
+                        break
+                    if kept is None:
+                        hasher.update(chunk)
+                    events.count(counter, len(chunk))
+                    if throttle is not None:
+                        await throttle.take(len(chunk))
+                    events.emit(
+                        StagingEvent("bytes", handle.id, shard.key, destination.kind, source_name, len(chunk))
+                    )
+                    yield chunk
+            except BufferError:
+                received = shard.size + 1  # the object holds more than the manifest says
             if received != shard.size:
+                got = f"more than {shard.size}" if received > shard.size else str(received)
                 raise ChecksumMismatchError(
-                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {received} bytes, "
+                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {got} bytes, "
                     f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
                 )
             if expected is not None and checksum_of(hasher) != expected:
@@ -93,7 +108,7 @@ class Transfer:
             # Tiers read metadata once the chunks are exhausted (see Tier.put).
             metadata["checksum"] = checksum_of(hasher)
             if kept is not None and on_verified is not None:
-                on_verified(kept[0] if len(kept) == 1 else b"".join(kept), metadata["checksum"])
+                on_verified(kept, metadata["checksum"])
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
