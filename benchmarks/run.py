@@ -617,15 +617,17 @@ def main() -> None:
         "--report-only", action="store_true", help="rewrite RESULTS.md and the plot from the saved results.json"
     )
     args = parser.parse_args()
-    from benchmarks import bigger
+    from benchmarks import bigger, eviction_sweep
     from benchmarks._report import write_report
 
     report = args.out / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
     kept = bigger.saved_table(report)  # write_report rewrites the file; the scenario's table stays
+    kept_sweep = eviction_sweep.saved_table(report)
     if args.report_only:
         saved = args.out / ("results-quick.json" if args.quick else "results.json")
         written = write_report(json.loads(saved.read_text()), args.out)
         bigger.write_table(kept, report)
+        eviction_sweep.write_table(kept_sweep, report)
         log(f"rewrote {', '.join(_shown(p) for p in written)} from {saved.name}")
         return
 
@@ -635,6 +637,8 @@ def main() -> None:
     for mode in bigger.MODES:
         log(f"the bigger-than-the-cache scenario (benchmarks/bigger.py --mode {mode})")
         bigger.main([*(["--quick"] if args.quick else []), "--mode", mode, "--results", str(report)])
+    log("the eviction sweep (benchmarks/eviction_sweep.py)")
+    eviction_sweep.main([*(["--quick"] if args.quick else []), "--results", str(report)])
 
 
 if __name__ == "__main__":

@@ -113,12 +113,36 @@ class Residency:
         def choose(incoming: Candidate, residents: list[Candidate], need: int) -> list[Candidate] | None:
             if handle.config.pinned:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
-            victims = choose_victims(incoming, residents, need, policy=policy, next_use=next_use)
-            if next_use is not None and _audit.isEnabledFor(logging.DEBUG):
-                _audit.debug("%s", _audited(incoming, residents, victims, next_use, where))
+            uses_now = next_use
+            if uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
+                # A reader is opening the incoming shard now: that read is served as it arrives
+                # (or from the next tier), whatever is decided here. A copy is worth room only
+                # for the read after it. Counting this one made every shard read on demand
+                # look like the most urgent, so each evicted one that is read again sooner
+                # (with few samples per shard, below LRU and no-thrash).
+                later = _next_use_of(uses.positions, where, incoming.key)
+                uses_now = {**next_use, incoming.key: later} if later is not None else _without(next_use, incoming.key)
+            victims = choose_victims(incoming, residents, need, policy=policy, next_use=uses_now)
+            if uses_now is not None and _audit.isEnabledFor(logging.DEBUG):
+                _audit.debug("%s", _audited(incoming, residents, victims, uses_now, where))
             return victims
 
         return choose
+
+
+def _next_use_of(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int], key: str) -> int | None:
+    """Steps until ``key`` is read after the readers' current positions (reads at them excluded); None: never."""
+    found: int | None = None
+    for reader, position in where.items():
+        positions = uses.get(reader, {}).get(key, ())
+        at = bisect.bisect_right(positions, position)
+        if at < len(positions) and (found is None or positions[at] - position < found):
+            found = positions[at] - position
+    return found
+
+
+def _without(uses: Mapping[str, int], key: str) -> dict[str, int]:
+    return {k: v for k, v in uses.items() if k != key}
 
 
 def _audited(
