@@ -90,7 +90,7 @@ class LocalStager:
         return NodeLock(self._settings.local_dir / "locks" / lock_name(*parts), self._lock_waiters)
 
     async def stage(
-        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | bytearray, str], None] | None = None
+        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | memoryview, str], None] | None = None
     ) -> Location:
         """Make the shard local (or say which lower tier to read, if eviction declines to make room).
 
@@ -154,7 +154,7 @@ class LocalStager:
         return location
 
     async def _transfer_in(
-        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | bytearray, str], None] | None
+        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | memoryview, str], None] | None
     ) -> Location:
         """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
         tier_key = handle.tier_key(shard.key)
