@@ -131,7 +131,7 @@ class _Node:
         if unit in self.local:
             self.local[unit] = self.clock
 
-    def admit(self, unit: int, readers: Sequence[_Reader], epoch: int) -> bool:
+    def admit(self, unit: int, readers: Sequence[_Reader], epoch: int, *, wanted_now: bool) -> bool:
         """The shard's copy goes in, if the policy makes room for it; whether it went in."""
         if unit in self.local:
             return False
@@ -143,7 +143,7 @@ class _Node:
             u for r in readers for u in r.sequence[r.position : r.position + HOLD_AHEAD + 1]
         }
         rows = [ReaderRow(r.name, epoch, r.position) for r in readers]
-        choose = self.residency.chooser(self.handle, rows)
+        choose = self.residency.chooser(self.handle, rows, wanted_now=wanted_now)
         residents = [Candidate(DATASET, _key(u), 1, seen) for u, seen in self.local.items() if u not in held]
         victims = choose(Candidate(DATASET, _key(unit), 1, self.clock), residents, 1)
         if victims is None:
@@ -184,11 +184,11 @@ def simulate(cell: Cell, policy: str) -> tuple[float, float]:
             node.touch(unit)
             fetched = 0 if found else 1
             if not found:
-                node.admit(unit, readers, epoch)
+                node.admit(unit, readers, epoch, wanted_now=True)
             for ahead in reader.sequence[reader.position + 1 : reader.position + 1 + depth]:
                 if ahead not in reader.asked:  # the prefetch asks for each unit once
                     reader.asked.add(ahead)
-                    fetched += node.admit(ahead, readers, epoch)
+                    fetched += node.admit(ahead, readers, epoch, wanted_now=False)
             if epoch:
                 opens += 1
                 hits += found

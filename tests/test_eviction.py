@@ -228,15 +228,19 @@ def test_belady_weighs_a_shard_read_now_by_its_next_read() -> None:
     # This epoch a b c d, then the next one: a b c d again.
     residency.set_future_order("d", FutureOrder(0, {"0.0": ("a", "b", "c", "d", "a", "b", "c", "d")}))
     residents = [c("a", 1), c("b", 2)]
-    # At c (position 2): c is next read at 6, after both residents (4 and 5): it is not cached.
-    at_c = residency.chooser(handle, [ReaderRow("0.0", 0, 2)])
+    # The reader waits at c (position 2): c is next read at 6, after both residents (4 and 5): not cached.
+    at_c = residency.chooser(handle, [ReaderRow("0.0", 0, 2)], wanted_now=True)
     assert at_c(c("c", 3), residents, 10) is None
+    # Asked ahead at the reader's position (a reader past its epoch's end stands at the next one's
+    # first shard): the read at the position counts.
+    assert residency.chooser(handle, [ReaderRow("0.0", 0, 2)])(c("c", 3), residents, 10) == [c("b", 2)]
     # At b (position 1), c comes in ahead of its read (2): the resident read farthest goes (a at 4, not d at 3).
     at_b = residency.chooser(handle, [ReaderRow("0.0", 0, 1)])
     assert at_b(c("c", 3), [c("a", 1), c("d", 2)], 10) == [c("a", 1)]
     # Read now and again before everything resident: cached, the farthest resident goes.
     residency.set_future_order("d", FutureOrder(0, {"0.0": ("a", "b", "c", "c", "a", "b")}))
-    assert residency.chooser(handle, [ReaderRow("0.0", 0, 2)])(c("c", 3), residents, 10) == [c("b", 2)]
+    waits = residency.chooser(handle, [ReaderRow("0.0", 0, 2)], wanted_now=True)
+    assert waits(c("c", 3), residents, 10) == [c("b", 2)]
 
 
 @pytest.mark.parametrize("capacity", [0.25, 0.5, 0.75])

@@ -87,8 +87,12 @@ class Residency:
         """Whether a future order was handed over for the dataset."""
         return dataset_id in self._orders
 
-    def chooser(self, handle: DatasetHandle, readers: Sequence[ReaderRow] = ()) -> Chooser:
+    def chooser(self, handle: DatasetHandle, readers: Sequence[ReaderRow] = (), *, wanted_now: bool = False) -> Chooser:
         """The eviction choice for a shard of ``handle`` coming in, by the dataset's policy.
+
+        ``wanted_now``: a reader is blocked on the incoming shard (not a prefetch). That read
+        is served as the bytes arrive whatever is chosen here, so Belady weighs the shard by
+        the read after it.
 
         ``readers`` are this node's readers as the catalog knows them: one whose last
         report is of the order's epoch is where it said; one last seen in another epoch
@@ -114,12 +118,13 @@ class Residency:
             if handle.config.pinned:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
             uses_now = next_use
-            if uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
-                # A reader is opening the incoming shard now: that read is served as it arrives
-                # (or from the next tier), whatever is decided here. A copy is worth room only
-                # for the read after it. Counting this one made every shard read on demand
-                # look like the most urgent, so each evicted one that is read again sooner
-                # (with few samples per shard, below LRU and no-thrash).
+            if wanted_now and uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
+                # A reader waits for the incoming shard: that read is served as it arrives (or
+                # from the next tier), whatever is decided here. A copy is worth room only for
+                # the read after it. Counting this one made every shard read on demand look the
+                # most urgent, so each evicted one read again sooner (few samples per shard:
+                # below LRU and no-thrash). Not for a prefetch at a reader's position: a reader
+                # past its epoch's end stands where the next epoch's first shard is read.
                 later = _next_use_of(uses.positions, where, incoming.key)
                 uses_now = {**next_use, incoming.key: later} if later is not None else _without(next_use, incoming.key)
             victims = choose_victims(incoming, residents, need, policy=policy, next_use=uses_now)
