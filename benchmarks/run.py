@@ -494,6 +494,9 @@ class Bench:
                     "counts_ok": all(e["ok"] for e in epochs),
                     "first_batch_s": summarize([e["first_batch_seconds"] for e in epochs]),
                 }
+                cpu = [e["extra"]["cpu_s_per_gb"] for e in epochs if "cpu_s_per_gb" in e.get("extra", {})]
+                if cpu:
+                    entry[phase]["cpu_s_per_gb"] = summarize(cpu)
             entry["peak_rss_mb"] = max((r["memory"]["peak_rss_mb"] for r in results), default=None)
             entry["peak_pss_mb"] = max((r["memory"]["peak_pss_mb"] for r in results), default=None)
             summary[run.key] = entry
