@@ -305,6 +305,7 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         "cold / S3 GET ceiling",
         "samples per epoch ok",
         "first batch s (cold / warm)",
+        "CPU s per GB (cold / warm)",
         "peak RSS / PSS MB",
     ]
     rows = []
@@ -338,12 +339,18 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
                 " / ".join(
                     _fmt(entry[p]["first_batch_s"]["median"], 2) if p in entry else "-" for p in ("cold", "warm")
                 ),
+                " / ".join(
+                    _fmt(entry[p]["cpu_s_per_gb"]["median"], 2) if "cpu_s_per_gb" in entry.get(p, {}) else "-"
+                    for p in ("cold", "warm")
+                ),
                 f"{_fmt(entry.get('peak_rss_mb'))} / {_fmt(entry.get('peak_pss_mb'))}",
             ]
         )
     out += _table(header, rows)
     out.append("")
     out.append(
+        "CPU s per GB: user + system CPU seconds of the job's whole process tree (consumer, DataLoader "
+        "workers, the loader's own threads) over the epoch, per GB delivered to the consumer; median of the runs. "
         "Peak memory is sampled every 0.25 s over the job's whole process tree (consumer plus DataLoader workers), "
         "RSS summed and PSS summed (PSS counts shared memory once). datacache maps cached shards, so their "
         "file pages count in its RSS."

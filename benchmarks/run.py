@@ -494,6 +494,9 @@ class Bench:
                     "counts_ok": all(e["ok"] for e in epochs),
                     "first_batch_s": summarize([e["first_batch_seconds"] for e in epochs]),
                 }
+                cpu = [e["extra"]["cpu_s_per_gb"] for e in epochs if "cpu_s_per_gb" in e.get("extra", {})]
+                if cpu:
+                    entry[phase]["cpu_s_per_gb"] = summarize(cpu)
             entry["peak_rss_mb"] = max((r["memory"]["peak_rss_mb"] for r in results), default=None)
             entry["peak_pss_mb"] = max((r["memory"]["peak_pss_mb"] for r in results), default=None)
             summary[run.key] = entry
@@ -617,15 +620,17 @@ def main() -> None:
         "--report-only", action="store_true", help="rewrite RESULTS.md and the plot from the saved results.json"
     )
     args = parser.parse_args()
-    from benchmarks import bigger
+    from benchmarks import bigger, eviction_sweep
     from benchmarks._report import write_report
 
     report = args.out / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
     kept = bigger.saved_table(report)  # write_report rewrites the file; the scenario's table stays
+    kept_sweep = eviction_sweep.saved_table(report)
     if args.report_only:
         saved = args.out / ("results-quick.json" if args.quick else "results.json")
         written = write_report(json.loads(saved.read_text()), args.out)
         bigger.write_table(kept, report)
+        eviction_sweep.write_table(kept_sweep, report)
         log(f"rewrote {', '.join(_shown(p) for p in written)} from {saved.name}")
         return
 
@@ -635,6 +640,8 @@ def main() -> None:
     for mode in bigger.MODES:
         log(f"the bigger-than-the-cache scenario (benchmarks/bigger.py --mode {mode})")
         bigger.main([*(["--quick"] if args.quick else []), "--mode", mode, "--results", str(report)])
+    log("the eviction sweep (benchmarks/eviction_sweep.py)")
+    eviction_sweep.main([*(["--quick"] if args.quick else []), "--results", str(report)])
 
 
 if __name__ == "__main__":

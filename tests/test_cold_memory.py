@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import threading
 import time
@@ -93,3 +94,20 @@ def test_a_cold_epoch_takes_its_first_batch_before_any_local_copy_is_durable(
     while len(list((tmp_path / "local").rglob("*.tar"))) < len(shards) and time.monotonic() < deadline:
         time.sleep(0.05)  # sleep-ok: polling, with a deadline, for the durable copies made behind the reader
     assert len(list((tmp_path / "local").rglob("*.tar"))) == len(shards), "every shard is durable in the end"
+
+
+def test_a_whole_shard_buffer_is_taken_again_only_once_nothing_holds_a_view_of_it() -> None:
+    from datacache.staging.transfer import _Buffers
+
+    buffers = _Buffers(idle=1)
+    first = buffers.take(100)
+    held = memoryview(first)[:100].toreadonly()  # a reader served early still reads it
+    second = buffers.take(100)
+    assert second is not first
+    del held
+    assert buffers.take(50) is first  # free again, and big enough
+    # Nothing holds either now: a larger shard gets a new map, and only one unused one is kept.
+    third = buffers.take(200)
+    assert third is not first and third is not second
+    assert [b.closed for b in (first, second) if isinstance(b, mmap.mmap)].count(True) == 1
+    assert isinstance(buffers.take(0), bytearray)

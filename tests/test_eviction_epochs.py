@@ -138,18 +138,19 @@ def test_each_belady_choice_is_audited_with_every_shards_next_use(
     handle = asyncio.run(opened())
     residency = Residency()
     residency.set_future_order(handle.id, FutureOrder(0, {"0.0": ("a", "b", "c", "d")}))
-    choose = residency.chooser(handle, [ReaderRow("0.0", 0, 1)])  # "a" was read: never again
-    residents = [Candidate(handle.id, key, 10, 0.0) for key in ("a", "c", "d")]
+    # The reader opens "a"; "b" comes in ahead of its read (a prefetch); "e" is never read.
+    choose = residency.chooser(handle, [ReaderRow("0.0", 0, 0)])
+    residents = [Candidate(handle.id, key, 10, 0.0) for key in ("e", "c", "d")]
     with caplog.at_level(logging.DEBUG, logger="datacache.staging.residency.audit"):
         victims = choose(Candidate(handle.id, "b", 10, 0.0), residents, 20)
         declined = choose(Candidate(handle.id, "d", 10, 0.0), [Candidate(handle.id, "c", 10, 0.0)], 10)
-    assert [v.key for v in victims or []] == ["a", "d"]
+    assert [v.key for v in victims or []] == ["e", "d"]
     assert declined is None
     made, refused = (json.loads(record.getMessage()) for record in caplog.records)
-    assert made["incoming"] == "b" and made["incoming_next"] == 0
-    assert made["victims"] == [["a", None], ["d", 2]]  # never read again first, then the farthest
-    assert made["farthest"] is None and made["where"] == {"0.0": 1}
-    assert refused["victims"] is None and refused["incoming_next"] == 2 and refused["farthest"] == 1
+    assert made["incoming"] == "b" and made["incoming_next"] == 1
+    assert made["victims"] == [["e", None], ["d", 3]]  # never read again first, then the farthest
+    assert made["farthest"] is None and made["where"] == {"0.0": 0}
+    assert refused["victims"] is None and refused["incoming_next"] == 3 and refused["farthest"] == 2
 
 
 def test_a_cold_epoch_prefetches_the_next_epochs_first_shard_once_its_counts_are_known(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from datacache.tiers._directory import DirectoryTier
 from datacache.tiers._files import device_free, redact_url, split_userinfo
 from datacache.tiers._retry import RetryPolicy, translate_error
-from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 from datacache.tiers.local import LocalTier
 from datacache.tiers.memory import MemoryTier
 from datacache.tiers.object import ObjectTier
@@ -27,6 +27,7 @@ from datacache.errors import ConfigError, UnsupportedURLError
 __all__ = [
     "ByteRange",
     "DirectoryTier",
+    "Hasher",
     "LocalTier",
     "MemoryTier",
     "ObjectInfo",

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from datacache.tiers._retry import error_code
+from datacache.tiers.base import Hasher
 
-__all__ = ["ThreadedGet", "get_request", "past_the_end", "read_object", "sync_client_like"]
+__all__ = ["ThreadedGet", "ThreadedGetInto", "get_request", "past_the_end", "read_object", "sync_client_like"]
 
 
 class _Failure:
@@ -182,3 +184,133 @@ class ThreadedGet:
         self._abandoned.set()
         for _ in range(self._depth + 1):
             self._room.release()
+
+
+def _direct_reader(body: Any) -> tuple[Callable[[memoryview], int], Any, bool]:
+    """How to read ``body`` into memory: ``(readinto, checksum, direct)``.
+
+    botocore's body, and urllib3's response under it, implement ``readinto`` as a
+    ``read`` (a fresh ``bytes``) and a copy. The ``http.client`` response under
+    both reads straight from the socket into the caller's buffer (GIL released):
+    used when urllib3 decodes nothing and has buffered nothing. Then botocore's
+    response checksum (CRC32 of a flexible-checksum body), if any, is returned to
+    be updated by the caller (zlib releases the GIL too) and checked at the end.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    decoded = getattr(raw, "_decoded_buffer", None)
+    plain = raw is not None and (
+        not getattr(raw, "decode_content", True)
+        or raw.headers.get("content-encoding", "identity").lower() in ("", "identity")
+    )
+    if isinstance(fp, http.client.HTTPResponse) and plain and not (decoded is not None and len(decoded)):
+        return fp.readinto, getattr(body, "_checksum", None), True
+    return body.readinto, None, False
+
+
+class ThreadedGetInto:
+    """One GET whose body a pool thread reads straight into a caller's buffer (one copy: socket -> buffer).
+
+    The thread fills ``buffer`` from ``offset`` in regions of ``step`` bytes, updates
+    ``hasher`` with each region, and hands the region's end to the event loop:
+    the loop never touches the bytes, and nothing is allocated per chunk. A body
+    larger than the room left in ``buffer`` raises `BufferError`.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        request: Mapping[str, Any],
+        buffer: memoryview,
+        *,
+        offset: int,
+        hasher: Hasher | None,
+        loop: asyncio.AbstractEventLoop,
+        step: int = 4 << 20,
+    ) -> None:
+        self._client = client
+        self._request = dict(request)
+        self._buffer = buffer
+        self._offset = offset
+        self._hasher = hasher
+        self._loop = loop
+        self._step = step
+        self._queue: asyncio.Queue[int | _Failure | None] = asyncio.Queue()  # None: the end
+        self._abandoned = threading.Event()
+
+    def start(self, executor: ThreadPoolExecutor) -> None:
+        executor.submit(self._run)
+
+    def _hand_over(self, item: int | _Failure | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            self._read()
+        except BaseException as exc:
+            self._hand_over(_Failure(exc))
+
+    def _read(self) -> None:
+        buffer, hasher, step = self._buffer, self._hasher, self._step
+        size = len(buffer)
+        offset = start = self._offset
+        response = self._client.get_object(**self._request)
+        body = response["Body"]
+        try:
+            length = response.get("ContentLength")
+            if length is not None and start + int(length) > size:
+                raise BufferError(f"the body holds {length} bytes, more than the {size - start} expected")
+            readinto, checksum, direct = _direct_reader(body)
+            while offset < size:
+                if self._abandoned.is_set():
+                    return
+                stop = min(offset + step, size)
+                filled = offset
+                while filled < stop:
+                    count = readinto(buffer[filled:stop])
+                    if not count:
+                        break
+                    filled += count
+                if filled > offset:
+                    region = buffer[offset:filled]
+                    if hasher is not None:
+                        hasher.update(region)
+                    if checksum is not None:
+                        checksum.update(region)
+                    offset = filled
+                    self._hand_over(filled)
+                if filled < stop:
+                    break  # the end of the body
+            else:
+                if length is None and readinto(memoryview(bytearray(1))):
+                    raise BufferError(f"the body holds more than the {size - start} bytes expected")
+            if direct:
+                # urllib3 returns a connection to its pool once its response has been read
+                # to the end through it; read around it, the same is done here.
+                raw = body._raw_stream
+                if raw._fp.isclosed():
+                    raw.release_conn()
+        finally:
+            body.close()
+        _check_length(offset - start, response)
+        if checksum is not None:
+            body._validate_checksum()
+        self._hand_over(None)
+
+    async def regions(self) -> AsyncIterator[memoryview]:
+        """The filled regions of the buffer, in order; the thread's exception, if any, is raised here."""
+        offset = self._offset
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            region = self._buffer[offset:item]
+            offset = item
+            yield region
+
+    def abandon(self) -> None:
+        """Let the thread stop at its next region; does not wait for it."""
+        self._abandoned.set()

@@ -12,7 +12,7 @@ import abc
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from datacache.tiers._files import PARTIAL_NAME
 
@@ -20,6 +20,7 @@ from datacache.errors import InvalidKeyError, ShardNotFoundError
 
 __all__ = [
     "ByteRange",
+    "Hasher",
     "ObjectInfo",
     "Tier",
     "TierStats",
@@ -54,6 +55,12 @@ def validate_key(key: str) -> str:
     if PARTIAL_NAME.match(key.rsplit("/", 1)[-1]):
         raise InvalidKeyError(f"invalid key {shown!r}: collides with datacache's temporary file names")
     return key
+
+
+class Hasher(Protocol):
+    """What `Tier.read_into` updates with each region it reads (an xxhash or hashlib object)."""
+
+    def update(self, data: memoryview, /) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +182,37 @@ class Tier(abc.ABC):
             stop = min(offset + chunk_size, end)
             yield await self.get(key, ByteRange(offset, stop), version=version)
             offset = stop
+
+    async def read_into(
+        self,
+        key: str,
+        buffer: memoryview,
+        *,
+        version: str | None = None,
+        hasher: Hasher | None = None,
+    ) -> AsyncIterator[memoryview]:
+        """Read the whole object into the start of ``buffer``; yield each region of it as it is filled.
+
+        The regions are consecutive views of ``buffer``; once the last is yielded,
+        ``buffer[:total]`` holds the object. ``hasher``, when given, is updated with
+        each region before it is yielded (where a tier reads in a thread, the hash is
+        computed there, off the event loop). An object larger than ``buffer`` raises
+        `BufferError` (what fitted has been yielded). Tiers that can read straight into
+        memory (files with ``preadv``, S3 bodies with ``readinto``) override this: one
+        copy per byte, no allocation per chunk.
+        """
+        size = len(buffer)
+        offset = 0
+        async for chunk in self.stream(key, chunk_size=min(8 << 20, max(1, size)), version=version):
+            end = offset + len(chunk)
+            if end > size:
+                raise BufferError(f"{self.url}: {key!r} holds more than the {size} bytes expected")
+            buffer[offset:end] = chunk
+            region = buffer[offset:end]
+            if hasher is not None:
+                hasher.update(region)
+            offset = end
+            yield region
 
     @abc.abstractmethod
     async def put(

@@ -17,9 +17,16 @@ from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
-from datacache.tiers._s3_threads import ThreadedGet, get_request, past_the_end, read_object, sync_client_like
+from datacache.tiers._s3_threads import (
+    ThreadedGet,
+    ThreadedGetInto,
+    get_request,
+    past_the_end,
+    read_object,
+    sync_client_like,
+)
 from datacache.tiers._uploads import multipart_upload, spooled_upload
-from datacache.tiers.base import ByteRange, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import (
     ConfigError,
@@ -360,6 +367,59 @@ class ObjectTier(Tier):
                     self._counters["bytes_read"] += len(chunk)
                     yield chunk
                 return
+            except Exception as exc:
+                if past_the_end(request, exc):
+                    return
+                error = translate_error(exc, where)
+                attempt += 1
+                if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
+                    self._counters["errors"] += 1
+                    if isinstance(error, TransientOriginError):
+                        error = TransientOriginError(f"{error} (gave up after {attempt} attempts)")
+                    raise error from exc
+                self._counters["retries"] += 1
+                await asyncio.sleep(self._retry.delay(attempt))
+            finally:
+                transfer.abandon()
+
+    async def read_into(
+        self,
+        key: str,
+        buffer: memoryview,
+        *,
+        version: str | None = None,
+        hasher: Hasher | None = None,
+    ) -> AsyncIterator[memoryview]:
+        """On S3: one GET whose body a pool thread reads straight into ``buffer`` and hashes there.
+
+        The event loop only learns where each filled region ends. A connection cut
+        mid-body is resumed from the last region handed over (a ranged GET, still
+        conditional on ``version``), under the tier's retry policy, as `stream` does.
+        """
+        if not self.is_s3:
+            async for region in super().read_into(key, buffer, version=version, hasher=hasher):
+                yield region
+            return
+        path = self._path(key)
+        fs = await self._filesystem()
+        client, pool = await self._threaded()
+        loop = asyncio.get_running_loop()
+        where = f"{self.url}/{key}"
+        bucket, object_key, _ = fs.split_path(path)
+        offset, attempt = 0, 0
+        self._counters["requests"] += 1
+        while True:
+            request = get_request(bucket, object_key, offset, None, version)
+            transfer = ThreadedGetInto(client, request, buffer, offset=offset, hasher=hasher, loop=loop)
+            transfer.start(pool)
+            try:
+                async for region in transfer.regions():
+                    offset += len(region)
+                    self._counters["bytes_read"] += len(region)
+                    yield region
+                return
+            except BufferError:
+                raise
             except Exception as exc:
                 if past_the_end(request, exc):
                     return

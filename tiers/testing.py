@@ -27,6 +27,7 @@ tiers whose `stat` returns the metadata a put attached.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -187,6 +188,56 @@ class TierTests:
                 pass
 
         with pytest.raises(ShardNotFoundError):
+            self.run(tier, body)
+
+    def test_read_into_fills_the_buffer_in_order_and_hashes(self, tier: Tier) -> None:
+        data = os.urandom(3 << 20)
+
+        async def body() -> None:
+            await put(tier, "ri", data)
+            buffer = bytearray(len(data))
+            hasher = hashlib.sha256()
+            regions = [bytes(region) async for region in tier.read_into("ri", memoryview(buffer), hasher=hasher)]
+            assert b"".join(regions) == data
+            assert all(regions)
+            assert bytes(buffer) == data
+            assert hasher.digest() == hashlib.sha256(data).digest()
+            roomy = bytearray(len(data) + 10)
+            async for _ in tier.read_into("ri", memoryview(roomy)):
+                pass
+            assert bytes(roomy[: len(data)]) == data
+            await put(tier, "empty", b"")
+            assert [r async for r in tier.read_into("empty", memoryview(bytearray(0)))] == []
+
+        self.run(tier, body)
+
+    def test_read_into_a_buffer_too_small_raises_buffer_error(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "big", os.urandom(1000))
+            async for _ in tier.read_into("big", memoryview(bytearray(999))):
+                pass
+
+        with pytest.raises(BufferError):
+            self.run(tier, body)
+
+    def test_read_into_of_missing_key_raises(self, tier: Tier) -> None:
+        async def body() -> None:
+            async for _ in tier.read_into("missing", memoryview(bytearray(10))):
+                pass
+
+        with pytest.raises(ShardNotFoundError):
+            self.run(tier, body)
+
+    def test_read_into_is_conditional_on_the_version(self, tier: Tier) -> None:
+        async def body() -> None:
+            await put(tier, "v", b"first version")
+            info = await tier.stat("v")
+            assert info is not None and info.version is not None
+            await put(tier, "v", b"the second, longer version")
+            async for _ in tier.read_into("v", memoryview(bytearray(100)), version=info.version):
+                pass
+
+        with pytest.raises(OriginChangedError):
             self.run(tier, body)
 
     def test_conditional_get_detects_a_changed_object(self, tier: Tier) -> None:

@@ -90,12 +90,17 @@ class LocalStager:
         return NodeLock(self._settings.local_dir / "locks" / lock_name(*parts), self._lock_waiters)
 
     async def stage(
-        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes, str], None] | None = None
+        self,
+        handle: DatasetHandle,
+        shard: Shard,
+        on_verified: Callable[[bytes | memoryview, str], None] | None = None,
+        *,
+        wanted_now: bool = False,
     ) -> Location:
         """Make the shard local (or say which lower tier to read, if eviction declines to make room).
 
         ``on_verified`` receives the shard's verified bytes before its local copy is durable
-        (see `Transfer.copy`).
+        (see `Transfer.copy`). ``wanted_now``: a reader is blocked on it (see `Residency.chooser`).
         """
         capacity = self.tier.capacity
         if capacity is not None and shard.size > capacity:
@@ -114,7 +119,7 @@ class LocalStager:
             # write (a writer that is not datacache); the second reservation sees that.
             for attempt in (1, 2):
                 try:
-                    reservation = await self._reserve(handle, shard, capacity)
+                    reservation = await self._reserve(handle, shard, capacity, wanted_now)
                 except TierFullError as exc:  # the catalog itself found no room
                     return await self._bypass(handle, shard, str(exc))
                 await self.delete_victims(reservation.victims)
@@ -127,7 +132,9 @@ class LocalStager:
                         return await self._bypass(handle, shard, str(exc))
             raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reserve(self, handle: DatasetHandle, shard: Shard, capacity: int | None) -> Reservation:
+    async def _reserve(
+        self, handle: DatasetHandle, shard: Shard, capacity: int | None, wanted_now: bool = False
+    ) -> Reservation:
         # Whatever a reader holds open or will open next is never a victim (issue 13).
         readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
         return await self._catalog.reserve(
@@ -139,7 +146,7 @@ class LocalStager:
             capacity=capacity,
             device_free=lambda: device_free(self._settings.local_dir),
             reserve_free=reserve_for(self._settings.local_dir),
-            choose=self._residency.chooser(handle, readers),
+            choose=self._residency.chooser(handle, readers, wanted_now=wanted_now),
         )
 
     async def _bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:
@@ -154,7 +161,7 @@ class LocalStager:
         return location
 
     async def _transfer_in(
-        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes, str], None] | None
+        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | memoryview, str], None] | None
     ) -> Location:
         """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
         tier_key = handle.tier_key(shard.key)

@@ -189,7 +189,7 @@ def _mark_retrieved(future: asyncio.Future[Location]) -> None:
         future.exception()
 
 
-def serve_early(job: Job, data: bytes, checksum: str) -> None:
+def serve_early(job: Job, data: bytes | memoryview, checksum: str) -> None:
     """The job's bytes are verified: readers waiting early read them now (see `Stager.ensure`)."""
     if job.early is None:
         job.early = asyncio.get_running_loop().create_future()  # for readers that ask during the fsync

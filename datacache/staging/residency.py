@@ -87,8 +87,12 @@ class Residency:
         """Whether a future order was handed over for the dataset."""
         return dataset_id in self._orders
 
-    def chooser(self, handle: DatasetHandle, readers: Sequence[ReaderRow] = ()) -> Chooser:
+    def chooser(self, handle: DatasetHandle, readers: Sequence[ReaderRow] = (), *, wanted_now: bool = False) -> Chooser:
         """The eviction choice for a shard of ``handle`` coming in, by the dataset's policy.
+
+        ``wanted_now``: a reader is blocked on the incoming shard (not a prefetch). That read
+        is served as the bytes arrive whatever is chosen here, so Belady weighs the shard by
+        the read after it.
 
         ``readers`` are this node's readers as the catalog knows them: one whose last
         report is of the order's epoch is where it said; one last seen in another epoch
@@ -113,12 +117,37 @@ class Residency:
         def choose(incoming: Candidate, residents: list[Candidate], need: int) -> list[Candidate] | None:
             if handle.config.pinned:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
-            victims = choose_victims(incoming, residents, need, policy=policy, next_use=next_use)
-            if next_use is not None and _audit.isEnabledFor(logging.DEBUG):
-                _audit.debug("%s", _audited(incoming, residents, victims, next_use, where))
+            uses_now = next_use
+            if wanted_now and uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
+                # A reader waits for the incoming shard: that read is served as it arrives (or
+                # from the next tier), whatever is decided here. A copy is worth room only for
+                # the read after it. Counting this one made every shard read on demand look the
+                # most urgent, so each evicted one read again sooner (few samples per shard:
+                # below LRU and no-thrash). Not for a prefetch at a reader's position: a reader
+                # past its epoch's end stands where the next epoch's first shard is read.
+                later = _next_use_of(uses.positions, where, incoming.key)
+                uses_now = {**next_use, incoming.key: later} if later is not None else _without(next_use, incoming.key)
+            victims = choose_victims(incoming, residents, need, policy=policy, next_use=uses_now)
+            if uses_now is not None and _audit.isEnabledFor(logging.DEBUG):
+                _audit.debug("%s", _audited(incoming, residents, victims, uses_now, where))
             return victims
 
         return choose
+
+
+def _next_use_of(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int], key: str) -> int | None:
+    """Steps until ``key`` is read after the readers' current positions (reads at them excluded); None: never."""
+    found: int | None = None
+    for reader, position in where.items():
+        positions = uses.get(reader, {}).get(key, ())
+        at = bisect.bisect_right(positions, position)
+        if at < len(positions) and (found is None or positions[at] - position < found):
+            found = positions[at] - position
+    return found
+
+
+def _without(uses: Mapping[str, int], key: str) -> dict[str, int]:
+    return {k: v for k, v in uses.items() if k != key}
 
 
 def _audited(

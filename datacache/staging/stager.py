@@ -235,7 +235,9 @@ class Stager:
         if parts is None:
             raise StagerClosedError("the stager is not running")
         if job.tier == LOCAL:
-            return await parts.local.stage(job.handle, job.shard, functools.partial(serve_early, job))
+            return await parts.local.stage(
+                job.handle, job.shard, functools.partial(serve_early, job), wanted_now=job.priority <= PRIORITY_URGENT
+            )
         if parts.shared is None:
             raise ConfigError("no shared tier is configured")
         path, checksum = await parts.shared.ensure(job.handle, job.shard)

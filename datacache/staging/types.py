@@ -72,7 +72,7 @@ class Location:
     path: Path | None
     shard: Shard
     checksum: str | None
-    buffer: bytes | None = field(default=None, repr=False, compare=False)
+    buffer: bytes | memoryview | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
