@@ -421,12 +421,12 @@ class EpochIterator:
         self._row[Counter.PADDED] = self._plan.padded  # a cold plan knows them once it settled
         self._row[Counter.TOTAL] = len(self._plan)
         self._units.note_retries()
-        self._report()
         if self._ahead is not None:
             self._ahead.drain()
             self._ahead.shutdown(wait=True)
         self._units.close_all()
         self._row[Counter.UPDATED] = time.time()
+        self._report()  # last: the epoch's final figures, as `stats()` reads them
 
     def __del__(self) -> None:
         ahead = getattr(self, "_ahead", None)

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -93,7 +94,10 @@ class Sampler:
             daemon.update(answers=True, pid=document.get("pid"), version=document.get("version"))
             frame = self._from_daemon(document)
         else:
-            frame = await self._embedded(now)
+            try:
+                frame = await self._embedded(now)
+            except (DatacacheError, OSError, sqlite3.Error) as exc:
+                frame = _empty_frame(f"cannot read this node's catalog: {one_line(exc)}")
         frame["daemon"] = daemon
         frame["time"] = now
         frame["host"] = socket.gethostname()
@@ -216,6 +220,19 @@ class Sampler:
         frame["totals"] = counters
 
 
+def _empty_frame(error: str) -> dict[str, Any]:
+    return {
+        "source": "embedded",
+        "error": error,
+        "operator": os.geteuid() == 0,
+        "clients": [],
+        "tiers": [],
+        "counters": {},
+        "transfers": [],
+        "policies": {},
+    }
+
+
 def _client_row(row: dict[str, Any]) -> dict[str, Any]:
     units = {tier: int(row.get(f"units_{tier}", 0) or 0) for tier in TIERS}
     opened = sum(units.values())
@@ -330,6 +347,8 @@ def header_lines(frame: dict[str, Any]) -> list[str]:
             f"! the daemon on {daemon['socket']} is not answering ({daemon['error']}); "
             f"retrying every {frame['interval_s']:g}s"
         )
+    if frame.get("error"):
+        lines.append(f"! {frame['error']}")
     if not frame.get("operator"):
         lines.append("(your own clients only: root or the daemon's user sees everyone's)")
     return lines
