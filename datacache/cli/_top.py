@@ -52,6 +52,9 @@ _COUNTED = {
 }
 """Which tiers each counter applies to (the origin is never written or evicted; local is read by readers)."""
 
+_TRANSFERS_FRESH = 3.0
+"""Seconds a report file's transfers are shown for (readers report every second while they read)."""
+
 _SHARED_USAGE_EVERY = 60.0  # walking a distributed filesystem is slow: once a minute at most
 
 
@@ -177,7 +180,9 @@ class Sampler:
                 into = counters.setdefault(name, {})
                 for tier, value in per_tier.items():
                     into[tier] = into.get(tier, 0) + int(value)
-            transfers.extend(_transfer_row(t) for t in document.get("transfers", []))
+            if now - float(document["written"]) <= _TRANSFERS_FRESH:
+                # A process writes its file when a reader reports: after its epoch, its transfers are history.
+                transfers.extend(_transfer_row(t) for t in document.get("transfers", []))
         readers = {c.get("dataset") for c in clients}
         return {
             "source": "embedded",
@@ -410,8 +415,7 @@ def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False)
     transfers = frame["transfers"]
     out.append(f"TRANSFERS IN FLIGHT: {len(transfers)}")
     for t in transfers[:8]:
-        progress = t.get("progress")
-        done = f"[{_bar(progress, 12)}] {100 * progress:3.0f}%" if progress is not None else format_bytes(t["bytes"])
+        done = _progress(t, 12)
         out.append(f"  {_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7} {done}")
     policies = frame["policies"]
     if policies:
@@ -419,6 +423,15 @@ def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False)
             "EVICTION POLICY: " + ", ".join(f"{_short(d, 24)}: {p}" for d, p in sorted(policies.items()))
         )
     return "\n".join(out) + "\n"
+
+
+def _progress(transfer: dict[str, Any], width: int) -> str:
+    progress = transfer.get("progress")
+    if progress is None:
+        return format_bytes(transfer["bytes"])
+    if progress >= 1.0:
+        return f"[{_bar(1.0, width)}] all bytes in: verifying, writing"
+    return f"[{_bar(progress, width)}] {100 * progress:3.0f}% of {format_bytes(transfer['size'])}"
 
 
 def _rate(value: float | None) -> str:
@@ -608,8 +621,7 @@ def _rich_frame(frame: dict[str, Any], view: _View) -> Any:
     transfers = frame["transfers"]
     parts.append(Text(f"TRANSFERS IN FLIGHT: {len(transfers)}", style="bold"))
     for t in transfers[:8]:
-        progress = t.get("progress")
-        done = f"{_bar(progress, 20)} {100 * progress:3.0f}%" if progress is not None else format_bytes(t["bytes"])
+        done = _progress(t, 20)
         where = f"{_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7}"
         parts.append(Text(f"  {where} {done}"))
     if frame["policies"]:
