@@ -21,6 +21,7 @@ import logging
 import os
 import pwd
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -115,7 +116,12 @@ def write_report_file(local_dir: Path, name: str, document: Mapping[str, Any]) -
             with contextlib.suppress(OSError):
                 root.chmod(0o1777)  # every user of the node keeps a folder here, as in /tmp
         folder.mkdir(mode=0o700, exist_ok=True)
-        _prune(folder)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        # Made by someone else (the parent folder is everyone's): nothing of ours goes there.
+        raise PermissionError(f"{folder} is not a private folder of uid {os.getuid()}")
+    if not target.exists():
+        _prune(folder)  # once per new reader: files stay as many as the live processes
     partial = folder / f".{target.name}.{uuid.uuid4().hex}.partial"
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -146,15 +152,36 @@ def _alive(pid: Any, host: Any) -> bool:
 
 
 def _prune(folder: Path) -> None:
-    """Drop report files of processes of this host that are gone (killed ones leave theirs)."""
+    """Drop report files of processes of this host that are gone, and writes a kill cut short."""
+    for path in folder.glob(".*.partial"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > 60:
+                path.unlink()
     for path in folder.glob("*.json"):
-        try:
-            document = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        document = _read_json(path)
         if isinstance(document, dict) and not _alive(document.get("pid"), document.get("host")):
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+_MOST_BYTES = 1 << 20
+
+
+def _read_json(path: Path) -> Any:
+    """A report file's JSON, or None: never through a link, never a fifo or device, never large."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MOST_BYTES:
+            return None
+        return json.loads(os.read(fd, _MOST_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_report_files(local_dir: Path, *, now: float | None = None) -> list[dict[str, Any]]:
@@ -175,10 +202,7 @@ def read_report_files(local_dir: Path, *, now: float | None = None) -> list[dict
         except OSError:
             continue
         for path in paths:
-            try:
-                document = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue  # unreadable (another user's), or replaced under us
+            document = _read_json(path)  # None: unreadable (another user's), or replaced under us
             if not isinstance(document, dict) or not isinstance(document.get("written"), int | float):
                 continue
             if now - float(document["written"]) > REPORT_TTL or not _alive(document.get("pid"), document.get("host")):

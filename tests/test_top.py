@@ -17,8 +17,8 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, init_file: str, origin: str, env: dict[str
         partial.write_text(json.dumps({"steps": steps, "stats": stats}))
         partial.rename(Path(out) / f"rank{rank}.json")
         # The workers (persistent) and their reports stay until the test has looked.
-        wait_until(lambda: (Path(out) / "done").exists(), timeout=600, what="the test to finish looking")
+        wait_until((Path(out) / "done").exists, timeout=600, what="the test to finish looking")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -148,11 +148,11 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
         assert stats[0]["samples"] + stats[1]["samples"] == 160
 
         # The readers' last reports reach top within a refresh of the epoch's end.
-        frame = wait_until(
-            lambda: (lambda f: f if _matches(f, stats) else None)(_frame(env)),
-            timeout=60,
-            what="top's figures to be what stats() says",
-        )
+        def agreeing() -> dict[str, Any] | None:
+            frame = _frame(env)
+            return frame if _matches(frame, stats) else None
+
+        frame = wait_until(agreeing, timeout=60, what="top's figures to be what stats() says")
         assert frame["source"] == through
         assert frame["daemon"]["answers"] is (through == "daemon")
         _check_against_stats(frame, stats, through)
@@ -350,7 +350,9 @@ def test_the_live_view_sorts_by_key_survives_the_daemon_going_away_and_quits_on_
         terminal.close()
 
 
-def test_json_streams_one_object_per_refresh_and_bad_input_is_one_line(tmp_path: Path, cache_env: dict[str, str]) -> None:
+def test_json_streams_one_object_per_refresh_and_bad_input_is_one_line(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
     env = daemon_env(cache_env, tmp_path / "local", tmp_path / "local" / "daemon.sock")
     process = subprocess.Popen(
         [*DATACACHE, "top", "--json", "--interval", "0.1"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
@@ -360,14 +362,47 @@ def test_json_streams_one_object_per_refresh_and_bad_input_is_one_line(tmp_path:
         frames = [json.loads(process.stdout.readline()) for _ in range(3)]
         assert [f["source"] for f in frames] == ["embedded"] * 3
         assert frames[0]["time"] < frames[1]["time"] < frames[2]["time"]
-        assert frames[0]["daemon"] == {"socket": str(tmp_path / "local" / "daemon.sock"), "answers": False, "error": None}
+        socket_path = str(tmp_path / "local" / "daemon.sock")
+        assert frames[0]["daemon"] == {"socket": socket_path, "answers": False, "error": None}
     finally:
         process.send_signal(signal.SIGINT)
         status = process.wait(30)
         if process.stdout is not None:
             process.stdout.close()
     assert status == 0, "Ctrl-C ends the stream quietly"
-    for args, word in ((["--interval", "0"], "--interval"), (["--sort", "x"], "--sort"), (["--interval", "a"], "--interval")):
+    for args, word in (
+        (["--interval", "0"], "--interval"),
+        (["--sort", "x"], "--sort"),
+        (["--interval", "a"], "--interval"),
+    ):
         done = _top(env, *args)
         assert done.returncode == 2, done
         assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and word in done.stderr, done.stderr
+
+
+def test_report_files_are_read_safely_and_written_only_into_a_private_folder(tmp_path: Path) -> None:
+    from datacache.activity import read_report_files, report_file, write_report_file
+
+    local = tmp_path / "local"
+    document = {"version": 1, "host": "elsewhere", "pid": 1, "written": 0.0, "client": "c", "reader": {}}
+    write_report_file(local, "mine", {**document, "written": time.time()})
+    mine = report_file(local, "mine")
+    assert mine.stat().st_mode & 0o777 == 0o600 and mine.parent.stat().st_mode & 0o777 == 0o700
+    assert [d["client"] for d in read_report_files(local)] == ["c"]
+    # Links and fifos in place of a report are skipped, never followed nor opened for a blocking read.
+    (mine.parent / "link.json").symlink_to(mine)
+    os.mkfifo(mine.parent / "fifo.json")
+    (mine.parent / "garbage.json").write_text("{not json")
+    assert [d["client"] for d in read_report_files(local)] == ["c"]
+    # A report older than the TTL is left out.
+    write_report_file(local, "mine", document)
+    assert read_report_files(local) == []
+    # A folder someone else made for this uid is refused, not written into.
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        folder = report_file(other, "x").parent
+        folder.mkdir(parents=True, mode=0o700)
+        os.chown(folder, 54321, 54321)
+        with pytest.raises(PermissionError):
+            write_report_file(other, "x", document)
+        assert list(folder.iterdir()) == []
