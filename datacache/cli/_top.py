@@ -581,7 +581,7 @@ def _rich_frame(frame: dict[str, Any], view: _View) -> Any:
         ("SAMPLES/s", "p"), ("STALL", "s"), ("DEPTH", "f"), ("HITS local/shared/origin", "h"),
     ):
         arrow = (" v" if view.reverse else " ^") if keyed == view.sort else ""
-        clients.add_column(f"{column}{arrow}", justify="left" if keyed in "cud" or keyed == "h" else "right")
+        clients.add_column(f"{column}{arrow}", justify="left" if keyed in ("c", "u", "d", "h") else "right")
     for c in sort_clients(frame["clients"], view.sort, view.reverse):
         stall = float(c.get("stall_fraction", 0.0))
         clients.add_row(
@@ -599,6 +599,25 @@ def _rich_frame(frame: dict[str, Any], view: _View) -> Any:
     parts += [Text(""), clients]
     if not frame["clients"]:
         parts.append(Text("(no client is reading on this node)", style="dim"))
+    if frame["ranks"]:
+        ranks = Table(expand=True, box=None, header_style="reverse")
+        for column in ("RANK", "USER", "DATASET", "READERS", "SAMPLES", "MB/s", "TARGET", "WAIT", "DEPTH", "HITS"):
+            ranks.add_column(column, justify="left" if column in ("RANK", "USER", "DATASET", "HITS") else "right")
+        for r in frame["ranks"]:
+            low = r["meets_target"] is False
+            ranks.add_row(
+                str(r["rank"]),
+                str(r["user"] or r["uid"]),
+                _short(r["dataset"], 24),
+                str(r["readers"]),
+                str(r["samples"]),
+                Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),
+                _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-",
+                _percent(r["reader_wait_fraction"]),
+                str(r["prefetch_depth"]),
+                _hit_text(r["hit_ratio"]),
+            )
+        parts += [Text(""), ranks]
     tiers = Table(expand=True, box=None, header_style="reverse")
     for column in ("TIER", "USAGE", "SHARDS", "IN MB/s", "OUT MB/s", "EVICT/s", "DECLINE/s"):
         tiers.add_column(column, justify="left" if column in ("TIER", "USAGE") else "right")
