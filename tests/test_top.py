@@ -18,6 +18,7 @@ import signal
 import struct
 import subprocess
 import termios
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,18 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
     env = daemon.env if daemon is not None else daemon_env(cache_env, local, local / "daemon.sock")
     out = tmp_path / "out"
     out.mkdir()
+    # `top --json` runs beside the training from its start, one frame a second.
+    stream = subprocess.Popen(
+        [*DATACACHE, "top", "--json", "--interval", "1"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    frames: list[dict[str, Any]] = []
+
+    def collect() -> None:
+        for line in stream.stdout or ():
+            frames.append(json.loads(line))
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
     context = mp.spawn(
         _rank_main, args=(2, str(tmp_path / "init"), str(origin), env, str(out)), nprocs=2, join=False
     )
@@ -147,12 +160,23 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
         stats = {rank: json.loads((out / f"rank{rank}.json").read_text())["stats"] for rank in (0, 1)}
         assert stats[0]["samples"] + stats[1]["samples"] == 160
 
-        # The readers' last reports reach top within a refresh of the epoch's end.
-        def agreeing() -> dict[str, Any] | None:
-            frame = _frame(env)
-            return frame if _matches(frame, stats) else None
+        # The readers' last reports reach top within one refresh of the epoch's end: the first
+        # frame of the stream read a full refresh after both ranks had their stats() says so.
+        ended = max((out / f"rank{rank}.json").stat().st_mtime for rank in (0, 1))
+        later = wait_until(
+            lambda: next((f for f in list(frames) if f["time"] >= ended + 1.0), None),
+            timeout=60,
+            what="a frame of top --json one refresh after the epoch's end",
+        )
+        assert _matches(later, stats), (later["ranks"], stats)
+        _check_against_stats(later, stats, through)
+        stream.send_signal(signal.SIGINT)
+        assert stream.wait(30) == 0
+        collector.join(30)
 
-        frame = wait_until(agreeing, timeout=60, what="top's figures to be what stats() says")
+        # And top --once --json, a fresh process, says the same.
+        frame = _frame(env)
+        assert _matches(frame, stats), (frame["ranks"], stats)
         assert frame["source"] == through
         assert frame["daemon"]["answers"] is (through == "daemon")
         _check_against_stats(frame, stats, through)
@@ -182,6 +206,11 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
         assert re.search(r"^local\s", text.stdout, re.M) and re.search(r"^origin\s", text.stdout, re.M)
     finally:
         (out / "done").touch()
+        if stream.poll() is None:
+            stream.kill()
+        stream.wait(30)
+        if stream.stdout is not None:
+            stream.stdout.close()
         context.join(120)
         if daemon is not None:
             daemon.stop()

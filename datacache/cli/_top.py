@@ -81,6 +81,7 @@ class Sampler:
 
     async def frame(self) -> dict[str, Any]:
         """One frame: clients, rank totals, tiers with rates, transfers, policies."""
+        now = time.time()  # the frame's time: when its reading began
         socket_path = self.settings.daemon_socket
         daemon: dict[str, Any] = {"socket": str(socket_path), "answers": False, "error": None}
         document: dict[str, Any] | None = None
@@ -91,7 +92,6 @@ class Sampler:
                 document = await self._client.top()
             except (DatacacheError, OSError) as exc:
                 daemon["error"] = one_line(exc) if socket_path.exists() else f"no socket at {socket_path}"
-        now = time.time()
         if document is not None:
             self.daemon_seen = True
             daemon.update(answers=True, pid=document.get("pid"), version=document.get("version"))
