@@ -355,7 +355,8 @@ def header_lines(frame: dict[str, Any]) -> list[str]:
     if frame.get("error"):
         lines.append(f"! {frame['error']}")
     if not frame.get("operator"):
-        lines.append("(your own clients only: root or the daemon's user sees everyone's)")
+        who = "root or the daemon's user" if frame["source"] == "daemon" else "root"
+        lines.append(f"(your own clients only: {who} sees everyone's)")
     return lines
 
 
