@@ -119,8 +119,12 @@ class ThroughputReporter(Protocol):
         stall_fraction: float,
         delivered_bytes: int = 0,
         dataset: str | None = None,
+        **figures: Any,
     ) -> None:
-        """Report what this reader delivered, and the fraction of time training waited for data."""
+        """Report what this reader delivered, and the fraction of time training waited for data.
+
+        ``figures`` are the optional `datacache.activity.READER_FIELDS` (rank, worker, samples, ...).
+        """
         ...
 
 
@@ -278,6 +282,7 @@ class FailoverAccess:
         stall_fraction: float,
         delivered_bytes: int = 0,
         dataset: str | None = None,
+        **figures: Any,
     ) -> None:
         """Pass a reader's throughput to the daemon's metrics (dropped while it is unreachable)."""
         if self._down:
@@ -288,6 +293,7 @@ class FailoverAccess:
                 stall_fraction=stall_fraction,
                 delivered_bytes=delivered_bytes,
                 dataset=dataset,
+                **figures,
             )
         except DaemonUnavailableError:
             logger.debug("the daemon is unreachable: throughput report dropped")

@@ -447,6 +447,10 @@ class DaemonClient:
 
     # -- beyond ShardAccess: the daemon's own verbs ---------------------------------------
 
+    async def top(self) -> dict[str, Any]:
+        """What ``datacache top`` shows: tiers, transfers, and the clients this user may see."""
+        return await self._call("GET", f"{API}/top", within=self.request_timeout)
+
     async def status(self) -> dict[str, Any]:
         """The daemon's status: tiers, queue, datasets, clients (never a credential)."""
         return await self._call("GET", f"{API}/status", within=self.request_timeout)
@@ -458,10 +462,19 @@ class DaemonClient:
         stall_fraction: float,
         delivered_bytes: int = 0,
         dataset: str | None = None,
+        **figures: Any,
     ) -> None:
-        """Report what this client delivered to training and the fraction of time it stalled."""
+        """Report what this client delivered to training and the fraction of time it stalled.
+
+        ``figures`` are the optional `datacache.activity.READER_FIELDS`; a reader that gives its
+        rank and worker is named ``host:pid:rRwW`` (one process may hold several readers).
+        """
+        name = self._name()
+        if self.client_name is None and "rank" in figures and "worker" in figures:
+            name = f"{name}:r{figures['rank']}w{figures['worker']}"
         body: dict[str, Any] = {
-            "client": self._name(),
+            **figures,
+            "client": name,
             "delivered_bytes_per_s": delivered_bytes_per_s,
             "stall_fraction": stall_fraction,
             "delivered_bytes": delivered_bytes,

@@ -28,11 +28,10 @@ from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import sample_of
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
 from datacache.loaders.sharedbytes import SampleRing
-from datacache.loaders.stats import Counter, mode_code
+from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from datacache.loaders.units import UnitReaders
 from torch.utils.data import get_worker_info
 
-from datacache.access import ThroughputReporter
 from datacache.errors import ConfigError, ShardReadError
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ __all__ = ["ITERATOR_MARK", "EpochIterator"]
 
 logger = logging.getLogger(__name__)
 
-_REPORT_INTERVAL = 5.0
+_REPORT_INTERVAL = 1.0  # `datacache top` refreshes every second
 """Seconds between throughput reports to the daemon."""
 _READER_THREADS = 2
 """Threads that read and pack batches ahead in the consumer's process (batch mode, no workers)."""
@@ -392,36 +391,33 @@ class EpochIterator:
         )
 
     def _report(self) -> None:
-        """Tell the daemon (if one serves this reader) what it delivered, for its metrics."""
+        """Tell the daemon (or, embedded, `datacache top`'s report file) what this reader delivered."""
         access = self.runtime.access
         row = self._row
         row[Counter.MODE] = mode_code(access.mode)
-        if not isinstance(access, ThroughputReporter):
-            return
-        elapsed = max(float(row[Counter.UPDATED] - row[Counter.STARTED]), 1e-9)
-        if self._in_consumer and row[Counter.CONSUMER_TIME] > 0:
-            stall = float(row[Counter.CONSUMER_WAIT] / row[Counter.CONSUMER_TIME])
-        else:
-            stall = min(1.0, float(row[Counter.WAIT]) / elapsed)
-        self.runtime.loop.submit(
-            access.report(
-                delivered_bytes_per_s=float(row[Counter.BYTES]) / elapsed,
-                stall_fraction=stall,
-                delivered_bytes=int(row[Counter.BYTES]),
-                dataset=self.runtime.handle.id,
-            )
+        layout = self.layout
+        figures = reader_figures(
+            row,
+            rank=layout.rank,
+            world_size=layout.world_size,
+            worker=layout.worker,
+            num_workers=layout.num_workers,
+            epoch=self.epoch,
+            target=self.dataset.target_bandwidth,
+            in_consumer=self._in_consumer,
         )
+        self.runtime.loop.submit(publish_reader(access, self.runtime.handle, figures))
 
     def _finish(self) -> None:
         self._row[Counter.PADDED] = self._plan.padded  # a cold plan knows them once it settled
         self._row[Counter.TOTAL] = len(self._plan)
         self._units.note_retries()
-        self._report()
         if self._ahead is not None:
             self._ahead.drain()
             self._ahead.shutdown(wait=True)
         self._units.close_all()
         self._row[Counter.UPDATED] = time.time()
+        self._report()  # last: the epoch's final figures, as `stats()` reads them
 
     def __del__(self) -> None:
         ahead = getattr(self, "_ahead", None)

@@ -8,14 +8,36 @@ same table carries the epoch from the main process to persistent workers.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import torch
 
-__all__ = ["MAX_READERS", "MODES", "Counter", "LoaderStats", "SourceStats", "StatsTable", "mode_code"]
+from datacache.access import ShardAccess, ThroughputReporter
+from datacache.activity import write_report_file
+from datacache.stager import DatasetHandle, Stager
+
+__all__ = [
+    "MAX_READERS",
+    "MODES",
+    "Counter",
+    "LoaderStats",
+    "SourceStats",
+    "StatsTable",
+    "mode_code",
+    "publish_reader",
+    "reader_figures",
+]
+
+logger = logging.getLogger(__name__)
 
 MAX_READERS = 256
 
@@ -238,3 +260,97 @@ def _per_source(
         count = int(totals[index, 0].item())
         found.append(SourceStats(label, count, int(totals[index, 1].item()), count / samples if samples else 0.0))
     return tuple(found)
+
+
+# -- what one reader tells `datacache top` ------------------------------------------------------
+
+
+def reader_figures(
+    row: Any,
+    *,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    epoch: int,
+    target: float | None,
+    in_consumer: bool,
+) -> dict[str, Any]:
+    """One reader's row (a tensor or array of `Counter` columns) as its report's fields.
+
+    The fields are `datacache.activity.READER_FIELDS`.
+    Summed over a rank's readers they give what `LoaderStats.from_table` gives: samples, bytes,
+    units per tier (the hit ratio), the deepest prefetch, the wait.
+    """
+    values = row.tolist()
+    started, updated = values[Counter.STARTED], values[Counter.UPDATED]
+    elapsed = max(updated - started, 1e-9)
+    if in_consumer and values[Counter.CONSUMER_TIME] > 0:
+        stall = values[Counter.CONSUMER_WAIT] / values[Counter.CONSUMER_TIME]
+    else:
+        stall = min(1.0, values[Counter.WAIT] / elapsed)
+    figures: dict[str, Any] = {
+        "delivered_bytes_per_s": values[Counter.BYTES] / elapsed,
+        "stall_fraction": min(1.0, max(0.0, stall)),
+        "delivered_bytes": int(values[Counter.BYTES]),
+        "rank": rank,
+        "world_size": world_size,
+        "worker": worker,
+        "num_workers": num_workers,
+        "epoch": epoch,
+        "samples": int(values[Counter.SAMPLES]),
+        "samples_total": int(values[Counter.TOTAL]),
+        "started": started,
+        "updated": updated,
+        "wait_seconds": values[Counter.WAIT],
+        "samples_per_s": values[Counter.SAMPLES] / elapsed,
+        "prefetch_depth": int(values[Counter.DEPTH]),
+        "units_local": int(values[Counter.UNITS_LOCAL]),
+        "units_shared": int(values[Counter.UNITS_SHARED]),
+        "units_origin": int(values[Counter.UNITS_ORIGIN]),
+        "mode": MODES[int(values[Counter.MODE])] if 0 <= int(values[Counter.MODE]) < len(MODES) else "unknown",
+    }
+    if target is not None:
+        figures["target_bytes_per_s"] = float(target)
+    return figures
+
+
+async def publish_reader(access: ShardAccess, handle: DatasetHandle, figures: dict[str, Any]) -> None:
+    """Pass a reader's figures on: to the daemon's report verb, or (embedded) to this process's report file.
+
+    Called at the reader's reporting interval, on the loader's event loop: never per sample.
+    """
+    figures = {**figures, "dataset": handle.id}
+    if isinstance(access, ThroughputReporter):
+        await access.report(**figures)
+        return
+    if not isinstance(access, Stager):
+        return
+    host, pid = socket.gethostname(), os.getpid()
+    activity = access.activity
+    document = {
+        "version": 1,
+        "host": host,
+        "pid": pid,
+        "written": time.time(),
+        "client": f"{host}:{pid}:r{figures['rank']}w{figures['worker']}",
+        "reader": figures,
+        "policy": handle.config.policy,
+        "stager": dataclasses.asdict(access.stats()),
+        "activity": activity.counters(),
+        "transfers": [t.to_json(_size_of(handle, t.dataset, t.key)) for t in activity.in_flight()],
+    }
+    name = f"{pid}-{handle.id[:24]}-r{figures['rank']}w{figures['worker']}"
+    try:
+        await asyncio.to_thread(write_report_file, access.settings.local_dir, name, document)
+    except OSError as exc:  # a full or read-only disk must not stop a reader
+        logger.debug("cannot write the report file for datacache top: %s", exc)
+
+
+def _size_of(handle: DatasetHandle, dataset: str, key: str) -> int | None:
+    if dataset != handle.id:
+        return None
+    try:
+        return handle.manifest.shard(key).size
+    except (LookupError, OSError):  # not in this snapshot's manifest
+        return None

@@ -305,12 +305,35 @@ def _run_shell(command: str, env: dict[str, str], tmp_path: Path) -> None:
     if argv[3:4] == ["serve"] or argv[1:2] == ["serve"]:
         _run_server(argv, env, tmp_path)
         return
+    if argv[3:4] == ["top"] and "--once" not in argv:
+        _run_until_interrupted(argv, env, tmp_path)
+        return
     result = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     allowed, marker = next(
         ((codes, mark) for pattern, codes, mark, _ in VERDICTS if re.search(pattern, command)), ({0}, "")
     )
     assert result.returncode in allowed, f"{command!r} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     assert marker in result.stdout + result.stderr, f"{command!r} did not say {marker!r}:\n{result.stdout}"
+
+
+def _run_until_interrupted(argv: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    """A view that refreshes until stopped (``datacache top``): it must draw a frame, then end on Ctrl-C (SIGINT)."""
+    log = tmp_path / "top.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(
+            lambda: b"tier" in log.read_bytes().lower() or process.poll() is not None,
+            timeout=120,
+            what="a frame of top",
+        )
+        assert process.poll() is None, f"{argv} exited {process.returncode}:\n{log.read_text()}"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _run_server(argv: list[str], env: dict[str, str], tmp_path: Path) -> None:

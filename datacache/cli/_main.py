@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from datacache import __version__
 from datacache._logging import configure_logging
-from datacache.cli import _build, _cache, _node, _warm
+from datacache.cli import _build, _cache, _node, _top, _warm
 from datacache.cli._common import Parser, one_line
 from datacache.errors import ConfigError, DatacacheError
 
@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="datacache", description="Tiered caching of AI training data.")
     parser.add_argument("--version", action="version", version=f"datacache {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for verbs in (_warm, _cache, _build, _node):  # the order of `datacache --help`
+    for verbs in (_warm, _cache, _build, _node, _top):  # the order of `datacache --help`
         verbs.add_parsers(commands)
     return parser
 

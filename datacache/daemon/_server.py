@@ -32,6 +32,7 @@ from datacache._protocol import (
     client_label,
     location_to_wire,
 )
+from datacache.activity import check_reader_fields
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
 from datacache.daemon._lifecycle import Lifecycle
@@ -249,6 +250,7 @@ class Daemon:
         app.router.add_get("/readyz", self._readyz, name="readyz")
         app.router.add_get("/metrics", self._metrics, name="metrics")
         app.router.add_get(f"{API}/status", self._status, name="status")
+        app.router.add_get(f"{API}/top", self._top, name="top")
         for verb, handler in (
             ("open", self._open),
             ("ensure", self._ensure),
@@ -511,9 +513,28 @@ class Daemon:
                 "'stall_fraction' within [0, 1]"
             )
         dataset = data.get("dataset") if isinstance(data.get("dataset"), str) else None
+        try:
+            figures = check_reader_fields(data)
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
         uid = self._peer(request).uid
-        self.status.report(name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic(), uid))
+        self.status.report(
+            name, ClientReport(bandwidth, stall, delivered, dataset, pid, time.monotonic(), uid, figures)
+        )
         return web.json_response({"client": name})
+
+    async def _top(self, request: web.Request) -> web.Response:
+        """What ``datacache top`` shows; a user sees their own clients, an operator everyone's."""
+        peer = self._peer(request)
+        handles = list(self.registry.latest.values())
+        document = await self.status.top_document(
+            self._stager(),
+            handles,
+            uid=peer.uid,
+            operator=peer.is_operator,
+            opened={handle.id for handle in handles if self.registry.opened_by(peer, handle.id)},
+        )
+        return web.json_response(document)
 
     async def _status(self, request: web.Request) -> web.Response:
         lifecycle = self.lifecycle
@@ -530,6 +551,7 @@ class Daemon:
             list(self.registry.latest.values()),
             self.registry.pins,
             serving,
+            viewer=None if self._peer(request).is_operator else self._peer(request).uid,
         )
         return web.json_response(document)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datacache import __version__
+from datacache.activity import user_name
 from datacache.config import Settings
 from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.metrics import DaemonMetrics
@@ -36,6 +37,8 @@ class ClientReport:
     pid: int | None
     seen: float
     uid: int = -1
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The optional `datacache.activity.READER_FIELDS` the client sent."""
 
 
 class StatusBoard:
@@ -65,7 +68,7 @@ class StatusBoard:
 
     def report(self, name: str, report: ClientReport) -> None:
         """Record a reader's report (``/v1/report``); each uid keeps at most its newest names."""
-        self.clients.pop(name, None)
+        previous = self.clients.pop(name, None)
         mine = [other for other, known in self.clients.items() if known.uid == report.uid]
         for other in mine[: max(0, len(mine) - self.names_per_uid + 1)]:  # oldest first: dicts keep order
             del self.clients[other]
@@ -75,7 +78,7 @@ class StatusBoard:
             name,
             bandwidth=report.bandwidth,
             stall_fraction=report.stall_fraction,
-            delivered=report.delivered,
+            delivered=_newly_delivered(previous, report),
         )
         self.metrics.clients.set(len(self.clients))
 
@@ -140,8 +143,13 @@ class StatusBoard:
         handles: list[DatasetHandle],
         pins: set[str],
         serving: dict[str, Any],
+        *,
+        viewer: int | None = None,
     ) -> dict[str, Any]:
-        """The ``/v1/status`` reply; ``serving`` holds the lifecycle's own fields."""
+        """The ``/v1/status`` reply; ``serving`` holds the lifecycle's own fields.
+
+        ``viewer``: the uid of a caller who is not an operator, who sees only their own clients.
+        """
         self.expire_clients()
         now = time.monotonic()
         return {
@@ -169,8 +177,83 @@ class StatusBoard:
                     "seconds_since_report": round(now - report.seen, 3),
                 }
                 for name, report in sorted(self.clients.items())
+                if viewer is None or report.uid == viewer
             ],
         }
+
+
+    async def top_document(
+        self,
+        stager: Stager,
+        handles: list[DatasetHandle],
+        *,
+        uid: int,
+        operator: bool,
+        opened: set[str],
+    ) -> dict[str, Any]:
+        """The ``/v1/top`` reply: node figures, and what belongs to ``uid`` (all of it for an operator).
+
+        A user sees their own clients and the transfers and datasets of what they opened;
+        tier usage and the stager's counters are the node's, as in ``/v1/status``.
+        """
+        self.expire_clients()
+        now = time.monotonic()
+        wall = time.time()
+        clients = [
+            {
+                "client": name,
+                "uid": report.uid,
+                "user": user_name(report.uid),
+                "pid": report.pid,
+                "dataset": report.dataset,
+                "delivered_bytes_per_s": report.bandwidth,
+                "stall_fraction": report.stall_fraction,
+                "delivered_bytes": report.delivered,
+                "seconds_since_report": round(now - report.seen, 3),
+                **report.figures,
+            }
+            for name, report in sorted(self.clients.items())
+            if operator or report.uid == uid
+        ]
+        visible = {handle.id for handle in handles if operator or handle.id in opened}
+        sizes = {handle.id: handle for handle in handles}
+
+        def size(dataset: str, key: str) -> int | None:
+            handle = sizes.get(dataset)
+            try:
+                return handle.manifest.shard(key).size if handle is not None else None
+            except (LookupError, OSError):
+                return None
+
+        activity = stager.activity
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "time": wall,
+            "uid": uid,
+            "operator": operator,
+            "stats": dataclasses.asdict(stager.stats()),
+            "activity": activity.counters(),
+            "tiers": await self.tier_usage(stager),
+            "transfers": [
+                transfer.to_json(size(transfer.dataset, transfer.key))
+                for transfer in activity.in_flight()
+                if transfer.dataset in visible
+            ],
+            "datasets": [
+                {"id": handle.id, "url": redact_url(handle.config.url), "policy": handle.config.policy}
+                for handle in handles
+                if handle.id in visible
+            ],
+            "clients": clients,
+        }
+
+
+def _newly_delivered(previous: ClientReport | None, report: ClientReport) -> int:
+    """Bytes delivered since the client's last report: reports carry the epoch's running total."""
+    if previous is None or report.delivered < previous.delivered:
+        return report.delivered  # a first report, or a new epoch
+    return report.delivered - previous.delivered
 
 
 def _dataset_document(handle: DatasetHandle, pins: set[str]) -> dict[str, Any]:
@@ -224,3 +307,4 @@ def log_event(event: StagingEvent) -> None:
         logger.info("%s %s/%s on %s", kind, event.dataset, event.key, event.tier or LOCAL, extra=fields)
     else:
         logger.debug("%s %s/%s on %s", kind, event.dataset, event.key, event.tier, extra=fields)
+

@@ -32,6 +32,7 @@ from datacache.errors import (
 )
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
+from datacache.staging.activity import TierActivity
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
@@ -105,6 +106,9 @@ class Stager:
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
+        self.activity = TierActivity()
+        """Per-tier counters and the transfers in flight, for ``datacache top``."""
+        self._events.add_listener(self.activity)
         self._residency = Residency()
         self._closing: set[asyncio.Task[None]] = set()
         self._reset_runtime()

@@ -1,0 +1,683 @@
+"""`datacache top`: a live view of the node's data pipeline, per client and per tier.
+
+Each refresh reads the daemon's ``/v1/top`` when one answers (a user sees their own clients, an
+operator everyone's), and otherwise the node's catalog and the report files embedded readers
+write under ``LOCAL_DIR/clients/``. ``--once`` prints one plain text frame, ``--json`` one JSON
+object per refresh; the live view (rich, the ``top`` extra) takes keys: q quits, letters sort.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from datacache.activity import read_report_files, user_name
+from datacache.cli._common import Commands, add_settings_flags, one_line, settings_from
+from datacache.client import DaemonClient
+from datacache.config import Settings
+from datacache.errors import ConfigError, DatacacheError
+from datacache.stager import LOCAL, SHARED, Stager
+from datacache.units import format_bytes
+
+TIERS = ("local", "shared", "origin")
+
+SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+    "c": ("client", lambda c: (c.get("rank", -1), c.get("worker", -1), c["client"])),
+    "u": ("user", lambda c: str(c.get("user") or c.get("uid"))),
+    "d": ("dataset", lambda c: str(c.get("dataset") or "")),
+    "b": ("MB/s", lambda c: c.get("delivered_bytes_per_s", 0.0)),
+    "p": ("samples/s", lambda c: c.get("samples_per_s", 0.0)),
+    "s": ("stall", lambda c: c.get("stall_fraction", 0.0)),
+    "f": ("depth", lambda c: c.get("prefetch_depth", 0)),
+    "h": ("local hits", lambda c: c["hit_share"]["local"]),
+}
+"""Sort keys of the live view: key -> (column, value of a client row)."""
+
+_COUNTED = {
+    "bytes_in": (LOCAL, SHARED),
+    "bytes_out": ("origin", SHARED),
+    "evictions": (LOCAL, SHARED),
+    "declines": (LOCAL, SHARED),
+}
+"""Which tiers each counter applies to (the origin is never written or evicted; local is read by readers)."""
+
+_TRANSFERS_FRESH = 3.0
+"""Seconds a report file's transfers are shown for (readers report every second while they read)."""
+
+_SHARED_USAGE_EVERY = 60.0  # walking a distributed filesystem is slow: once a minute at most
+
+
+# -- one refresh: the frame --------------------------------------------------------------------
+
+
+class Sampler:
+    """Reads the node once per refresh and turns cumulative counters into rates."""
+
+    def __init__(self, settings: Settings, interval: float) -> None:
+        self.settings = settings
+        self.interval = interval
+        self._client: DaemonClient | None = None
+        self._stager: Stager | None = None
+        self._shared: tuple[float, dict[str, Any]] | None = None
+        self._previous: tuple[float, dict[str, dict[str, int]]] | None = None
+        self.daemon_seen = False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+        if self._stager is not None:
+            await self._stager.close()
+
+    async def frame(self) -> dict[str, Any]:
+        """One frame: clients, rank totals, tiers with rates, transfers, policies."""
+        now = time.time()  # the frame's time: when its reading began
+        socket_path = self.settings.daemon_socket
+        daemon: dict[str, Any] = {"socket": str(socket_path), "answers": False, "error": None}
+        document: dict[str, Any] | None = None
+        if socket_path.exists() or self.daemon_seen:
+            if self._client is None:
+                self._client = DaemonClient(self.settings, connect_timeout=2.0, request_timeout=5.0)
+            try:
+                document = await self._client.top()
+            except (DatacacheError, OSError) as exc:
+                daemon["error"] = one_line(exc) if socket_path.exists() else f"no socket at {socket_path}"
+        if document is not None:
+            self.daemon_seen = True
+            daemon.update(answers=True, pid=document.get("pid"), version=document.get("version"))
+            frame = self._from_daemon(document)
+        else:
+            try:
+                frame = await self._embedded(now)
+            except (DatacacheError, OSError, sqlite3.Error) as exc:
+                frame = _empty_frame(f"cannot read this node's catalog: {one_line(exc)}")
+        frame["daemon"] = daemon
+        frame["time"] = now
+        frame["host"] = socket.gethostname()
+        frame["interval_s"] = self.interval
+        frame["ranks"] = _ranks(frame["clients"])
+        self._rates(frame, time.monotonic())
+        return frame
+
+    def _from_daemon(self, document: dict[str, Any]) -> dict[str, Any]:
+        clients = [_client_row(dict(c)) for c in document.get("clients", []) if isinstance(c, dict)]
+        return {
+            "source": "daemon",
+            "operator": bool(document.get("operator")),
+            "clients": clients,
+            "tiers": [dict(t) for t in document.get("tiers", [])],
+            "counters": document.get("activity", {}),
+            "transfers": [_transfer_row(t) for t in document.get("transfers", [])],
+            "policies": {d["id"]: d.get("policy") for d in document.get("datasets", []) if isinstance(d, dict)},
+        }
+
+    async def _embedded(self, now: float) -> dict[str, Any]:
+        settings = self.settings
+        if self._stager is None:
+            self._stager = Stager(settings, reconcile=False)
+        stager = self._stager
+        used, count = await stager.catalog.usage()
+        tiers: list[dict[str, Any]] = [
+            {
+                "tier": LOCAL,
+                "path": str(settings.local_dir),
+                "used_bytes": used,
+                "shards": count,
+                "capacity_bytes": settings.local_capacity,
+            }
+        ]
+        if stager.shared is not None:
+            if self._shared is None or time.monotonic() - self._shared[0] > _SHARED_USAGE_EVERY:
+                usage = await stager.shared.usage()
+                self._shared = (
+                    time.monotonic(),
+                    {
+                        "tier": SHARED,
+                        "path": str(settings.shared_dir),
+                        "used_bytes": usage.used_bytes,
+                        "shards": usage.object_count,
+                        "capacity_bytes": settings.shared_capacity,
+                    },
+                )
+            tiers.append(dict(self._shared[1]))
+        policies = {record.id: record.policy for record in await stager.catalog.datasets()}
+        files = await asyncio.to_thread(read_report_files, settings.local_dir, now=now)
+        clients: list[dict[str, Any]] = []
+        counters: dict[str, dict[str, int]] = {}
+        transfers: list[dict[str, Any]] = []
+        processes: dict[tuple[str, int], dict[str, Any]] = {}
+        for document in files:
+            reader = document.get("reader")
+            if not isinstance(reader, dict):
+                continue
+            row = {
+                **reader,
+                "client": str(document.get("client")),
+                "uid": document["uid"],
+                "user": user_name(document["uid"]),
+                "pid": document.get("pid"),
+                "seconds_since_report": round(now - float(document["written"]), 3),
+            }
+            clients.append(_client_row(row))
+            if isinstance(reader.get("dataset"), str) and isinstance(document.get("policy"), str):
+                policies[reader["dataset"]] = document["policy"]
+            # One stager per process: its counters once, from its newest file.
+            ident = (str(document.get("host")), int(document.get("pid") or 0))
+            if ident not in processes or processes[ident]["written"] < document["written"]:
+                processes[ident] = document
+        for document in processes.values():
+            for name, per_tier in (document.get("activity") or {}).items():
+                into = counters.setdefault(name, {})
+                for tier, value in per_tier.items():
+                    into[tier] = into.get(tier, 0) + int(value)
+            if now - float(document["written"]) <= _TRANSFERS_FRESH:
+                # A process writes its file when a reader reports: after its epoch, its transfers are history.
+                transfers.extend(_transfer_row(t) for t in document.get("transfers", []))
+        readers = {c.get("dataset") for c in clients}
+        return {
+            "source": "embedded",
+            "operator": os.geteuid() == 0,
+            "clients": clients,
+            "tiers": tiers,
+            "counters": counters,
+            "transfers": transfers,
+            "policies": {k: v for k, v in policies.items() if k in readers},
+        }
+
+    def _rates(self, frame: dict[str, Any], now: float) -> None:
+        """Per tier: usage, and bytes in / out, evictions and declines per second since the last frame."""
+        counters: dict[str, dict[str, int]] = frame.pop("counters", {}) or {}
+        previous = self._previous
+        self._previous = (now, counters)
+        elapsed = now - previous[0] if previous is not None else 0.0
+
+        def rate(name: str, tier: str) -> float | None:
+            if previous is None or elapsed <= 0 or tier not in _COUNTED[name]:
+                return None
+            before = previous[1].get(name, {}).get(tier, 0)
+            after = counters.get(name, {}).get(tier, 0)
+            return max(0, after - before) / elapsed  # a process that left takes its counters along
+
+        known = {t["tier"]: t for t in frame["tiers"]}
+        rows = []
+        for tier in TIERS:
+            row = known.get(tier, {"tier": tier}) if tier != "origin" else {"tier": "origin"}
+            if tier not in known and tier == SHARED:
+                continue
+            row.update(
+                bytes_in_per_s=rate("bytes_in", tier),
+                bytes_out_per_s=rate("bytes_out", tier),
+                evictions_per_s=rate("evictions", tier),
+                declines_per_s=rate("declines", tier),
+            )
+            rows.append(row)
+        frame["tiers"] = rows
+        frame["totals"] = counters
+
+
+def _empty_frame(error: str) -> dict[str, Any]:
+    return {
+        "source": "embedded",
+        "error": error,
+        "operator": os.geteuid() == 0,
+        "clients": [],
+        "tiers": [],
+        "counters": {},
+        "transfers": [],
+        "policies": {},
+    }
+
+
+def _client_row(row: dict[str, Any]) -> dict[str, Any]:
+    units = {tier: int(row.get(f"units_{tier}", 0) or 0) for tier in TIERS}
+    opened = sum(units.values())
+    row["hit_share"] = {tier: (count / opened if opened else 0.0) for tier, count in units.items()}
+    target = row.get("target_bytes_per_s")
+    workers = max(1, int(row.get("num_workers", 1) or 1))
+    # A rank's target is shared by its readers.
+    row["target_share_bytes_per_s"] = target / workers if target else None
+    return row
+
+
+def _transfer_row(transfer: dict[str, Any]) -> dict[str, Any]:
+    size = transfer.get("size")
+    done = int(transfer.get("bytes", 0))
+    return {**transfer, "progress": min(1.0, done / size) if size else None}
+
+
+def _ranks(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's readers summed as ``ds.stats()`` sums them."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for client in clients:
+        if "rank" in client:
+            groups.setdefault((client.get("uid"), client.get("dataset"), client["rank"]), []).append(client)
+    ranks = []
+    for (uid, dataset, rank), readers in sorted(groups.items(), key=lambda item: str(item[0])):
+        samples = sum(int(r.get("samples", 0)) for r in readers)
+        nbytes = sum(int(r.get("delivered_bytes", 0)) for r in readers)
+        started = min(float(r.get("started", 0.0)) for r in readers)
+        ended = max(float(r.get("updated", 0.0)) for r in readers)
+        seconds = max(ended - started, 1e-9)
+        reader_time = sum(max(float(r.get("updated", 0)) - float(r.get("started", 0)), 1e-9) for r in readers)
+        wait = sum(float(r.get("wait_seconds", 0.0)) for r in readers)
+        units = {tier: sum(int(r.get(f"units_{tier}", 0)) for r in readers) for tier in TIERS}
+        opened = sum(units.values())
+        target = readers[0].get("target_bytes_per_s")
+        rate = nbytes / seconds
+        ranks.append(
+            {
+                "uid": uid,
+                "user": readers[0].get("user"),
+                "dataset": dataset,
+                "rank": rank,
+                "epoch": max(int(r.get("epoch", 0)) for r in readers),
+                "readers": len(readers),
+                "samples": samples,
+                "bytes": nbytes,
+                "bytes_per_second": rate,
+                "samples_per_second": samples / seconds,
+                "reader_wait_fraction": min(1.0, wait / reader_time) if reader_time > 0 else 0.0,
+                "prefetch_depth": max(int(r.get("prefetch_depth", 0)) for r in readers),
+                "hit_ratio": {tier: (count / opened if opened else 0.0) for tier, count in units.items()},
+                "target_bandwidth": target,
+                "meets_target": None if not target or samples == 0 else rate >= target,
+            }
+        )
+    return ranks
+
+
+# -- the plain text frame ------------------------------------------------------------------------
+
+
+def _mbps(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _bar(share: float, width: int) -> str:
+    filled = round(max(0.0, min(1.0, share)) * width)
+    return "#" * filled + "." * (width - filled)
+
+
+def _hits(shares: dict[str, float]) -> str:
+    """Hit share per tier as one bar: L local, S shared, O origin."""
+    width = 10
+    local = round(shares["local"] * width)
+    shared = min(width - local, round(shares["shared"] * width))
+    origin = width - local - shared if sum(shares.values()) else 0
+    bar = "L" * local + "S" * shared + "O" * origin
+    bar = bar.ljust(width, ".")
+    return f"{bar} {100 * shares['local']:3.0f}/{100 * shares['shared']:.0f}/{100 * shares['origin']:.0f}"
+
+
+def sort_clients(clients: list[dict[str, Any]], key: str, reverse: bool) -> list[dict[str, Any]]:
+    _, value = SORTS[key]
+    return sorted(clients, key=value, reverse=reverse)
+
+
+def _label(client: dict[str, Any]) -> str:
+    if "rank" in client:
+        return f"r{client['rank']}/w{client.get('worker', 0)} pid {client.get('pid')}"
+    return str(client["client"])
+
+
+def _short(text: Any, width: int) -> str:
+    value = str(text if text is not None else "-")
+    return value if len(value) <= width else value[: width - 1] + "~"
+
+
+def header_lines(frame: dict[str, Any]) -> list[str]:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(frame["time"]))
+    daemon = frame["daemon"]
+    if frame["source"] == "daemon":
+        how = f"through the daemon on {daemon['socket']} (pid {daemon.get('pid')})"
+    else:
+        how = "embedded: this node's catalog and readers' report files"
+    lines = [f"datacache top - {frame['host']} - {stamp} - {how}"]
+    if daemon.get("error"):
+        lines.append(
+            f"! the daemon on {daemon['socket']} is not answering ({daemon['error']}); "
+            f"retrying every {frame['interval_s']:g}s"
+        )
+    if frame.get("error"):
+        lines.append(f"! {frame['error']}")
+    if not frame.get("operator"):
+        who = "root or the daemon's user" if frame["source"] == "daemon" else "root"
+        lines.append(f"(your own clients only: {who} sees everyone's)")
+    return lines
+
+
+def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False) -> str:
+    """One frame as plain text (``--once``, and the live view without rich)."""
+    out = [*header_lines(frame), ""]
+    clients = sort_clients(frame["clients"], sort, reverse)
+    out.append(
+        f"{'CLIENT':<22} {'USER':<10} {'DATASET':<20} {'EP':>3} {'MB/s':>8} {'TARGET':>8} "
+        f"{'SAMPLES/s':>10} {'STALL':>6} {'DEPTH':>5}  HITS local/shared/origin %"
+    )
+    for c in clients:
+        out.append(
+            f"{_short(_label(c), 22):<22} {_short(c.get('user') or c.get('uid'), 10):<10} "
+            f"{_short(c.get('dataset'), 20):<20} {c.get('epoch', '-'):>3} "
+            f"{_mbps(c.get('delivered_bytes_per_s')):>8} {_mbps(c.get('target_share_bytes_per_s')):>8} "
+            f"{c.get('samples_per_s', 0.0):>10.1f} {_percent(c.get('stall_fraction')):>6} "
+            f"{c.get('prefetch_depth', 0):>5}  {_hits(c['hit_share'])}"
+        )
+    if not clients:
+        out.append("(no client is reading on this node)")
+    if frame["ranks"]:
+        out.append("")
+        out.append(
+            f"{'RANK':<6} {'USER':<10} {'DATASET':<20} {'READERS':>7} {'SAMPLES':>9} {'MB/s':>8} "
+            f"{'TARGET':>8} {'WAIT':>5} {'DEPTH':>5}  HITS local/shared/origin %"
+        )
+        for r in frame["ranks"]:
+            target = _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-"
+            flag = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " LOW")
+            out.append(
+                f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(r['dataset'], 20):<20} "
+                f"{r['readers']:>7} {r['samples']:>9} {_mbps(r['bytes_per_second']):>8} {target + flag:>8} "
+                f"{_percent(r['reader_wait_fraction']):>5} {r['prefetch_depth']:>5}  {_hits(r['hit_ratio'])}"
+            )
+    out.append("")
+    out.append(
+        f"{'TIER':<7} {'USAGE':<38} {'SHARDS':>7} {'IN MB/s':>8} {'OUT MB/s':>9} {'EVICT/s':>8} {'DECLINE/s':>9}"
+    )
+    for t in frame["tiers"]:
+        if t["tier"] == "origin":
+            usage = ""
+        else:
+            capacity = t.get("capacity_bytes")
+            used = int(t.get("used_bytes", 0))
+            if capacity:
+                usage = f"[{_bar(used / capacity, 12)}] {format_bytes(used)} / {format_bytes(capacity)}"
+            else:
+                usage = f"{format_bytes(used)} (unbounded)"
+        shards = t.get("shards", "")
+        out.append(
+            f"{t['tier']:<7} {usage:<38} {shards!s:>7} {_mbps(t.get('bytes_in_per_s')):>8} "
+            f"{_mbps(t.get('bytes_out_per_s')):>9} {_rate(t.get('evictions_per_s')):>8} "
+            f"{_rate(t.get('declines_per_s')):>9}"
+        )
+    out.append("")
+    transfers = frame["transfers"]
+    out.append(f"TRANSFERS IN FLIGHT: {len(transfers)}")
+    for t in transfers[:8]:
+        done = _progress(t, 12)
+        out.append(f"  {_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7} {done}")
+    policies = frame["policies"]
+    if policies:
+        out.append(
+            "EVICTION POLICY: " + ", ".join(f"{_short(d, 24)}: {p}" for d, p in sorted(policies.items()))
+        )
+    return "\n".join(out) + "\n"
+
+
+def _progress(transfer: dict[str, Any], width: int) -> str:
+    progress = transfer.get("progress")
+    if progress is None:
+        return format_bytes(transfer["bytes"])
+    if progress >= 1.0:
+        return f"[{_bar(1.0, width)}] all bytes in: verifying, writing"
+    return f"[{_bar(progress, width)}] {100 * progress:3.0f}% of {format_bytes(transfer['size'])}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+# -- the verb --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _View:
+    sort: str = "c"
+    reverse: bool = False
+
+
+async def _top(args: argparse.Namespace) -> int:
+    if not 0.05 <= args.interval <= 3600:
+        raise ConfigError(f"--interval: must be between 0.05 and 3600 seconds, got {args.interval:g}")
+    if args.sort not in SORTS:
+        raise ConfigError(f"--sort: unknown key {args.sort!r} (choose from {', '.join(SORTS)})")
+    settings = settings_from(args)
+    sampler = Sampler(settings, args.interval)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        if args.once:
+            # Rates need two readings: the frame is the second, one interval after the first.
+            await sampler.frame()
+            await _pause(stop, args.interval)
+            frame = await sampler.frame()
+            _write(json.dumps(frame) + "\n" if args.json else text_frame(frame, sort=args.sort))
+            return 0
+        if args.json:
+            while not stop.is_set():
+                _write(json.dumps(await sampler.frame()) + "\n")
+                await _pause(stop, args.interval)
+            return 0
+        if not sys.stdout.isatty():
+            while not stop.is_set():
+                _write(text_frame(await sampler.frame(), sort=args.sort) + "\n")
+                await _pause(stop, args.interval)
+            return 0
+        return await _live(sampler, args.interval, _View(args.sort, args.reverse), stop)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await sampler.close()
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds`` (the refresh interval), or less if asked to stop."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+@contextlib.contextmanager
+def _keys(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[str]) -> Iterator[None]:
+    """Keys typed on the terminal, one character at a time, into ``queue`` (no echo, no Enter)."""
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    if not os.isatty(fd):
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            data = b""
+        for char in data.decode(errors="replace"):
+            queue.put_nowait(char)
+
+    loop.add_reader(fd, readable)
+    try:
+        yield
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def _live(sampler: Sampler, interval: float, view: _View, stop: asyncio.Event) -> int:
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        raise ConfigError(
+            "the live view of datacache top needs rich: pip install 'datacache[top]' "
+            "(or use --once / --json)"
+        ) from None
+    loop = asyncio.get_running_loop()
+    keys: asyncio.Queue[str] = asyncio.Queue()
+    console = Console()
+    frame = await sampler.frame()
+    with _keys(loop, keys), Live(console=console, screen=True, auto_refresh=False) as live:
+        due = time.monotonic() + interval
+        while not stop.is_set():
+            live.update(_rich_frame(frame, view), refresh=True)
+            waiter = asyncio.ensure_future(keys.get())
+            stopper = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait(
+                {waiter, stopper}, timeout=max(0.0, due - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in (waiter, stopper):
+                if task not in done:
+                    task.cancel()
+            if waiter in done:
+                key = waiter.result()
+                if key in ("q", "Q", "\x1b"):
+                    break
+                if key in SORTS:
+                    view.reverse = not view.reverse if key == view.sort else key in "bpsfh"
+                    view.sort = key
+                elif key == "r":
+                    view.reverse = not view.reverse
+                if time.monotonic() < due:
+                    continue  # re-sort the frame shown; the next reading stays on time
+            if time.monotonic() >= due:
+                frame = await sampler.frame()
+                due = time.monotonic() + interval
+    return 0
+
+
+def _rich_frame(frame: dict[str, Any], view: _View) -> Any:
+    """The live view's screen: the plain frame's tables as rich tables, bars coloured."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [
+        Text(line, style="bold red" if line.startswith("!") else "bold") for line in header_lines(frame)
+    ]
+    name, _ = SORTS[view.sort]
+    clients = Table(expand=True, box=None, header_style="reverse")
+    for column, keyed in (
+        ("CLIENT", "c"), ("USER", "u"), ("DATASET", "d"), ("EP", ""), ("MB/s", "b"), ("TARGET", ""),
+        ("SAMPLES/s", "p"), ("STALL", "s"), ("DEPTH", "f"), ("HITS local/shared/origin", "h"),
+    ):
+        arrow = (" v" if view.reverse else " ^") if keyed == view.sort else ""
+        clients.add_column(f"{column}{arrow}", justify="left" if keyed in ("c", "u", "d", "h") else "right")
+    for c in sort_clients(frame["clients"], view.sort, view.reverse):
+        stall = float(c.get("stall_fraction", 0.0))
+        clients.add_row(
+            _label(c),
+            str(c.get("user") or c.get("uid")),
+            _short(c.get("dataset"), 24),
+            str(c.get("epoch", "-")),
+            _mbps(c.get("delivered_bytes_per_s")),
+            _mbps(c.get("target_share_bytes_per_s")),
+            f"{c.get('samples_per_s', 0.0):.1f}",
+            Text(_percent(stall), style="red" if stall > 0.2 else ""),
+            str(c.get("prefetch_depth", 0)),
+            _hit_text(c["hit_share"]),
+        )
+    parts += [Text(""), clients]
+    if not frame["clients"]:
+        parts.append(Text("(no client is reading on this node)", style="dim"))
+    if frame["ranks"]:
+        ranks = Table(expand=True, box=None, header_style="reverse")
+        for column in ("RANK", "USER", "DATASET", "READERS", "SAMPLES", "MB/s", "TARGET", "WAIT", "DEPTH", "HITS"):
+            ranks.add_column(column, justify="left" if column in ("RANK", "USER", "DATASET", "HITS") else "right")
+        for r in frame["ranks"]:
+            low = r["meets_target"] is False
+            ranks.add_row(
+                str(r["rank"]),
+                str(r["user"] or r["uid"]),
+                _short(r["dataset"], 24),
+                str(r["readers"]),
+                str(r["samples"]),
+                Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),
+                _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-",
+                _percent(r["reader_wait_fraction"]),
+                str(r["prefetch_depth"]),
+                _hit_text(r["hit_ratio"]),
+            )
+        parts += [Text(""), ranks]
+    tiers = Table(expand=True, box=None, header_style="reverse")
+    for column in ("TIER", "USAGE", "SHARDS", "IN MB/s", "OUT MB/s", "EVICT/s", "DECLINE/s"):
+        tiers.add_column(column, justify="left" if column in ("TIER", "USAGE") else "right")
+    for t in frame["tiers"]:
+        usage = Text("")
+        if t["tier"] != "origin":
+            capacity, used = t.get("capacity_bytes"), int(t.get("used_bytes", 0))
+            if capacity:
+                share = used / capacity
+                usage = Text(_bar(share, 20).replace("#", "\u2588").replace(".", "\u2591"),
+                             style="red" if share > 0.95 else "green")
+                usage.append(f" {format_bytes(used)} / {format_bytes(capacity)}")
+            else:
+                usage = Text(f"{format_bytes(used)} (unbounded)")
+        tiers.add_row(
+            t["tier"], usage, str(t.get("shards", "")), _mbps(t.get("bytes_in_per_s")),
+            _mbps(t.get("bytes_out_per_s")), _rate(t.get("evictions_per_s")), _rate(t.get("declines_per_s")),
+        )
+    parts += [Text(""), tiers, Text("")]
+    transfers = frame["transfers"]
+    parts.append(Text(f"TRANSFERS IN FLIGHT: {len(transfers)}", style="bold"))
+    for t in transfers[:8]:
+        done = _progress(t, 20)
+        where = f"{_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7}"
+        parts.append(Text(f"  {where} {done}"))
+    if frame["policies"]:
+        parts.append(Text("EVICTION POLICY: " + ", ".join(f"{d}: {p}" for d, p in sorted(frame["policies"].items()))))
+    keys = " ".join(f"{key} {label}" for key, (label, _) in SORTS.items())
+    parts.append(Text(f"\nq quit   sort: {keys}   r reverse   (sorted by {name})", style="dim"))
+    return Group(*parts)
+
+
+def _hit_text(shares: dict[str, float]) -> Any:
+    from rich.text import Text
+
+    width = 12
+    local = round(shares["local"] * width)
+    shared = min(width - local, round(shares["shared"] * width))
+    origin = width - local - shared if sum(shares.values()) else 0
+    text = Text()
+    text.append("\u2588" * local, style="green")
+    text.append("\u2588" * shared, style="yellow")
+    text.append("\u2588" * origin, style="red")
+    text.append("\u2591" * (width - local - shared - origin), style="dim")
+    text.append(f" {100 * shares['local']:3.0f}/{100 * shares['shared']:.0f}/{100 * shares['origin']:.0f}")
+    return text
+
+
+def add_parsers(commands: Commands) -> None:
+    """Add ``top`` to the command's subcommands."""
+    top = commands.add_parser(
+        "top", help="a live view of this node's data pipeline: per client and per tier (q quits)"
+    )
+    add = top.add_argument
+    add("--once", action="store_true", help="print one frame as plain text (or one JSON object with --json) and exit")
+    add("--json", action="store_true", help="one JSON object per refresh, for scripts")
+    add("--interval", metavar="SECONDS", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    add("--sort", metavar="KEY", default="c",
+        help="sort clients by: " + ", ".join(f"{key} {name}" for key, (name, _) in SORTS.items()) + " (default c)")
+    add("--reverse", action="store_true", help="sort in descending order")
+    add_settings_flags(top)
+    top.set_defaults(run=_top)

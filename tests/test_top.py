@@ -1,0 +1,437 @@
+"""`datacache top` beside a real training loop: 2 gloo ranks x 2 DataLoader workers, embedded and through the daemon.
+
+The figures top shows (per reader, per rank, per tier) are checked against each rank's own
+``ds.stats()`` and the daemon's ``/metrics``; a user's view leaves out another user's clients
+(real uids, `tests/_users.py`); the live view takes keys in a pseudo-terminal and survives the
+daemon going away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import pty
+import re
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import _users
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _daemon import DaemonProcess, daemon_env, start_daemon, wait_until
+from _helpers import DATACACHE, REPO
+from _users import User, python_as
+from datacache.loaders import CachedIterableDataset
+from test_loader import write_wds
+from torch.utils.data import DataLoader
+
+from datacache.config import load_settings
+
+users = _users.users
+world_dir = _users.world_dir
+
+
+def _rank_main(rank: int, world: int, init_file: str, origin: str, env: dict[str, str], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        settings = load_settings(env)
+        dataset = CachedIterableDataset(origin, config=settings, seed=11, shuffle_buffer=16, target_bandwidth="1GB/s")
+        loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+        steps = sum(1 for _ in loader)
+        stats = dataclasses.asdict(dataset.stats())
+        partial = Path(out) / f".rank{rank}.json"
+        partial.write_text(json.dumps({"steps": steps, "stats": stats}))
+        partial.rename(Path(out) / f"rank{rank}.json")
+        # The workers (persistent) and their reports stay until the test has looked.
+        wait_until((Path(out) / "done").exists, timeout=600, what="the test to finish looking")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _top(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*DATACACHE, "top", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+    )
+
+
+def _frame(env: dict[str, str]) -> dict[str, Any]:
+    done = _top(env, "--once", "--json", "--interval", "0.1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, "--once --json prints one object"
+    frame = json.loads(lines[0])
+    assert isinstance(frame, dict)
+    return frame
+
+
+def _metrics(daemon: DaemonProcess) -> dict[tuple[str, str], float]:
+    """(family, client label) -> value of the daemon's per-client metrics."""
+    code, text = daemon.request("GET", "/metrics")
+    assert code == 200
+    found = {}
+    for match in re.finditer(r'^(datacache_client_\w+)\{client="([^"]+)"\} (\S+)$', text, re.M):
+        found[(match.group(1), match.group(2))] = float(match.group(3))
+    return found
+
+
+def _matches(frame: dict[str, Any], stats: dict[int, dict[str, Any]]) -> bool:
+    """Whether top's rank totals are what each rank's ``stats()`` says."""
+    ranks = {r["rank"]: r for r in frame["ranks"]}
+    if sorted(ranks) != sorted(stats):
+        return False
+    for rank, mine in stats.items():
+        shown = ranks[rank]
+        if (shown["samples"], shown["bytes"], shown["readers"]) != (mine["samples"], mine["bytes"], mine["readers"]):
+            return False
+    return True
+
+
+def _check_against_stats(frame: dict[str, Any], stats: dict[int, dict[str, Any]], mode: str) -> None:
+    ranks = {r["rank"]: r for r in frame["ranks"]}
+    for rank, mine in stats.items():
+        shown = ranks[rank]
+        assert shown["readers"] == mine["readers"] == 2
+        assert shown["prefetch_depth"] == mine["prefetch_depth"]
+        assert shown["target_bandwidth"] == mine["target_bandwidth"] == 1e9
+        assert shown["meets_target"] == mine["meets_target"]
+        for tier in ("local", "shared", "origin"):
+            assert shown["hit_ratio"][tier] == pytest.approx(mine["hit_ratio"][tier], abs=1e-12), tier
+        # Computed from the same row values as stats() computes them.
+        assert shown["bytes_per_second"] == pytest.approx(mine["bytes_per_second"], rel=1e-9)
+        assert shown["samples_per_second"] == pytest.approx(mine["samples_per_second"], rel=1e-9)
+        assert shown["reader_wait_fraction"] == pytest.approx(mine["reader_wait_fraction"], rel=1e-9, abs=1e-12)
+        assert mine["mode"] == mode
+    readers = {(c["rank"], c["worker"]) for c in frame["clients"]}
+    assert readers == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for client in frame["clients"]:
+        assert client["mode"] == mode
+        assert client["uid"] == os.getuid()
+        assert client["target_share_bytes_per_s"] == 5e8  # the rank's 1GB/s, between its 2 workers
+        assert 0.0 <= client["stall_fraction"] <= 1.0
+        assert sum(client["hit_share"].values()) == pytest.approx(1.0)
+    local = next(t for t in frame["tiers"] if t["tier"] == "local")
+    assert local["used_bytes"] > 0 and local["shards"] > 0
+
+
+@pytest.mark.parametrize("through", ["embedded", "daemon"])
+def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_say(
+    through: str, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=160, per_shard=10, with_counts=True)
+    local = tmp_path / "local"
+    daemon = start_daemon(cache_env, local) if through == "daemon" else None
+    env = daemon.env if daemon is not None else daemon_env(cache_env, local, local / "daemon.sock")
+    out = tmp_path / "out"
+    out.mkdir()
+    # `top --json` runs beside the training from its start, one frame a second.
+    stream = subprocess.Popen(
+        [*DATACACHE, "top", "--json", "--interval", "1"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    frames: list[dict[str, Any]] = []
+
+    def collect() -> None:
+        for line in stream.stdout or ():
+            frames.append(json.loads(line))
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    context = mp.spawn(
+        _rank_main, args=(2, str(tmp_path / "init"), str(origin), env, str(out)), nprocs=2, join=False
+    )
+    try:
+
+        def trained() -> bool:
+            context.join(0.01)  # raises if a rank failed
+            return all((out / f"rank{rank}.json").exists() for rank in (0, 1))
+
+        wait_until(trained, timeout=300, what="both ranks to finish their epoch")
+        stats = {rank: json.loads((out / f"rank{rank}.json").read_text())["stats"] for rank in (0, 1)}
+        assert stats[0]["samples"] + stats[1]["samples"] == 160
+
+        # The readers' last reports reach top within one refresh of the epoch's end: the first
+        # frame of the stream read a full refresh after both ranks had their stats() says so.
+        ended = max((out / f"rank{rank}.json").stat().st_mtime for rank in (0, 1))
+        later = wait_until(
+            lambda: next((f for f in list(frames) if f["time"] >= ended + 1.0), None),
+            timeout=60,
+            what="a frame of top --json one refresh after the epoch's end",
+        )
+        assert _matches(later, stats), (later["ranks"], stats)
+        _check_against_stats(later, stats, through)
+        stream.send_signal(signal.SIGINT)
+        assert stream.wait(30) == 0
+        collector.join(30)
+
+        # And top --once --json, a fresh process, says the same.
+        frame = _frame(env)
+        assert _matches(frame, stats), (frame["ranks"], stats)
+        assert frame["source"] == through
+        assert frame["daemon"]["answers"] is (through == "daemon")
+        _check_against_stats(frame, stats, through)
+
+        if daemon is not None:
+            metrics = _metrics(daemon)
+            for client in frame["clients"]:
+                name = client["client"]
+                gauge = metrics[("datacache_client_delivered_bytes_per_second", name)]
+                assert gauge == pytest.approx(client["delivered_bytes_per_s"], rel=1e-9)
+                stall = metrics[("datacache_client_data_stall_fraction", name)]
+                assert stall == pytest.approx(client["stall_fraction"], rel=1e-9, abs=1e-12)
+            for rank, mine in stats.items():
+                names = [c["client"] for c in frame["clients"] if c["rank"] == rank]
+                total = sum(metrics[("datacache_client_delivered_bytes_total", name)] for name in names)
+                assert total == mine["bytes"], "the counter holds each reader's bytes once"
+
+        text = _top(env, "--once", "--interval", "0.1")
+        assert text.returncode == 0, text.stderr
+        assert text.stderr == ""
+        assert ("through the daemon" if through == "daemon" else "embedded") in text.stdout
+        for rank, mine in stats.items():
+            row = next(line for line in text.stdout.splitlines() if line.startswith(f"{rank} "))
+            assert f" {mine['samples']} " in row
+        for label in ("r0/w0", "r0/w1", "r1/w0", "r1/w1"):
+            assert label in text.stdout
+        assert re.search(r"^local\s", text.stdout, re.M) and re.search(r"^origin\s", text.stdout, re.M)
+    finally:
+        (out / "done").touch()
+        if stream.poll() is None:
+            stream.kill()
+        stream.wait(30)
+        if stream.stdout is not None:
+            stream.stdout.close()
+        context.join(120)
+        if daemon is not None:
+            daemon.stop()
+
+
+def _report_as(user: User, daemon: DaemonProcess, rank: int) -> None:
+    """A client of ``user`` reports to the daemon, over its socket, with the kernel's uid."""
+    body = {"client": f"{user.name}-r{rank}", "delivered_bytes_per_s": 1e6, "stall_fraction": 0.1,
+            "rank": rank, "worker": 0, "samples": 10, "delivered_bytes": 1000}  # fmt: skip
+    done = python_as(
+        user,
+        f"""
+        from _daemon import unix_request
+        code, reply = unix_request({str(daemon.socket)!r}, "POST", "/v1/report", {body!r})
+        assert code == 200, reply
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _top_as(user: User, env: dict[str, str]) -> dict[str, Any]:
+    done = _users.cli_as(user, "top", "--once", "--json", "--interval", "0.1", env=env)
+    assert done.returncode == 0, done.stderr
+    frame = json.loads(done.stdout)
+    assert isinstance(frame, dict)
+    return frame
+
+
+def test_a_user_sees_their_own_clients_and_an_operator_sees_all(
+    users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    daemon = start_daemon(
+        {k: v for k, v in cache_env.items() if not k.startswith("AWS_")},
+        world_dir / "cache",
+        "--socket-group", str(alice.groups[0]), "--allow-uid", str(alice.uid), "--allow-uid", str(bob.uid),
+        socket_path=world_dir / "run" / "daemon.sock",
+        log=world_dir / "daemon.log",
+    )  # fmt: skip
+    try:
+        _report_as(alice, daemon, 0)
+        _report_as(bob, daemon, 1)
+        env_for = {u.name: _users.user_env(u, {"DATACACHE_SOCKET": str(daemon.socket),
+                                              "DATACACHE_LOCAL_DIR": str(world_dir / "cache")})
+                   for u in (alice, bob)}  # fmt: skip
+        for user, other in ((alice, bob), (bob, alice)):
+            frame = _top_as(user, env_for[user.name])
+            assert frame["source"] == "daemon"
+            assert [c["client"] for c in frame["clients"]] == [f"{user.name}-r{0 if user is alice else 1}"]
+            assert all(c["uid"] == user.uid for c in frame["clients"])
+            assert other.name not in json.dumps(frame)
+            assert frame["operator"] is False
+        # The same view through /v1/status: a user's own clients only.
+        code, status = daemon.request("GET", "/v1/status")  # root: an operator
+        assert code == 200 and {c["client"] for c in status["clients"]} == {f"{alice.name}-r0", f"{bob.name}-r1"}
+        # The operator (root, the daemon's uid) sees both, with their users.
+        operator = _frame(daemon.env)
+        assert operator["operator"] is True
+        assert {(c["client"], c["user"]) for c in operator["clients"]} == {
+            (f"{alice.name}-r0", alice.name),
+            (f"{bob.name}-r1", bob.name),
+        }
+    finally:
+        daemon.stop()
+
+    # Embedded: report files are per uid, 0700; bob cannot read alice's, root reads both.
+    local = world_dir / "embedded"
+    local.mkdir(mode=0o777)
+    local.chmod(0o777)
+    for rank, user in enumerate((alice, bob)):
+        done = python_as(
+            user,
+            f"""
+            import os, socket, time
+            from pathlib import Path
+            from datacache.activity import write_report_file
+            write_report_file(Path({str(local)!r}), "reader", {{
+                "version": 1, "host": socket.gethostname(), "pid": os.getppid(), "written": time.time(),
+                "client": "{user.name}-embedded", "reader": {{"rank": {rank}, "worker": 0, "samples": 5}},
+            }})
+            """,
+        )
+        assert done.returncode == 0, done.stderr
+    # Their writers exited: the files name this (live) test process as theirs, so they stay shown.
+    env = {**_users.user_env(bob), "DATACACHE_LOCAL_DIR": str(local), "DATACACHE_SOCKET": str(local / "none.sock")}
+    frame = _top_as(bob, env)
+    assert frame["source"] == "embedded"
+    assert [c["client"] for c in frame["clients"]] == [f"{bob.name}-embedded"]
+    root_env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local), "DATACACHE_SOCKET": str(local / "none.sock")}
+    assert {c["client"] for c in _frame(root_env)["clients"]} == {f"{alice.name}-embedded", f"{bob.name}-embedded"}
+
+
+# -- the live view in a terminal ---------------------------------------------------------------------
+
+
+class _Terminal:
+    """``datacache top`` on a pseudo-terminal of 400 x 50: what it drew, and keys typed into it."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 400, 0, 0))
+        self.process = subprocess.Popen(
+            [*DATACACHE, "top", *args],
+            stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "xterm-256color"},
+            cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+        os.close(slave)
+        self.seen = ""
+
+    def read_until(self, text: str, *, timeout: float = 60) -> None:
+        def arrived() -> bool:
+            import select
+
+            while select.select([self.master], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self.seen += chunk.decode(errors="replace")
+            return text in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.seen)
+
+        wait_until(arrived, timeout=timeout, what=f"{text!r} on the terminal")
+
+    def type(self, keys: str) -> None:
+        self.seen = ""
+        os.write(self.master, keys.encode())
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+        os.close(self.master)
+
+
+@pytest.fixture
+def terminal_env(tmp_path: Path, cache_env: dict[str, str]) -> Iterator[tuple[DaemonProcess, dict[str, str]]]:
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        yield daemon, daemon.env
+    finally:
+        daemon.kill()
+
+
+def test_the_live_view_sorts_by_key_survives_the_daemon_going_away_and_quits_on_q(
+    terminal_env: tuple[DaemonProcess, dict[str, str]],
+) -> None:
+    daemon, env = terminal_env
+    terminal = _Terminal(env, "--interval", "0.2")
+    try:
+        terminal.read_until("sorted by client")
+        assert "through the daemon" in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.seen)
+        terminal.type("b")
+        terminal.read_until("sorted by MB/s")
+        terminal.type("s")
+        terminal.read_until("sorted by stall")
+        daemon.kill()  # SIGKILL: the socket stays, nobody answers
+        terminal.read_until("is not answering")
+        terminal.read_until("retrying every 0.2s")
+        assert terminal.process.poll() is None, "top goes on without its daemon"
+        assert "Traceback" not in terminal.seen
+        terminal.type("q")
+        assert terminal.process.wait(30) == 0
+    finally:
+        terminal.close()
+
+
+def test_json_streams_one_object_per_refresh_and_bad_input_is_one_line(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    env = daemon_env(cache_env, tmp_path / "local", tmp_path / "local" / "daemon.sock")
+    process = subprocess.Popen(
+        [*DATACACHE, "top", "--json", "--interval", "0.1"], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert process.stdout is not None
+        frames = [json.loads(process.stdout.readline()) for _ in range(3)]
+        assert [f["source"] for f in frames] == ["embedded"] * 3
+        assert frames[0]["time"] < frames[1]["time"] < frames[2]["time"]
+        socket_path = str(tmp_path / "local" / "daemon.sock")
+        assert frames[0]["daemon"] == {"socket": socket_path, "answers": False, "error": None}
+    finally:
+        process.send_signal(signal.SIGINT)
+        status = process.wait(30)
+        if process.stdout is not None:
+            process.stdout.close()
+    assert status == 0, "Ctrl-C ends the stream quietly"
+    for args, word in (
+        (["--interval", "0"], "--interval"),
+        (["--sort", "x"], "--sort"),
+        (["--interval", "a"], "--interval"),
+    ):
+        done = _top(env, *args)
+        assert done.returncode == 2, done
+        assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and word in done.stderr, done.stderr
+
+
+def test_report_files_are_read_safely_and_written_only_into_a_private_folder(tmp_path: Path) -> None:
+    from datacache.activity import read_report_files, report_file, write_report_file
+
+    local = tmp_path / "local"
+    document = {"version": 1, "host": "elsewhere", "pid": 1, "written": 0.0, "client": "c", "reader": {}}
+    write_report_file(local, "mine", {**document, "written": time.time()})
+    mine = report_file(local, "mine")
+    assert mine.stat().st_mode & 0o777 == 0o600 and mine.parent.stat().st_mode & 0o777 == 0o700
+    assert [d["client"] for d in read_report_files(local)] == ["c"]
+    # Links and fifos in place of a report are skipped, never followed nor opened for a blocking read.
+    (mine.parent / "link.json").symlink_to(mine)
+    os.mkfifo(mine.parent / "fifo.json")
+    (mine.parent / "garbage.json").write_text("{not json")
+    assert [d["client"] for d in read_report_files(local)] == ["c"]
+    # A report older than the TTL is left out.
+    write_report_file(local, "mine", document)
+    assert read_report_files(local) == []
+    # A folder someone else made for this uid is refused, not written into.
+    if os.geteuid() == 0:
+        other = tmp_path / "other"
+        folder = report_file(other, "x").parent
+        folder.mkdir(parents=True, mode=0o700)
+        os.chown(folder, 54321, 54321)
+        with pytest.raises(PermissionError):
+            write_report_file(other, "x", document)
+        assert list(folder.iterdir()) == []
