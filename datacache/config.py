@@ -373,6 +373,11 @@ def load_settings(
             raise ConfigError(f"unknown setting {key!r}{_suggest(key, set(_SETTINGS))}")
         values[key] = _SETTINGS[key][1](value, f"--{key.replace('_', '-')}")
 
+    # A configured dataset takes the global [storage_options.<scheme>] as a URL does, its own over them.
+    for name, dataset in datasets.items():
+        defaults = storage_options.get(split_scheme(dataset.url)[0], {})
+        if defaults:
+            datasets[name] = replace(dataset, storage_options={**defaults, **dataset.storage_options})
     retry = RetryPolicy(max_attempts=values.pop("max_attempts", RetryPolicy().max_attempts))
     socket = values.pop("socket", None)
     local_dir = values.pop("local_dir", None) or default_cache_dir(env).absolute()

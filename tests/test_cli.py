@@ -386,6 +386,26 @@ def test_object_key_escaping_the_cache(
     assert not list(tmp_path.rglob("escape.tar"))
 
 
+def test_a_configured_dataset_name_takes_the_global_storage_options(
+    s3: S3Bucket, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The MinIO / on-prem set-up: the endpoint only in [storage_options.s3] (issue 24 item 4)."""
+    fill_bucket(s3.client, s3.name, "wds", make_shards(2, 3_000))
+    config = tmp_path / "config.toml"
+    config.write_text(
+        "[staging]\nmax_attempts = 1\n\n"
+        f'[storage_options.s3]\nendpoint_url = "{s3.server.endpoint}"\nkey = "testing"\nsecret = "testing"\n\n'
+        f'[datasets.x]\nurl = "{s3.url("wds")}/"\n'
+    )
+    with_config = {**env, "DATACACHE_CONFIG": str(config)}  # no AWS_* variables at all
+    by_url = run_cli(["warm", f"{s3.url('wds')}/", "--quiet"], with_config)
+    assert by_url.returncode == 0, by_url.stderr
+    by_name = run_cli(["warm", "x", "--quiet", "--json"], with_config)
+    assert by_name.returncode == 0, by_name.stderr
+    assert json.loads(by_name.stdout.splitlines()[-1])["shards_resident"] == 2
+    assert "testing" not in by_name.stdout + by_name.stderr
+
+
 def test_config_file_typo(env: dict[str, str], tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[cache]\nlocal_capacty = '1GB'\n")
