@@ -51,6 +51,7 @@ from datacache.staging.types import (
 )
 from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, redact_url
+from datacache.tiers.local import PRIVATE, LocalModes
 from datacache.units import format_bytes
 
 __all__ = ["Stager"]
@@ -81,9 +82,11 @@ class Stager:
         first use. Loader workers turn this off: their parent already did it.
     """
 
-    def __init__(self, settings: Settings, *, reconcile: bool = True) -> None:
+    def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
         self.settings = settings
-        self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync)
+        self.local = LocalTier(
+            settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
+        )
         self.shared: SharedTier | None = (
             SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
             if settings.shared_dir
