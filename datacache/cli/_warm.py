@@ -233,7 +233,11 @@ def add_parsers(commands: Commands) -> None:
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
-    warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
+    warm.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash resident shards against the checksums recorded when they were staged (bytes, not format)",
+    )
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
         "--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset"
