@@ -406,6 +406,20 @@ def test_a_configured_dataset_name_takes_the_global_storage_options(
     assert "testing" not in by_name.stdout + by_name.stderr
 
 
+def test_warm_takes_the_dataset_id_ls_prints_as_evict_does(env: dict[str, str], tmp_path: Path) -> None:
+    """`ls` prints ids and `evict <id>` takes one: so does `warm <id>` (issue 24 item 6)."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 2_000))
+    run_cli(["warm", str(origin), "--quiet"], env, check=True)
+    dataset_id = dataset_id_for(str(origin))
+    assert dataset_id in run_cli(["ls"], env, check=True).stdout
+    run_cli(["evict", dataset_id, "--tier", "local"], env, check=True)
+    again = run_cli(["warm", dataset_id, "--json"], env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1])["shards_resident"] == 3
+    unknown = run_cli(["warm", "nothing-0123456789abcdef"], env)
+    assert unknown.returncode == 2 and "unknown dataset" in one_error_line(unknown)
+
+
 def test_config_file_typo(env: dict[str, str], tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[cache]\nlocal_capacty = '1GB'\n")
