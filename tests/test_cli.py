@@ -420,6 +420,17 @@ def test_warm_takes_the_dataset_id_ls_prints_as_evict_does(env: dict[str, str], 
     assert unknown.returncode == 2 and "unknown dataset" in one_error_line(unknown)
 
 
+def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str], tmp_path: Path) -> None:
+    """`s3://b/p/*.tar` said the prefix was empty (issue 24 item 7)."""
+    origin = fill_dir(tmp_path / "origin", make_shards(2, 1_000))
+    result = run_cli(["warm", f"{origin}/*.tar"], env)
+    assert result.returncode != 0
+    line = one_error_line(result)
+    assert "a glob" in line and f"{origin}/)" in line and "{0000..0099}" in line, line
+    assert "is empty" not in line
+    assert_nothing_written(tmp_path)
+
+
 def test_config_file_typo(env: dict[str, str], tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[cache]\nlocal_capacty = '1GB'\n")
