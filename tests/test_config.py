@@ -91,7 +91,7 @@ storage_options = {{ anon = true }}
     assert imagenet.url == "s3://bucket/imagenet/"
     assert imagenet.policy == "nothrash"
     assert imagenet.pinned is True
-    assert imagenet.storage_options == {"anon": True}
+    assert imagenet.storage_options == {"endpoint_url": "http://127.0.0.1:9000", "anon": True}  # global, then its own
     assert settings.config_path == path
     assert pickle.loads(pickle.dumps(settings)) == settings
 
