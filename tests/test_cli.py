@@ -13,6 +13,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from _helpers import (
     make_shards,
     partial_files,
     run_cli,
+    tar_of,
     wait_for,
 )
 from datacache.loaders import CachedIterableDataset
@@ -429,6 +431,33 @@ def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str],
     assert "a glob" in line and f"{origin}/)" in line and "{0000..0099}" in line, line
     assert "is empty" not in line
     assert_nothing_written(tmp_path)
+
+
+def test_index_then_warm_refresh_is_the_snapshot_a_later_run_loads(env: dict[str, str], tmp_path: Path) -> None:
+    """The index `datacache index` writes beside the shards makes a refresh a new snapshot (issue 24 item 11)."""
+    shards = {f"shard-{s}.tar": tar_of({f"s{s}_{i}.cls": b"%d" % s for i in range(4)}) for s in range(3)}
+    origin = fill_dir(tmp_path / "origin", shards)
+    manifest = tmp_path / "local" / "manifests" / f"{dataset_id_for(str(origin))}.json"
+
+    def snapshot() -> str:
+        return str(json.loads(manifest.read_text())["snapshot"])
+
+    run_cli(["warm", str(origin), "--quiet"], env, check=True)
+    before = snapshot()
+    run_cli(["index", str(origin)], env, check=True)
+    assert (origin / "wids-index.json").exists()
+    run_cli(["warm", str(origin), "--refresh", "--quiet"], env, check=True)
+    after = snapshot()
+    assert after != before
+    later = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom datacache.loaders import CachedIterableDataset\n"
+         "print(len(list(CachedIterableDataset(sys.argv[1]))))", str(origin)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert later.returncode == 0, later.stderr
+    assert later.stdout.split()[0] == "12"
+    plans = sorted(p.name for p in (tmp_path / "local" / "indexes").glob("*.json"))
+    assert any(after in name for name in plans) and not any(before in name for name in plans), plans
 
 
 def test_config_file_typo(env: dict[str, str], tmp_path: Path) -> None:
