@@ -151,3 +151,68 @@ def test_a_training_pod_of_another_uid_trains_through_the_daemonset(pod: Pod, us
         if daemon.poll() is None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=60)
+
+
+def test_the_sidecar_and_its_trainer_share_one_uid_and_the_pods_emptydirs(world_dir: Path, s3: Any) -> None:
+    """deploy/kubernetes/sidecar.yaml: the daemon and the trainer as the pod's one uid, each with its env."""
+    for key, data in _shards(2, 4).items():
+        s3.put(f"wds/{key}", data)
+    documents = yaml.safe_load_all((DAEMONSET.parent / "sidecar.yaml").read_text())
+    job = next(d for d in documents if d and d["kind"] == "Job")
+    spec = job["spec"]["template"]["spec"]
+    context = spec["securityContext"]
+    volumes = {"/cache": world_dir / "cache", "/run/datacache": world_dir / "socket", "/tmp": world_dir / "tmp"}
+    for path in volumes.values():  # emptyDirs: the kubelet makes them writable by the pod (fsGroup)
+        path.mkdir()
+        os.chown(path, 0, context["fsGroup"])
+        path.chmod(0o2777)
+
+    def env_of(container: dict[str, Any]) -> dict[str, str]:
+        env = {"PATH": os.environ["PATH"], "HOME": str(volumes["/tmp"]), "LANG": "C.UTF-8", **s3.server.env()}
+        for item in container.get("env", []):
+            value = item["value"]
+            for inside, outside in volumes.items():
+                if value == inside or value.startswith(inside + "/"):
+                    value = str(outside) + value[len(inside) :]
+                    break
+            env[item["name"]] = value
+        return env
+
+    sidecar = next(c for c in spec["initContainers"] if c.get("restartPolicy") == "Always")
+    trainer = spec["containers"][0]
+    daemon_env = env_of(sidecar) | {"DATACACHE_METRICS_ADDRESS": "127.0.0.1:0"}  # tests run side by side
+    ids = {"user": context["runAsUser"], "group": context["runAsGroup"], "extra_groups": [context["fsGroup"]]}
+    log = world_dir / "daemon.log"
+    with log.open("wb") as out:
+        daemon = subprocess.Popen([sys.executable, "-m", "datacache.cli", "serve", *sidecar["args"]], **ids,
+                                  env=daemon_env, cwd="/", stdout=out, stderr=subprocess.STDOUT)
+    socket = Path(daemon_env["DATACACHE_SOCKET"])
+    try:
+        def ready() -> bool:
+            if daemon.poll() is not None:
+                raise AssertionError(f"the daemon exited {daemon.returncode}:\n{log.read_text()}")
+            try:
+                return unix_request(socket, "GET", "/readyz", timeout=5)[0] == 200
+            except OSError:
+                return False
+
+        wait_until(ready, timeout=90, what="the sidecar daemon to become ready")
+        data = next(a for a in trainer["command"] if a.startswith("--data="))
+        assert data.startswith("--data=s3://")  # the trainer names its dataset by URL; here, this bucket's
+        s3.server.reset_counts()
+        trained = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN), f"{s3.url('wds')}/"], **ids,
+                                 env=env_of(trainer), cwd="/", capture_output=True, text=True, timeout=300, check=False)
+        assert trained.returncode == 0, trained.stderr + log.read_text()
+        result = json.loads(trained.stdout.strip().splitlines()[-1])
+        assert sorted(result["keys"]) == sorted(f"s{s:02d}_{i:03d}" for s in range(2) for i in range(4))
+        for failure in ("PermissionError", "DatacacheError", "refusing", "embedded"):
+            assert failure not in trained.stderr, trained.stderr
+        cached = sorted(str(p.relative_to(volumes["/cache"])) for p in volumes["/cache"].rglob("*"))
+        assert "catalog.sqlite" in cached, cached
+        assert (volumes["/cache"] / "catalog.sqlite").stat().st_uid == context["runAsUser"]
+        gets = [k for k, n in s3.server.request_counts().items() if k.startswith("GET ") and "/wds/shard-" in k]
+        assert len(gets) == 2, gets  # each shard fetched once, by the daemon, for both workers
+    finally:
+        if daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=60)
