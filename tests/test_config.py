@@ -346,7 +346,7 @@ def test_a_size_without_a_unit_is_refused_as_a_rate_is(
 ) -> None:
     """`--local-capacity 500` was 500 bytes while `--bandwidth 500` was refused (issue 24 item 8)."""
     env = dict(cache_env)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, object] = {}
     if source == "flag":
         overrides["local_capacity"] = value
     elif source == "env":
@@ -355,7 +355,7 @@ def test_a_size_without_a_unit_is_refused_as_a_rate_is(
         config = tmp_path / "config.toml"
         config.write_text(f"[cache]\nlocal_capacity = {value}\n")
         env["DATACACHE_CONFIG"] = str(config)
-    with pytest.raises(ConfigError, match="has no unit; write it.* with one"):
+    with pytest.raises(ConfigError, match=r"has no unit; write it.* with one"):
         load_settings(env, overrides=overrides)
     with pytest.raises(ConfigError, match="has no unit"):
         load_settings(cache_env, overrides={"bandwidth_limit": "500"})
