@@ -293,3 +293,9 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     finally:
         service.stop()
     assert service.process.returncode == 0, service.log.read_text()
+
+    # 6. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
+    warm = run_as(job, [sys.executable, "-m", "datacache.cli", "warm", comment.group(1)], env=env, timeout=120)
+    lines = [line for line in warm.stderr.splitlines() if line.strip()]
+    assert warm.returncode != 0 and len(lines) == 1, warm.stderr
+    assert "not writable by uid" in lines[0] and "start the node's daemon" in lines[0], lines[0]

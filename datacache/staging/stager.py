@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,15 @@ class Stager:
     """
 
     def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
+        local = settings.local_dir
+        if local.exists() and not os.access(local, os.W_OK | os.X_OK):
+            # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
+            # fail later, shard by shard, with a raw PermissionError. Say it once, now.
+            raise DatacacheError(
+                f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
+                f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
+                "or set DATACACHE_LOCAL_DIR to a cache of your own"
+            )
         self.settings = settings
         self.local = LocalTier(
             settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
