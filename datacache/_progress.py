@@ -107,6 +107,8 @@ class Progress:
         if delta:
             self.moved_bytes = moved_bytes
             self._meter.add(delta, self._clock())
+        if done_items > self.done_items:  # the shards/s of the line: it said 0 on every one
+            self._item_meter.add(done_items - self.done_items, self._clock())
         if self._bar is not None:
             self._bar.update(max(0, done_bytes - self.done_bytes))
             self._bar.set_postfix_str(f"{done_items}/{self.total_items} {self._item_name}", refresh=False)

@@ -131,6 +131,10 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _positive_size(value: Any, what: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit() and int(value) != 0:
+        # The rule of rates (a bare 500 is refused, not taken as 500 B/s): a size given as text says its unit.
+        raise ConfigError(f"{what}: {value.strip()!r} has no unit; write it with one, e.g. '{value.strip()}GB' "
+                          f"(or '{value.strip()}B' for bytes)")
     size = parse_size(value, what=what)
     if size <= 0:
         raise ConfigError(f"{what}: must be positive, got {value!r}")
@@ -196,8 +200,12 @@ def _rate_setting(value: Any, what: str) -> float:
 _RATES = {"bandwidth_limit"}
 
 
+_SIZES = {"local_capacity", "shared_capacity", "part_size", "memory_budget"}
+
+
 def _unitless_rate(key: str, value: Any) -> bool:
-    return key in _RATES and isinstance(value, int | float) and not isinstance(value, bool) and value != 0
+    """A rate or a size written in the TOML file as a bare number (0 aside): refused, one rule for both."""
+    return key in _RATES | _SIZES and isinstance(value, int | float) and not isinstance(value, bool) and value != 0
 
 
 def _address(value: Any, what: str) -> str:
@@ -348,7 +356,7 @@ def load_settings(
                 if _unitless_rate(key, value):
                     raise ConfigError(
                         f"{path}: {section}.{key}: {value!r} has no unit; "
-                        f"write it as a string with one, e.g. '{value:g}MB/s'"
+                        f"write it as a string with one, e.g. '{value:g}{'MB/s' if key in _RATES else 'GB'}'"
                     )
                 values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
 
@@ -373,6 +381,11 @@ def load_settings(
             raise ConfigError(f"unknown setting {key!r}{_suggest(key, set(_SETTINGS))}")
         values[key] = _SETTINGS[key][1](value, f"--{key.replace('_', '-')}")
 
+    # A configured dataset takes the global [storage_options.<scheme>] as a URL does, its own over them.
+    for name, dataset in datasets.items():
+        defaults = storage_options.get(split_scheme(dataset.url)[0], {})
+        if defaults:
+            datasets[name] = replace(dataset, storage_options={**defaults, **dataset.storage_options})
     retry = RetryPolicy(max_attempts=values.pop("max_attempts", RetryPolicy().max_attempts))
     socket = values.pop("socket", None)
     local_dir = values.pop("local_dir", None) or default_cache_dir(env).absolute()

@@ -10,6 +10,7 @@ epoch is read cold, so that every process of every node deals it one way.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from datacache.config import Settings
+from datacache.config import Settings, default_cache_dir
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
 from datacache.sidecars import KnownCount
@@ -30,8 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
-    """Where a node keeps the unit plan (every shard's count) of one dataset snapshot for its readers."""
-    return local_dir / "indexes" / f"{manifest.dataset}-{manifest.snapshot}.json"
+    """Where a node keeps the unit plan (every shard's count) of one dataset snapshot for its readers.
+
+    A client of the node's daemon that may not write the daemon's cache (another user, a
+    member of its group) keeps its plans in its own cache directory instead, one folder per
+    node cache.
+    """
+    name = f"{manifest.dataset}-{manifest.snapshot}.json"
+    if not local_dir.exists() or os.access(local_dir, os.W_OK | os.X_OK):
+        return local_dir / "indexes" / name
+    node = hashlib.sha256(str(local_dir).encode()).hexdigest()[:16]
+    return default_cache_dir(os.environ) / "node-plans" / node / name
 
 
 def index_dir(shared_dir: Path, manifest: Manifest) -> Path:

@@ -38,6 +38,7 @@ from typing import Any
 
 from datacache.tiers import validate_key
 from datacache.tiers._dirfd import Place, UnsafeFileError, open_dir_async, read_bounded_at, server_now
+from datacache.tiers.local import make_local_dirs
 
 __all__ = ["LeaseLock", "NodeLock", "lock_name"]
 
@@ -63,7 +64,7 @@ class NodeLock:
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
-        await asyncio.to_thread(self._path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
+        await asyncio.to_thread(make_local_dirs, self._path.parent)
         while True:
             fd = await self._lock_once()
             if _still_linked(fd, self._path):

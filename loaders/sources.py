@@ -103,6 +103,23 @@ Given: TypeAlias = str | DatasetConfig | Source | Sequence[Entry]
 
 def resolve_sources(dataset: Given, weights: Sequence[float] | None = None) -> tuple[SourceSpec, ...]:
     """The sources ``dataset`` (and ``weights``) name, in order; a clear `ConfigError` for bad input."""
+    return _check_modes(_resolve(dataset, weights))
+
+
+def _check_modes(specs: tuple[SourceSpec, ...]) -> tuple[SourceSpec, ...]:
+    """Refuse, when the dataset is made (not at its first len() or iter()), shares that cannot mix."""
+    kinds = {spec.mode[0] for spec in specs}
+    if "weight" in kinds and kinds != {"weight"}:
+        raise ConfigError(
+            "give every source a weight, or give none (each then uses repeat= or choose=, default repeat=1): "
+            "weights and repeat/choose do not mix"
+        )
+    if "weight" in kinds and sum(spec.mode[1] for spec in specs) <= 0:
+        raise ConfigError("every weight is zero: at least one source needs a positive weight")
+    return specs
+
+
+def _resolve(dataset: Given, weights: Sequence[float] | None) -> tuple[SourceSpec, ...]:
     if isinstance(dataset, str | DatasetConfig | Source):
         if weights is not None:
             raise ConfigError("weights= needs a list of sources, one weight each; this is one source")

@@ -51,7 +51,7 @@ def _train(tmp_path: Path, cache_env: dict[str, str], workers: int) -> list[str]
     env = {
         **cache_env,
         "DATACACHE_LOCAL_DIR": str(tmp_path / "local"),
-        "DATACACHE_LOCAL_CAPACITY": str(size // 3),
+        "DATACACHE_LOCAL_CAPACITY": f"{size // 3}B",
         "PYTHONPATH": str(REPO),
     }
     script = tmp_path / "train.py"

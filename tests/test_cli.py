@@ -13,6 +13,7 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from _helpers import (
     make_shards,
     partial_files,
     run_cli,
+    tar_of,
     wait_for,
 )
 from datacache.loaders import CachedIterableDataset
@@ -384,6 +386,78 @@ def test_object_key_escaping_the_cache(
     assert "../../escape.tar" in line and "escape" in line
     assert_nothing_written(tmp_path)
     assert not list(tmp_path.rglob("escape.tar"))
+
+
+def test_a_configured_dataset_name_takes_the_global_storage_options(
+    s3: S3Bucket, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The MinIO / on-prem set-up: the endpoint only in [storage_options.s3] (issue 24 item 4)."""
+    fill_bucket(s3.client, s3.name, "wds", make_shards(2, 3_000))
+    config = tmp_path / "config.toml"
+    config.write_text(
+        "[staging]\nmax_attempts = 1\n\n"
+        f'[storage_options.s3]\nendpoint_url = "{s3.server.endpoint}"\nkey = "testing"\nsecret = "testing"\n\n'
+        f'[datasets.x]\nurl = "{s3.url("wds")}/"\n'
+    )
+    with_config = {**env, "DATACACHE_CONFIG": str(config)}  # no AWS_* variables at all
+    by_url = run_cli(["warm", f"{s3.url('wds')}/", "--quiet"], with_config)
+    assert by_url.returncode == 0, by_url.stderr
+    by_name = run_cli(["warm", "x", "--quiet", "--json"], with_config)
+    assert by_name.returncode == 0, by_name.stderr
+    assert json.loads(by_name.stdout.splitlines()[-1])["shards_resident"] == 2
+    assert "testing" not in by_name.stdout + by_name.stderr
+
+
+def test_warm_takes_the_dataset_id_ls_prints_as_evict_does(env: dict[str, str], tmp_path: Path) -> None:
+    """`ls` prints ids and `evict <id>` takes one: so does `warm <id>` (issue 24 item 6)."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 2_000))
+    run_cli(["warm", str(origin), "--quiet"], env, check=True)
+    dataset_id = dataset_id_for(str(origin))
+    assert dataset_id in run_cli(["ls"], env, check=True).stdout
+    run_cli(["evict", dataset_id, "--tier", "local"], env, check=True)
+    again = run_cli(["warm", dataset_id, "--json"], env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1])["shards_resident"] == 3
+    unknown = run_cli(["warm", "nothing-0123456789abcdef"], env)
+    assert unknown.returncode == 2 and "unknown dataset" in one_error_line(unknown)
+
+
+def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str], tmp_path: Path) -> None:
+    """`s3://b/p/*.tar` said the prefix was empty (issue 24 item 7)."""
+    origin = fill_dir(tmp_path / "origin", make_shards(2, 1_000))
+    result = run_cli(["warm", f"{origin}/*.tar"], env)
+    assert result.returncode != 0
+    line = one_error_line(result)
+    assert "a glob" in line and f"{origin}/)" in line and "{0000..0099}" in line, line
+    assert "is empty" not in line
+    assert_nothing_written(tmp_path)
+
+
+def test_index_then_warm_refresh_is_the_snapshot_a_later_run_loads(env: dict[str, str], tmp_path: Path) -> None:
+    """The index `datacache index` writes beside the shards makes a refresh a new snapshot (issue 24 item 11)."""
+    shards = {f"shard-{s}.tar": tar_of({f"s{s}_{i}.cls": b"%d" % s for i in range(4)}) for s in range(3)}
+    origin = fill_dir(tmp_path / "origin", shards)
+    manifest = tmp_path / "local" / "manifests" / f"{dataset_id_for(str(origin))}.json"
+
+    def snapshot() -> str:
+        return str(json.loads(manifest.read_text())["snapshot"])
+
+    run_cli(["warm", str(origin), "--quiet"], env, check=True)
+    before = snapshot()
+    run_cli(["index", str(origin)], env, check=True)
+    assert (origin / "wids-index.json").exists()
+    run_cli(["warm", str(origin), "--refresh", "--quiet"], env, check=True)
+    after = snapshot()
+    assert after != before
+    later = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom datacache.loaders import CachedIterableDataset\n"
+         "print(len(list(CachedIterableDataset(sys.argv[1]))))", str(origin)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert later.returncode == 0, later.stderr
+    assert later.stdout.split()[0] == "12"
+    plans = sorted(p.name for p in (tmp_path / "local" / "indexes").glob("*.json"))
+    assert any(after in name for name in plans) and not any(before in name for name in plans), plans
 
 
 def test_config_file_typo(env: dict[str, str], tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ def test_the_daemons_warm_is_not_complete_when_a_shard_was_evicted_during_it(
     origin = tmp_path / "origin"
     make_shards(origin, 4, 1_000_000)
     # One transfer at a time: each new shard makes room by evicting (LRU) one the warm staged before.
-    daemon = start_daemon(cache_env, tmp_path / "local", "--local-capacity", "2500000", "--concurrency", "1")
+    daemon = start_daemon(cache_env, tmp_path / "local", "--local-capacity", "2500000B", "--concurrency", "1")
     try:
         done = run(daemon.env, "warm", str(origin), "--policy", "lru", "--json")
         summary = _summary(done)

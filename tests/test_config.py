@@ -91,7 +91,7 @@ storage_options = {{ anon = true }}
     assert imagenet.url == "s3://bucket/imagenet/"
     assert imagenet.policy == "nothrash"
     assert imagenet.pinned is True
-    assert imagenet.storage_options == {"anon": True}
+    assert imagenet.storage_options == {"endpoint_url": "http://127.0.0.1:9000", "anon": True}  # global, then its own
     assert settings.config_path == path
     assert pickle.loads(pickle.dumps(settings)) == settings
 
@@ -335,3 +335,29 @@ def test_bandwidth_and_formatting() -> None:
     assert format_bytes(999) == "999 B"
     assert format_bytes(1_500_000) == "1.50 MB"
     assert format_rate(480.1e6) == "480.1 MB/s"
+
+
+@pytest.mark.parametrize(
+    ("source", "value"),
+    [("flag", "500"), ("env", "500"), ("file", "500"), ("file", "'500'"), ("flag", "1000000")],
+)
+def test_a_size_without_a_unit_is_refused_as_a_rate_is(
+    source: str, value: str, cache_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`--local-capacity 500` was 500 bytes while `--bandwidth 500` was refused (issue 24 item 8)."""
+    env = dict(cache_env)
+    overrides: dict[str, object] = {}
+    if source == "flag":
+        overrides["local_capacity"] = value
+    elif source == "env":
+        env["DATACACHE_LOCAL_CAPACITY"] = value
+    else:
+        config = tmp_path / "config.toml"
+        config.write_text(f"[cache]\nlocal_capacity = {value}\n")
+        env["DATACACHE_CONFIG"] = str(config)
+    with pytest.raises(ConfigError, match=r"has no unit; write it.* with one"):
+        load_settings(env, overrides=overrides)
+    with pytest.raises(ConfigError, match="has no unit"):
+        load_settings(cache_env, overrides={"bandwidth_limit": "500"})
+    assert load_settings(cache_env, overrides={"local_capacity": "500B"}).local_capacity == 500
+    assert load_settings(cache_env, overrides={"local_capacity": 500}).local_capacity == 500  # Python: an int is bytes

@@ -65,7 +65,7 @@ def test_socket_is_0660_metrics_bind_loopback_and_logs_are_json(
 ) -> None:
     assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
     assert stat.S_ISSOCK(daemon.socket.stat().st_mode)
-    assert stat.S_IMODE(daemon.local_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(daemon.local_dir.stat().st_mode) == 0o750  # its group (its clients) opens the shards
     status = daemon.status()
     host, port = status["metrics_address"].rsplit(":", 1)
     assert host == "127.0.0.1"

@@ -152,6 +152,30 @@ def test_a_disallowed_uid_gets_forbidden_for_every_verb_over_the_socket(
         daemon.kill()
 
 
+def test_a_member_of_the_allowed_group_by_supplementary_membership_is_admitted(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """On a cluster the allowed group is a supplementary one (issue 24 item 2, issue 23 item 11)."""
+    bob = users["bob"]
+    team = bob.groups[0]
+    assert bob.gid != team  # bob's primary group is his own; team is supplementary
+    daemon = start_daemon(
+        base_env, world_dir / "cache", "--socket-group", str(team), "--allow-gid", str(team),
+        socket_path=world_dir / "run" / "daemon.sock", log=world_dir / "daemon.log",
+    )
+    try:
+        ((status, reply),) = calls_as(bob, daemon, ("GET", "/v1/status", None))
+        assert status == 200, reply
+        # Without the group among his supplementary ones, the same uid is refused.
+        alone = User(name=bob.name, uid=bob.uid, gid=bob.gid, groups=())
+        (world_dir / "run").chmod(0o755)
+        daemon.socket.chmod(0o666)
+        ((status, reply),) = calls_as(alone, daemon, ("GET", "/v1/status", None))
+        assert (status, error_code(reply)) == (403, "forbidden"), reply
+    finally:
+        daemon.kill()
+
+
 # -- the daemon acts with its client's authority, not its own (issue 11 item 4) ------------------
 
 

@@ -463,6 +463,28 @@ def test_compose_file_builds_the_image_and_sets_known_settings(tmp_path: Path) -
     assert all(port.startswith("127.0.0.1:") for s in compose["services"].values() for port in s.get("ports", []))
 
 
+def test_the_compose_seed_writes_shards_a_reader_can_read(tmp_path: Path, s3: Any, settings: Any) -> None:
+    """The walk-through reaches reading: `seed` wrote random bytes named *.tar once (issue 24 item 3)."""
+    from datacache.loaders import CachedIterableDataset
+
+    seed = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())["services"]["seed"]
+    assert seed["entrypoint"][:2] == ["python", "-c"]
+    code = seed["entrypoint"][2].replace("http://s3:5000", s3.server.endpoint)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    warm = compose_warm_url()
+    samples = list(CachedIterableDataset(warm, config=settings))
+    assert len(samples) == 16 * 64
+    assert {sample["__key__"].split("_")[0] for sample in samples} == {f"{i:04d}" for i in range(16)}
+    assert all(len(sample["bin"]) == 64 << 10 for sample in samples)
+
+
+def compose_warm_url() -> str:
+    """The dataset the compose file's `warm` service warms."""
+    warm = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())["services"]["warm"]
+    return str(next(word for word in warm["entrypoint"] if word.startswith("s3://")))
+
+
 def test_slurm_prolog_warms_the_named_dataset_and_never_fails(tmp_path: Path) -> None:
     scripts = [DEPLOY / "slurm" / "datacache-prolog.sh", DEPLOY / "slurm" / "train.sbatch"]
     for script in scripts:

@@ -202,7 +202,7 @@ def _unit(path: Path) -> configparser.ConfigParser:
     return parser
 
 
-def test_the_systemd_unit_runs_on_the_configured_paths_with_enough_descriptors() -> None:
+def test_the_systemd_unit_runs_on_the_configured_paths_with_enough_descriptors(tmp_path: Path) -> None:
     unit = _unit(DEPLOY / "slurm" / "datacache.service")
     service = unit["Service"]
     env = dict(pair.split("=", 1) for pair in shlex.split(service.get("Environment", "")))
@@ -212,7 +212,12 @@ def test_the_systemd_unit_runs_on_the_configured_paths_with_enough_descriptors()
     assert config_in_unit == "/etc/datacache/config.toml"
     sample = DEPLOY / "config" / "slurm.toml"  # installed there by deploy/slurm/install.sh
     assert f"{sample.relative_to(DEPLOY.parent)}" in (DEPLOY / "slurm" / "install.sh").read_text()
-    env.update({"DATACACHE_CONFIG": str(sample), "HOME": "/nonexistent"})
+    # The daemon's user exists once install.sh made it (here: root, as `DATACACHE_USER=root` would have it).
+    text = sample.read_text()
+    assert f'daemon_uid = "{service["User"]}"' in text
+    installed = tmp_path / "config.toml"
+    installed.write_text(text.replace(f'daemon_uid = "{service["User"]}"', 'daemon_uid = "root"'))
+    env.update({"DATACACHE_CONFIG": str(installed), "HOME": "/nonexistent"})
     settings = cli.serve_settings(cli.parse_args(argv[1:]), env)
     writable = service["ReadWritePaths"].split()
     runtime = f"/run/{service['RuntimeDirectory']}"

@@ -289,7 +289,7 @@ def test_through_the_daemon_a_clients_progress_leases_its_shard_and_bad_input_is
     origin.mkdir()
     for i in range(6):
         (origin / f"shard-{i}.bin").write_bytes(bytes([i]) * 10_000)
-    env = {**cache_env, "DATACACHE_LOCAL_CAPACITY": "25000", "DATACACHE_DEFAULT_POLICY": "lru"}
+    env = {**cache_env, "DATACACHE_LOCAL_CAPACITY": "25000B", "DATACACHE_DEFAULT_POLICY": "lru"}
     daemon = start_daemon(env, tmp_path / "cache")
     try:
         settings = load_settings(env, overrides={"local_dir": str(daemon.local_dir), "socket": str(daemon.socket)})

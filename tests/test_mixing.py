@@ -187,3 +187,19 @@ def test_a_list_with_weights_is_one_source_each() -> None:
 def test_bad_sources_are_refused_with_a_clear_error(make: object, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         make()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [
+        ([Source("/nowhere/x/", weight=1.0), Source("/nowhere/y/", repeat=2)], "weights and repeat/choose do not mix"),
+        ([Source("/nowhere/x/", weight=1.0), "/nowhere/y/"], "weights and repeat/choose do not mix"),
+        ([Source("/nowhere/x/", weight=0.0), Source("/nowhere/y/", weight=0.0)], "every weight is zero"),
+    ],
+)
+def test_shares_that_cannot_mix_are_refused_when_the_dataset_is_made(sources: list[object], message: str) -> None:
+    """Not at the first len() or iter(), after the sources were opened (issue 24 item 10)."""
+    from datacache.loaders import CachedIterableDataset
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        CachedIterableDataset(sources)  # type: ignore[arg-type]

@@ -148,3 +148,13 @@ def test_an_unreachable_origin_is_a_connection_failure_not_an_empty_dataset(env:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("datacache: error: "), result.stderr
     assert "connection to the origin failed" in lines[0] and "no objects" not in lines[0], lines[0]
+
+
+def test_one_http_shard_url_is_a_dataset_of_that_shard(site: Site, env: dict[str, str], tmp_path: Path) -> None:
+    """The README: one object is a dataset, over http(s) as over S3 (issue 24 item 5)."""
+    result = run_cli(["warm", site.url("ds/shard-0002.tar"), "--json"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (done["complete"], done["shards_resident"], done["bytes_transferred"]) == (True, 1, 40_000)
+    assert cached(tmp_path) == {"shard-0002.tar": site.files["shard-0002.tar"]}
+    assert site.gets == {"shard-0002.tar": 1}

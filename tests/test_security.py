@@ -64,8 +64,9 @@ def test_the_socket_is_0660_and_the_cache_0700_even_under_a_permissive_umask(
             what="the daemon's socket",
         )
         assert stat.S_IMODE((local / "daemon.sock").stat().st_mode) == 0o660
-        for directory in (local, local / "locks", local / "daemon"):
-            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+        # The shard files and manifests are its group's to read (its clients); its locks its own.
+        for directory, mode in ((local, 0o750), (local / "locks", 0o700), (local / "daemon", 0o750)):
+            assert stat.S_IMODE(directory.stat().st_mode) == mode, directory
         # Nothing the daemon wrote is writable by others.
         for path in local.rglob("*"):
             if path.is_file() and not path.is_symlink():

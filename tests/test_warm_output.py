@@ -45,6 +45,18 @@ def test_work_done_within_the_first_interval_prints_no_progress_line() -> None:
         assert stream.getvalue() == "", mode
 
 
+def test_the_plain_line_counts_the_shards_a_warm_reports_per_second() -> None:
+    """A warm reports its totals (advance_to): the line said '0 shards/s' while ~5/s arrived (issue 24 item 9)."""
+    clock = Clock()
+    shown, stream = progress("lines", clock)
+    for done in range(1, 5):
+        clock.now += 0.5
+        shown.advance_to(done_items=done, done_bytes=done * 1000, moved_bytes=done * 1000)
+    line = stream.getvalue().splitlines()[0]
+    measured = re.search(r", (\d+) shards/s$", line)
+    assert measured is not None and 2 <= int(measured.group(1)) <= 3, line  # 4 shards in 1.5-2 s
+
+
 def test_the_first_line_waits_for_a_measured_rate_and_the_last_one_is_final() -> None:
     """The first line's rate and ETA were guesses from 0.1 s of transfer."""
     clock = Clock()

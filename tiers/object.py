@@ -455,6 +455,18 @@ class ObjectTier(Tier):
                 raise unreachable[0]
             return found
 
+        if self._protocol in ("http", "https"):
+            # A URL that names one object (not a page of links) is that object: one HEAD, instead
+            # of fetching the whole file to look for links in it. It is named by its URL less the
+            # scheme, as object stores name it, for the manifest's one-object case
+            # (`datacache.manifest.listing`).
+            try:
+                itself = await self._call(self.url, lambda: fs._info(base))
+            except FileNotFoundError:
+                itself = None
+            if itself is not None and itself.get("mimetype") not in ("text/html", "application/xhtml+xml"):
+                yield self._info_to_object(base.split("://", 1)[1], itself)
+                return
         found = await self._call(self.url, find)
         for path in sorted(found):
             details = found[path]

@@ -29,6 +29,7 @@ from datacache.catalog.rows import (
 )
 from datacache.errors import TierFullError
 from datacache.eviction import Candidate
+from datacache.tiers.local import make_local_file
 from datacache.units import format_bytes
 
 __all__ = ["Catalog", "CatalogWrites"]
@@ -94,7 +95,7 @@ class Catalog:
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
-            self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
+            make_local_file(self._path)  # private (with its -wal and -shm), whatever the umask
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             initialise(connection)
@@ -129,6 +130,7 @@ class Catalog:
 
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""
+        make_local_file(self._path)
         connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
         try:
             connection.execute("PRAGMA busy_timeout=60000")

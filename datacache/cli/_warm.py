@@ -63,7 +63,7 @@ async def _warm(args: argparse.Namespace) -> int:
     settings = settings_from(
         args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
     )
-    dataset = resolve_dataset(args.dataset, settings, policy=args.policy)
+    dataset = _dataset_of(args.dataset, settings, args.policy)
     if args.tier == SHARED and settings.shared_dir is None:
         raise ConfigError("--tier shared needs a shared tier (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)")
     if not args.no_daemon:
@@ -112,6 +112,28 @@ async def _warm(args: argparse.Namespace) -> int:
     tier = stager.local if args.tier == LOCAL else stager.shared
     _print_warm_report(report, redact_url(dataset.url), args, tier.capacity if tier is not None else None)
     return 0 if report.complete else 1
+
+
+def _dataset_of(spec: str, settings: Settings, policy: str | None) -> DatasetConfig:
+    """The dataset ``spec`` names: a URL, a path, a configured name, or an id `ls` printed (as `evict` takes)."""
+    try:
+        return resolve_dataset(spec, settings, policy=policy)
+    except ConfigError:
+        catalog = settings.local_dir / "catalog.sqlite"
+        if "/" in spec or not catalog.is_file():
+            raise
+        from datacache.catalog import Catalog
+
+        records = {record.id: record for record in Catalog(catalog).run_sync(Catalog.datasets_sync)}
+        record = records.get(spec)
+        if record is None:
+            raise
+    dataset = resolve_dataset(record.url, settings, policy=policy)
+    if dataset.id != spec:  # opened with options (an endpoint) the catalog does not keep
+        raise ConfigError(
+            f"dataset {spec}: warm it by the URL or configured name it was opened with ({redact_url(record.url)})"
+        )
+    return dataset
 
 
 def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes: int) -> Progress:
@@ -233,7 +255,11 @@ def add_parsers(commands: Commands) -> None:
     warm.add_argument("--shards", metavar="SPEC", help="only these shards: START:STOP or N indexes, or key,key,...")
     warm.add_argument("--concurrency", metavar="N", help="shards transferred at once (default 8)")
     warm.add_argument("--bandwidth", metavar="LIMIT", help="cap origin reads, with a unit: 200MB/s")
-    warm.add_argument("--verify", action="store_true", help="re-check resident shards' checksums")
+    warm.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash resident shards against the checksums recorded when they were staged (bytes, not format)",
+    )
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
         "--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset"

@@ -8,6 +8,7 @@ the middleware turns what they raise into one JSON error line (docs/DAEMON.md).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -87,11 +88,13 @@ class Forbidden(ConfigError):
 
 @dataclass(frozen=True)
 class Peer:
-    """The process at the other end of the socket, by ``SO_PEERCRED``."""
+    """The process at the other end of the socket, by ``SO_PEERCRED`` (and its groups, ``SO_PEERGROUPS``)."""
 
     pid: int
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()
+    """Its supplementary groups when it connected: on a cluster the allowed group is one of these."""
 
     @property
     def is_operator(self) -> bool:
@@ -110,7 +113,8 @@ class PeerPolicy:
         """Raise `Forbidden` unless ``peer`` may use the daemon."""
         if peer.is_operator or peer.uid in self.allow_uids:
             return
-        if peer.gid == os.getgid() or peer.gid in self.allow_gids:
+        allowed = self.allow_gids | {os.getgid()}
+        if peer.gid in allowed or not allowed.isdisjoint(peer.groups):
             return
         raise Forbidden(
             f"uid {peer.uid} gid {peer.gid} may not use this daemon (allow it: --allow-uid or --allow-gid)"
@@ -127,7 +131,26 @@ def peer(transport: asyncio.BaseTransport | None) -> Peer | None:
     except OSError:
         return None
     pid, uid, gid = _PEERCRED.unpack(raw)
-    return Peer(pid, uid, gid)
+    return Peer(pid, uid, gid, _peer_groups(sock))
+
+
+# Linux >= 4.13; the constant is missing from Python's socket module.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_NGROUPS_MAX = 65536
+
+
+def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups as the kernel recorded them at connect (empty if it cannot tell)."""
+    size = 64 * 4
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and size < _NGROUPS_MAX * 4:
+                size = _NGROUPS_MAX * 4
+                continue
+            return ()
+        return struct.unpack(f"={len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 def error(code: str, status: int, message: str) -> web.Response:

@@ -26,6 +26,7 @@ from datacache.config import Settings
 from datacache.daemon._http import DRAINING, STARTING, http_logger
 from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
 from datacache.errors import DatacacheError
+from datacache.tiers.local import GROUP_READABLE, make_local_dirs
 
 __all__ = ["Lifecycle"]
 
@@ -104,7 +105,7 @@ class Lifecycle:
 
     @property
     def snapshot_dir(self) -> Path:
-        """Where manifest snapshots that clients hold are kept (0700, the daemon's own)."""
+        """Where manifest snapshots that clients hold are kept (0750, files 0640: its clients read them)."""
         return self.settings.local_dir / "daemon" / "manifests"
 
     def unavailable(self) -> str | None:
@@ -153,19 +154,18 @@ class Lifecycle:
         await site.start()
 
     def _prepare_directories(self) -> None:
-        local = self.settings.local_dir
-        if not local.exists():
-            local.mkdir(mode=0o700, parents=True)
+        # The shard files and snapshot manifests are for the clients of the daemon's group
+        # (GROUP_READABLE: 0750/0640, whatever the umask); its locks and catalog stay its own.
+        local = make_local_dirs(self.settings.local_dir, GROUP_READABLE.dir)
         mode = local.stat().st_mode
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             logger.warning(
-                "the cache directory %s is writable by others (mode %o); 0700 is safer",
+                "the cache directory %s is writable by others (mode %o); 0750 is safer",
                 local,
                 mode & 0o777,
             )
-        (local / "locks").mkdir(mode=0o700, exist_ok=True)
-        (local / "daemon").mkdir(mode=0o700, exist_ok=True)
-        self.snapshot_dir.mkdir(mode=0o700, exist_ok=True)
+        make_local_dirs(local / "locks")
+        make_local_dirs(self.snapshot_dir, GROUP_READABLE.dir)
         parent = self.socket_path.parent
         if not parent.exists():
             parent.mkdir(mode=0o755, parents=True)

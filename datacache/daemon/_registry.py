@@ -25,6 +25,7 @@ from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.stager import DatasetHandle, Stager
 from datacache.tiers import redact_url, validate_key
+from datacache.tiers.local import GROUP_READABLE
 
 __all__ = ["DatasetRegistry"]
 
@@ -195,7 +196,7 @@ class DatasetRegistry:
         if not path.exists():
             temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
             temporary.write_bytes(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
-            temporary.chmod(0o644)
+            temporary.chmod(GROUP_READABLE.file)  # the clients of the daemon's group read it
             temporary.replace(path)
         prefix = f"{manifest.dataset}@"  # ids hold no '@': no other dataset's file matches
         files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]

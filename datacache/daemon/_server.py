@@ -55,6 +55,7 @@ from datacache.stager import (
     Stager,
 )
 from datacache.tiers import validate_key
+from datacache.tiers.local import GROUP_READABLE
 
 __all__ = ["Daemon", "DaemonOptions", "serve"]
 
@@ -177,7 +178,7 @@ class Daemon:
                 "metrics": self.metrics_address,
             },
         )
-        stager = Stager(settings, reconcile=False)
+        stager = Stager(settings, reconcile=False, modes=GROUP_READABLE)  # its clients read the files
         self.stager = stager
         counts = await stager.reconcile()
         self.registry.pins = {record.id for record in await stager.catalog.datasets() if record.pinned}

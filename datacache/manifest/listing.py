@@ -112,6 +112,18 @@ async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | Non
     return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
 
 
+def _glob_hint(url: str) -> str | None:
+    """What to write instead of a glob (``*.tar``), which names nothing here; None for other URLs."""
+    parent, _, last = url.rstrip("/").rpartition("/")
+    if not any(char in last for char in "*?["):
+        return None
+    shown = redact_url(url)
+    return (
+        f"{shown}: a glob ('*', '?', '[') is not a pattern here; give the directory ({redact_url(parent)}/) "
+        "or a brace pattern naming the shards (shard-{0000..0099}.tar)"
+    )
+
+
 def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: ShardFormat, infos: list[ObjectInfo]) -> None:
     """Warn when a prefix holds shards of both formats and only one is read.
 
@@ -147,6 +159,9 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | 
         if whole is not None:
             return whole
     if not infos:
+        glob = _glob_hint(dataset.url)
+        if glob is not None:
+            raise ShardNotFoundError(f"dataset {dataset.name}: {glob}")
         raise ShardNotFoundError(
             f"dataset {dataset.name}: no objects under {origin.url} "
             "(the prefix or directory is empty or does not exist)"

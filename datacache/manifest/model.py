@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -138,6 +139,13 @@ class Manifest:
         digest = hashlib.sha256()
         for shard in self.shards:
             digest.update(f"{shard.key}\0{shard.size}\0{shard.version}\n".encode())
+        # The sample indexes listed beside the shards (`datacache index` writes one): a refresh that
+        # finds a new or changed one is a new snapshot, whose counts come from it. None listed: the
+        # digest of the shards alone, as before.
+        candidates = self.extra.get("sidecar_candidates")
+        if isinstance(candidates, list):
+            for entry in candidates:
+                digest.update(f"sidecar\0{json.dumps(entry, sort_keys=True)}\n".encode())
         return digest.hexdigest()[:16]
 
     @cached_property

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ from datacache.staging.types import (
 )
 from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, redact_url
+from datacache.tiers.local import PRIVATE, LocalModes
 from datacache.units import format_bytes
 
 __all__ = ["Stager"]
@@ -89,9 +91,20 @@ class Stager:
         first use. Loader workers turn this off: their parent already did it.
     """
 
-    def __init__(self, settings: Settings, *, reconcile: bool = True) -> None:
+    def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
+        local = settings.local_dir
+        if local.exists() and not os.access(local, os.W_OK | os.X_OK):
+            # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
+            # fail later, shard by shard, with a raw PermissionError. Say it once, now.
+            raise DatacacheError(
+                f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
+                f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
+                "or set DATACACHE_LOCAL_DIR to a cache of your own"
+            )
         self.settings = settings
-        self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync)
+        self.local = LocalTier(
+            settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
+        )
         self.shared: SharedTier | None = (
             SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
             if settings.shared_dir

@@ -32,10 +32,13 @@ fi
 
 log "warming $dataset (at most ${DATACACHE_PROLOG_SECONDS}s)"
 started=$(date +%s)
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
 if timeout --signal=TERM --kill-after=30 "$DATACACHE_PROLOG_SECONDS" \
-        "${runner[@]}" "$DATACACHE_BIN" warm "$dataset" --tier local --quiet; then
+        "${runner[@]}" "$DATACACHE_BIN" warm "$dataset" --tier local --quiet 2>"$errors"; then
     log "warmed $dataset in $(( $(date +%s) - started ))s"
 else
-    log "warm of $dataset incomplete (status $?); the loader stages the rest on demand"
+    status=$?
+    log "warm of $dataset incomplete (status $status: $(tail -n 1 "$errors")); the loader stages the rest on demand"
 fi
 exit 0

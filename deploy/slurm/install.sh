@@ -5,9 +5,14 @@
 #   cache directories, the systemd unit and the Slurm prolog.
 #
 #   sudo deploy/slurm/install.sh [USER...]     # from a checkout of the repository
+#   sudo deploy/slurm/install.sh --upgrade     # reinstall datacache into the existing venv
 #   deploy/slurm/install.sh --check            # exit 1 naming each missing prerequisite
 #
-# Every path can be overridden by the variable named beside it.
+# Every name and path can be overridden by the variable named beside it; the config and the unit
+# are installed with those values in place of the defaults they ship with (tests/test_deploy_slurm.py
+# runs this script, the daemon as the unit says and a job as a user of the group).
+# The one thing left to the operator: the datasets jobs may read, one line each under [datasets]
+# in $DATACACHE_ETC/config.toml.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,6 +24,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 : "${DATACACHE_SHARED_DIR:=/mnt/shared/datacache}"
 : "${DATACACHE_UNIT_DIR:=/etc/systemd/system}"
 : "${DATACACHE_PROLOG_DIR:=/etc/slurm/prolog.d}"
+: "${DATACACHE_RUN_DIR:=/run/datacache}"      # the unit's RuntimeDirectory: the socket's directory
 : "${PYTHON:=python3}"
 
 check() {
@@ -39,6 +45,11 @@ if [ "${1:-}" = "--check" ]; then
     check
     exit
 fi
+upgrade=0
+if [ "${1:-}" = "--upgrade" ]; then
+    upgrade=1
+    shift
+fi
 if [ "$(id -u)" != 0 ]; then
     echo "install.sh: run as root (it creates a system user, a group and directories), or pass --check" >&2
     exit 2
@@ -54,14 +65,37 @@ id -u "$DATACACHE_USER" >/dev/null 2>&1 ||
         --shell /usr/sbin/nologin "$DATACACHE_USER"
 for user in "$@"; do usermod --append --groups "$DATACACHE_GROUP" "$user"; done
 
-[ -x "$DATACACHE_PREFIX/bin/python" ] || "$PYTHON" -m venv "$DATACACHE_PREFIX"
-"$DATACACHE_PREFIX/bin/python" -m pip install --quiet -c "$repo/constraints.txt" "$repo"
+if [ ! -x "$DATACACHE_PREFIX/bin/datacache" ] || [ "$upgrade" = 1 ]; then
+    [ -x "$DATACACHE_PREFIX/bin/python" ] || "$PYTHON" -m venv "$DATACACHE_PREFIX"
+    "$DATACACHE_PREFIX/bin/python" -m pip install --quiet -c "$repo/constraints.txt" "$repo"
+fi
+
+# The shipped files name the default user, group and paths; install them with this node's.
+render() {
+    sed -e "s|/opt/datacache|$DATACACHE_PREFIX|g" \
+        -e "s|/etc/datacache|$DATACACHE_ETC|g" \
+        -e "s|/mnt/nvme/datacache|$DATACACHE_LOCAL_DIR|g" \
+        -e "s|/mnt/shared/datacache|$DATACACHE_SHARED_DIR|g" \
+        -e "s|/run/datacache|$DATACACHE_RUN_DIR|g" \
+        -e "s|^daemon_uid = \"datacache\"|daemon_uid = \"$DATACACHE_USER\"|" \
+        -e "s|^User=datacache\$|User=$DATACACHE_USER|" \
+        -e "s|^Group=datacache-users\$|Group=$DATACACHE_GROUP|" \
+        "$1"
+}
 
 install -d -m 0755 "$DATACACHE_ETC"
-[ -f "$DATACACHE_ETC/config.toml" ] || install -m 0644 "$repo/deploy/config/slurm.toml" "$DATACACHE_ETC/config.toml"
-install -d -m 0750 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_LOCAL_DIR" "$DATACACHE_SHARED_DIR"
+if [ ! -f "$DATACACHE_ETC/config.toml" ]; then
+    render "$repo/deploy/config/slurm.toml" > "$DATACACHE_ETC/config.toml.new"
+    chmod 0644 "$DATACACHE_ETC/config.toml.new"
+    mv "$DATACACHE_ETC/config.toml.new" "$DATACACHE_ETC/config.toml"
+fi
+# The node's cache: the daemon's, readable by the group whose jobs read through it.
+install -d -m 0750 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_LOCAL_DIR"
+# The shared tier: a group resource (docs/SECURITY.md, "The shared tier"): 2770, setgid.
+install -d -m 2770 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_SHARED_DIR"
 install -d -m 0755 "$DATACACHE_UNIT_DIR" "$DATACACHE_PROLOG_DIR"
-install -m 0644 "$repo/deploy/slurm/datacache.service" "$DATACACHE_UNIT_DIR/datacache.service"
+render "$repo/deploy/slurm/datacache.service" > "$DATACACHE_UNIT_DIR/datacache.service"
+chmod 0644 "$DATACACHE_UNIT_DIR/datacache.service"
 install -m 0755 "$repo/deploy/slurm/datacache-prolog.sh" "$DATACACHE_PROLOG_DIR/datacache-prolog.sh"
 check
 echo "next: systemctl daemon-reload && systemctl enable --now datacache"
