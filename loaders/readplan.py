@@ -150,9 +150,11 @@ class LazyEpochPlan(Segmented):
         first, last = first[mine][which], last[mine][which]
         first_use = np.full(units, -1, dtype=np.int64)
         release = np.full(units, -1, dtype=np.int64)
-        # Reversed assignment keeps the first piece's value; plain assignment keeps the last's.
-        first_use[unit[::-1]] = first[::-1]
-        release[unit] = last
+        # Pieces are in stream order: a unit's first use is its first piece's start, its release its last's end.
+        seen, at = np.unique(unit, return_index=True)
+        first_use[seen] = first[at]
+        seen, at = np.unique(unit[::-1], return_index=True)
+        release[seen] = last[::-1][at]
         _, ordered = dedupe_ranges(np.zeros_like(unit), unit)
         closing = np.nonzero(release >= 0)[0]
         by_position = np.argsort(release[closing], kind="stable")
