@@ -368,19 +368,29 @@ class ObjectTier(Tier):
                     yield chunk
                 return
             except Exception as exc:
-                if past_the_end(request, exc):
+                retry = await self._after_failure(exc, request, where, attempt)
+                if retry is None:
                     return
-                error = translate_error(exc, where)
-                attempt += 1
-                if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
-                    self._counters["errors"] += 1
-                    if isinstance(error, TransientOriginError):
-                        error = TransientOriginError(f"{error} (gave up after {attempt} attempts)")
-                    raise error from exc
-                self._counters["retries"] += 1
-                await asyncio.sleep(self._retry.delay(attempt))
+                attempt = retry
             finally:
                 transfer.abandon()
+
+    async def _after_failure(self, exc: Exception, request: Any, where: str, attempt: int) -> int | None:
+        """The retry rule of a streamed GET that failed: None when its range began past the end (done),
+        else the attempt number to retry as, after the back-off; the translated error when it is not
+        transient or the attempts are spent."""
+        if past_the_end(request, exc):
+            return None
+        error = translate_error(exc, where)
+        attempt += 1
+        if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
+            self._counters["errors"] += 1
+            if isinstance(error, TransientOriginError):
+                error = TransientOriginError(f"{error} (gave up after {attempt} attempts)")
+            raise error from exc
+        self._counters["retries"] += 1
+        await asyncio.sleep(self._retry.delay(attempt))
+        return attempt
 
     async def read_into(
         self,
@@ -421,17 +431,10 @@ class ObjectTier(Tier):
             except BufferError:
                 raise
             except Exception as exc:
-                if past_the_end(request, exc):
+                retry = await self._after_failure(exc, request, where, attempt)
+                if retry is None:
                     return
-                error = translate_error(exc, where)
-                attempt += 1
-                if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
-                    self._counters["errors"] += 1
-                    if isinstance(error, TransientOriginError):
-                        error = TransientOriginError(f"{error} (gave up after {attempt} attempts)")
-                    raise error from exc
-                self._counters["retries"] += 1
-                await asyncio.sleep(self._retry.delay(attempt))
+                attempt = retry
             finally:
                 transfer.abandon()
 

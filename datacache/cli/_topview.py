@@ -1,0 +1,290 @@
+"""How `datacache top` shows a frame: the plain text one (``--once``) and the rich live view's.
+
+A frame is the plain dict `datacache.cli._top.Sampler` reads; nothing here reads the node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from datacache.units import format_bytes
+
+__all__ = ["SORTS", "View", "rich_frame", "sort_clients", "text_frame"]
+
+SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+    "c": ("client", lambda c: (c.get("rank", -1), c.get("worker", -1), c["client"])),
+    "u": ("user", lambda c: str(c.get("user") or c.get("uid"))),
+    "d": ("dataset", lambda c: str(c.get("dataset") or "")),
+    "b": ("MB/s", lambda c: c.get("delivered_bytes_per_s", 0.0)),
+    "p": ("samples/s", lambda c: c.get("samples_per_s", 0.0)),
+    "s": ("stall", lambda c: c.get("stall_fraction", 0.0)),
+    "f": ("depth", lambda c: c.get("prefetch_depth", 0)),
+    "h": ("local hits", lambda c: c["hit_share"]["local"]),
+}
+
+
+def _mbps(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _bar(share: float, width: int) -> str:
+    filled = round(max(0.0, min(1.0, share)) * width)
+    return "#" * filled + "." * (width - filled)
+
+
+def _hits(shares: dict[str, float]) -> str:
+    """Hit share per tier as one bar: L local, S shared, O origin."""
+    width = 10
+    local = round(shares["local"] * width)
+    shared = min(width - local, round(shares["shared"] * width))
+    origin = width - local - shared if sum(shares.values()) else 0
+    bar = "L" * local + "S" * shared + "O" * origin
+    bar = bar.ljust(width, ".")
+    return f"{bar} {100 * shares['local']:3.0f}/{100 * shares['shared']:.0f}/{100 * shares['origin']:.0f}"
+
+
+def sort_clients(clients: list[dict[str, Any]], key: str, reverse: bool) -> list[dict[str, Any]]:
+    _, value = SORTS[key]
+    return sorted(clients, key=value, reverse=reverse)
+
+
+def _label(client: dict[str, Any]) -> str:
+    if "rank" in client:
+        return f"r{client['rank']}/w{client.get('worker', 0)} pid {client.get('pid')}"
+    return str(client["client"])
+
+
+def _short(text: Any, width: int) -> str:
+    value = str(text if text is not None else "-")
+    return value if len(value) <= width else value[: width - 1] + "~"
+
+
+def header_lines(frame: dict[str, Any]) -> list[str]:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(frame["time"]))
+    daemon = frame["daemon"]
+    if frame["source"] == "daemon":
+        how = f"through the daemon on {daemon['socket']} (pid {daemon.get('pid')})"
+    else:
+        how = "embedded: this node's catalog and readers' report files"
+    lines = [f"datacache top - {frame['host']} - {stamp} - {how}"]
+    if daemon.get("error"):
+        lines.append(
+            f"! the daemon on {daemon['socket']} is not answering ({daemon['error']}); "
+            f"retrying every {frame['interval_s']:g}s"
+        )
+    if frame.get("error"):
+        lines.append(f"! {frame['error']}")
+    if not frame.get("operator"):
+        who = "root or the daemon's user" if frame["source"] == "daemon" else "root"
+        lines.append(f"(your own clients only: {who} sees everyone's)")
+    return lines
+
+
+def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False) -> str:
+    """One frame as plain text (``--once``, and the live view without rich)."""
+    out = [*header_lines(frame), ""]
+    clients = sort_clients(frame["clients"], sort, reverse)
+    out.append(
+        f"{'CLIENT':<22} {'USER':<10} {'DATASET':<20} {'EP':>3} {'MB/s':>8} {'TARGET':>8} "
+        f"{'SAMPLES/s':>10} {'STALL':>6} {'DEPTH':>5}  HITS local/shared/origin %"
+    )
+    for c in clients:
+        out.append(
+            f"{_short(_label(c), 22):<22} {_short(c.get('user') or c.get('uid'), 10):<10} "
+            f"{_short(c.get('dataset'), 20):<20} {c.get('epoch', '-'):>3} "
+            f"{_mbps(c.get('delivered_bytes_per_s')):>8} {_mbps(c.get('target_share_bytes_per_s')):>8} "
+            f"{c.get('samples_per_s', 0.0):>10.1f} {_percent(c.get('stall_fraction')):>6} "
+            f"{c.get('prefetch_depth', 0):>5}  {_hits(c['hit_share'])}"
+        )
+    if not clients:
+        out.append("(no client is reading on this node)")
+    if frame["ranks"]:
+        out.append("")
+        out.append(
+            f"{'RANK':<6} {'USER':<10} {'DATASET':<20} {'READERS':>7} {'SAMPLES':>9} {'MB/s':>8} "
+            f"{'TARGET':>8} {'WAIT':>5} {'DEPTH':>5}  HITS local/shared/origin %"
+        )
+        for r in frame["ranks"]:
+            target = _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-"
+            flag = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " LOW")
+            out.append(
+                f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(r['dataset'], 20):<20} "
+                f"{r['readers']:>7} {r['samples']:>9} {_mbps(r['bytes_per_second']):>8} {target + flag:>8} "
+                f"{_percent(r['reader_wait_fraction']):>5} {r['prefetch_depth']:>5}  {_hits(r['hit_ratio'])}"
+            )
+    out.append("")
+    out.append(
+        f"{'TIER':<7} {'USAGE':<38} {'SHARDS':>7} {'IN MB/s':>8} {'OUT MB/s':>9} {'EVICT/s':>8} {'DECLINE/s':>9}"
+    )
+    for t in frame["tiers"]:
+        if t["tier"] == "origin":
+            usage = ""
+        else:
+            capacity = t.get("capacity_bytes")
+            used = int(t.get("used_bytes", 0))
+            if capacity:
+                usage = f"[{_bar(used / capacity, 12)}] {format_bytes(used)} / {format_bytes(capacity)}"
+            else:
+                usage = f"{format_bytes(used)} (unbounded)"
+        shards = t.get("shards", "")
+        out.append(
+            f"{t['tier']:<7} {usage:<38} {shards!s:>7} {_mbps(t.get('bytes_in_per_s')):>8} "
+            f"{_mbps(t.get('bytes_out_per_s')):>9} {_rate(t.get('evictions_per_s')):>8} "
+            f"{_rate(t.get('declines_per_s')):>9}"
+        )
+    out.append("")
+    transfers = frame["transfers"]
+    out.append(f"TRANSFERS IN FLIGHT: {len(transfers)}")
+    for t in transfers[:8]:
+        done = _progress(t, 12)
+        out.append(f"  {_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7} {done}")
+    policies = frame["policies"]
+    if policies:
+        out.append("EVICTION POLICY: " + ", ".join(f"{_short(d, 24)}: {p}" for d, p in sorted(policies.items())))
+    return "\n".join(out) + "\n"
+
+
+def _progress(transfer: dict[str, Any], width: int) -> str:
+    progress = transfer.get("progress")
+    if progress is None:
+        return format_bytes(transfer["bytes"])
+    if progress >= 1.0:
+        return f"[{_bar(1.0, width)}] all bytes in: verifying, writing"
+    return f"[{_bar(progress, width)}] {100 * progress:3.0f}% of {format_bytes(transfer['size'])}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+
+
+@dataclass
+class View:
+    """The live view's sort key and direction, changed by key presses."""
+
+    sort: str = "c"
+    reverse: bool = False
+
+
+def rich_frame(frame: dict[str, Any], view: View) -> Any:
+    """The live view's screen: the plain frame's tables as rich tables, bars coloured."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [
+        Text(line, style="bold red" if line.startswith("!") else "bold") for line in header_lines(frame)
+    ]
+    name, _ = SORTS[view.sort]
+    clients = Table(expand=True, box=None, header_style="reverse")
+    for column, keyed in (
+        ("CLIENT", "c"),
+        ("USER", "u"),
+        ("DATASET", "d"),
+        ("EP", ""),
+        ("MB/s", "b"),
+        ("TARGET", ""),
+        ("SAMPLES/s", "p"),
+        ("STALL", "s"),
+        ("DEPTH", "f"),
+        ("HITS local/shared/origin", "h"),
+    ):
+        arrow = (" v" if view.reverse else " ^") if keyed == view.sort else ""
+        clients.add_column(f"{column}{arrow}", justify="left" if keyed in ("c", "u", "d", "h") else "right")
+    for c in sort_clients(frame["clients"], view.sort, view.reverse):
+        stall = float(c.get("stall_fraction", 0.0))
+        clients.add_row(
+            _label(c),
+            str(c.get("user") or c.get("uid")),
+            _short(c.get("dataset"), 24),
+            str(c.get("epoch", "-")),
+            _mbps(c.get("delivered_bytes_per_s")),
+            _mbps(c.get("target_share_bytes_per_s")),
+            f"{c.get('samples_per_s', 0.0):.1f}",
+            Text(_percent(stall), style="red" if stall > 0.2 else ""),
+            str(c.get("prefetch_depth", 0)),
+            _hit_text(c["hit_share"]),
+        )
+    parts += [Text(""), clients]
+    if not frame["clients"]:
+        parts.append(Text("(no client is reading on this node)", style="dim"))
+    if frame["ranks"]:
+        ranks = Table(expand=True, box=None, header_style="reverse")
+        for column in ("RANK", "USER", "DATASET", "READERS", "SAMPLES", "MB/s", "TARGET", "WAIT", "DEPTH", "HITS"):
+            ranks.add_column(column, justify="left" if column in ("RANK", "USER", "DATASET", "HITS") else "right")
+        for r in frame["ranks"]:
+            low = r["meets_target"] is False
+            ranks.add_row(
+                str(r["rank"]),
+                str(r["user"] or r["uid"]),
+                _short(r["dataset"], 24),
+                str(r["readers"]),
+                str(r["samples"]),
+                Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),
+                _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-",
+                _percent(r["reader_wait_fraction"]),
+                str(r["prefetch_depth"]),
+                _hit_text(r["hit_ratio"]),
+            )
+        parts += [Text(""), ranks]
+    tiers = Table(expand=True, box=None, header_style="reverse")
+    for column in ("TIER", "USAGE", "SHARDS", "IN MB/s", "OUT MB/s", "EVICT/s", "DECLINE/s"):
+        tiers.add_column(column, justify="left" if column in ("TIER", "USAGE") else "right")
+    for t in frame["tiers"]:
+        usage = Text("")
+        if t["tier"] != "origin":
+            capacity, used = t.get("capacity_bytes"), int(t.get("used_bytes", 0))
+            if capacity:
+                share = used / capacity
+                usage = Text(
+                    _bar(share, 20).replace("#", "\u2588").replace(".", "\u2591"),
+                    style="red" if share > 0.95 else "green",
+                )
+                usage.append(f" {format_bytes(used)} / {format_bytes(capacity)}")
+            else:
+                usage = Text(f"{format_bytes(used)} (unbounded)")
+        tiers.add_row(
+            t["tier"],
+            usage,
+            str(t.get("shards", "")),
+            _mbps(t.get("bytes_in_per_s")),
+            _mbps(t.get("bytes_out_per_s")),
+            _rate(t.get("evictions_per_s")),
+            _rate(t.get("declines_per_s")),
+        )
+    parts += [Text(""), tiers, Text("")]
+    transfers = frame["transfers"]
+    parts.append(Text(f"TRANSFERS IN FLIGHT: {len(transfers)}", style="bold"))
+    for t in transfers[:8]:
+        done = _progress(t, 20)
+        where = f"{_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7}"
+        parts.append(Text(f"  {where} {done}"))
+    if frame["policies"]:
+        parts.append(Text("EVICTION POLICY: " + ", ".join(f"{d}: {p}" for d, p in sorted(frame["policies"].items()))))
+    keys = " ".join(f"{key} {label}" for key, (label, _) in SORTS.items())
+    parts.append(Text(f"\nq quit   sort: {keys}   r reverse   (sorted by {name})", style="dim"))
+    return Group(*parts)
+
+
+def _hit_text(shares: dict[str, float]) -> Any:
+    from rich.text import Text
+
+    width = 12
+    local = round(shares["local"] * width)
+    shared = min(width - local, round(shares["shared"] * width))
+    origin = width - local - shared if sum(shares.values()) else 0
+    text = Text()
+    text.append("\u2588" * local, style="green")
+    text.append("\u2588" * shared, style="yellow")
+    text.append("\u2588" * origin, style="red")
+    text.append("\u2591" * (width - local - shared - origin), style="dim")
+    text.append(f" {100 * shares['local']:3.0f}/{100 * shares['shared']:.0f}/{100 * shares['origin']:.0f}")
+    return text
