@@ -20,11 +20,11 @@ from typing import Any
 from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.daemon._http import BadRequest, Peer, string
-from datacache.daemon._policy import OriginPolicy
+from datacache.daemon._policy import OriginPolicy, check_form
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.stager import DatasetHandle, Stager
-from datacache.tiers import redact_url, validate_key
+from datacache.tiers import CONFINE_REDIRECTS, redact_url, validate_key
 
 __all__ = ["DatasetRegistry"]
 
@@ -79,6 +79,8 @@ class DatasetRegistry:
         spec = data.get("dataset")
         client_options: dict[str, Any] = {}
         if isinstance(spec, str):
+            if spec not in self.settings.datasets:
+                check_form(spec)
             config = resolve_dataset(spec, self.settings)
             configured = spec in self.settings.datasets
         else:
@@ -97,6 +99,10 @@ class DatasetRegistry:
             if base:
                 config = replace(config, storage_options={**base, **client_options})
         self.policy.admit(config, client_options, configured=configured, operator=peer.is_operator)
+        if not configured and config.url.split("://", 1)[0].lower() in ("http", "https"):
+            # A redirect would lead the daemon wherever the origin's host points it (the node's
+            # loopback, a metadata service): a dataset a client opened follows one only inside its URL.
+            config = replace(config, storage_options={**config.storage_options, CONFINE_REDIRECTS: True})
         if config.id in self.pins and not config.pinned:
             config = replace(config, pinned=True)
         return config
