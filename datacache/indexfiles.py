@@ -22,7 +22,7 @@ from datacache.config import Settings
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
 from datacache.sidecars import KnownCount
-from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, server_now
+from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
 
 __all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
 
@@ -38,6 +38,9 @@ def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
     """Where the cluster keeps the counts of one dataset snapshot."""
     return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
 
+
+# Untrusted files already named in a warning (one line per file, not one per read).
+_NAMED: set[Path] = set()
 
 # A count file is a few bytes a shard; anything past this is not one (a planted /dev/zero, say).
 _INDEX_FILE_LIMIT = 256 << 20
@@ -59,6 +62,7 @@ class IndexFiles:
         self._parts = self.path.relative_to(base).parts
         # The shared tier is the group's (setgid 2770); without one, the node's private cache.
         self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
+        self._trusted = settings.trusted_uids
 
     def place(self, name: str) -> Place:
         return Place(self._base, self._parts, name, self._dir_mode)
@@ -83,6 +87,31 @@ class IndexFiles:
             return read_bounded(self.place(name), _INDEX_FILE_LIMIT)
         except FileNotFoundError:
             return None
+
+    def read_trusted(self, name: str) -> bytes | None:
+        """`read`, but only a file written by a trusted uid (this user, root, the daemon's).
+
+        Any member of the shared tier's group can write this directory: a count is
+        believed as a cached copy is (docs/SECURITY.md, "Who vouches for a cached
+        copy"), on its writer's word only if that writer is trusted; anyone else's file
+        is ignored (named once) and its shards are counted again.
+        """
+        try:
+            st, raw = read_bounded_stat(self.place(name), _INDEX_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+        if st.st_uid not in self._trusted:
+            where = self.path / name
+            if where not in _NAMED:
+                _NAMED.add(where)
+                logger.warning(
+                    "ignoring the cluster index file %s: written by uid %d, not by this user, root or the "
+                    "daemon's uid; its shards are counted again",
+                    where,
+                    st.st_uid,
+                )
+            return None
+        return raw
 
     def exists(self, name: str) -> bool:
         try:
