@@ -395,6 +395,18 @@ class Catalog:
 
         return await self._run(read)
 
+    async def drop_dead_leases(self) -> int:
+        """Remove the leases of processes that no longer exist; return how many."""
+
+        def write(c: sqlite3.Connection) -> int:
+            with self._transaction(c):
+                owners = {row[0] for row in c.execute("SELECT DISTINCT owner FROM leases")}
+                dead = [(owner,) for owner in owners if not owner_alive(owner)]
+                c.executemany("DELETE FROM leases WHERE owner=?", dead)
+                return len(dead)
+
+        return await self._run(write)
+
     async def leased(self) -> set[tuple[str, str]]:
         """(dataset, key) of every shard a live reader holds."""
         return await self._run(leased_shards)

@@ -13,6 +13,7 @@ errors), `DatasetRegistry` (configurations, handles, pins, snapshots) and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from datacache._protocol import (
 )
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
+from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
 from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._limits import BodyBudget
 from datacache.daemon._policy import OriginPolicy, own_endpoints
@@ -145,6 +147,7 @@ class Daemon:
             own_endpoints=own_endpoints(settings),
         )
         self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
+        self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
 
     @property
@@ -179,6 +182,8 @@ class Daemon:
         stager = Stager(settings, reconcile=False)
         self.stager = stager
         counts = await stager.reconcile()
+        # Leases whose process is gone end with it; none outlives a restart without a live owner.
+        await stager.catalog.drop_dead_leases()
         self.registry.pins = {record.id for record in await stager.catalog.datasets() if record.pinned}
         stager.add_listener(self.metrics.on_event)
         stager.add_listener(log_event)
@@ -398,7 +403,8 @@ class Daemon:
     async def _progress(self, request: web.Request) -> web.Response:
         """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         try:
             progress = ReaderProgress.from_json(data.get("progress"))
         except ValueError as exc:
@@ -406,8 +412,28 @@ class Daemon:
         if progress.owner.rpartition(":")[0] != socket.gethostname():
             # A lease names a process of this node, whose death ends it; another host's never would.
             raise http.BadRequest("reader progress must name a process of this node as its owner")
+        if peer.pid <= 0:
+            raise http.Forbidden("cannot tell which process is calling (no pid in SO_PEERCRED)")
+        sizes = []
         for key in progress.holding:
             validate_key(key)
+            if key not in handle.manifest:
+                raise http.BadRequest(f"reader progress holds {key!r}, which is not a shard of {handle.id}")
+            sizes.append((key, handle.manifest.shard(key).size))
+        # The lease is the calling process's (the kernel's word, not the client's), held only while it
+        # lives, and one uid holds at most its share of the tier.
+        owner = owner_of(peer.pid)
+        held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
+        if len(held) < len(sizes):
+            logger.warning(
+                "uid %d may lease at most %d bytes of the local tier: %d of %d shards of %s not leased",
+                peer.uid,
+                self.leases.limit,
+                len(sizes) - len(held),
+                len(sizes),
+                handle.id,
+            )
+        progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
         wanted = http.keys(data, "locate") if "locate" in data else []
         for key in wanted:
             self.registry.shard(handle, key)
