@@ -343,6 +343,47 @@ def test_evict_pin_and_report_corrupt_only_for_datasets_the_caller_opened(
         daemon.kill()
 
 
+def test_opening_a_dataset_grants_no_authority_over_another_users_pin(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """Issue 23 item 6: bob opens the dataset alice pinned; he still may not unpin, re-pin or evict it."""
+    data = world_dir / "data"
+    make_shards(data / "wds", 2, 10_000)
+    daemon = serve_for(
+        users, world_dir, base_env, "--allow-dataset", f"file://{data}/", "--allow-uid", str(users["bob"].uid)
+    )
+    url = f"file://{data}/wds"
+    dataset = dataset_id_for(url)
+    shard = {"dataset": dataset, "key": "shard-0000.tar"}
+    try:
+        replies = calls_as(
+            users["alice"],
+            daemon,
+            ("POST", "/v1/open", {"dataset": url}),
+            ("POST", "/v1/ensure", shard),
+            ("POST", "/v1/pin", {"dataset": dataset}),
+        )
+        assert [status for status, _ in replies] == [200, 200, 200], replies
+        attacks = [
+            ("POST", "/v1/open", {"dataset": url}),
+            ("POST", "/v1/unpin", {"dataset": dataset}),
+            ("POST", "/v1/evict", {"dataset": dataset}),
+            ("POST", "/v1/evict", {"dataset": dataset, "keys": ["shard-0000.tar"]}),
+            ("POST", "/v1/pin", {"dataset": dataset}),
+        ]
+        opened, *refused = calls_as(users["bob"], daemon, *attacks)
+        assert opened[0] == 200, opened  # bob may read it...
+        for (_, _, body), (status, reply) in zip(attacks[1:], refused, strict=True):
+            assert (status, error_code(reply)) == (403, "forbidden"), (body, status, reply)  # ...not take it
+        ((status, location),) = calls_as(users["alice"], daemon, ("POST", "/v1/locate", shard))
+        assert status == 200 and location["tier"] == "local", location
+        # The pinner, and an operator (root: the test itself), may.
+        ((status, reply),) = calls_as(users["alice"], daemon, ("POST", "/v1/unpin", {"dataset": dataset}))
+        assert status == 200 and reply["pinned"] is False, reply
+    finally:
+        daemon.kill()
+
+
 # -- the client trusts only root or the daemon's uid, and keeps its secrets (issue 11 item 6) ---
 
 _FAKE_DAEMON = r"""

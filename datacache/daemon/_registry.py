@@ -66,6 +66,8 @@ class DatasetRegistry:
         self.handles: dict[tuple[str, str], DatasetHandle] = {}  # least recently used first
         self.latest: dict[str, DatasetHandle] = {}
         self.pins: set[str] = set()
+        # Who pinned each pinned dataset (-1: pinned before this daemon started, by someone unknown).
+        self.pinners: dict[str, int] = {}
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
 
@@ -175,12 +177,21 @@ class DatasetRegistry:
         validate_key(key)
         return handle.manifest.shard(key)
 
-    def set_pinned(self, dataset: str, pinned: bool) -> None:
-        """Record a pin (or unpin) in every handle of ``dataset``."""
+    def pinned_by(self, dataset: str) -> int | None:
+        """The uid that pinned ``dataset`` (-1 if unknown: pinned before this daemon started); None if unpinned."""
+        if dataset not in self.pins:
+            return None
+        return self.pinners.get(dataset, -1)
+
+    def set_pinned(self, dataset: str, pinned: bool, *, uid: int | None = None) -> None:
+        """Record a pin (by ``uid``) or an unpin in every handle of ``dataset``."""
         if pinned:
             self.pins.add(dataset)
+            if uid is not None:
+                self.pinners[dataset] = uid
         else:
             self.pins.discard(dataset)
+            self.pinners.pop(dataset, None)
         for ident, handle in list(self.handles.items()):
             if ident[0] == dataset:
                 self.handles[ident] = replace(handle, config=replace(handle.config, pinned=pinned))

@@ -291,6 +291,15 @@ class Daemon:
         if not self.registry.opened_by(peer, dataset_id):
             raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
 
+    def _pin_holder_only(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """A pinned dataset is its pinner's: only that uid (or an operator) may unpin, re-pin or evict it."""
+        peer = self._peer(request)
+        holder = self.registry.pinned_by(dataset_id)
+        if holder is None or peer.is_operator or holder == peer.uid:
+            return
+        what = "pinned by another uid" if holder >= 0 else "pinned (before this daemon started)"
+        raise http.Forbidden(f"uid {peer.uid} may not {verb} {dataset_id}: it is {what}; ask its owner or an operator")
+
     def _stager(self) -> Stager:
         if self.stager is None:
             raise DaemonUnavailableError("the daemon is starting")
@@ -472,6 +481,7 @@ class Daemon:
         if tier not in (LOCAL, SHARED, "all"):
             raise http.BadRequest(f"unknown tier {tier!r} (choose local, shared or all)")
         self._may_change(request, dataset_id, "evict")
+        self._pin_holder_only(request, dataset_id, "evict")
         if tier != LOCAL and not self._peer(request).is_operator:
             # The shared tier serves every node of the cluster: only an operator empties it.
             raise http.Forbidden(f"only root or the daemon's uid may evict from the {tier} tier")
@@ -505,11 +515,12 @@ class Daemon:
         dataset = http.string(data, "dataset")
         validate_key(dataset)
         self._may_change(request, dataset, "pin" if pinned else "unpin")
+        self._pin_holder_only(request, dataset, "pin" if pinned else "unpin")
         if not await self._stager().catalog.set_pinned(dataset, pinned):
             raise ShardNotFoundError(
                 f"dataset {dataset!r} is unknown to this node (open or warm it first)"
             )
-        self.registry.set_pinned(dataset, pinned)
+        self.registry.set_pinned(dataset, pinned, uid=self._peer(request).uid)
         logger.info(
             "%s dataset %s",
             "pinned" if pinned else "unpinned",
