@@ -8,6 +8,7 @@ every ``repr`` and message.
 from __future__ import annotations
 
 import difflib
+import grp
 import hashlib
 import logging
 import math
@@ -84,6 +85,8 @@ class Settings:
     local_dir: Path
     local_capacity: int | None = None
     shared_dir: Path | None = None
+    shared_group: int | None = None
+    """The group the shared tier's root gets when datacache creates it (else the parent's setgid group)."""
     shared_capacity: int | None = None
     concurrency: int = 8
     part_size: int = 64 << 20
@@ -208,6 +211,20 @@ def _address(value: Any, what: str) -> str:
     return value
 
 
+def _gid(value: Any, what: str) -> int:
+    """A gid given as a number or a group name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ConfigError(f"{what}: no group named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a gid or a group name, got {value!r}")
+
+
 def _uid(value: Any, what: str) -> int:
     """A uid given as a number or a user name."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -226,6 +243,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "local_dir": ("cache", _directory),
     "local_capacity": ("cache", _positive_size),
     "shared_dir": ("cache", _directory),
+    "shared_group": ("cache", _gid),
     "shared_capacity": ("cache", _positive_size),
     "concurrency": ("staging", _positive_int),
     "part_size": ("staging", _positive_size),

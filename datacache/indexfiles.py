@@ -39,6 +39,30 @@ def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
     return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
 
 
+# Shared tiers this process found it cannot use, each named once.
+_UNUSABLE: set[Path] = set()
+
+
+def _usable(shared_dir: Path) -> bool:
+    """Whether this user can use the shared tier's index (enter and write ``indexes/``, or make it).
+
+    A tier this user cannot use is read around, as the stager reads around it (docs/SECURITY.md,
+    "What datacache checks"): the index is kept in the node's own directory instead, with one warning.
+    """
+    target = shared_dir / "indexes"
+    probe = next((p for p in (target, *target.parents) if os.path.exists(p)), Path("/"))
+    if os.access(probe, os.W_OK | os.X_OK):
+        return True
+    if shared_dir not in _UNUSABLE:
+        _UNUSABLE.add(shared_dir)
+        logger.warning(
+            "not using the shared tier for sample counts, reading around it: %s cannot be written by uid %d",
+            probe,
+            os.geteuid(),
+        )
+    return False
+
+
 # Untrusted files already named in a warning (one line per file, not one per read).
 _NAMED: set[Path] = set()
 
@@ -56,12 +80,12 @@ class IndexFiles:
     """
 
     def __init__(self, settings: Settings, manifest: Manifest) -> None:
-        base = settings.shared_dir or settings.local_dir
+        base = settings.shared_dir if settings.shared_dir and _usable(settings.shared_dir) else settings.local_dir
         self.path = index_dir(base, manifest)
         self._base = base
         self._parts = self.path.relative_to(base).parts
         # The shared tier is the group's (setgid 2770); without one, the node's private cache.
-        self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
+        self._dir_mode = 0o2770 if base == settings.shared_dir else 0o700
         self._trusted = settings.trusted_uids
 
     def place(self, name: str) -> Place:

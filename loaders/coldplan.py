@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -42,7 +43,7 @@ from datacache.loaders.runtime import Runtime
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError, TierAccessError
 from datacache.indexing import ClusterIndex, decide_cold
 from datacache.manifest import Shard
 from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
@@ -97,11 +98,13 @@ class CountBook:
             return int(self.counts[unit])
         access = self._access
         try:
+            location = None
             if self._settings.shared_dir is not None:
-                location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
-            elif isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+                with contextlib.suppress(TierAccessError):  # a tier this user cannot use is read around
+                    location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
+            if location is None and isinstance(access, Stager):  # counted from its verified bytes, before the fsync
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
-            else:
+            elif location is None:
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
             if location.buffer is not None:
                 return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)

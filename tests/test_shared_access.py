@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from _daemon import make_shards
 from _helpers import run_cli
-from _users import User, cli_as, user_env, users, world_dir
+from _users import User, cli_as, run_as, user_env, users, world_dir
 from datacache.tiers import LocalTier, SharedTier
 
 from datacache.checksum import checksum_of, new_hasher
@@ -162,3 +163,58 @@ def _sum(data: bytes) -> str:
     hasher = new_hasher()
     hasher.update(data)
     return checksum_of(hasher)
+
+
+# -- a tier the first user made: its group, and reading around it (issue 23 item 4) --------------
+
+_LOAD = """
+import sys
+from datacache.loaders import CachedIterableDataset
+print("samples", len(list(CachedIterableDataset(sys.argv[1], shuffle=False))))
+"""
+
+
+def _tar_origin(world_dir: Path) -> str:
+    from _helpers import tar_of
+
+    origin = world_dir / "wds"
+    origin.mkdir()
+    for shard in range(3):
+        members = {f"s{shard}{i:03d}.txt": f"sample {shard}.{i}".encode() for i in range(4)}
+        (origin / f"shard-{shard:04d}.tar").write_bytes(tar_of(members))
+    for path in [origin, *origin.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(origin)
+
+
+def _load_as(user: User, url: str, env: dict[str, str]) -> tuple[str, str]:
+    done = run_as(user, [sys.executable, "-c", _LOAD, url], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stdout, done.stderr
+
+
+def test_a_tier_the_first_user_made_is_read_around_by_others_and_shared_group_gives_it_the_team(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    team = alice.groups[0]
+    url = _tar_origin(world_dir)
+    for configured in (False, True):
+        parent = world_dir / f"lustre-{configured}"
+        parent.mkdir()
+        os.chown(parent, alice.uid, alice.gid)  # alice's, not setgid: nothing gives a group below it
+        shared = parent / "datacache"  # not there yet: alice's first run makes it
+        extra = {"DATACACHE_SHARED_GROUP": str(team)} if configured else {}
+        out, err = _load_as(alice, url, {**_env(alice, shared), **extra})
+        assert "samples 12" in out
+        assert shared.stat().st_gid == (team if configured else alice.gid)
+        if not configured:
+            assert "own group" in err and "shared_group" in err, err  # the start-up check names it
+        out, err = _load_as(bob, url, {**_env(bob, shared), **extra})
+        assert "samples 12" in out, err  # never a PermissionError out of the loader
+        if configured:
+            assert "not using the shared tier" not in err, err
+            assert any(p.stat().st_uid == bob.uid for p in shared.rglob("*")), "bob used the team's tier"
+        else:
+            assert err.count("not using the shared tier") >= 1, err

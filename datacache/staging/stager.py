@@ -85,7 +85,12 @@ class Stager:
         self.settings = settings
         self.local = LocalTier(settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync)
         self.shared: SharedTier | None = (
-            SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
+            SharedTier(
+                settings.shared_dir,
+                capacity=settings.shared_capacity,
+                durable=settings.fsync,
+                group=settings.shared_group,
+            )
             if settings.shared_dir
             else None
         )
