@@ -202,3 +202,36 @@ def test_the_daemon_follows_no_redirect_out_of_what_a_client_opened(
         )
     finally:
         daemon.kill()
+
+
+# -- item 13: an allowed prefix ends at a path boundary ----------------------------------------
+
+
+def test_an_allowed_prefix_does_not_admit_a_neighbour_that_shares_its_spelling() -> None:
+    for prefix in ("s3://b/public/", "s3://b/public"):
+        policy = OriginPolicy(prefixes=(prefix,))
+        for url in ("s3://b/public/", "s3://b/public/x/", "s3://b/public"):
+            policy.admit(DatasetConfig(name="x", url=url), {}, configured=False, operator=False)
+        for url in ("s3://b/public-secret/", "s3://b/publicity/x", "s3://b/public.bak/"):
+            with pytest.raises(Forbidden, match="allowed"):
+                policy.admit(DatasetConfig(name="x", url=url), {}, configured=False, operator=False)
+
+
+def test_the_daemon_serves_an_allowed_root_but_not_its_neighbour(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    data = world_dir / "data"
+    make_shards(data / "public", 2, 10_000, seed=1)
+    make_shards(data / "public-secret", 2, 10_000, seed=2)
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"file://{data}/public/")
+    try:
+        neighbour, allowed = calls_as(
+            users["alice"],
+            daemon,
+            ("POST", "/v1/open", {"dataset": f"file://{data}/public-secret/"}),
+            ("POST", "/v1/open", {"dataset": f"file://{data}/public/"}),
+        )
+        assert (neighbour[0], error_code(neighbour[1])) == (403, "forbidden"), neighbour
+        assert allowed[0] == 200 and allowed[1]["shards"] == 2, allowed
+    finally:
+        daemon.kill()
