@@ -273,3 +273,46 @@ def test_a_group_members_rewritten_cluster_index_never_reaches_another_users_loa
 def run_rewrite(user: User, env: dict[str, str], samples: int, paths: list[Path]) -> None:
     done = run_as(user, [sys.executable, "-c", _REWRITE_COUNTS, str(samples), *map(str, paths)], env=env)
     assert done.returncode == 0, done.stderr
+
+
+# -- a shared copy counts only if every one of its writers is trusted (issue 23 item 14) ---------
+
+_SWAP = """
+import json, os, sys
+shared, dataset_id, version, checksum = sys.argv[1:5]
+data, meta = os.path.join(shared, "data", dataset_id), os.path.join(shared, "meta", dataset_id)
+# alice's copy of shard 1 (still her file: a rename keeps the owner) now stands where shard 0 goes...
+os.replace(os.path.join(data, "shard-0001.tar"), os.path.join(data, "shard-0000.tar"))
+# ...and bob's own metadata binds it to shard 0's version, with its true checksum.
+size = os.stat(os.path.join(data, "shard-0000.tar")).st_size
+document = {"version": version, "size": str(size), "checksum": checksum, "dataset": dataset_id, "key": "shard-0000.tar"}
+path = os.path.join(meta, "shard-0000.tar.json")
+with open(path + ".new", "w") as out:
+    json.dump(document, out)
+os.replace(path + ".new", path)
+"""
+
+
+def test_a_copy_by_a_trusted_writer_with_metadata_by_another_is_not_used(
+    users: dict[str, User], team_shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    shared = team_shared
+    assert len(dataset["shard-0000.tar"]) == len(dataset["shard-0001.tar"])
+    env = _env(alice, s3, shared, credentials=True)
+    done = cli_as(alice, "warm", url, "--tier", "shared", env=env)
+    assert done.returncode == 0, done.stderr
+    dataset_id = _dataset_id(alice, url, env)
+    etag = s3.client.head_object(Bucket=s3.name, Key="wds/shard-0000.tar")["ETag"].strip('"')
+    checksum = f"xxh3_64:{xxhash.xxh3_64(dataset['shard-0001.tar']).hexdigest()}"
+    swap = run_as(bob, [sys.executable, "-c", _SWAP, str(shared), dataset_id, etag, checksum])
+    assert swap.returncode == 0, swap.stderr
+    copy = shared / "data" / dataset_id / "shard-0000.tar"
+    meta = shared / "meta" / dataset_id / "shard-0000.tar.json"
+    assert (copy.stat().st_uid, meta.stat().st_uid) == (alice.uid, bob.uid)  # one trusted writer of two
+
+    fresh = _env(alice, s3, shared, credentials=True)
+    fresh["DATACACHE_LOCAL_DIR"] = str(alice.home / "fresh")  # no earlier confirmation of her own
+    result = _read_as(alice, url, fresh)
+    assert "error" not in result, result
+    assert sorted(result["texts"]) == sorted(f"REAL SAMPLE {s}.{i}" for s in range(SHARDS) for i in range(SAMPLES))
