@@ -446,7 +446,7 @@ asyncio.run(main())
 """
 
 
-def _fake_daemon(user: User | None, directory: Path) -> tuple[Any, Path, Path]:
+def _fake_daemon(user: User | None, directory: Path, *, gid: int | None = None) -> tuple[Any, Path, Path]:
     import subprocess
 
     directory.mkdir()
@@ -456,7 +456,8 @@ def _fake_daemon(user: User | None, directory: Path) -> tuple[Any, Path, Path]:
         for path in (directory, record):
             os.chown(path, user.uid, user.gid)
     sock = directory / "daemon.sock"
-    kwargs: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
+    group = user.gid if gid is None and user is not None else gid
+    kwargs: dict[str, Any] = {} if user is None else {"user": user.uid, "group": group, "extra_groups": []}
     process = subprocess.Popen(
         [sys.executable, "-c", _FAKE_DAEMON, str(sock), str(record)], stdout=subprocess.PIPE, **kwargs
     )
@@ -487,3 +488,18 @@ def test_the_client_talks_only_to_root_or_the_daemon_uid_and_sends_no_secrets_to
     finally:
         genuine.kill()
         genuine.wait()
+
+
+def test_the_client_judges_the_listener_by_its_uid_not_its_group(users: dict[str, User], world_dir: Path) -> None:
+    """Issue 23 item 16: mallory's listener runs with a gid numbered as alice's uid (gid 0 could not exec python)."""
+    alice, mallory = users["alice"], users["mallory"]
+    for number, gid in enumerate((alice.uid,)):
+        impostor, fake_socket, received = _fake_daemon(mallory, world_dir / f"fake-{number}", gid=gid)
+        try:
+            victim = run_as(alice, [sys.executable, "-c", _VICTIM, str(fake_socket), str(alice.home / "c")])
+            assert victim.returncode == 0, victim.stderr
+            assert received.read_bytes() == b"", gid  # not one byte went to mallory's process
+            assert "DaemonUnavailableError" in victim.stdout, victim.stdout
+        finally:
+            impostor.kill()
+            impostor.wait()
