@@ -112,6 +112,23 @@ def test_https_userinfo_and_query_tokens_never_survive_redaction(
     assert dataset_id_for(url) == dataset_id_for("https://host.example/data/x.tar")
 
 
+def test_a_password_with_at_signs_is_cut_at_the_last_one() -> None:
+    """Issue 23 item 17: userinfo ends at the last "@" of the authority, not the first."""
+    assert redact_url("https://user:p@ss@host/x") == "https://host/x"
+    assert redact_url("http://u:a@b@c@host:8080/x?q=1") == "http://host:8080/x?q=REDACTED"
+    assert dataset_id_for("https://user:p@ss@host/x") == dataset_id_for("https://host/x")
+
+
+@PROPERTY
+@given(
+    user=st.text(st.sampled_from("abcXYZ019._-"), min_size=1, max_size=12),
+    password=st.text(st.sampled_from("abcXYZ0189+=!$*()~@"), min_size=1, max_size=30).filter(lambda p: "@" in p),
+)
+def test_https_passwords_with_at_signs_never_survive_redaction(user: str, password: str) -> None:
+    url = f"https://{user}:{password}@host.example/data/x.tar"
+    assert redact_url(url) == "https://host.example/data/x.tar"
+
+
 # -- a dataset's identity is its origin -----------------------------------------------------
 
 
