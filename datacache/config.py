@@ -517,7 +517,7 @@ def dataset_id_for(
     spellings of one origin share one copy, and two origins never share one.
     """
     canonical = canonical_origin(url, storage_options, env=env)
-    last = canonical.rstrip("/").rsplit("/", 1)[-1]
+    last = redact_url(canonical).rstrip("/").rsplit("/", 1)[-1]  # a ";jsessionid=" is hashed, never shown
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", last).strip(".-") or "dataset"
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]  # 64 bits: no forged collisions
     return f"{tail[:60]}-{digest}"

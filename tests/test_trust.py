@@ -112,6 +112,22 @@ def test_https_userinfo_and_query_tokens_never_survive_redaction(
     assert dataset_id_for(url) == dataset_id_for("https://host.example/data/x.tar")
 
 
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("https://h/cb#access_token=ya29.SECRET-TOKEN&token_type=bearer", "SECRET-TOKEN"),
+        ("https://h/cb#state=1&id_token=SECRET.JWT", "SECRET.JWT"),
+        ("https://h/data/x.tar;jsessionid=SECRET0123?a=1", "SECRET0123"),
+        ("http://h/a;token=SECRET;v=2/b.tar", "SECRET"),
+    ],
+)
+def test_redaction_covers_fragments_and_path_parameters(url: str, secret: str) -> None:
+    """Issue 23 item 10: OAuth tokens in a fragment, session ids in a ";" parameter."""
+    redacted = redact_url(f"reading {url} failed")
+    assert secret not in redacted and "REDACTED" in redacted, redacted
+    assert secret not in dataset_id_for(url)
+
+
 def test_a_password_with_at_signs_is_cut_at_the_last_one() -> None:
     """Issue 23 item 17: userinfo ends at the last "@" of the authority, not the first."""
     assert redact_url("https://user:p@ss@host/x") == "https://host/x"
