@@ -218,3 +218,24 @@ def test_a_tier_the_first_user_made_is_read_around_by_others_and_shared_group_gi
             assert any(p.stat().st_uid == bob.uid for p in shared.rglob("*")), "bob used the team's tier"
         else:
             assert err.count("not using the shared tier") >= 1, err
+
+
+def test_a_directory_a_member_made_the_others_cannot_use_is_moved_aside(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    """Issue 23 item 7: bob pre-creates data/<id>/ 0755; alice's warm --tier shared still places every shard."""
+    shared = _group_tier(world_dir, users)
+    url = _origin(world_dir, "origin")
+    dataset = dataset_id_for(url)
+    code = f"import os; os.umask(0o022); os.makedirs({str(shared / 'data' / dataset)!r})"
+    made = run_as(users["bob"], [sys.executable, "-c", code])
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE((shared / "data" / dataset).stat().st_mode) & 0o070 != 0o070
+    done = cli_as(users["alice"], "warm", url, "--tier", "shared", env=_env(users["alice"], shared))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3/3 shards resident" in done.stdout + done.stderr
+    assert "moved aside" in done.stderr and "Traceback" not in done.stderr
+    for path in (shared / "data", shared / "data" / dataset):
+        st = path.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == users["alice"].groups[0], path
+    assert sorted(p.name for p in (shared / "data" / dataset).iterdir()) == [f"shard-000{i}.tar" for i in range(3)]

@@ -90,7 +90,8 @@ class SharedTier(DirectoryTier):
                 problems.append(f"shared tier {self._root}: {who} cannot write it ({_owner_text(os.fstat(root))})")
             for area in _AREAS:
                 try:
-                    os.close(Place(self._root, (area,), ".").open_parent())
+                    # Made if missing; one another member made that the group cannot use is moved aside.
+                    os.close(Place(self._root, (area,), ".", self.dir_mode).open_parent(create=writable))
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 except UnsafeFileError as exc:
