@@ -86,6 +86,8 @@ class IndexFiles:
         self._parts = self.path.relative_to(base).parts
         # The shared tier is the group's (setgid 2770); without one, the node's private cache.
         self._dir_mode = 0o2770 if base == settings.shared_dir else 0o700
+        self.file_mode = 0o640 if base == settings.shared_dir else 0o600
+        """The exact mode of the files written here, whatever the umask (the group's, or this user's)."""
         self._trusted = settings.trusted_uids
 
     def place(self, name: str) -> Place:
@@ -181,8 +183,9 @@ class IndexFiles:
         temporary = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            out = os.open(temporary, flags, 0o640, dir_fd=fd)
+            out = os.open(temporary, flags, 0o600, dir_fd=fd)
             try:
+                os.fchmod(out, self.file_mode)
                 os.write(out, data)
             finally:
                 os.close(out)

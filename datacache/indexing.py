@@ -203,7 +203,7 @@ class ClusterIndex:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        await atomic_write(self.files.place(path.name), body(), durable=False)
+        await atomic_write(self.files.place(path.name), body(), durable=False, file_mode=self.files.file_mode)
 
     async def known(self) -> dict[str, KnownCount]:
         """Counts known without scanning: manifest, cluster index, then sidecars (read once per cluster)."""

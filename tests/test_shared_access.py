@@ -239,3 +239,50 @@ def test_a_directory_a_member_made_the_others_cannot_use_is_moved_aside(
         st = path.stat()
         assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == users["alice"].groups[0], path
     assert sorted(p.name for p in (shared / "data" / dataset).iterdir()) == [f"shard-000{i}.tar" for i in range(3)]
+
+
+_SIDE_FILES = """
+import asyncio, os, sys
+os.umask(0o022)
+from datacache.catalog import Catalog
+
+async def main():
+    catalog = Catalog(sys.argv[1])
+    await catalog.set_pinned("x", True)
+    for side in ("", "-wal", "-shm"):
+        print(oct(os.stat(sys.argv[1] + side).st_mode & 0o777).replace("0o", "0"))
+    await catalog.close()
+
+asyncio.run(main())
+"""
+
+
+def test_catalog_and_index_files_are_private_or_the_groups_under_umask_022(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    """Issue 23 item 8: catalog.sqlite and its -wal/-shm, indexes/*.json and indexes/spans/ are 0600/0700;
+    the cluster index's files on the shared tier 0640, whatever the umask."""
+    alice, bob = users["alice"], users["bob"]
+    shared = _group_tier(world_dir, users)
+    url = _tar_origin(world_dir)
+    env = _env(alice, shared)
+    done = run_as(alice, [sys.executable, "-c", "import os; os.umask(0o022)\n" + _LOAD, url], env=env)
+    assert done.returncode == 0 and "samples 12" in done.stdout, done.stderr[-3000:]
+    local = Path(env["DATACACHE_LOCAL_DIR"])
+    # The side files exist while a connection is open (a clean close removes them): look then.
+    held = run_as(alice, [sys.executable, "-c", _SIDE_FILES, str(local / "catalog.sqlite")], env=env)
+    assert held.returncode == 0 and held.stdout.split() == ["0600", "0600", "0600"], held.stdout + held.stderr
+    plans = list((local / "indexes").glob("*.json"))
+    spans = list((local / "indexes" / "spans").rglob("*"))
+    assert plans and spans, (plans, spans)
+    for path in [local / "catalog.sqlite", *plans, *spans, local / "indexes"]:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path}: {mode:04o}"
+    counts = [*shared.glob("indexes/*/*/batch-*.json"), *shared.glob("indexes/*/*/sidecars.json")]
+    assert counts
+    for path in counts:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, f"{path}: {stat.S_IMODE(path.stat().st_mode):04o}"
+    # bob, who could list alice's cache directory were it 0755, cannot read her catalog.
+    os.chmod(local, 0o755)
+    peek = run_as(bob, [sys.executable, "-c", f"open({str(local / 'catalog.sqlite')!r}, 'rb').read()"])
+    assert peek.returncode != 0 and "PermissionError" in peek.stderr

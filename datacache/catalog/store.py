@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import os
 import sqlite3
+import stat as stat_module
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +35,28 @@ __all__ = ["Catalog"]
 T = TypeVar("T")
 
 
+
+def private_database(path: Path) -> None:
+    """Make the catalog 0600 whatever the umask, before SQLite opens it; tighten one this user left looser.
+
+    SQLite creates its ``-wal`` and ``-shm`` files with the database file's mode, so
+    a database made 0600 here keeps its side files 0600 too; side files an older
+    version left looser are tightened as well. The catalog names every dataset's
+    URL, keys and checksums: nobody else's to read.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for side in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(f"{path}{side}", follow_symlinks=False)
+            if stat_module.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.chmod(f"{path}{side}", 0o600)  # a regular file of this user's, just checked
+
 class Catalog:
     """The SQLite catalog of one local tier.
 
@@ -60,6 +83,7 @@ class Catalog:
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
             self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's cache: private
+            private_database(self._path)
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             initialise(connection)
@@ -83,6 +107,7 @@ class Catalog:
 
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""
+        private_database(self._path)
         connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
         try:
             connection.execute("PRAGMA busy_timeout=60000")
