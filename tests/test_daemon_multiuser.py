@@ -503,3 +503,25 @@ def test_the_client_judges_the_listener_by_its_uid_not_its_group(users: dict[str
         finally:
             impostor.kill()
             impostor.wait()
+
+
+def test_a_link_out_of_an_allowed_root_is_not_listed(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """Issue 23 item 9: a link to a file only the daemon can read gives neither its bytes nor its size."""
+    secret = world_dir / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "key.tar").write_bytes(b"s" * 12_345)  # root's: alice cannot read it
+    data = world_dir / "data"
+    make_shards(data / "wds", 1, 10_000)
+    (data / "wds" / "peek.tar").symlink_to(secret / "key.tar")
+    (data / "wds" / "inside.tar").symlink_to(data / "wds" / "shard-0000.tar")  # a link inside the root is data
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"file://{data}/")
+    try:
+        ((status, reply),) = calls_as(users["alice"], daemon, ("POST", "/v1/open", {"dataset": f"file://{data}/wds/"}))
+        assert status == 200, reply
+        assert (reply["shards"], reply["total_bytes"]) == (2, 20_000), reply
+        manifest = json.loads(Path(reply["manifest_path"]).read_text())
+        assert "peek.tar" not in json.dumps(manifest) and "12345" not in json.dumps(manifest)
+    finally:
+        daemon.kill()

@@ -7,6 +7,7 @@ writable (``datacache shard`` writes its output through one).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -34,7 +35,17 @@ __all__ = ["CONFINE_REDIRECTS", "ObjectTier"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 _MULTIPART_MIN = 5 << 20
+
+
+def _resolves_inside(path: str, root: str) -> bool:
+    """Whether local ``path``, its links followed, is ``root`` (itself resolved) or below it."""
+    import os.path
+
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip("/") + "/")
 
 
 CONFINE_REDIRECTS = "datacache_confine_redirects"
@@ -441,9 +452,15 @@ class ObjectTier(Tier):
             return found
 
         found = await self._call(self.url, find)
+        local = self._protocol in ("file", "local")
         for path in sorted(found):
             details = found[path]
             if details.get("type") == "directory":
+                continue
+            if local and details.get("islink") and not _resolves_inside(path, base):
+                # A link out of the root: neither its bytes nor its size is the dataset's (a daemon's
+                # listing would otherwise tell a client the size of a file only the daemon can read).
+                logger.warning("%s: a symlink out of %s; not listed", redact_url(str(path)), redact_url(base))
                 continue
             key = self._key_of(path)
             if not key.startswith(prefix) or key == "":
