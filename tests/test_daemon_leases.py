@@ -49,7 +49,8 @@ def test_leases_belong_to_the_calling_process_and_end_with_it(
     make_shards(data / "wds", 6, 10_000)
     url = f"file://{data}/wds"
     dataset = dataset_id_for(url)
-    small = ("--local-capacity", "40000B", "--allow-dataset", f"file://{data}/")  # 4 shards; a uid may lease 2
+    # 4 shards; a uid may lease 2.
+    small = ("--local-capacity", "40000B", "--allow-dataset", f"file://{data}/", "--allow-uid", str(users["bob"].uid))
     forged = f"{socket.gethostname()}:1"  # init: a process that never exits
 
     def shard(key: str) -> tuple[str, str, Any]:
@@ -90,6 +91,11 @@ def test_leases_belong_to_the_calling_process_and_end_with_it(
         assert second[4][1]["tier"] == "local", second[4][1]  # 0 or 1 evicted: their reader is gone
         # r2 already holds alice's share (half the tier): r3 gets none of its three.
         assert second[5][1]["holding"] == 0, second[5][1]
+        # bob, another allowed uid, reports progress under alice's reader name: her leases stay hers.
+        before = [row for row in _leases(daemon.local_dir) if row[1] == "r2"]
+        third = calls_as(users["bob"], daemon, opened, progress("r2"))
+        assert [status for status, _ in third] == [200, 200], third
+        assert [row for row in _leases(daemon.local_dir) if row[1] == "r2"] == before and before
     finally:
         daemon.kill()
     assert _leases(daemon.local_dir)  # left by processes now gone...

@@ -399,7 +399,8 @@ class Catalog:
                     " position=excluded.position, updated=excluded.updated",
                     (dataset, reader, owner, epoch, position, time.time()),
                 )
-                c.execute("DELETE FROM leases WHERE dataset=? AND reader=?", (dataset, reader))
+                # Only this owner's: a reader name another process (another uid's) also uses ends nothing of its.
+                c.execute("DELETE FROM leases WHERE dataset=? AND reader=? AND owner=?", (dataset, reader, owner))
                 c.executemany(
                     "INSERT OR IGNORE INTO leases (dataset, key, reader, owner) VALUES (?, ?, ?, ?)",
                     [(dataset, key, reader, owner) for key in holding],

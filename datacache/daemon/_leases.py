@@ -34,17 +34,18 @@ def lease_limit(local_dir: Path, capacity: int | None) -> int:
 
 @dataclass
 class LeaseBook:
-    """Leased bytes by (dataset, reader): the uid and owner (``host:pid``) that hold them."""
+    """Leased bytes by (dataset, reader, owner): the uid and owner (``host:pid``) that hold them."""
 
     limit: int
-    held: dict[tuple[str, str], tuple[int, str, int]] = field(default_factory=dict)
+    held: dict[tuple[str, str, str], tuple[int, str, int]] = field(default_factory=dict)
 
     def admit(self, uid: int, owner: str, dataset: str, reader: str, sizes: Sequence[tuple[str, int]]) -> list[str]:
         """The keys of ``sizes`` (in order) that ``uid`` may lease now; the rest would pass its bound."""
         for ident, (_, who, _) in list(self.held.items()):
             if not owner_alive(who):
                 del self.held[ident]
-        others = sum(size for ident, (u, _, size) in self.held.items() if u == uid and ident != (dataset, reader))
+        mine = (dataset, reader, owner)
+        others = sum(size for ident, (u, _, size) in self.held.items() if u == uid and ident != mine)
         kept: list[str] = []
         total = 0
         for key, size in sizes:
@@ -52,7 +53,7 @@ class LeaseBook:
                 break
             kept.append(key)
             total += size
-        self.held[(dataset, reader)] = (uid, owner, total)
+        self.held[mine] = (uid, owner, total)
         return kept
 
 
