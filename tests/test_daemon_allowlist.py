@@ -8,7 +8,14 @@ request, so a test sees what the daemon fetched, not only what it answered.
 from __future__ import annotations
 
 import http.server
+import ipaddress
+import os
+import random
+import shutil
+import subprocess
+import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -233,5 +240,107 @@ def test_the_daemon_serves_an_allowed_root_but_not_its_neighbour(
         )
         assert (neighbour[0], error_code(neighbour[1])) == (403, "forbidden"), neighbour
         assert allowed[0] == 200 and allowed[1]["shards"] == 2, allowed
+    finally:
+        daemon.kill()
+
+
+# -- item 2 with a public host: an address in a network namespace of its own -------------------
+
+_PUBLIC_SITE = r"""
+import http.server, sys
+address, root, secret = sys.argv[1], sys.argv[2], sys.argv[3]
+
+class Handler(http.server.SimpleHTTPRequestHandler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, directory=root, **kwargs)
+
+    def send_head(self):
+        if self.path.startswith("/ok"):  # the allowed host sends the daemon to the node's loopback
+            self.send_response(302)
+            self.send_header("Location", secret + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        return super().send_head()
+
+    def log_message(self, *args):
+        return
+
+server = http.server.ThreadingHTTPServer((address, 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def public_address() -> Iterator[tuple[str, Callable[[list[str]], subprocess.Popen[str]]]]:
+    """An address outside loopback and link-local (198.18.0.0/15), on a veth into a network namespace.
+
+    Yields the address and a way to start a process inside the namespace. Only root can make it.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    name = f"dct{uuid.uuid4().hex[:8]}"
+    block = random.Random(name).randrange(1 << 15) * 4  # a /30 of 198.18.0.0/15, by chance
+    base = int(ipaddress.IPv4Address("198.18.0.0")) + block
+    near, far = str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", f"{name}a", "type", "veth", "peer", "name", f"{name}b"],
+        ["ip", "link", "set", f"{name}b", "netns", name],
+        ["ip", "addr", "add", f"{near}/30", "dev", f"{name}a"],
+        ["ip", "link", "set", f"{name}a", "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{far}/30", "dev", f"{name}b"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", f"{name}b", "up"],
+    ]
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a network namespace here: {' '.join(step)}: {done.stderr.strip()}")
+
+        def start_inside(argv: list[str]) -> subprocess.Popen[str]:
+            process = subprocess.Popen(["ip", "netns", "exec", name, *argv], stdout=subprocess.PIPE, text=True)
+            processes.append(process)
+            return process
+
+        yield far, start_inside
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        subprocess.run(["ip", "link", "del", f"{name}a"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+def test_a_public_host_cannot_redirect_the_daemon_to_its_loopback(
+    users: dict[str, User],
+    world_dir: Path,
+    base_env: dict[str, str],
+    sites: list[Site],
+    public_address: tuple[str, Callable[[list[str]], subprocess.Popen[str]]],
+) -> None:
+    """The issue's attack: ``--allow-dataset http://`` (public hosts only), a public host answers 302."""
+    make_shards(world_dir / "secret" / "ok", 2, 10_000, seed=6)
+    secret = start(sites, world_dir / "secret")  # the node's loopback service
+    make_shards(world_dir / "public" / "plain", 2, 10_000, seed=7)
+    address, start_inside = public_address
+    site = start_inside([sys.executable, "-c", _PUBLIC_SITE, address, str(world_dir / "public"), secret.url])
+    assert site.stdout is not None
+    public = f"http://{address}:{int(site.stdout.readline())}"
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", "http://")
+    try:
+        redirected, direct, plain = calls_as(
+            users["alice"],
+            daemon,
+            ("POST", "/v1/open", {"dataset": f"{public}/ok/"}),
+            ("POST", "/v1/open", {"dataset": f"{secret.url}/ok/"}),
+            ("POST", "/v1/open", {"dataset": f"{public}/plain/"}),
+        )
+        assert "outside the dataset's URL" in str(redirected[1]), redirected
+        assert (direct[0], error_code(direct[1])) == (403, "forbidden"), direct  # loopback, named directly
+        assert secret.seen == []  # neither way reached it
+        assert plain[0] == 200 and plain[1]["shards"] == 2, plain  # a public host that does not redirect
     finally:
         daemon.kill()
