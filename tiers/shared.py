@@ -81,6 +81,8 @@ class SharedTier(DirectoryTier):
             root = Place(self._root, (), ".", self.dir_mode).open_parent(create=True)
         except OSError as exc:
             problem = f"shared tier {self._root}: {who} cannot open or create it ({exc.strerror})"
+            with contextlib.suppress(OSError):  # whose it is says why (a first user's own group, say)
+                problem = f"{problem[:-1]}; {_owner_text(os.stat(self._root))})"
             return SharedTierAccess(False, (problem,))
         try:
             problems = self._group_problems(root, created=not existed)
@@ -116,12 +118,8 @@ class SharedTier(DirectoryTier):
         """Give a root this process just made its group; name a group that is not the tier's."""
         st = os.fstat(root)
         if self._group is None:
-            if created and not st.st_mode & stat_module.S_ISGID & os.stat(self._root.parent).st_mode:
-                return [
-                    f"shared tier {self._root}: created with {_user_name(os.geteuid())}'s own group "
-                    f"{_group_name(st.st_gid)} (no [cache] shared_group, and its parent is not setgid): other "
-                    "users cannot use it; set shared_group, or make it as docs/SECURITY.md says"
-                ]
+            # A first run that made the root takes the parent's setgid group, else this user's own:
+            # right for one user; other users' start-up checks name that group when they cannot use it.
             return []
         if created and st.st_uid == os.geteuid() and st.st_gid != self._group:
             try:
