@@ -8,6 +8,7 @@ every ``repr`` and message.
 from __future__ import annotations
 
 import difflib
+import grp
 import hashlib
 import logging
 import math
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from datacache.errors import ConfigError
 from datacache.tiers import RetryPolicy, redact_url, split_scheme, split_userinfo
@@ -30,6 +32,7 @@ __all__ = [
     "DatasetConfig",
     "Settings",
     "canonical_origin",
+    "check_origin_form",
     "dataset_id_for",
     "default_cache_dir",
     "default_config_path",
@@ -82,6 +85,8 @@ class Settings:
     local_dir: Path
     local_capacity: int | None = None
     shared_dir: Path | None = None
+    shared_group: int | None = None
+    """The group the shared tier's root gets when datacache creates it (else the parent's setgid group)."""
     shared_capacity: int | None = None
     concurrency: int = 8
     part_size: int = 64 << 20
@@ -214,6 +219,20 @@ def _address(value: Any, what: str) -> str:
     return value
 
 
+def _gid(value: Any, what: str) -> int:
+    """A gid given as a number or a group name."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ConfigError(f"{what}: no group named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a gid or a group name, got {value!r}")
+
+
 def _uid(value: Any, what: str) -> int:
     """A uid given as a number or a user name."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -232,6 +251,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "local_dir": ("cache", _directory),
     "local_capacity": ("cache", _positive_size),
     "shared_dir": ("cache", _directory),
+    "shared_group": ("cache", _gid),
     "shared_capacity": ("cache", _positive_size),
     "concurrency": ("staging", _positive_int),
     "part_size": ("staging", _positive_size),
@@ -439,10 +459,66 @@ def canonical_origin(
             return "file://" + os.path.normpath(os.path.abspath(rest))
     rest = re.split(r"[?#]", rest, maxsplit=1)[0]
     host, _, path = rest.partition("/")
-    segments = [segment for segment in path.split("/") if segment not in ("", ".")]
+    # RFC 3986 5.2.4 after percent-decoding: "/ok/%2e%2e/private/" names "/private/", as the
+    # HTTP client that fetches it resolves it. (`check_origin_form` refuses such spellings.)
+    resolved = remove_dot_segments("/" + unquote(path))
+    segments = [segment for segment in resolved.split("/") if segment]
     endpoint = _endpoint(scheme, storage_options or {}, os.environ if env is None else env)
     where = f"{endpoint}|" if endpoint else ""
     return f"{scheme}://{where}{host.lower()}/{'/'.join(segments)}"
+
+
+def remove_dot_segments(path: str) -> str:
+    """RFC 3986 section 5.2.4: ``path`` with its ``.`` and ``..`` segments resolved (never above ``/``)."""
+    output: list[str] = []
+    segments = path.split("/")
+    for index, segment in enumerate(segments):
+        last = index == len(segments) - 1
+        if segment == ".":
+            if last:
+                output.append("")
+            continue
+        if segment == "..":
+            if len(output) > 1:
+                output.pop()
+            if last:
+                output.append("")
+            continue
+        output.append(segment)
+    return "/".join(output)
+
+
+# A segment that percent-decodes to "." or "..", or an escaped "/" or "\\": spelled so that one
+# client reads it as a name and another as a step up the tree.
+_ESCAPED_STEP = re.compile(r"(^|/)(%2e|\.){1,2}(?=/|$)|%2f|%5c", re.IGNORECASE)
+
+
+def check_origin_form(url: str) -> None:
+    """Refuse ``url`` where its canonical form (`canonical_origin`) may differ from what is fetched.
+
+    `canonical_origin` resolves dot segments after percent-decoding (RFC 3986
+    5.2.4), for every scheme. What a backend fetches is not always that: an HTTP
+    client resolves ``..`` (and ``%2e%2e``) itself, an object store takes
+    ``ok/../secret/`` as a literal key, a local path is taken literally by the
+    kernel (``%2e%2e`` is a name). So a URL whose path holds a dot segment (an
+    escaped one, for every scheme; a literal one, for every scheme but ``file``,
+    whose literal ``..`` the kernel and `os.path.realpath` resolve alike) or an
+    escaped ``/`` or ``\\`` is refused: its identity and its allowlist match are
+    decided on the same string that is fetched.
+    """
+    scheme, _ = split_scheme(url)
+    _, bare = split_userinfo(url)
+    rest = bare.split("://", 1)[1] if "://" in bare else bare
+    if scheme != "file":
+        rest = re.split(r"[?#]", rest, maxsplit=1)[0].partition("/")[2]
+    steps = [m.group(0) for m in _ESCAPED_STEP.finditer(rest)]
+    if scheme == "file":
+        steps = [step for step in steps if "%" in step]
+    if steps:
+        raise ConfigError(
+            f"origin {redact_url(url)}: its path holds {steps[0].strip('/')!r}; write the URL with its "
+            "dot segments resolved and no escaped '.', '/' or '\\' (what is fetched must be what it names)"
+        )
 
 
 def dataset_id_for(
@@ -454,7 +530,7 @@ def dataset_id_for(
     spellings of one origin share one copy, and two origins never share one.
     """
     canonical = canonical_origin(url, storage_options, env=env)
-    last = canonical.rstrip("/").rsplit("/", 1)[-1]
+    last = redact_url(canonical).rstrip("/").rsplit("/", 1)[-1]  # a ";jsessionid=" is hashed, never shown
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", last).strip(".-") or "dataset"
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]  # 64 bits: no forged collisions
     return f"{tail[:60]}-{digest}"
@@ -478,6 +554,7 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
                 f"and not a name in the config (known: {known})"
             )
         url = spec
+        check_origin_form(url)
         if scheme == "file" and "://" not in spec:
             url = str(Path(os.path.expanduser(spec)).absolute())
         options = dict(settings.storage_options.get(scheme, {}))

@@ -23,7 +23,7 @@ from datacache.config import Settings, default_cache_dir
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
 from datacache.sidecars import KnownCount
-from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, server_now
+from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
 
 __all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
 
@@ -49,6 +49,33 @@ def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
     return shared_dir / "indexes" / manifest.dataset / manifest.snapshot
 
 
+# Shared tiers this process found it cannot use, each named once.
+_UNUSABLE: set[Path] = set()
+
+
+def _usable(shared_dir: Path) -> bool:
+    """Whether this user can use the shared tier's index (enter and write ``indexes/``, or make it).
+
+    A tier this user cannot use is read around, as the stager reads around it (docs/SECURITY.md,
+    "What datacache checks"): the index is kept in the node's own directory instead, with one warning.
+    """
+    target = shared_dir / "indexes"
+    probe = next((p for p in (target, *target.parents) if os.path.exists(p)), Path("/"))
+    if os.access(probe, os.W_OK | os.X_OK):
+        return True
+    if shared_dir not in _UNUSABLE:
+        _UNUSABLE.add(shared_dir)
+        logger.warning(
+            "not using the shared tier for sample counts, reading around it: %s cannot be written by uid %d",
+            probe,
+            os.geteuid(),
+        )
+    return False
+
+
+# Untrusted files already named in a warning (one line per file, not one per read).
+_NAMED: set[Path] = set()
+
 # A count file is a few bytes a shard; anything past this is not one (a planted /dev/zero, say).
 _INDEX_FILE_LIMIT = 256 << 20
 
@@ -63,12 +90,15 @@ class IndexFiles:
     """
 
     def __init__(self, settings: Settings, manifest: Manifest) -> None:
-        base = settings.shared_dir or settings.local_dir
+        base = settings.shared_dir if settings.shared_dir and _usable(settings.shared_dir) else settings.local_dir
         self.path = index_dir(base, manifest)
         self._base = base
         self._parts = self.path.relative_to(base).parts
         # The shared tier is the group's (setgid 2770); without one, the node's private cache.
-        self._dir_mode = 0o2770 if settings.shared_dir is not None else 0o700
+        self._dir_mode = 0o2770 if base == settings.shared_dir else 0o700
+        self.file_mode = 0o640 if base == settings.shared_dir else 0o600
+        """The exact mode of the files written here, whatever the umask (the group's, or this user's)."""
+        self._trusted = settings.trusted_uids
 
     def place(self, name: str) -> Place:
         return Place(self._base, self._parts, name, self._dir_mode)
@@ -93,6 +123,31 @@ class IndexFiles:
             return read_bounded(self.place(name), _INDEX_FILE_LIMIT)
         except FileNotFoundError:
             return None
+
+    def read_trusted(self, name: str) -> bytes | None:
+        """`read`, but only a file written by a trusted uid (this user, root, the daemon's).
+
+        Any member of the shared tier's group can write this directory: a count is
+        believed as a cached copy is (docs/SECURITY.md, "Who vouches for a cached
+        copy"), on its writer's word only if that writer is trusted; anyone else's file
+        is ignored (named once) and its shards are counted again.
+        """
+        try:
+            st, raw = read_bounded_stat(self.place(name), _INDEX_FILE_LIMIT)
+        except FileNotFoundError:
+            return None
+        if st.st_uid not in self._trusted:
+            where = self.path / name
+            if where not in _NAMED:
+                _NAMED.add(where)
+                logger.warning(
+                    "ignoring the cluster index file %s: written by uid %d, not by this user, root or the "
+                    "daemon's uid; its shards are counted again",
+                    where,
+                    st.st_uid,
+                )
+            return None
+        return raw
 
     def exists(self, name: str) -> bool:
         try:
@@ -138,8 +193,9 @@ class IndexFiles:
         temporary = f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            out = os.open(temporary, flags, 0o640, dir_fd=fd)
+            out = os.open(temporary, flags, 0o600, dir_fd=fd)
             try:
+                os.fchmod(out, self.file_mode)
                 os.write(out, data)
             finally:
                 os.close(out)

@@ -43,7 +43,7 @@ from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.locks import LeaseLock
-from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard
+from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
 from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.tarcount import count_batch_sync, count_tar_samples
 from datacache.tiers import ObjectInfo, Tier
@@ -162,15 +162,40 @@ class ClusterIndex:
                 continue
             path = self.directory / name
             try:
-                raw = self.files.read(name)
+                raw = self.files.read_trusted(name)
                 if raw is None:
                     continue
                 counts = parse_batch(raw, str(path))
             except (OSError, ShardReadError, UnsafeFileError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            found.update((key, count) for key, count in counts.items() if key in self.manifest)
+            found.update(self._backed(counts, path))
         return found
+
+    def _backed(self, counts: Mapping[str, KnownCount], path: Path) -> dict[str, KnownCount]:
+        """The counts of this snapshot's shards that their bytes can back (the manifest's rule, `max_samples`).
+
+        A count above it (3,000,000 samples in a 40 KB tar) is dropped with a warning: the
+        shard is counted again rather than planned for samples it cannot hold.
+        """
+        backed: dict[str, KnownCount] = {}
+        for key, count in counts.items():
+            if key not in self.manifest:
+                continue
+            size = self.manifest.shard(key).size
+            bound = max_samples(self.manifest.format, size)
+            if bound is not None and count.samples > bound:
+                logger.warning(
+                    "%s: shard %r counted %d samples in %d bytes (at most %d); counting it again",
+                    path,
+                    key,
+                    count.samples,
+                    size,
+                    bound,
+                )
+                continue
+            backed[key] = count
+        return backed
 
     async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
         encoded = encode_batch(counts)
@@ -178,7 +203,7 @@ class ClusterIndex:
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        await atomic_write(self.files.place(path.name), body(), durable=False)
+        await atomic_write(self.files.place(path.name), body(), durable=False, file_mode=self.files.file_mode)
 
     async def known(self) -> dict[str, KnownCount]:
         """Counts known without scanning: manifest, cluster index, then sidecars (read once per cluster)."""
@@ -355,14 +380,17 @@ class ClusterIndex:
 
     def _load_batch(self, path: Path) -> dict[str, KnownCount] | None:
         try:
-            raw = self.files.read(path.name)
+            raw = self.files.read_trusted(path.name)
             if raw is None:
                 return None
             counts = parse_batch(raw, str(path))
         except (OSError, ShardReadError, UnsafeFileError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        return {key: count for key, count in counts.items() if key in self.manifest}
+        backed = self._backed(counts, path)
+        if len(backed) < sum(1 for key in counts if key in self.manifest):
+            return None  # a count its bytes cannot back: the batch is counted again
+        return backed
 
     async def _count_batch(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -43,7 +44,13 @@ from datacache.loaders.sequence import worker_count, worker_spots
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError, StagerClosedError
+from datacache.errors import (
+    ChecksumMismatchError,
+    DatacacheError,
+    ShardReadError,
+    StagerClosedError,
+    TierAccessError,
+)
 from datacache.indexing import ClusterIndex, decide_cold
 from datacache.manifest import Shard
 from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
@@ -98,11 +105,13 @@ class CountBook:
             return int(self.counts[unit])
         access = self._access
         try:
+            location = None
             if self._settings.shared_dir is not None:
-                location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
-            elif isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+                with contextlib.suppress(TierAccessError):  # a tier this user cannot use is read around
+                    location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
+            if location is None and isinstance(access, Stager):  # counted from its verified bytes, before the fsync
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
-            else:
+            elif location is None:
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
             if location.buffer is not None:
                 return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)

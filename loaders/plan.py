@@ -22,6 +22,7 @@ from typing import Any
 
 from datacache.loaders.readers import COUNT_SOURCES, Unit, UnitPlan, zarr_plan
 from datacache.tiers import ByteRange
+from datacache.tiers._dirfd import Place
 from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
@@ -142,7 +143,9 @@ async def save_plan(settings: Settings, handle: DatasetHandle, plan: UnitPlan) -
     async def body() -> Any:
         yield encoded
 
-    await atomic_write(node_plan_path(settings.local_dir, handle.manifest), body(), durable=False)
+    # The node's own cache: 0700 directories and 0600 files, whatever the umask.
+    place = Place.of(node_plan_path(settings.local_dir, handle.manifest), dir_mode=0o700)
+    await atomic_write(place, body(), durable=False, file_mode=0o600)
 
 
 async def load_or_build_plan(

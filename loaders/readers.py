@@ -165,9 +165,13 @@ class SpanCache:
         if path is None or path.exists():
             return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            for directory in reversed([path.parent, *path.parent.parents][:3]):  # indexes/spans/<id>: private
+                with contextlib.suppress(FileExistsError):
+                    directory.mkdir(mode=0o700)
             temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            temporary.write_bytes(spans.to_bytes())
+            out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(out, "wb") as handle:
+                handle.write(spans.to_bytes())
             os.replace(temporary, path)
         except OSError:
             pass  # an index we could not keep is scanned again next time

@@ -302,7 +302,8 @@ def test_dataset_ids_carry_no_credentials(url: str) -> None:
 def test_dataset_ids_are_stable_and_distinct() -> None:
     assert dataset_id_for("s3://b/x") == dataset_id_for("s3://b/x/")
     assert dataset_id_for("s3://b/x") != dataset_id_for("s3://c/x")
-    assert dataset_id_for("s3://b/../..").startswith("dataset-")
+    assert dataset_id_for("s3://b/../..") == dataset_id_for("s3://b/")  # dot segments resolved (RFC 3986)
+    assert dataset_id_for("s3://b/...").startswith("dataset-")
 
 
 @pytest.mark.parametrize(

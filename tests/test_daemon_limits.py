@@ -190,3 +190,49 @@ def test_a_long_flood_does_not_starve_another_uid(
     users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
 ) -> None:
     _flood_and_serve(users, world_dir, cache_env, connections=5000, requests=200)
+
+
+def test_a_uid_flooding_from_many_processes_is_capped_as_one(
+    users: dict[str, User], world_dir: Path, cache_env: dict[str, str]
+) -> None:
+    """Issue 23 item 15: the cap is per uid, not per process: bob's 6 processes share one share.
+
+    Under ``ulimit -n 256`` the daemon holds 128 connections, 32 per uid; 6 processes of 64
+    would hold them all if each process had a share of its own.
+    """
+    team = users["alice"].groups[0]
+    allow = ("--allow-uid", str(users["alice"].uid), "--allow-uid", str(users["bob"].uid))
+    daemon = start_daemon(
+        cache_env,
+        world_dir / "cache",
+        "--socket-group",
+        str(team),
+        *allow,
+        socket_path=world_dir / "run" / "daemon.sock",
+        log=world_dir / "daemon.log",
+        preexec_fn=_low_fd_limit,
+    )
+    floods = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FLOOD, str(daemon.socket), "64"],
+            user=users["bob"].uid,
+            group=users["bob"].gid,
+            extra_groups=[team],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_users.user_env(users["bob"]),
+        )
+        for _ in range(6)
+    ]
+    try:
+        for flood in floods:
+            assert flood.stdout is not None
+            assert int(flood.stdout.readline()) > 0
+        done = run_as(users["alice"], [sys.executable, "-c", _STATUS_AS_CLIENT, str(daemon.socket), "3"], timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == [200] * 3
+    finally:
+        for flood in floods:
+            flood.kill()
+            flood.communicate()
+        daemon.kill()

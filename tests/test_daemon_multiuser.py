@@ -367,6 +367,47 @@ def test_evict_pin_and_report_corrupt_only_for_datasets_the_caller_opened(
         daemon.kill()
 
 
+def test_opening_a_dataset_grants_no_authority_over_another_users_pin(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """Issue 23 item 6: bob opens the dataset alice pinned; he still may not unpin, re-pin or evict it."""
+    data = world_dir / "data"
+    make_shards(data / "wds", 2, 10_000)
+    daemon = serve_for(
+        users, world_dir, base_env, "--allow-dataset", f"file://{data}/", "--allow-uid", str(users["bob"].uid)
+    )
+    url = f"file://{data}/wds"
+    dataset = dataset_id_for(url)
+    shard = {"dataset": dataset, "key": "shard-0000.tar"}
+    try:
+        replies = calls_as(
+            users["alice"],
+            daemon,
+            ("POST", "/v1/open", {"dataset": url}),
+            ("POST", "/v1/ensure", shard),
+            ("POST", "/v1/pin", {"dataset": dataset}),
+        )
+        assert [status for status, _ in replies] == [200, 200, 200], replies
+        attacks = [
+            ("POST", "/v1/open", {"dataset": url}),
+            ("POST", "/v1/unpin", {"dataset": dataset}),
+            ("POST", "/v1/evict", {"dataset": dataset}),
+            ("POST", "/v1/evict", {"dataset": dataset, "keys": ["shard-0000.tar"]}),
+            ("POST", "/v1/pin", {"dataset": dataset}),
+        ]
+        opened, *refused = calls_as(users["bob"], daemon, *attacks)
+        assert opened[0] == 200, opened  # bob may read it...
+        for (_, _, body), (status, reply) in zip(attacks[1:], refused, strict=True):
+            assert (status, error_code(reply)) == (403, "forbidden"), (body, status, reply)  # ...not take it
+        ((status, location),) = calls_as(users["alice"], daemon, ("POST", "/v1/locate", shard))
+        assert status == 200 and location["tier"] == "local", location
+        # The pinner, and an operator (root: the test itself), may.
+        ((status, reply),) = calls_as(users["alice"], daemon, ("POST", "/v1/unpin", {"dataset": dataset}))
+        assert status == 200 and reply["pinned"] is False, reply
+    finally:
+        daemon.kill()
+
+
 # -- the client trusts only root or the daemon's uid, and keeps its secrets (issue 11 item 6) ---
 
 _FAKE_DAEMON = r"""
@@ -429,7 +470,7 @@ asyncio.run(main())
 """
 
 
-def _fake_daemon(user: User | None, directory: Path) -> tuple[Any, Path, Path]:
+def _fake_daemon(user: User | None, directory: Path, *, gid: int | None = None) -> tuple[Any, Path, Path]:
     import subprocess
 
     directory.mkdir()
@@ -439,7 +480,8 @@ def _fake_daemon(user: User | None, directory: Path) -> tuple[Any, Path, Path]:
         for path in (directory, record):
             os.chown(path, user.uid, user.gid)
     sock = directory / "daemon.sock"
-    kwargs: dict[str, Any] = {} if user is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
+    group = user.gid if gid is None and user is not None else gid
+    kwargs: dict[str, Any] = {} if user is None else {"user": user.uid, "group": group, "extra_groups": []}
     process = subprocess.Popen(
         [sys.executable, "-c", _FAKE_DAEMON, str(sock), str(record)], stdout=subprocess.PIPE, **kwargs
     )
@@ -470,3 +512,40 @@ def test_the_client_talks_only_to_root_or_the_daemon_uid_and_sends_no_secrets_to
     finally:
         genuine.kill()
         genuine.wait()
+
+
+def test_the_client_judges_the_listener_by_its_uid_not_its_group(users: dict[str, User], world_dir: Path) -> None:
+    """Issue 23 item 16: mallory's listener runs with a gid numbered as alice's uid (gid 0 could not exec python)."""
+    alice, mallory = users["alice"], users["mallory"]
+    for number, gid in enumerate((alice.uid,)):
+        impostor, fake_socket, received = _fake_daemon(mallory, world_dir / f"fake-{number}", gid=gid)
+        try:
+            victim = run_as(alice, [sys.executable, "-c", _VICTIM, str(fake_socket), str(alice.home / "c")])
+            assert victim.returncode == 0, victim.stderr
+            assert received.read_bytes() == b"", gid  # not one byte went to mallory's process
+            assert "DaemonUnavailableError" in victim.stdout, victim.stdout
+        finally:
+            impostor.kill()
+            impostor.wait()
+
+
+def test_a_link_out_of_an_allowed_root_is_not_listed(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """Issue 23 item 9: a link to a file only the daemon can read gives neither its bytes nor its size."""
+    secret = world_dir / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "key.tar").write_bytes(b"s" * 12_345)  # root's: alice cannot read it
+    data = world_dir / "data"
+    make_shards(data / "wds", 1, 10_000)
+    (data / "wds" / "peek.tar").symlink_to(secret / "key.tar")
+    (data / "wds" / "inside.tar").symlink_to(data / "wds" / "shard-0000.tar")  # a link inside the root is data
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"file://{data}/")
+    try:
+        ((status, reply),) = calls_as(users["alice"], daemon, ("POST", "/v1/open", {"dataset": f"file://{data}/wds/"}))
+        assert status == 200, reply
+        assert (reply["shards"], reply["total_bytes"]) == (2, 20_000), reply
+        manifest = json.loads(Path(reply["manifest_path"]).read_text())
+        assert "peek.tar" not in json.dumps(manifest) and "12345" not in json.dumps(manifest)
+    finally:
+        daemon.kill()

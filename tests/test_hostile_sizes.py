@@ -11,6 +11,7 @@ manifest claiming 2,000,000,000 samples (MemoryError).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from _helpers import tar_of
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
 
 MB = 1 << 20
+SECURITY = Path(__file__).resolve().parent.parent / "docs" / "SECURITY.md"
 
 _CHILD = """
 import json, resource, sys
@@ -80,7 +82,11 @@ def test_a_small_parquet_file_of_millions_of_rows_is_read_in_bounded_memory(tmp_
     result = read_in_child(tmp_path, str(origin))
     assert result["error"] is None and result["samples"] == 2000
     # Whole-table to_pylist took 1.2-1.5 GB here; the epoch plan of 5M samples itself needs ~200 MB.
-    assert result["grew_mb"] < 700, result
+    # The bound is the one docs/SECURITY.md states (issue 23 item 12: it said ~300 MB, 661 MB was seen).
+    row = next(line for line in SECURITY.read_text().splitlines() if "KB Parquet file of 5M rows" in line)
+    bound = re.search(r"a bound of ([\d,]+) MB", row)
+    assert bound is not None, row
+    assert result["grew_mb"] < int(bound.group(1).replace(",", "")), (result, row)
 
 
 def _zarr_store(directory: Path) -> Path:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from _daemon import make_shards
 from _helpers import run_cli
-from _users import User, cli_as, user_env, users, world_dir
+from _users import User, cli_as, run_as, user_env, users, world_dir
 from datacache.tiers import LocalTier, SharedTier
 
 from datacache.checksum import checksum_of, new_hasher
@@ -162,3 +163,124 @@ def _sum(data: bytes) -> str:
     hasher = new_hasher()
     hasher.update(data)
     return checksum_of(hasher)
+
+
+# -- a tier the first user made: its group, and reading around it (issue 23 item 4) --------------
+
+_LOAD = """
+import sys
+from datacache.loaders import CachedIterableDataset
+print("samples", len(list(CachedIterableDataset(sys.argv[1], shuffle=False))))
+"""
+
+
+def _tar_origin(world_dir: Path) -> str:
+    from _helpers import tar_of
+
+    origin = world_dir / "wds"
+    origin.mkdir()
+    for shard in range(3):
+        members = {f"s{shard}{i:03d}.txt": f"sample {shard}.{i}".encode() for i in range(4)}
+        (origin / f"shard-{shard:04d}.tar").write_bytes(tar_of(members))
+    for path in [origin, *origin.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(origin)
+
+
+def _load_as(user: User, url: str, env: dict[str, str]) -> tuple[str, str]:
+    done = run_as(user, [sys.executable, "-c", _LOAD, url], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stdout, done.stderr
+
+
+def test_a_tier_the_first_user_made_is_read_around_by_others_and_shared_group_gives_it_the_team(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    team = alice.groups[0]
+    url = _tar_origin(world_dir)
+    for configured in (False, True):
+        parent = world_dir / f"lustre-{configured}"
+        parent.mkdir()
+        os.chown(parent, alice.uid, alice.gid)  # alice's, not setgid: nothing gives a group below it
+        shared = parent / "datacache"  # not there yet: alice's first run makes it
+        extra = {"DATACACHE_SHARED_GROUP": str(team)} if configured else {}
+        out, err = _load_as(alice, url, {**_env(alice, shared), **extra})
+        assert "samples 12" in out
+        assert shared.stat().st_gid == (team if configured else alice.gid)
+        out, err = _load_as(bob, url, {**_env(bob, shared), **extra})
+        assert "samples 12" in out, err  # never a PermissionError out of the loader
+        if configured:
+            assert "not using the shared tier" not in err, err
+            assert any(p.stat().st_uid == bob.uid for p in shared.rglob("*")), "bob used the team's tier"
+        else:  # read around, and the start-up check names the group that keeps bob out
+            assert "not using the shared tier" in err and f"group {alice.name}" in err, err
+
+
+def test_a_directory_a_member_made_the_others_cannot_use_is_moved_aside(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    """Issue 23 item 7: bob pre-creates data/<id>/ 0755; alice's warm --tier shared still places every shard."""
+    shared = _group_tier(world_dir, users)
+    url = _origin(world_dir, "origin")
+    dataset = dataset_id_for(url)
+    code = f"import os; os.umask(0o022); os.makedirs({str(shared / 'data' / dataset)!r})"
+    made = run_as(users["bob"], [sys.executable, "-c", code])
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE((shared / "data" / dataset).stat().st_mode) & 0o070 != 0o070
+    done = cli_as(users["alice"], "warm", url, "--tier", "shared", env=_env(users["alice"], shared))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3/3 shards resident" in done.stdout + done.stderr
+    assert "moved aside" in done.stderr and "Traceback" not in done.stderr
+    for path in (shared / "data", shared / "data" / dataset):
+        st = path.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == users["alice"].groups[0], path
+    assert sorted(p.name for p in (shared / "data" / dataset).iterdir()) == [f"shard-000{i}.tar" for i in range(3)]
+
+
+_SIDE_FILES = """
+import asyncio, os, sys
+os.umask(0o022)
+from datacache.catalog import Catalog
+
+async def main():
+    catalog = Catalog(sys.argv[1])
+    await catalog.set_pinned("x", True)
+    for side in ("", "-wal", "-shm"):
+        print(oct(os.stat(sys.argv[1] + side).st_mode & 0o777).replace("0o", "0"))
+    await catalog.close()
+
+asyncio.run(main())
+"""
+
+
+def test_catalog_and_index_files_are_private_or_the_groups_under_umask_022(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    """Issue 23 item 8: catalog.sqlite and its -wal/-shm, indexes/*.json and indexes/spans/ are 0600/0700;
+    the cluster index's files on the shared tier 0640, whatever the umask."""
+    alice, bob = users["alice"], users["bob"]
+    shared = _group_tier(world_dir, users)
+    url = _tar_origin(world_dir)
+    env = _env(alice, shared)
+    done = run_as(alice, [sys.executable, "-c", "import os; os.umask(0o022)\n" + _LOAD, url], env=env)
+    assert done.returncode == 0 and "samples 12" in done.stdout, done.stderr[-3000:]
+    local = Path(env["DATACACHE_LOCAL_DIR"])
+    # The side files exist while a connection is open (a clean close removes them): look then.
+    held = run_as(alice, [sys.executable, "-c", _SIDE_FILES, str(local / "catalog.sqlite")], env=env)
+    assert held.returncode == 0 and held.stdout.split() == ["0600", "0600", "0600"], held.stdout + held.stderr
+    plans = list((local / "indexes").glob("*.json"))
+    spans = list((local / "indexes" / "spans").rglob("*"))
+    assert plans and spans, (plans, spans)
+    for path in [local / "catalog.sqlite", *plans, *spans, local / "indexes"]:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path}: {mode:04o}"
+    counts = [*shared.glob("indexes/*/*/batch-*.json"), *shared.glob("indexes/*/*/sidecars.json")]
+    assert counts
+    for path in counts:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, f"{path}: {stat.S_IMODE(path.stat().st_mode):04o}"
+    # bob, who could list alice's cache directory were it 0755, cannot read her catalog.
+    os.chmod(local, 0o755)
+    peek = run_as(bob, [sys.executable, "-c", f"open({str(local / 'catalog.sqlite')!r}, 'rb').read()"])
+    assert peek.returncode != 0 and "PermissionError" in peek.stderr

@@ -112,6 +112,39 @@ def test_https_userinfo_and_query_tokens_never_survive_redaction(
     assert dataset_id_for(url) == dataset_id_for("https://host.example/data/x.tar")
 
 
+@pytest.mark.parametrize(
+    ("url", "secret"),
+    [
+        ("https://h/cb#access_token=ya29.SECRET-TOKEN&token_type=bearer", "SECRET-TOKEN"),
+        ("https://h/cb#state=1&id_token=SECRET.JWT", "SECRET.JWT"),
+        ("https://h/data/x.tar;jsessionid=SECRET0123?a=1", "SECRET0123"),
+        ("http://h/a;token=SECRET;v=2/b.tar", "SECRET"),
+    ],
+)
+def test_redaction_covers_fragments_and_path_parameters(url: str, secret: str) -> None:
+    """Issue 23 item 10: OAuth tokens in a fragment, session ids in a ";" parameter."""
+    redacted = redact_url(f"reading {url} failed")
+    assert secret not in redacted and "REDACTED" in redacted, redacted
+    assert secret not in dataset_id_for(url)
+
+
+def test_a_password_with_at_signs_is_cut_at_the_last_one() -> None:
+    """Issue 23 item 17: userinfo ends at the last "@" of the authority, not the first."""
+    assert redact_url("https://user:p@ss@host/x") == "https://host/x"
+    assert redact_url("http://u:a@b@c@host:8080/x?q=1") == "http://host:8080/x?q=REDACTED"
+    assert dataset_id_for("https://user:p@ss@host/x") == dataset_id_for("https://host/x")
+
+
+@PROPERTY
+@given(
+    user=st.text(st.sampled_from("abcXYZ019._-"), min_size=1, max_size=12),
+    password=st.text(st.sampled_from("abcXYZ0189+=!$*()~@"), min_size=1, max_size=30).filter(lambda p: "@" in p),
+)
+def test_https_passwords_with_at_signs_never_survive_redaction(user: str, password: str) -> None:
+    url = f"https://{user}:{password}@host.example/data/x.tar"
+    assert redact_url(url) == "https://host.example/data/x.tar"
+
+
 # -- a dataset's identity is its origin -----------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import xxhash
 from _helpers import tar_of
-from _users import User, cli_as, python_as, user_env, users, world_dir
+from _users import User, cli_as, python_as, run_as, user_env, users, world_dir
 
 from datacache.manifest import Manifest, Shard, ShardFormat
 
@@ -222,3 +223,96 @@ def test_copies_the_configured_daemon_uid_wrote_are_used_and_nobody_elses(
     s3.server.reset_counts()
     assert len(_read_as(alice, url, wary)["texts"]) == SHARDS * SAMPLES
     assert _shard_gets(s3) == SHARDS, "bob is not trusted: every shard came from the origin"
+
+
+# -- the cluster sample-count index is believed as copies are (issue 23 item 3) ------------------
+
+_REWRITE_COUNTS = """
+import json, os, sys
+samples = int(sys.argv[1])
+for path in sys.argv[2:]:
+    document = json.load(open(path))
+    document["counts"] = {key: samples for key in document["counts"]}
+    with open(path + ".new", "w") as out:
+        json.dump(document, out)
+    os.replace(path + ".new", path)
+"""
+
+_READ_SKIP = _READ.replace("shuffle=False)", "shuffle=False, on_error='skip')")
+
+
+def test_a_group_members_rewritten_cluster_index_never_reaches_another_users_loader(
+    users: dict[str, User], team_shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    shared = team_shared
+    bob_env = _env(bob, s3, shared, credentials=True)
+    done = cli_as(bob, "index", url, env=bob_env)
+    assert done.returncode == 0, done.stderr
+    batches = sorted(shared.glob("indexes/*/*/batch-*.json"))
+    assert batches and all(path.stat().st_uid == bob.uid for path in batches)
+    # bob, a member of the tier's group, rewrites the counts: one sample short of each shard.
+    run_rewrite(bob, bob_env, SAMPLES - 1, batches)
+    expected = sorted(f"REAL SAMPLE {s}.{i}" for s in range(SHARDS) for i in range(SAMPLES))
+    for script in (_READ, _READ_SKIP):  # neither fails, and on_error="skip" skips nothing
+        env = _env(alice, s3, shared, credentials=True)
+        env["DATACACHE_LOCAL_DIR"] = str(alice.home / f"local-{len(script)}")
+        result = json.loads(python_as(alice, script.format(url=url), env=env).stdout.strip().splitlines()[-1])
+        assert "error" not in result, result
+        assert sorted(result["texts"]) == expected
+
+    # Trusted (bob as the daemon's uid), a count its bytes cannot back is still not believed.
+    run_rewrite(bob, bob_env, 1000, batches)
+    trusting = _env(alice, s3, shared, credentials=True)
+    trusting.update({"DATACACHE_DAEMON_UID": bob.name, "DATACACHE_LOCAL_DIR": str(alice.home / "trusting")})
+    result = _read_as(alice, url, trusting)
+    assert "error" not in result, result
+    assert sorted(result["texts"]) == expected
+
+
+def run_rewrite(user: User, env: dict[str, str], samples: int, paths: list[Path]) -> None:
+    done = run_as(user, [sys.executable, "-c", _REWRITE_COUNTS, str(samples), *map(str, paths)], env=env)
+    assert done.returncode == 0, done.stderr
+
+
+# -- a shared copy counts only if every one of its writers is trusted (issue 23 item 14) ---------
+
+_SWAP = """
+import json, os, sys
+shared, dataset_id, version, checksum = sys.argv[1:5]
+data, meta = os.path.join(shared, "data", dataset_id), os.path.join(shared, "meta", dataset_id)
+# alice's copy of shard 1 (still her file: a rename keeps the owner) now stands where shard 0 goes...
+os.replace(os.path.join(data, "shard-0001.tar"), os.path.join(data, "shard-0000.tar"))
+# ...and bob's own metadata binds it to shard 0's version, with its true checksum.
+size = os.stat(os.path.join(data, "shard-0000.tar")).st_size
+document = {"version": version, "size": str(size), "checksum": checksum, "dataset": dataset_id, "key": "shard-0000.tar"}
+path = os.path.join(meta, "shard-0000.tar.json")
+with open(path + ".new", "w") as out:
+    json.dump(document, out)
+os.replace(path + ".new", path)
+"""
+
+
+def test_a_copy_by_a_trusted_writer_with_metadata_by_another_is_not_used(
+    users: dict[str, User], team_shared: Path, url: str, s3: S3Bucket, dataset: dict[str, bytes]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    shared = team_shared
+    assert len(dataset["shard-0000.tar"]) == len(dataset["shard-0001.tar"])
+    env = _env(alice, s3, shared, credentials=True)
+    done = cli_as(alice, "warm", url, "--tier", "shared", env=env)
+    assert done.returncode == 0, done.stderr
+    dataset_id = _dataset_id(alice, url, env)
+    etag = s3.client.head_object(Bucket=s3.name, Key="wds/shard-0000.tar")["ETag"].strip('"')
+    checksum = f"xxh3_64:{xxhash.xxh3_64(dataset['shard-0001.tar']).hexdigest()}"
+    swap = run_as(bob, [sys.executable, "-c", _SWAP, str(shared), dataset_id, etag, checksum])
+    assert swap.returncode == 0, swap.stderr
+    copy = shared / "data" / dataset_id / "shard-0000.tar"
+    meta = shared / "meta" / dataset_id / "shard-0000.tar.json"
+    assert (copy.stat().st_uid, meta.stat().st_uid) == (alice.uid, bob.uid)  # one trusted writer of two
+
+    fresh = _env(alice, s3, shared, credentials=True)
+    fresh["DATACACHE_LOCAL_DIR"] = str(alice.home / "fresh")  # no earlier confirmation of her own
+    result = _read_as(alice, url, fresh)
+    assert "error" not in result, result
+    assert sorted(result["texts"]) == sorted(f"REAL SAMPLE {s}.{i}" for s in range(SHARDS) for i in range(SAMPLES))

@@ -19,12 +19,13 @@ from datacache.tiers._retry import RetryPolicy, translate_error
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 from datacache.tiers.local import LocalTier
 from datacache.tiers.memory import MemoryTier
-from datacache.tiers.object import ObjectTier
+from datacache.tiers.object import CONFINE_REDIRECTS, ObjectTier
 from datacache.tiers.shared import SharedTier
 
 from datacache.errors import ConfigError, UnsupportedURLError
 
 __all__ = [
+    "CONFINE_REDIRECTS",
     "ByteRange",
     "DirectoryTier",
     "Hasher",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import stat as stat_module
 import threading
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO planted where a file is expected returns at once instead of
@@ -96,6 +99,49 @@ def _open_child_dir(parent: int, name: str, *, create: bool, mode: int | None, w
         except BaseException:
             os.close(fd)
             raise
+    elif create and mode is not None and mode & 0o070 == 0o070:
+        fd = _group_usable(parent, name, fd, mode, where)
+    return fd
+
+
+def _group_usable(parent: int, name: str, fd: int, mode: int, where: Path) -> int:
+    """A group tier's directory as the group can use it: ours repaired, another's with the wrong mode set aside.
+
+    A member who made ``data/<id>/`` 0755 (by umask, or to lock the others out) would make every
+    other member's writes there fail. This user's own directory is given the tier's mode; another
+    user's is renamed aside (``.unusable-<name>-<hex>``, named once in a warning; a rename inside a
+    group-writable directory needs no right on the directory itself) and a new one is made.
+    """
+    st = os.fstat(fd)
+    if stat_module.S_IMODE(st.st_mode) & 0o070 == 0o070:
+        return fd
+    if st.st_uid == os.geteuid():
+        try:
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    os.close(fd)
+    aside = f".unusable-{name}-{os.urandom(8).hex()}"
+    os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)  # PermissionError (sticky bit): read around
+    logger.warning(
+        "%s: made by uid %d with mode %04o, which the tier's group cannot use; moved aside to %s",
+        where / name,
+        st.st_uid,
+        stat_module.S_IMODE(st.st_mode),
+        aside,
+    )
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:  # made again meanwhile: not chased in a loop, read around
+        raise PermissionError(errno.EACCES, "made again while moved aside", str(where / name)) from None
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

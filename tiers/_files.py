@@ -64,15 +64,23 @@ def split_userinfo(url: str) -> tuple[str | None, str]:
     return rest[:at], f"{scheme}://{rest[at + 1 :]}"
 
 
-_QUERY_VALUE = re.compile(r"([?&][^=&#\s'\"]*=)[^&#\s'\"<>]*")
+_QUERY_VALUE = re.compile(r"([?&;][^=&;#\s'\"]*=)[^&;#\s'\"<>]*")
+# A fragment's parameters (OAuth's "#access_token=..."): every value, whatever separates them.
+_FRAGMENT_VALUE = re.compile(r"([#&;][^=&;#\s'\"]*=)[^&;#\s'\"<>]*")
+# Path parameters ("/x;jsessionid=..."): session ids and tokens ride there too.
+_PATH_PARAMETER = re.compile(r"(;[^=;/?#\s'\"]*=)[^;/?#\s'\"<>]*")
 
 
 def _redact_query(rest: str) -> str:
+    rest, hash_sign, fragment = rest.partition("#")
     head, sep, query = rest.partition("?")
-    if not sep:
-        return rest
-    # Presigned URLs and SAS tokens carry their signature in the query: keep the names only.
-    return head + _QUERY_VALUE.sub(rf"\g<1>{REDACTED}", sep + query)
+    head = _PATH_PARAMETER.sub(rf"\g<1>{REDACTED}", head)
+    if sep:
+        # Presigned URLs and SAS tokens carry their signature in the query: keep the names only.
+        head += _QUERY_VALUE.sub(rf"\g<1>{REDACTED}", sep + query)
+    if hash_sign:
+        head += _FRAGMENT_VALUE.sub(rf"\g<1>{REDACTED}", hash_sign + fragment)
+    return head
 
 
 def _redact_one(match: re.Match[str]) -> str:
@@ -85,8 +93,9 @@ def redact_url(url: str) -> str:
     """Return ``url`` without credentials, also of every URL inside a message.
 
     Removes any ``user:password@`` part (secrets with ``/`` or ``@`` included)
-    and replaces the value of every query parameter (``?sig=``,
-    ``X-Amz-Signature=``, ...) with ``REDACTED``.
+    and replaces with ``REDACTED`` the value of every query parameter (``?sig=``,
+    ``X-Amz-Signature=``, ...), of every fragment parameter
+    (``#access_token=``) and of every path parameter (``;jsessionid=``).
     """
     return _URL.sub(_redact_one, url)
 

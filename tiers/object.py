@@ -7,6 +7,7 @@ writable (``datacache shard`` writes its output through one).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -32,15 +33,63 @@ from datacache.errors import (
     ConfigError,
     OriginChangedError,
     OriginError,
+    OriginPermissionError,
     ShardNotFoundError,
     TransientOriginError,
 )
 
-__all__ = ["ObjectTier"]
+__all__ = ["CONFINE_REDIRECTS", "ObjectTier"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 _MULTIPART_MIN = 5 << 20
+
+
+def _resolves_inside(path: str, root: str) -> bool:
+    """Whether local ``path``, its links followed, is ``root`` (itself resolved) or below it."""
+    import os.path
+
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip("/") + "/")
+
+
+CONFINE_REDIRECTS = "datacache_confine_redirects"
+"""A storage option only datacache reads (never fsspec): true, and an http(s) tier follows a redirect
+only to a URL inside its own (the daemon sets it for datasets its clients open; docs/SECURITY.md)."""
+
+
+def _inside(target: Any, root: Any) -> bool:
+    """Whether yarl URL ``target`` is ``root`` or lies below it: same scheme, host and port, a path under it."""
+    if target.user is not None or target.password is not None:
+        return False
+    if (target.scheme, (target.host or "").lower(), target.port) != (root.scheme, (root.host or "").lower(), root.port):
+        return False
+    base = root.path.rstrip("/")
+    return bool(target.path.rstrip("/") == base or target.path.startswith(base + "/"))
+
+
+def _confined(url: str) -> Any:
+    """An aiohttp trace that refuses a redirect out of ``url`` before it is followed, naming where it led."""
+    import aiohttp
+    from yarl import URL
+
+    root = URL(url)
+
+    async def on_redirect(session: Any, context: Any, params: Any) -> None:
+        response = params.response
+        target = response.url.join(URL(response.headers.get("Location", "")))
+        if not _inside(target, root):
+            raise OriginPermissionError(
+                f"{redact_url(str(response.url))}: the origin redirects ({response.status}) to "
+                f"{redact_url(str(target))}, outside the dataset's URL; such a redirect is not followed "
+                "for a dataset a daemon's client opened (docs/SECURITY.md, 'The daemon')"
+            )
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(on_redirect)
+    return trace
 
 
 class ObjectTier(Tier):
@@ -83,8 +132,10 @@ class ObjectTier(Tier):
             self._fs_class = filesystem_class(self._protocol)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open {redact_url(url)}: {exc}") from None
+        storage_options = dict(storage_options or {})
+        self._confine_redirects = bool(storage_options.pop(CONFINE_REDIRECTS, False))
         try:
-            check_storage_options(self._protocol, self._fs_class, storage_options or {})
+            check_storage_options(self._protocol, self._fs_class, storage_options)
         except ConfigError as exc:
             raise ConfigError(f"{redact_url(url.rstrip('/'))}: {exc}") from None
         self._raw_url = url
@@ -159,6 +210,11 @@ class ObjectTier(Tier):
             # A cached listing would answer stat with an old size and ETag after a write,
             # and a manifest must be a fresh snapshot: never reuse listings.
             options.setdefault("use_listings_cache", False)
+        if self._confine_redirects and self._protocol in ("http", "https"):
+            # Every hop is checked before it is followed: it must stay inside this tier's URL.
+            client_kwargs = dict(options.get("client_kwargs") or {})
+            client_kwargs["trace_configs"] = [*client_kwargs.get("trace_configs", ()), _confined(self._raw_url)]
+            options["client_kwargs"] = client_kwargs
         if getattr(self._fs_class, "async_impl", False):
             fs = self._fs_class(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
             if self.is_s3:
@@ -471,9 +527,15 @@ class ObjectTier(Tier):
                 yield self._info_to_object(base.split("://", 1)[1], itself)
                 return
         found = await self._call(self.url, find)
+        local = self._protocol in ("file", "local")
         for path in sorted(found):
             details = found[path]
             if details.get("type") == "directory":
+                continue
+            if local and details.get("islink") and not _resolves_inside(path, base):
+                # A link out of the root: neither its bytes nor its size is the dataset's (a daemon's
+                # listing would otherwise tell a client the size of a file only the daemon can read).
+                logger.warning("%s: a symlink out of %s; not listed", redact_url(str(path)), redact_url(base))
                 continue
             key = self._key_of(path)
             if not key.startswith(prefix) or key == "":

@@ -44,6 +44,18 @@ class SharedTier(DirectoryTier):
     dir_mode = 0o2770
     file_mode = 0o640
 
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity: int | None = None,
+        durable: bool = True,
+        group: int | None = None,
+    ) -> None:
+        super().__init__(root, capacity=capacity, durable=durable)
+        self._group = group
+        """The configured group of the tier (``shared_group``): its root gets it when datacache creates it."""
+
     @property
     def lock_dir(self) -> Path:
         """Where cross-node lease locks live."""
@@ -64,19 +76,24 @@ class SharedTier(DirectoryTier):
         directories go) makes ``writable`` false: callers read around the tier.
         """
         who = _user_name(os.geteuid())
+        existed = os.path.lexists(self._root)
         try:
             root = Place(self._root, (), ".", self.dir_mode).open_parent(create=True)
         except OSError as exc:
             problem = f"shared tier {self._root}: {who} cannot open or create it ({exc.strerror})"
+            with contextlib.suppress(OSError):  # whose it is says why (a first user's own group, say)
+                problem = f"{problem[:-1]}; {_owner_text(os.stat(self._root))})"
             return SharedTierAccess(False, (problem,))
         try:
-            problems = _mode_problems(self._root, os.fstat(root))
+            problems = self._group_problems(root, created=not existed)
+            problems += _mode_problems(self._root, os.fstat(root))
             writable = _can_write(root)
             if not writable:
                 problems.append(f"shared tier {self._root}: {who} cannot write it ({_owner_text(os.fstat(root))})")
             for area in _AREAS:
                 try:
-                    os.close(Place(self._root, (area,), ".").open_parent())
+                    # Made if missing; one another member made that the group cannot use is moved aside.
+                    os.close(Place(self._root, (area,), ".", self.dir_mode).open_parent(create=writable))
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 except UnsafeFileError as exc:
@@ -95,6 +112,29 @@ class SharedTier(DirectoryTier):
         finally:
             os.close(root)
         return SharedTierAccess(writable, tuple(problems))
+
+
+    def _group_problems(self, root: int, *, created: bool) -> list[str]:
+        """Give a root this process just made its group; name a group that is not the tier's."""
+        st = os.fstat(root)
+        if self._group is None:
+            # A first run that made the root takes the parent's setgid group, else this user's own:
+            # right for one user; other users' start-up checks name that group when they cannot use it.
+            return []
+        if created and st.st_uid == os.geteuid() and st.st_gid != self._group:
+            try:
+                os.fchown(root, -1, self._group)
+                os.fchmod(root, self.dir_mode)  # chown may clear the setgid bit
+            except OSError as exc:
+                group = _group_name(self._group)
+                return [f"shared tier {self._root}: cannot give it the group {group} ({exc.strerror})"]
+            return []
+        if st.st_gid != self._group:
+            return [
+                f"shared tier {self._root}: its group is {_group_name(st.st_gid)}, not the configured shared_group "
+                f"{_group_name(self._group)} ({_owner_text(st)}); chgrp {_group_name(self._group)} {self._root}"
+            ]
+        return []
 
 
 def _user_name(uid: int) -> str:

@@ -155,11 +155,13 @@ def owner_alive(owner: str | None) -> bool:
     host, _, pid = owner.rpartition(":")
     if host != socket.gethostname():
         return True  # another host's process: cannot tell, assume alive
+    if not pid.isdigit() or int(pid) <= 0:
+        return False  # names no process of this host ("host:notapid"): holds nothing
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, ValueError):
+    except PermissionError:
         return True
     return True
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import stat as stat_module
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,28 @@ class CatalogWrites:
     touches: int
 
 
+
+def private_database(path: Path) -> None:
+    """Make the catalog 0600 whatever the umask, before SQLite opens it; tighten one this user left looser.
+
+    SQLite creates its ``-wal`` and ``-shm`` files with the database file's mode, so
+    a database made 0600 here keeps its side files 0600 too; side files an older
+    version left looser are tightened as well. The catalog names every dataset's
+    URL, keys and checksums: nobody else's to read.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for side in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(f"{path}{side}", follow_symlinks=False)
+            if stat_module.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.chmod(f"{path}{side}", 0o600)  # a regular file of this user's, just checked
+
 class Catalog:
     """The SQLite catalog of one local tier.
 
@@ -96,6 +119,7 @@ class Catalog:
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
             make_local_file(self._path)  # private (with its -wal and -shm), whatever the umask
+            private_database(self._path)  # side files an older version left looser: tightened
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
             connection.execute("PRAGMA busy_timeout=60000")
             initialise(connection)
@@ -131,6 +155,7 @@ class Catalog:
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""
         make_local_file(self._path)
+        private_database(self._path)
         connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
         try:
             connection.execute("PRAGMA busy_timeout=60000")
@@ -505,7 +530,8 @@ class Catalog:
                     " position=excluded.position, updated=excluded.updated",
                     (dataset, reader, owner, epoch, position, time.time()),
                 )
-                c.execute("DELETE FROM leases WHERE dataset=? AND reader=?", (dataset, reader))
+                # Only this owner's: a reader name another process (another uid's) also uses ends nothing of its.
+                c.execute("DELETE FROM leases WHERE dataset=? AND reader=? AND owner=?", (dataset, reader, owner))
                 c.executemany(
                     "INSERT OR IGNORE INTO leases (dataset, key, reader, owner) VALUES (?, ?, ?, ?)",
                     [(dataset, key, reader, owner) for key in holding],
@@ -525,6 +551,18 @@ class Catalog:
             return [ReaderRow(r[0], r[1], r[2]) for r in rows.fetchall()]
 
         return await self._run(read)
+
+    async def drop_dead_leases(self) -> int:
+        """Remove the leases of processes that no longer exist; return how many."""
+
+        def write(c: sqlite3.Connection) -> int:
+            with self._transaction(c):
+                owners = {row[0] for row in c.execute("SELECT DISTINCT owner FROM leases")}
+                dead = [(owner,) for owner in owners if not owner_alive(owner)]
+                c.executemany("DELETE FROM leases WHERE owner=?", dead)
+                return len(dead)
+
+        return await self._run(write)
 
     async def leased(self) -> set[tuple[str, str]]:
         """(dataset, key) of every shard a live reader holds."""

@@ -8,7 +8,10 @@ otherwise borrow all of it (a confused deputy). For such a client:
 - an origin must be a dataset the operator configured, or lie under a URL prefix
   the operator allowed (``--allow-dataset``); nothing is allowed by default;
 - a ``file://`` origin is resolved (symlinks, ``..``) before it is matched, so a
-  link inside an allowed root cannot lead out of it;
+  link inside an allowed root cannot lead out of it; any other origin's path is
+  matched after percent-decoding with its dot segments resolved, and a URL whose
+  path holds a dot segment (or an escaped ``.``, ``/``, ``\\``) is refused, since
+  what a backend fetches for it may differ from what it names;
 - an origin or endpoint on a loopback or link-local address is refused unless the
   allowlist entry that admits it names that host;
 - the client may not name an endpoint (``--allow-endpoint``) or send credentials
@@ -31,11 +34,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from datacache._protocol import CREDENTIAL_OPTIONS
-from datacache.config import DatasetConfig, Settings, canonical_origin
+from datacache.config import DatasetConfig, Settings, canonical_origin, check_origin_form
 from datacache.daemon._http import Forbidden
+from datacache.errors import ConfigError
 from datacache.tiers import redact_url
 
-__all__ = ["OriginPolicy", "canonical_url", "own_endpoints"]
+__all__ = ["OriginPolicy", "canonical_url", "check_form", "own_endpoints"]
 
 # Storage options a client may always pass: they change how, never where or as whom.
 _HARMLESS = frozenset({"anon", "requester_pays", "default_block_size", "default_cache_type", "use_listings_cache"})
@@ -56,6 +60,20 @@ def canonical_url(url: str) -> str:
     if scheme != "file" and canonical == f"{scheme}:///":
         return f"{scheme}://"
     return canonical
+
+
+def check_form(url: str) -> None:
+    """Raise `Forbidden` for a URL whose canonical form may differ from what would be fetched.
+
+    The allowlist matches the canonical form only (dot segments resolved after
+    percent-decoding); a URL spelled so that a backend could fetch something else
+    (``http://host/ok/%2e%2e/private/``, ``s3a://bucket/ok/../secret/``) is refused
+    for every caller, whatever the allowlist says.
+    """
+    try:
+        check_origin_form(url)
+    except ConfigError as exc:
+        raise Forbidden(str(exc)) from None
 
 
 def _under(url: str, prefix: str) -> bool:
@@ -115,6 +133,7 @@ class OriginPolicy:
         ``operator``: the client is root or the daemon's own uid (it holds what the daemon holds);
         the allowlist, if the operator set one, still applies to it.
         """
+        check_form(config.url)
         url = canonical_url(config.url)
         entry = next((p for p in self.prefixes if _under(url, canonical_url(p))), None)
         if operator:

@@ -20,11 +20,11 @@ from typing import Any
 from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.daemon._http import BadRequest, Peer, string
-from datacache.daemon._policy import OriginPolicy
+from datacache.daemon._policy import OriginPolicy, check_form
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.stager import DatasetHandle, Stager
-from datacache.tiers import redact_url, validate_key
+from datacache.tiers import CONFINE_REDIRECTS, redact_url, validate_key
 from datacache.tiers.local import GROUP_READABLE
 
 __all__ = ["DatasetRegistry"]
@@ -67,6 +67,8 @@ class DatasetRegistry:
         self.handles: dict[tuple[str, str], DatasetHandle] = {}  # least recently used first
         self.latest: dict[str, DatasetHandle] = {}
         self.pins: set[str] = set()
+        # Who pinned each pinned dataset (-1: pinned before this daemon started, by someone unknown).
+        self.pinners: dict[str, int] = {}
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
 
@@ -80,6 +82,8 @@ class DatasetRegistry:
         spec = data.get("dataset")
         client_options: dict[str, Any] = {}
         if isinstance(spec, str):
+            if spec not in self.settings.datasets:
+                check_form(spec)
             config = resolve_dataset(spec, self.settings)
             configured = spec in self.settings.datasets
         else:
@@ -98,6 +102,10 @@ class DatasetRegistry:
             if base:
                 config = replace(config, storage_options={**base, **client_options})
         self.policy.admit(config, client_options, configured=configured, operator=peer.is_operator)
+        if not configured and config.url.split("://", 1)[0].lower() in ("http", "https"):
+            # A redirect would lead the daemon wherever the origin's host points it (the node's
+            # loopback, a metadata service): a dataset a client opened follows one only inside its URL.
+            config = replace(config, storage_options={**config.storage_options, CONFINE_REDIRECTS: True})
         if config.id in self.pins and not config.pinned:
             config = replace(config, pinned=True)
         return config
@@ -170,12 +178,21 @@ class DatasetRegistry:
         validate_key(key)
         return handle.manifest.shard(key)
 
-    def set_pinned(self, dataset: str, pinned: bool) -> None:
-        """Record a pin (or unpin) in every handle of ``dataset``."""
+    def pinned_by(self, dataset: str) -> int | None:
+        """The uid that pinned ``dataset`` (-1 if unknown: pinned before this daemon started); None if unpinned."""
+        if dataset not in self.pins:
+            return None
+        return self.pinners.get(dataset, -1)
+
+    def set_pinned(self, dataset: str, pinned: bool, *, uid: int | None = None) -> None:
+        """Record a pin (by ``uid``) or an unpin in every handle of ``dataset``."""
         if pinned:
             self.pins.add(dataset)
+            if uid is not None:
+                self.pinners[dataset] = uid
         else:
             self.pins.discard(dataset)
+            self.pinners.pop(dataset, None)
         for ident, handle in list(self.handles.items()):
             if ident[0] == dataset:
                 self.handles[ident] = replace(handle, config=replace(handle.config, pinned=pinned))

@@ -13,6 +13,7 @@ errors), `DatasetRegistry` (configurations, handles, pins, snapshots) and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from datacache._protocol import (
 from datacache.activity import check_reader_fields
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
+from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
 from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._limits import BodyBudget
 from datacache.daemon._policy import OriginPolicy, own_endpoints
@@ -147,6 +149,7 @@ class Daemon:
             own_endpoints=own_endpoints(settings),
         )
         self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
+        self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
 
     @property
@@ -181,6 +184,8 @@ class Daemon:
         stager = Stager(settings, reconcile=False, modes=GROUP_READABLE)  # its clients read the files
         self.stager = stager
         counts = await stager.reconcile()
+        # Leases whose process is gone end with it; none outlives a restart without a live owner.
+        await stager.catalog.drop_dead_leases()
         self.registry.pins = {record.id for record in await stager.catalog.datasets() if record.pinned}
         stager.add_listener(self.metrics.on_event)
         stager.add_listener(log_event)
@@ -288,6 +293,15 @@ class Daemon:
         peer = self._peer(request)
         if not self.registry.opened_by(peer, dataset_id):
             raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
+
+    def _pin_holder_only(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """A pinned dataset is its pinner's: only that uid (or an operator) may unpin, re-pin or evict it."""
+        peer = self._peer(request)
+        holder = self.registry.pinned_by(dataset_id)
+        if holder is None or peer.is_operator or holder == peer.uid:
+            return
+        what = "pinned by another uid" if holder >= 0 else "pinned (before this daemon started)"
+        raise http.Forbidden(f"uid {peer.uid} may not {verb} {dataset_id}: it is {what}; ask its owner or an operator")
 
     def _stager(self) -> Stager:
         if self.stager is None:
@@ -401,7 +415,8 @@ class Daemon:
     async def _progress(self, request: web.Request) -> web.Response:
         """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         try:
             progress = ReaderProgress.from_json(data.get("progress"))
         except ValueError as exc:
@@ -409,8 +424,28 @@ class Daemon:
         if progress.owner.rpartition(":")[0] != socket.gethostname():
             # A lease names a process of this node, whose death ends it; another host's never would.
             raise http.BadRequest("reader progress must name a process of this node as its owner")
+        if peer.pid <= 0:
+            raise http.Forbidden("cannot tell which process is calling (no pid in SO_PEERCRED)")
+        sizes = []
         for key in progress.holding:
             validate_key(key)
+            if key not in handle.manifest:
+                raise http.BadRequest(f"reader progress holds {key!r}, which is not a shard of {handle.id}")
+            sizes.append((key, handle.manifest.shard(key).size))
+        # The lease is the calling process's (the kernel's word, not the client's), held only while it
+        # lives, and one uid holds at most its share of the tier.
+        owner = owner_of(peer.pid)
+        held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
+        if len(held) < len(sizes):
+            logger.warning(
+                "uid %d may lease at most %d bytes of the local tier: %d of %d shards of %s not leased",
+                peer.uid,
+                self.leases.limit,
+                len(sizes) - len(held),
+                len(sizes),
+                handle.id,
+            )
+        progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
         wanted = http.keys(data, "locate") if "locate" in data else []
         for key in wanted:
             self.registry.shard(handle, key)
@@ -449,6 +484,7 @@ class Daemon:
         if tier not in (LOCAL, SHARED, "all"):
             raise http.BadRequest(f"unknown tier {tier!r} (choose local, shared or all)")
         self._may_change(request, dataset_id, "evict")
+        self._pin_holder_only(request, dataset_id, "evict")
         if tier != LOCAL and not self._peer(request).is_operator:
             # The shared tier serves every node of the cluster: only an operator empties it.
             raise http.Forbidden(f"only root or the daemon's uid may evict from the {tier} tier")
@@ -482,11 +518,12 @@ class Daemon:
         dataset = http.string(data, "dataset")
         validate_key(dataset)
         self._may_change(request, dataset, "pin" if pinned else "unpin")
+        self._pin_holder_only(request, dataset, "pin" if pinned else "unpin")
         if not await self._stager().catalog.set_pinned(dataset, pinned):
             raise ShardNotFoundError(
                 f"dataset {dataset!r} is unknown to this node (open or warm it first)"
             )
-        self.registry.set_pinned(dataset, pinned)
+        self.registry.set_pinned(dataset, pinned, uid=self._peer(request).uid)
         logger.info(
             "%s dataset %s",
             "pinned" if pinned else "unpinned",

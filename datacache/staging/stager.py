@@ -106,7 +106,12 @@ class Stager:
             settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
         )
         self.shared: SharedTier | None = (
-            SharedTier(settings.shared_dir, capacity=settings.shared_capacity, durable=settings.fsync)
+            SharedTier(
+                settings.shared_dir,
+                capacity=settings.shared_capacity,
+                durable=settings.fsync,
+                group=settings.shared_group,
+            )
             if settings.shared_dir
             else None
         )
