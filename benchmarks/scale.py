@@ -166,6 +166,7 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"Parquet, {result['files']} files of one int8 column, `CachedIterableDataset(url, shuffle=True)`,",
         "`num_workers=0`, a fresh process and an empty cache per point (`python -m benchmarks.scale`).",
+        f"Machine load at the start: {os.getloadavg()[0]:.1f} (2 cores: above 2, other work shares them).",
         "",
         "| samples | rank | first sample, epoch 0 (s) | first sample, epoch 1 (s) | peak RSS (MB) | state_dict (ms) |",
         "|---|---|---|---|---|---|",
