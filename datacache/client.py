@@ -117,6 +117,8 @@ class DaemonClient:
         self._session: aiohttp.ClientSession | None = None
         self._connector: _VerifiedUnixConnector | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._closed_loop: asyncio.AbstractEventLoop | None = None
+        """The loop `close` ran on: requests there after it are refused, never given a new session."""
         self._pid = os.getpid()
         self._manifests: dict[tuple[str, str], Manifest] = {}
         self._origins: dict[str, Tier] = {}
@@ -154,6 +156,11 @@ class DaemonClient:
 
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
+        if self._closed_loop is loop and self._pid == os.getpid():
+            # A request still in flight when this process closed its client (a prefetch at
+            # exit): a new session now would never be closed, and its finalizer would print a
+            # traceback at the very end of the user's log.
+            raise DaemonUnavailableError(f"the client of the datacache daemon on {self.socket_path} is closed")
         session = self._session
         if session is not None and (self._session_loop is not loop or self._pid != os.getpid()):
             # Bound to another loop or to the parent process: let it go without touching it.
@@ -438,6 +445,8 @@ class DaemonClient:
             except Exception as exc:  # closing must not fail a reader's shutdown
                 logger.debug("closing an origin failed: %s", exc)
         session, self._session = self._session, None
+        if self._pid == os.getpid():
+            self._closed_loop = asyncio.get_running_loop()
         if session is None:
             return
         if self._session_loop is asyncio.get_running_loop() and self._pid == os.getpid():

@@ -8,7 +8,9 @@ the index swapped for a symlink must never have a write go through it.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,9 @@ from test_loader import write_wds
 
 from datacache.config import Settings
 from datacache.errors import DatacacheError
-from datacache.indexing import index_dir
+from datacache.indexfiles import IndexFiles
+from datacache.indexing import decide_cold, index_dir
+from datacache.manifest import Manifest
 from datacache.stager import Stager
 
 
@@ -61,3 +65,49 @@ def test_a_swapped_index_directory_is_never_written_through(tmp_path: Path, sett
     with pytest.raises(DatacacheError, match="symlink"):
         build_counts(settings, str(origin))
     assert list(elsewhere.iterdir()) == [], "nothing was written through the link"
+
+
+_LINK_ONCE = IndexFiles.link_once
+
+
+def _decide_unpatched(settings: Settings, manifest: Manifest, cold: bool) -> bool:
+    IndexFiles.link_once = _LINK_ONCE  # type: ignore[method-assign]  # (forked: the test's patch came along)
+    return decide_cold(settings, manifest, seed=1, epoch=0, cold=cold)
+
+
+def _decide_in_another_process(settings: Settings, manifest: Manifest, cold: bool) -> bool:
+    """`decide_cold` for epoch 0 of seed 1 in a process of its own (another rank, another node)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(_decide_unpatched, settings, manifest, cold).result()
+
+
+def test_the_process_that_loses_the_cold_decision_takes_the_recorded_answer(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24 item 16: two processes look for the epoch's record at once, find none, and both write.
+
+    The one whose `link_once` loses must read epoch 0 as the winner recorded it, not as it
+    would have decided itself: otherwise one epoch is dealt two ways.
+    """
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=30, per_shard=10)
+    build_counts(settings, str(origin))  # the cluster index exists: a warm answer is recorded too
+
+    async def open_manifest() -> Manifest:
+        async with Stager(settings) as stager:
+            return (await stager.open(str(origin))).manifest
+
+    manifest = asyncio.run(open_manifest())
+    competitors: list[bool] = []
+
+    def another_process_decides_first(self: IndexFiles, name: str, data: bytes) -> None:
+        # Between this process's look for a record and its own write, another process (its
+        # counts were incomplete: cold) looks, finds none either, and writes first.
+        competitors.append(_decide_in_another_process(settings, manifest, cold=True))
+        _LINK_ONCE(self, name, data)
+
+    monkeypatch.setattr(IndexFiles, "link_once", another_process_decides_first)
+    assert decide_cold(settings, manifest, seed=1, epoch=0, cold=False) is True, "the recorded answer"
+    assert competitors == [True]
+    monkeypatch.undo()
+    assert decide_cold(settings, manifest, seed=1, epoch=0, cold=False) is True, "and it stays recorded"
