@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from datacache.staging.activity import TierActivity, Transfer
+from datacache.tiers.local import make_local_dirs
 
 __all__ = [
     "CLIENTS_DIR",
@@ -110,12 +111,9 @@ def write_report_file(local_dir: Path, name: str, document: Mapping[str, Any]) -
     target = report_file(local_dir, name)
     folder = target.parent
     if not folder.is_dir():
-        root = folder.parent
-        if not root.is_dir():
-            root.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(OSError):
-                root.chmod(0o1777)  # every user of the node keeps a folder here, as in /tmp
-        folder.mkdir(mode=0o700, exist_ok=True)
+        # The local tier is one user's, every folder in it private whatever the umask (an operator,
+        # root, reads them all); the per-uid folder below keeps the check that it is this uid's.
+        make_local_dirs(folder)
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         # Made by someone else (the parent folder is everyone's): nothing of ours goes there.

@@ -276,31 +276,39 @@ def test_a_user_sees_their_own_clients_and_an_operator_sees_all(
     finally:
         daemon.stop()
 
-    # Embedded: report files are per uid, 0700; bob cannot read alice's, root reads both.
-    local = world_dir / "embedded"
-    local.mkdir(mode=0o777)
-    local.chmod(0o777)
+    # Embedded: each user's local tier is their own (every folder in it 0700, whatever the umask):
+    # bob's top shows his readers, alice's tier is closed to him, root reads any.
+    tiers = {user.name: world_dir / f"embedded-{user.name}" for user in (alice, bob)}
     for rank, user in enumerate((alice, bob)):
+        tiers[user.name].mkdir(mode=0o700)
+        os.chown(tiers[user.name], user.uid, user.gid)
         done = python_as(
             user,
             f"""
             import os, socket, time
             from pathlib import Path
             from datacache.activity import write_report_file
-            write_report_file(Path({str(local)!r}), "reader", {{
+            write_report_file(Path({str(tiers[user.name])!r}), "reader", {{
                 "version": 1, "host": socket.gethostname(), "pid": os.getppid(), "written": time.time(),
                 "client": "{user.name}-embedded", "reader": {{"rank": {rank}, "worker": 0, "samples": 5}},
             }})
             """,
         )
         assert done.returncode == 0, done.stderr
+        assert (tiers[user.name] / "clients").stat().st_mode & 0o777 == 0o700
+
+    def local(name: str, base: dict[str, str]) -> dict[str, str]:
+        return {**base, "DATACACHE_LOCAL_DIR": str(tiers[name]), "DATACACHE_SOCKET": str(tiers[name] / "none.sock")}
+
     # Their writers exited: the files name this (live) test process as theirs, so they stay shown.
-    env = {**_users.user_env(bob), "DATACACHE_LOCAL_DIR": str(local), "DATACACHE_SOCKET": str(local / "none.sock")}
-    frame = _top_as(bob, env)
+    frame = _top_as(bob, local(bob.name, _users.user_env(bob)))
     assert frame["source"] == "embedded"
     assert [c["client"] for c in frame["clients"]] == [f"{bob.name}-embedded"]
-    root_env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local), "DATACACHE_SOCKET": str(local / "none.sock")}
-    assert {c["client"] for c in _frame(root_env)["clients"]} == {f"{alice.name}-embedded", f"{bob.name}-embedded"}
+    snooping = _users.cli_as(
+        bob, "top", "--once", "--json", "--interval", "0.1", env=local(alice.name, _users.user_env(bob))
+    )
+    assert f"{alice.name}-embedded" not in snooping.stdout
+    assert [c["client"] for c in _frame(local(alice.name, cache_env))["clients"]] == [f"{alice.name}-embedded"]
 
 
 # -- the live view in a terminal ---------------------------------------------------------------------
