@@ -94,11 +94,12 @@ def _plans(cell: Cell, epoch: int) -> tuple[list[_Reader], dict[str, tuple[int, 
         plan = plan_epoch(
             counts, seed=cell.seed, epoch=epoch, shuffle=True, window=window, cursors=(), layout=layout, drop_last=False
         )
-        events = [(t, 0, u) for u, t in plan.first_use.items()] + [(t, 1, u) for u, t in plan.last_use.items()]
         sequence = tuple(plan.unit_sequence)
-        readers.append(
-            _Reader(f"{rank}.{worker}", sorted(events), sequence, {u: i for i, u in enumerate(sequence)})
-        )
+        index = {u: i for i, u in enumerate(sequence)}
+        # Opens that fall on one tick happen in the plan's order (as a reader opens ahead), closes too.
+        events = [(t, 0, u) for u, t in plan.first_use.items()] + [(t, 1, u) for u, t in plan.last_use.items()]
+        events.sort(key=lambda event: (event[0], event[1], index[event[2]]))
+        readers.append(_Reader(f"{rank}.{worker}", events, sequence, index))
     future = node_unit_sequences(
         counts,
         seed=cell.seed,
@@ -172,8 +173,8 @@ def simulate(cell: Cell, policy: str) -> tuple[float, float]:
         node.residency.set_future_order(
             DATASET, FutureOrder(epoch, {name: tuple(map(_key, units)) for name, units in future.items()})
         )
-        merged = sorted((t, kind, n, u) for n, r in enumerate(readers) for t, kind, u in r.events)
-        for _, kind, n, unit in merged:
+        merged = sorted((t, kind, n, i, u) for n, r in enumerate(readers) for i, (t, kind, u) in enumerate(r.events))
+        for _, kind, n, _, unit in merged:
             reader = readers[n]
             if kind == 1:
                 reader.open.discard(unit)
@@ -229,8 +230,8 @@ def _full_trace(cell: Cell) -> tuple[list[str], int]:
         if epoch == 1:
             start = len(trace)
         readers, _ = _plans(cell, epoch)
-        merged = sorted((t, kind, n, u) for n, r in enumerate(readers) for t, kind, u in r.events)
-        trace.extend(_key(u) for _, kind, _, u in merged if kind == 0)
+        merged = sorted((t, kind, n, i, u) for n, r in enumerate(readers) for i, (t, kind, u) in enumerate(r.events))
+        trace.extend(_key(u) for _, kind, _, _, u in merged if kind == 0)
     return trace, start
 
 

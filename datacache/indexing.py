@@ -361,14 +361,14 @@ class ClusterIndex:
         lock_path = path.with_suffix(".lock")
         done = await asyncio.to_thread(self._load_batch, path)
         if done is not None:
-            return done
+            return _told(done, on_count)
         if not wait and await asyncio.to_thread(self._held_by_another, lock_path.name):
             return None
         lock = self.files.place(lock_path.name)
         async with LeaseLock(lock, lease_seconds=self.settings.lease_seconds).hold():
             done = await asyncio.to_thread(self._load_batch, path)
             if done is not None:
-                return done
+                return _told(done, on_count)
             counted = await self._count_batch(batch, found, report, on_count)
             await self._write(path, counted)
             return counted
@@ -418,6 +418,17 @@ class ClusterIndex:
             if on_count is not None:
                 on_count(shard.key, samples)
         return counted
+
+
+def _told(
+    counted: dict[str, KnownCount], on_count: Callable[[str, int], None] | None
+) -> dict[str, KnownCount]:
+    """``counted`` (a batch another process counted), each count told to ``on_count`` as if counted here:
+    a reader waiting for counts hears of them now, not when the whole index is done."""
+    if on_count is not None:
+        for key, count in counted.items():
+            on_count(key, count.samples)
+    return counted
 
 
 @dataclass

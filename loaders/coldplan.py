@@ -93,6 +93,12 @@ class CountBook:
             index = ClusterIndex(self._handle.origin, self._handle.manifest, self._settings)
             index.counter = self._count_staged
             self._build = self._loop.submit(index.build(on_count=self.note_key))
+            self._build.add_done_callback(self._built)
+
+    def _built(self, _: concurrent.futures.Future[Any]) -> None:
+        """Wake readers waiting for counts: the index is done (its result is taken by `wait_complete`)."""
+        with self._lock:
+            self._grew.notify_all()
 
     async def _count_staged(self, shard: Shard, where: str) -> int:
         """Count a shard from its staged copy: the origin serves it once, for counting and reading alike.
@@ -142,8 +148,12 @@ class CountBook:
         with self._grew:
             if build is None or build.done():
                 return False
-            # The background index notifies each count; the timeout only bounds a wait on another node.
-            self._grew.wait_for(lambda: int(self.counts[self.counts >= 0].sum()) > than, timeout=timeout)
+            # The background index notifies each count, and its end; the timeout only bounds a wait on
+            # another node.
+            def grown() -> bool:
+                return build.done() or int(self.counts[self.counts >= 0].sum()) > than
+
+            self._grew.wait_for(grown, timeout=timeout)
         return True
 
     def known_total(self) -> int:

@@ -310,6 +310,8 @@ def public_address() -> Iterator[tuple[str, Callable[[list[str]], subprocess.Pop
         for process in processes:
             process.kill()
             process.wait()
+            if process.stdout is not None:
+                process.stdout.close()  # else its pipe is closed by the collector, in some later test
         subprocess.run(["ip", "link", "del", f"{name}a"], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
 

@@ -330,16 +330,19 @@ class _Terminal:
 
     def read_until(self, text: str, *, timeout: float = 60) -> None:
         def arrived() -> bool:
-            import select
+            import selectors
 
-            while select.select([self.master], [], [], 0.05)[0]:
-                try:
-                    chunk = os.read(self.master, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                self.seen += chunk.decode(errors="replace")
+            # poll, not select(): late in a long suite this process's descriptors pass 1024
+            with selectors.DefaultSelector() as waiting:
+                waiting.register(self.master, selectors.EVENT_READ)
+                while waiting.select(0.05):
+                    try:
+                        chunk = os.read(self.master, 65536)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    self.seen += chunk.decode(errors="replace")
             return text in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.seen)
 
         wait_until(arrived, timeout=timeout, what=f"{text!r} on the terminal")

@@ -191,7 +191,8 @@ class TierTests:
             self.run(tier, body)
 
     def test_read_into_fills_the_buffer_in_order_and_hashes(self, tier: Tier) -> None:
-        data = os.urandom(3 << 20)
+        # Under 1 MiB: the GCS and Azure clients put a larger body as raw bytes, which aiohttp warns of.
+        data = os.urandom((1 << 20) - 4096)
 
         async def body() -> None:
             await put(tier, "ri", data)
