@@ -311,6 +311,24 @@ def test_a_user_sees_their_own_clients_and_an_operator_sees_all(
     assert [c["client"] for c in _frame(local(alice.name, cache_env))["clients"]] == [f"{alice.name}-embedded"]
 
 
+def test_a_ranks_readers_of_an_epoch_it_left_are_neither_listed_nor_summed() -> None:
+    """A DataLoader starts new workers each epoch; the daemon keeps the old ones' reports a while."""
+    from datacache.cli._top import current_epoch
+
+    def reader(client: str, rank: int, epoch: int, uid: int = 1000) -> dict[str, Any]:
+        return {"client": client, "uid": uid, "dataset": "d", "rank": rank, "epoch": epoch, "samples": 10}
+
+    clients = [
+        reader("r0-old", 0, 0),
+        reader("r0-new", 0, 1),
+        reader("r1-old", 1, 0),
+        reader("r1-other-user", 1, 0, uid=1001),
+        {"client": "no-rank"},
+    ]
+    kept = [c["client"] for c in current_epoch(clients)]
+    assert kept == ["r0-new", "r1-old", "r1-other-user", "no-rank"]
+
+
 # -- the live view in a terminal ---------------------------------------------------------------------
 
 

@@ -94,6 +94,7 @@ class Sampler:
         frame["time"] = now
         frame["host"] = socket.gethostname()
         frame["interval_s"] = self.interval
+        frame["clients"] = current_epoch(frame["clients"])
         frame["ranks"] = _ranks(frame["clients"])
         self._rates(frame, time.monotonic())
         return frame
@@ -242,6 +243,22 @@ def _transfer_row(transfer: dict[str, Any]) -> dict[str, Any]:
     size = transfer.get("size")
     done = int(transfer.get("bytes", 0))
     return {**transfer, "progress": min(1.0, done / size) if size else None}
+
+
+def current_epoch(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The clients less readers of an epoch their rank has left (a DataLoader starts new workers each
+    epoch; the daemon keeps the old ones' last reports until they expire): not listed, not summed."""
+    newest: dict[tuple[Any, ...], int] = {}
+    for client in clients:
+        if "rank" in client:
+            key = (client.get("uid"), client.get("dataset"), client["rank"])
+            newest[key] = max(newest.get(key, 0), int(client.get("epoch", 0)))
+    return [
+        client
+        for client in clients
+        if "rank" not in client
+        or int(client.get("epoch", 0)) >= newest[(client.get("uid"), client.get("dataset"), client["rank"])]
+    ]
 
 
 def _ranks(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
