@@ -136,10 +136,6 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _positive_size(value: Any, what: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit() and int(value) != 0:
-        # The rule of rates (a bare 500 is refused, not taken as 500 B/s): a size given as text says its unit.
-        raise ConfigError(f"{what}: {value.strip()!r} has no unit; write it with one, e.g. '{value.strip()}GB' "
-                          f"(or '{value.strip()}B' for bytes)")
     size = parse_size(value, what=what)
     if size <= 0:
         raise ConfigError(f"{what}: must be positive, got {value!r}")

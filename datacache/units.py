@@ -51,6 +51,13 @@ def parse_size(value: str | int | float, *, what: str = "size") -> int:
     if match is None:
         raise ConfigError(f"{what}: expected a size such as '256MB' or '1.5GiB', got {value!r}")
     number, unit = match.groups()
+    if not unit and float(number) != 0:
+        # The rule of rates (a bare "500" is refused, not taken as 500 B/s): a size written as text
+        # says its unit, wherever it is given (a flag, a variable, the config file); an int is bytes.
+        raise ConfigError(
+            f"{what}: {value.strip()!r} has no unit; write it with one, e.g. '{value.strip()}GB' "
+            f"(or '{value.strip()}B' for bytes)"
+        )
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"{what}: unknown unit {unit!r} in {value!r} (use kB, MB, GB, TB or KiB, MiB, GiB, TiB)")

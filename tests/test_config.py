@@ -311,7 +311,8 @@ def test_dataset_ids_are_stable_and_distinct() -> None:
     [
         ("256MB", 256 * 10**6),
         ("1.5GiB", int(1.5 * 2**30)),
-        ("10", 10),
+        ("10B", 10),
+        ("0", 0),
         (" 4 kib ", 4096),
         (7, 7),
         ("1TB", 10**12),
@@ -321,7 +322,7 @@ def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "MB", "1.2.3GB", "-5", "5 parsecs", True, -1])
+@pytest.mark.parametrize("text", ["", "MB", "1.2.3GB", "-5", "5 parsecs", True, -1, "10", "256"])
 def test_parse_size_rejects(text: str | int) -> None:
     with pytest.raises(ConfigError):
         parse_size(text)
