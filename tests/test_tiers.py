@@ -528,3 +528,20 @@ def test_the_contract_suite_ships_with_the_package_and_datacache_tiers_does_not_
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "datacache.tiers.testing"
     assert TierTests.__module__ == "datacache.tiers.testing"
+
+
+def test_a_host_based_fsspec_url_reaches_the_host_it_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ftp://host:port/...``: fsspec takes host and port from the URL (a new user's ftp:// was a TypeError)."""
+    import socket
+
+    from datacache.cli import main
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once this is closed
+    monkeypatch.setenv("DATACACHE_LOCAL_DIR", str(tmp_path / "local"))
+    assert main(["warm", f"ftp://127.0.0.1:{port}/data/", "--no-daemon"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Connection refused" in err[0], err

@@ -200,6 +200,10 @@ class ObjectTier(Tier):
         if self._fs is not None and self._fs_loop is loop:
             return self._fs
         options = dict(self._storage_options)
+        # What the URL itself says (ftp://user@host:21/, hdfs://namenode/ ...), as fsspec's own
+        # url_to_fs takes it: a host-based filesystem cannot be made without it. Given options win.
+        for name, value in self._fs_class._get_kwargs_from_urls(self._raw_url).items():
+            options.setdefault(name, value)
         if self.is_s3:
             # Retries happen in one place (call_with_retry), not three layers deep.
             config = dict(options.pop("config_kwargs", None) or {})
