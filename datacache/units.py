@@ -31,7 +31,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: str | int | float, *, what: str = "size") -> int:
+def parse_size(value: str | int | float, *, what: str = "size", _per: str = "") -> int:
     """Return a byte count from ``value``: an int, or a string such as ``"256MB"``.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000 and binary units (KiB,
@@ -52,11 +52,12 @@ def parse_size(value: str | int | float, *, what: str = "size") -> int:
         raise ConfigError(f"{what}: expected a size such as '256MB' or '1.5GiB', got {value!r}")
     number, unit = match.groups()
     if not unit and float(number) != 0:
-        # The rule of rates (a bare "500" is refused, not taken as 500 B/s): a size written as text
-        # says its unit, wherever it is given (a flag, a variable, the config file); an int is bytes.
+        # A size or rate written as text says its unit, wherever it is given (a flag, a variable,
+        # the config file): a bare "500" is refused, not taken as 500 bytes (or bytes/s); an int is.
+        example = "MB" if _per else "GB"
         raise ConfigError(
-            f"{what}: {value.strip()!r} has no unit; write it with one, e.g. '{value.strip()}GB' "
-            f"(or '{value.strip()}B' for bytes)"
+            f"{what}: {value.strip()!r} has no unit; write it with one, e.g. "
+            f"'{number}{example}{_per}' (or '{number}B{_per}' for bytes)"
         )
     factor = _UNITS.get(unit.lower())
     if factor is None:
@@ -77,15 +78,7 @@ def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> flo
         text = value.strip()
         if text.lower().endswith("/s") or text.lower().endswith("ps"):
             text = text[:-2]
-        rate = float(parse_size(text, what=what))
-        match = _SIZE.match(text)
-        if rate > 0 and match is not None and not match.group(2):
-            # A bare "10" would be 10 bytes/s: almost never what was meant.
-            raise ConfigError(
-                f"{what}: {value!r} has no unit; write it with one, e.g. '{match.group(1)}MB/s' "
-                f"(or '{match.group(1)}B/s' for bytes)"
-            )
-        return rate
+        return float(parse_size(text, what=what, _per="/s"))
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{what}: expected a rate such as '1GB/s', got {value!r}")
     return float(value)

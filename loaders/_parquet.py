@@ -78,7 +78,10 @@ class ParquetRows:
                 self._python.popitem(last=False)
         else:
             self._python.move_to_end(key)
-        row: dict[str, Any] = rows[offset - starts[batch]]
+        at = offset - starts[batch]
+        if at >= len(rows):  # damaged data that decodes differently the second time
+            raise ValueError(f"row group {group} batch {batch} decodes to {len(rows)} rows, fewer than at open")
+        row: dict[str, Any] = rows[at]
         return row
 
     def _batch(self, group: int, batch: int) -> pa.RecordBatch:

@@ -432,6 +432,7 @@ PARQUET_INPUT = {
 @given(**PARQUET_INPUT)
 @example(edits=[(158, 128)], tail=False, cut=None)  # a string value that is not UTF-8
 @example(edits=[(270, 128)], tail=False, cut=None)  # a column name that is not UTF-8
+@example(edits=[(18310, 2)], tail=False, cut=None)  # a batch decoding to fewer rows the second time
 def test_parquet_reader_of_damaged_files(edits: list[tuple[int, int]], tail: bool, cut: int | None) -> None:
     raw = bytearray(GOOD_PARQUET)
     for position, value in edits:
