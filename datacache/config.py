@@ -16,7 +16,7 @@ import os
 import pwd
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -215,32 +215,27 @@ def _address(value: Any, what: str) -> str:
     return value
 
 
-def _gid(value: Any, what: str) -> int:
-    """A gid given as a number or a group name."""
+def _account(value: Any, what: str, kind: str, lookup: Callable[[str], int]) -> int:
+    """A uid or gid given as a number or a name (``kind``: "user" or "group")."""
+    short = kind[0] + "id"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str) and value.isdigit():
         return int(value)
     if isinstance(value, str) and value:
         try:
-            return grp.getgrnam(value).gr_gid
+            return lookup(value)
         except KeyError:
-            raise ConfigError(f"{what}: no group named {value!r} on this machine") from None
-    raise ConfigError(f"{what}: expected a gid or a group name, got {value!r}")
+            raise ConfigError(f"{what}: no {kind} named {value!r} on this machine") from None
+    raise ConfigError(f"{what}: expected a {short} or a {kind} name, got {value!r}")
+
+
+def _gid(value: Any, what: str) -> int:
+    return _account(value, what, "group", lambda name: grp.getgrnam(name).gr_gid)
 
 
 def _uid(value: Any, what: str) -> int:
-    """A uid given as a number or a user name."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    if isinstance(value, str) and value:
-        try:
-            return pwd.getpwnam(value).pw_uid
-        except KeyError:
-            raise ConfigError(f"{what}: no user named {value!r} on this machine") from None
-    raise ConfigError(f"{what}: expected a uid or a user name, got {value!r}")
+    return _account(value, what, "user", lambda name: pwd.getpwnam(name).pw_uid)
 
 
 _SETTINGS: dict[str, tuple[str, Any]] = {
