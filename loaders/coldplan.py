@@ -92,8 +92,9 @@ class CountBook:
                 return
             index = ClusterIndex(self._handle.origin, self._handle.manifest, self._settings)
             index.counter = self._count_staged
-            self._build = self._loop.submit(index.build(on_count=self.note_key))
-            self._build.add_done_callback(self._built)
+            build = self._build = self._loop.submit(index.build(on_count=self.note_key))
+        # Outside the lock: a build already done runs its callback here, at once, and it takes the lock.
+        build.add_done_callback(self._built)
 
     def _built(self, _: concurrent.futures.Future[Any]) -> None:
         """Wake readers waiting for counts: the index is done (its result is taken by `wait_complete`)."""
