@@ -130,9 +130,6 @@ class Progress:
             f"{self._item_name}_total": self.total_items,
             "bytes_done": self.done_bytes,
             "bytes_total": self.total_bytes,
-            # The earlier words, kept as aliases for one release (docs/DAEMON.md).
-            self._item_name: self.done_items,
-            "bytes": self.done_bytes,
             "bytes_transferred": self.moved_bytes,
             "rate_bytes_per_s": round(rate, 1),
             f"{self._item_name}_per_s": round(self._item_meter.rate(now), 1),

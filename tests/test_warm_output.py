@@ -75,7 +75,8 @@ def test_the_first_line_waits_for_a_measured_rate_and_the_last_one_is_final() ->
     shown.item_done(3000, transferred=3000, items=3)
     shown.close()
     last = json.loads(stream.getvalue().splitlines()[-1])
-    assert (last["shards"], last["bytes"], last["eta_s"]) == (4, 4000, 0.0), "a line was shown: the last is final"
+    final = (last["shards_done"], last["bytes_done"], last["eta_s"])
+    assert final == (4, 4000, 0.0), "a line was shown: the last is final"
 
 
 def test_the_summary_says_what_is_resident_and_why_not_the_rest(tmp_path: Path, cache_env: dict[str, str]) -> None:
@@ -110,8 +111,7 @@ def test_warm_progress_speaks_the_daemons_words() -> None:
     line = json.loads(stream.getvalue().splitlines()[-1])
     assert set(line) >= PROGRESS_WORDS, sorted(PROGRESS_WORDS - set(line))
     assert (line["shards_done"], line["shards_total"], line["bytes_done"], line["bytes_total"]) == (1, 4, 1000, 4000)
-    # The old words stay one release, as aliases (docs/DAEMON.md).
-    assert (line["shards"], line["bytes"]) == (line["shards_done"], line["bytes_done"])
+    assert "shards" not in line and "bytes" not in line, "one vocabulary, no aliases"
     wire = warm_progress_to_wire(WarmProgress(1, 4, 1000, 4000, 1000, 2.5))
     assert set(wire) >= PROGRESS_WORDS, sorted(PROGRESS_WORDS - set(wire))
     assert {k: wire[k] for k in PROGRESS_WORDS} == {k: line[k] for k in PROGRESS_WORDS} | {"rate_bytes_per_s": 400.0}

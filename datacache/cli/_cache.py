@@ -101,9 +101,6 @@ async def _status(args: argparse.Namespace) -> int:
         "config": str(settings.config_path) if settings.config_path else None,
         "tiers": tiers,
         "daemon": daemon,
-        # The keys before "daemon" existed, kept for one release (see docs/DAEMON.md).
-        "daemon_socket": daemon["socket"],
-        "daemon_socket_present": settings.daemon_socket.exists(),
     }
     if args.json:
         sys.stdout.write(json.dumps(document, indent=2) + "\n")

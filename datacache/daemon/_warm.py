@@ -54,9 +54,7 @@ class WarmRun:
         lines = _Lines(response)
         total = sum(shard.size for shard in shards)
         await lines.send(
-            # shards/bytes: the earlier words for the totals, kept as aliases for one release (docs/DAEMON.md).
             {"event": "start", "dataset": handle.id, "tier": tier, "shards_total": len(shards), "bytes_total": total}
-            | {"shards": len(shards), "bytes": total}
         )
         run = self.stager.warm(
             handle, shards, tier=tier, verify=verify, bandwidth=bandwidth, progress=lines.progress, submit=self.submit
