@@ -20,7 +20,7 @@ from datacache.loaders.epoch import (
     node_unit_sequences,
     reader_name,
 )
-from datacache.loaders.mixed import mix_plan
+from datacache.loaders.mixed import mix_futures, mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
@@ -114,7 +114,8 @@ class EpochIterator:
             "in_consumer": self._in_consumer,
         }
         if mixed is not None:
-            self._units = self._mixed = MixedUnitReaders(runtime, mixed, **readers)
+            futures = mix_futures(runtime, layout, **common)
+            self._units = self._mixed = MixedUnitReaders(runtime, mixed, futures=futures, **readers)
         else:
             units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
             if isinstance(self._plan, ColdEpochPlan):

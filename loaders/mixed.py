@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.coldplan import CountBook, complete_runtime
-from datacache.loaders.epoch import auto_window, plan_epoch
+from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch, reader_name
 from datacache.loaders.mixing import source_counts
 from datacache.loaders.mixplan import MixedOrder
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
-from datacache.loaders.readplan import LazyEpochPlan
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.runtime import NodeFuture, Runtime
+from datacache.loaders.sequence import Deal, Order
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -34,7 +35,7 @@ from datacache.config import Settings
 from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.stager import DatasetHandle
 
-__all__ = ["Mix", "mix_plan", "only_keys", "open_handle", "open_mix"]
+__all__ = ["Mix", "mix_futures", "mix_plan", "only_keys", "open_handle", "open_mix"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -186,3 +187,54 @@ def mix_plan(
         drop_last=drop_last,
         order=mix.order(seed=seed, epoch=epoch, shuffle=shuffle),
     )
+
+
+def mix_futures(
+    runtime: Runtime,
+    layout: Layout,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    drop_last: bool,
+    cursors: tuple[Cursor, ...],
+) -> tuple[NodeFuture, ...]:
+    """Each source's node future: every reader's units of it, what is left of this epoch, then the next.
+
+    Per rank and per block of positions, as one dataset's (`epoch.node_unit_sequences`): a rank's
+    workers share its sequence. Every reader computes the same value.
+    """
+    mix: Mix = runtime.mix
+    this = mix.order(seed=seed, epoch=epoch, shuffle=shuffle)
+    now = epoch_sequence(
+        runtime.plan.counts, seed=seed, epoch=epoch, shuffle=shuffle, window=runtime.window, cursors=cursors, order=this
+    )
+    following = mix.order(seed=seed, epoch=epoch + 1, shuffle=shuffle)
+    sources = len(mix.parts)
+    found: list[dict[str, tuple[int, ...]]] = [{} for _ in range(sources)]
+    splits = [0] * sources
+    for rank in range(layout.world_size):
+        parts = [
+            _by_source(mix, _rank_units(order, runtime.window, layout, rank, drop_last)) for order in (now, following)
+        ]
+        for source in range(sources):
+            units = (*parts[0][source], *parts[1][source])
+            if rank == layout.rank:
+                splits[source] = len(parts[0][source])
+            for worker in range(layout.num_workers):
+                name = reader_name(Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk))
+                found[source][name] = units
+    me = reader_name(layout)
+    return tuple(NodeFuture(me, epoch, found[s], split=splits[s]) for s in range(sources))
+
+
+def _rank_units(order: Order, window: int, layout: Layout, rank: int, drop_last: bool) -> tuple[int, ...]:
+    deal = Deal(order.total, layout.world_size, window)
+    return rank_unit_sequence(order, deal, rank, deal.length(drop_last=drop_last))
+
+
+def _by_source(mix: Mix, units: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``units`` (numbered across sources) split by source, in order, each numbered as in its source."""
+    flat = np.asarray(units, dtype=np.int64)
+    source = mix.source_of_unit[flat]
+    return [tuple((flat[source == s] - mix.unit_offsets[s]).tolist()) for s in range(len(mix.parts))]

@@ -23,7 +23,7 @@ from datacache.loaders.mixed import Mix
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.readplan import LazyEpochPlan, _UnitMap
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.units import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
@@ -103,6 +103,7 @@ class MixedUnitReaders:
         lock: threading.Lock,
         skip_bad: bool,
         in_consumer: bool,
+        futures: tuple[NodeFuture, ...] | None = None,
     ) -> None:
         mix: Mix = runtime.mix
         self.runtime = runtime
@@ -124,6 +125,7 @@ class MixedUnitReaders:
                 lock=lock,
                 skip_bad=skip_bad,
                 in_consumer=in_consumer,
+                future=futures[source] if futures is not None else None,
             )
             self.parts.append(readers)
             self._url_of_unit.update((id(unit), readers.url) for unit in part.plan.units)
