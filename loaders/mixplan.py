@@ -28,6 +28,7 @@ sample is as likely as any other, samples repeat, and reads stay a few shards at
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,16 +87,21 @@ class Spread:
         result: IntArray = b * q + (b * r + self.offsets) // self.parts
         return result
 
-    def part_of(self, items: IntArray) -> IntArray:
-        """The part holding each of ``items`` (numbered across sources, part by part)."""
-        items = np.asarray(items, dtype=np.int64)
-        if not len(items):
-            return _EMPTY
+    def near(self, items: IntArray) -> tuple[IntArray, IntArray]:
+        """Parts at or before, and at or after, the part holding each of ``items``: a few apart, no search."""
         sources, total = len(self.counts), self.total
         # |items before part b - b*total/parts| < sources: the part is within a few of the proportion.
         scale = self.parts / total
         lo = np.clip(np.floor((items - sources) * scale).astype(np.int64) - 2, 0, self.parts - 1)
         hi = np.clip(np.ceil((items + sources) * scale).astype(np.int64) + 2, 0, self.parts - 1)
+        return lo, hi
+
+    def part_of(self, items: IntArray) -> IntArray:
+        """The part holding each of ``items`` (numbered across sources, part by part)."""
+        items = np.asarray(items, dtype=np.int64)
+        if not len(items):
+            return _EMPTY
+        lo, hi = self.near(items)
         return _bisect(lambda b: self.before(b).sum(axis=1), items, lo, hi)
 
 
@@ -141,9 +147,13 @@ class Interleave:
         return source[picked], before[inverse, source[picked]] + nth[picked]
 
     def index_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
-        """``(lo, hi)``, each ``(ranges, sources)``: indexes of each source ``[start, stop)`` may read (by block)."""
-        first = self.spread.part_of(np.asarray(starts, dtype=np.int64))
-        last = self.spread.part_of(np.asarray(stops, dtype=np.int64) - 1)
+        """``(lo, hi)``, each ``(ranges, sources)``: indexes of each source ``[start, stop)`` may read.
+
+        A superset by a few blocks each side (`Spread.near`, no search): what a range may read, for the
+        node's future and for when a unit is first and last used, at the cost of a few arithmetic passes.
+        """
+        first, _ = self.spread.near(np.asarray(starts, dtype=np.int64))
+        _, last = self.spread.near(np.asarray(stops, dtype=np.int64) - 1)
         return self.spread.before(first), self.spread.before(last + 1)
 
 
@@ -179,7 +189,7 @@ class SourceDraw:
                 self._orders[cycle] = found
             return found
 
-    @property
+    @functools.cached_property
     def _chunks(self) -> tuple[int, Spread]:
         """With replacement: the chunk width, and the draws spread over the chunks of the permutation."""
         width = max(1, self.window, -(-self.size // _MAX_PARTS))
@@ -231,6 +241,8 @@ class SourceDraw:
                 mine = wanted & (cycle == number)
                 index, units = self._order(number).units_of_ranges(begin[mine], end[mine])
                 found.append((which[mine][index], units, np.full(len(units), phase, dtype=np.int64)))
+        if len(found) == 1:
+            return found[0][0], found[0][1]  # every range in one cycle: grouped and distinct already
         return _grouped(found)
 
 
@@ -274,7 +286,7 @@ class MixedOrder:
     def total(self) -> int:
         return self.interleave.spread.total
 
-    @property
+    @functools.cached_property
     def _offsets(self) -> tuple[IntArray, IntArray]:
         """Each source's first flat sample id and first flat unit."""
         samples = exclusive_sum([draw.size for draw in self.draws])
@@ -312,10 +324,15 @@ class MixedOrder:
         kept = np.nonzero(stops > starts)[0].astype(np.int64)
         lo, hi = self.interleave.index_ranges(starts[kept], stops[kept])
         _, unit_offsets = self._offsets
-        found: list[tuple[IntArray, IntArray, IntArray]] = []
+        found: list[tuple[IntArray, IntArray]] = []
         for s, draw in enumerate(self.draws):
             some = np.nonzero(hi[:, s] > lo[:, s])[0]
             if len(some):
                 which, units = draw.units_of_ranges(lo[some, s], hi[some, s])
-                found.append((kept[some][which], units + unit_offsets[s], np.full(len(units), s, dtype=np.int64)))
-        return _grouped(found)
+                found.append((kept[some][which], units + unit_offsets[s]))
+        if not found:
+            return _EMPTY, _EMPTY
+        # Sources' units are distinct: grouping by range (sources in order within one) is all that is left.
+        which, units = (np.concatenate([part[i] for part in found]) for i in range(2))
+        ordering = np.argsort(which, kind="stable")
+        return which[ordering], units[ordering]
