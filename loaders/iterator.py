@@ -13,7 +13,6 @@ from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_
 from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
 from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
 from datacache.loaders.epoch import (
-    EpochPlan,
     ReadPlan,
     auto_window,
     initial_prefetch,
@@ -21,11 +20,12 @@ from datacache.loaders.epoch import (
     node_unit_sequences,
     reader_name,
 )
-from datacache.loaders.mixed import mix_plan
+from datacache.loaders.mixed import mix_futures, mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import sample_of
+from datacache.loaders.readplan import LazyEpochPlan
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
@@ -79,7 +79,7 @@ class EpochIterator:
             "drop_last": dataset.drop_last,
             "cursors": cursors,
         }
-        mixed: EpochPlan | None = None
+        mixed: LazyEpochPlan | None = None
         if runtime.mix is not None:
             self._plan = mixed = mix_plan(runtime, layout, **common)
         else:
@@ -106,7 +106,6 @@ class EpochIterator:
         threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
         self._units: Units
         self._mixed: MixedUnitReaders | None = None
-        self._tallied = np.zeros(0, dtype=np.int64)
         readers: dict[str, Any] = {
             "controller": self.controller,
             "row": self._row,
@@ -115,8 +114,8 @@ class EpochIterator:
             "in_consumer": self._in_consumer,
         }
         if mixed is not None:
-            self._units = self._mixed = MixedUnitReaders(runtime, mixed, **readers)
-            self._tallied = np.full(len(self._plan), -1, dtype=np.int64)
+            futures = mix_futures(runtime, layout, **common)
+            self._units = self._mixed = MixedUnitReaders(runtime, mixed, futures=futures, **readers)
         else:
             units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
             if isinstance(self._plan, ColdEpochPlan):
@@ -347,18 +346,17 @@ class EpochIterator:
 
     def _tally(self, position: int, nbytes: int) -> None:
         """Note the payload of the sample at ``position`` (reader threads note distinct positions)."""
-        self._tallied[position] = nbytes
+        if self._mixed is not None:
+            self._mixed.tally(position, nbytes)
 
     def _count_sources(self, begin: int, stop: int) -> None:
         """Add the samples of positions ``[begin, stop)`` now delivered to their sources' counts."""
         if self._mixed is None:
             return
-        noted = self._tallied[begin:stop]
-        delivered = noted >= 0
-        sources = self._mixed.source_at[begin:stop][delivered]
+        sources, nbytes = self._mixed.count_sources(begin, stop)
         with self._lock:
             np.add.at(self._source_row[:, 0], sources, 1)
-            np.add.at(self._source_row[:, 1], sources, noted[delivered])
+            np.add.at(self._source_row[:, 1], sources, nbytes)
 
     def _account(self, nbytes: int, samples: int) -> None:
         with self._lock:

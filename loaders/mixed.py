@@ -4,8 +4,8 @@ Every source is opened as a dataset of its own (its own handle in the stager,
 so its own residency, eviction and sample counts); shard files named one by
 one read their directory's dataset filtered to their keys (`only_keys`). The
 units of all sources are numbered one after the other, source by source, so
-that `epoch.plan_epoch` deals and resumes the mixed order (`mixing.mixed_order`)
-as it does one dataset's.
+that `epoch.plan_epoch` deals and resumes the mixed order (`mixplan.MixedOrder`, computed per
+position: O(shards + sources)) as it does one dataset's.
 """
 
 from __future__ import annotations
@@ -13,29 +13,29 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import resource
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.coldplan import CountBook, complete_runtime
-from datacache.loaders.epoch import EpochPlan, auto_window, plan_epoch
-from datacache.loaders.mixing import mixed_order, source_counts
+from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch, reader_name
+from datacache.loaders.mixing import source_counts
+from datacache.loaders.mixplan import MixedOrder
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.runtime import NodeFuture, Runtime
+from datacache.loaders.sequence import Deal, Order
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.errors import ConfigError, DatasetTooLargeError, ShardNotFoundError
+from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.stager import DatasetHandle
-from datacache.units import format_bytes
 
-__all__ = ["Mix", "mix_plan", "only_keys", "open_handle", "open_mix"]
+__all__ = ["Mix", "mix_futures", "mix_plan", "only_keys", "open_handle", "open_mix"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -90,8 +90,9 @@ class Mix:
         sizes = [len(part.plan.units) for part in self.parts]
         return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
 
-    def order(self, *, seed: int, epoch: int, shuffle: bool) -> IntArray:
-        return mixed_order(
+    def order(self, *, seed: int, epoch: int, shuffle: bool) -> MixedOrder:
+        """Epoch ``epoch``'s mixed order, computed per position."""
+        return MixedOrder.of(
             [part.plan.counts for part in self.parts],
             self.counts,
             seed=seed,
@@ -106,38 +107,6 @@ class Mix:
         ids = "+".join(part.handle.manifest.dataset for part in self.parts)
         joined = "+".join(part.handle.manifest.snapshot for part in self.parts)
         return ids, hashlib.sha256(joined.encode()).hexdigest()[:16]
-
-
-MIX_BYTES_PER_SAMPLE = 72
-"""What a mixed epoch holds per sample while it is planned (the order, each source's draw, a reader's
-arrays and their temporaries; measured ~65). One dataset's epoch holds nothing per sample."""
-
-
-def memory_limit() -> int:
-    """The memory this process may use: its address-space limit, its cgroup's, or the machine's."""
-    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        limits.append(soft)
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits)
-
-
-def _check_fits(epoch: int, sources: int, labels: tuple[str, ...]) -> None:
-    """Refuse, before any epoch allocates for it, a mix this process's memory cannot plan."""
-    need, limit = (epoch + sources) * MIX_BYTES_PER_SAMPLE, memory_limit()
-    if need > limit // 2:
-        raise DatasetTooLargeError(
-            f"the mix of {', '.join(labels)} ({sources} samples, {epoch} an epoch) needs "
-            f"{format_bytes(need)} to plan an epoch, over half this process's memory limit "
-            f"({format_bytes(limit)}): a mix still plans per sample; read the largest source on its own"
-        )
 
 
 def open_mix(
@@ -181,7 +150,6 @@ def open_mix(
         {key: why for part in parts for key, why in part.plan.unreadable.items()},
     )
     total = int(counts.sum())
-    _check_fits(total, sum(part.plan.total for part in parts), labels)
     window = shuffle_buffer or auto_window(total, len(combined.units))
     first = parts[0]
     runtime = Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans)
@@ -205,10 +173,10 @@ def mix_plan(
     shuffle: bool,
     drop_last: bool,
     cursors: tuple[Cursor, ...],
-) -> EpochPlan:
+) -> LazyEpochPlan:
     """The reader ``layout``'s share of mixed epoch ``epoch``, less what ``cursors`` consumed."""
     mix: Mix = runtime.mix
-    plan = plan_epoch(
+    return plan_epoch(
         runtime.plan.counts,
         seed=seed,
         epoch=epoch,
@@ -219,5 +187,54 @@ def mix_plan(
         drop_last=drop_last,
         order=mix.order(seed=seed, epoch=epoch, shuffle=shuffle),
     )
-    # Whole arrays: a mix's readers split positions by source (`mixunits`), and its order is one array.
-    return EpochPlan.of(plan)
+
+
+def mix_futures(
+    runtime: Runtime,
+    layout: Layout,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    drop_last: bool,
+    cursors: tuple[Cursor, ...],
+) -> tuple[NodeFuture, ...]:
+    """Each source's node future: every reader's units of it, what is left of this epoch, then the next.
+
+    Per rank and per block of positions, as one dataset's (`epoch.node_unit_sequences`): a rank's
+    workers share its sequence. Every reader computes the same value.
+    """
+    mix: Mix = runtime.mix
+    this = mix.order(seed=seed, epoch=epoch, shuffle=shuffle)
+    now = epoch_sequence(
+        runtime.plan.counts, seed=seed, epoch=epoch, shuffle=shuffle, window=runtime.window, cursors=cursors, order=this
+    )
+    following = mix.order(seed=seed, epoch=epoch + 1, shuffle=shuffle)
+    sources = len(mix.parts)
+    found: list[dict[str, tuple[int, ...]]] = [{} for _ in range(sources)]
+    splits = [0] * sources
+    for rank in range(layout.world_size):
+        parts = [
+            _by_source(mix, _rank_units(order, runtime.window, layout, rank, drop_last)) for order in (now, following)
+        ]
+        for source in range(sources):
+            units = (*parts[0][source], *parts[1][source])
+            if rank == layout.rank:
+                splits[source] = len(parts[0][source])
+            for worker in range(layout.num_workers):
+                name = reader_name(Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk))
+                found[source][name] = units
+    me = reader_name(layout)
+    return tuple(NodeFuture(me, epoch, found[s], split=splits[s]) for s in range(sources))
+
+
+def _rank_units(order: Order, window: int, layout: Layout, rank: int, drop_last: bool) -> tuple[int, ...]:
+    deal = Deal(order.total, layout.world_size, window)
+    return rank_unit_sequence(order, deal, rank, deal.length(drop_last=drop_last))
+
+
+def _by_source(mix: Mix, units: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``units`` (numbered across sources) split by source, in order, each numbered as in its source."""
+    flat = np.asarray(units, dtype=np.int64)
+    source = mix.source_of_unit[flat]
+    return [tuple((flat[source == s] - mix.unit_offsets[s]).tolist()) for s in range(len(mix.parts))]

@@ -4,22 +4,26 @@ A mixed plan numbers all sources' units one after the other. Each source's
 `UnitReaders` (its own handle: its own prefetch, future order and residency in
 the stager) gets a `SourcePlan`, the same positions with only that source's
 units, numbered as in that source; `MixedUnitReaders` hands each position to
-the source it reads from.
+the source it reads from. Nothing here holds a value per sample: the source of a
+position comes from the unit the plan computes for it (a segment at a time), and
+the units' first and last uses are the plan's, per piece.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import EpochPlan
 from datacache.loaders.mixed import Mix
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.readplan import LazyEpochPlan, _UnitMap
+from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.units import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
@@ -27,34 +31,63 @@ __all__ = ["MixedUnitReaders", "SourcePlan"]
 IntArray = npt.NDArray[np.int64]
 
 
+class _Mapped:
+    """A column of the plan (its units) seen through ``table``, or less ``shift``: indexable by position or slice."""
+
+    def __init__(self, column: Any, table: IntArray | None = None, shift: int = 0) -> None:
+        self._column = column
+        self._table = table
+        self._shift = shift
+
+    def __len__(self) -> int:
+        return len(self._column)
+
+    def __getitem__(self, position: int | slice) -> Any:
+        found = self._column[position]
+        if self._table is not None:
+            found = self._table[found]
+        return found - self._shift if isinstance(position, slice) else int(found) - self._shift
+
+
 class SourcePlan:
     """The positions of a mixed plan that read source ``source``, its units numbered as in that source."""
 
-    def __init__(self, plan: EpochPlan, mine: npt.NDArray[np.bool_], offset: int, units: int) -> None:
-        self._mine = mine
-        self.unit_of: IntArray = plan.unit_of - offset
-        self.local: IntArray = plan.local
+    def __init__(self, plan: LazyEpochPlan, offset: int, units: int) -> None:
+        self._plan = plan
+        self._offset = offset
+        self._units = units
+        self.unit_of = _Mapped(plan.unit_of, shift=offset)
+        self.local = plan.local
         self.padded = plan.padded
-        self._length = len(plan)
-        ours = range(offset, offset + units)
-        self.first_use = {u - offset: p for u, p in plan.first_use.items() if u in ours}
-        self.last_use = {u - offset: p for u, p in plan.last_use.items() if u in ours}
-        self.unit_sequence = tuple(u - offset for u in plan.unit_sequence if u in ours)
 
     def __len__(self) -> int:
-        return self._length
+        return len(self._plan)
+
+    def _ours(self, units: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(u - self._offset for u in units if self._offset <= u < self._offset + self._units)
+
+    def _part(self, found: Mapping[int, int]) -> Mapping[int, int]:
+        if isinstance(found, _UnitMap):
+            return _UnitMap(found.array[self._offset : self._offset + self._units])
+        return {u - self._offset: p for u, p in found.items() if self._offset <= u < self._offset + self._units}
+
+    @functools.cached_property
+    def first_use(self) -> Mapping[int, int]:
+        return self._part(self._plan.first_use)
+
+    @functools.cached_property
+    def last_use(self) -> Mapping[int, int]:
+        return self._part(self._plan.last_use)
+
+    @functools.cached_property
+    def unit_sequence(self) -> tuple[int, ...]:
+        return self._ours(self._plan.unit_sequence)
 
     def releases_after(self, position: int) -> tuple[int, ...]:
-        if not self._mine[position]:
-            return ()
-        unit = int(self.unit_of[position])
-        return (unit,) if self.last_use.get(unit) == position else ()
+        return self._ours(self._plan.releases_after(position))
 
     def units_from(self, produced: int) -> tuple[int, ...]:
-        if not produced:
-            return self.unit_sequence
-        upcoming = set(self.unit_of[produced:][self._mine[produced:]].tolist())
-        return tuple(u for u in self.unit_sequence if u in upcoming)
+        return self._ours(self._plan.units_from(produced))
 
 
 class MixedUnitReaders:
@@ -63,22 +96,27 @@ class MixedUnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: EpochPlan,
+        epoch: LazyEpochPlan,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
         lock: threading.Lock,
         skip_bad: bool,
         in_consumer: bool,
+        futures: tuple[NodeFuture, ...] | None = None,
     ) -> None:
         mix: Mix = runtime.mix
         self.runtime = runtime
-        self.source_at: IntArray = mix.source_of_unit[epoch.unit_of] if len(epoch) else np.zeros(0, np.int64)
+        self._plan = epoch
+        self._source_of_unit = mix.source_of_unit
+        self.source_at = _Mapped(epoch.unit_of, self._source_of_unit)
+        """The source each position reads (computed with the plan's segment)."""
         self._offsets = mix.unit_offsets
+        self._tallied: dict[int, int] = {}
         self.parts: list[UnitReaders] = []
         self._url_of_unit: dict[int, str] = {}
         for source, part in enumerate(mix.parts):
-            view = SourcePlan(epoch, self.source_at == source, int(self._offsets[source]), len(part.plan.units))
+            view = SourcePlan(epoch, int(self._offsets[source]), len(part.plan.units))
             readers = UnitReaders(
                 part,
                 view,
@@ -87,6 +125,7 @@ class MixedUnitReaders:
                 lock=lock,
                 skip_bad=skip_bad,
                 in_consumer=in_consumer,
+                future=futures[source] if futures is not None else None,
             )
             self.parts.append(readers)
             self._url_of_unit.update((id(unit), readers.url) for unit in part.plan.units)
@@ -119,7 +158,25 @@ class MixedUnitReaders:
         self.parts[0].note_retries()  # one process, one count: every part would write the same
 
     def release_after(self, position: int, pool: concurrent.futures.Executor | None) -> None:
-        self.parts[int(self.source_at[position])].release_after(position, pool)
+        # A unit is released after the last piece that may read it, whichever source that position reads.
+        units = self._plan.releases_after(position)
+        for source in sorted({int(self._source_of_unit[unit]) for unit in units}):
+            self.parts[source].release_after(position, pool)
+
+    def tally(self, position: int, nbytes: int) -> None:
+        """Note the payload of the sample at ``position`` (reader threads note distinct positions)."""
+        self._tallied[position] = nbytes
+
+    def count_sources(self, begin: int, stop: int) -> tuple[IntArray, IntArray]:
+        """``(source, bytes)`` of the samples noted at ``[begin, stop)``, now delivered (forgotten here)."""
+        noted = [
+            (position, self._tallied.pop(position)) for position in range(begin, stop) if position in self._tallied
+        ]
+        if not noted:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        positions, nbytes = (np.asarray(column, dtype=np.int64) for column in zip(*noted, strict=True))
+        sources: IntArray = self.source_at[begin:stop][positions - begin]
+        return sources, nbytes
 
     def open_ahead(self, begin: int, horizon: int, submit: Callable[..., object]) -> None:
         for part in self.parts:

@@ -16,7 +16,8 @@ sample of the dataset:
   layout consumed is a common prefix of every rank's stream plus a band as wide as the workers'
   spread; so the remainder is a short explicit list followed by a contiguous tail of the order
   it came from, at a cost of ranks x (window + band), not of samples.
-- **`ArrayOrder`**: an order given as an array (a mix of sources, what a cold epoch left).
+- **`ArrayOrder`**: an order given as an array (what a cold epoch left). A mix of sources is an
+  `Order` of its own, computed per position too (`mixplan.MixedOrder`).
 
 Every order also says, conservatively, which shards a range of its positions may read
 (`units_of_ranges`): the node's future, prefetch and closing work from that, per window.
@@ -160,7 +161,7 @@ class WindowedOrder:
 
 @dataclass(frozen=True)
 class ArrayOrder:
-    """An order given as an array of sample ids (a mix, or what a cold epoch left)."""
+    """An order given as an array of sample ids (what a cold epoch left)."""
 
     order: IntArray
     counts: IntArray
@@ -305,7 +306,7 @@ class Deal:
 
 
 def epoch_order(counts: Sequence[int] | IntArray, *, seed: int, epoch: int, shuffle: bool, window: int) -> IntArray:
-    """Every sample id of ``counts`` in `WindowedOrder`'s order, as one array: O(samples), for a mix's sources."""
+    """Every sample id of ``counts`` in `WindowedOrder`'s order, as one array: O(samples), for small orders."""
     order = WindowedOrder(np.asarray(counts, dtype=np.int64), seed, epoch, shuffle, window)
     return order.ids(np.arange(order.total, dtype=np.int64))
 

@@ -10,6 +10,10 @@ from typing import Any
 import pytest
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, Source
+from datacache.loaders.epoch import reader_name
+from datacache.loaders.mixed import mix_futures, mix_plan
+from datacache.loaders.mixunits import SourcePlan
+from datacache.loaders.order import Layout
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings
@@ -350,3 +354,23 @@ def test_a_url_naming_one_shard_is_still_that_object(
     prefix = CachedIterableDataset(f"{tmp_path / 'a'}/", config=settings)
     assert sorted(sample["__key__"] for sample in one) == three["a"][20:40]
     assert one._prepare().handle.id != prefix._prepare().handle.id  # a dataset of one object, as before
+
+
+def test_each_sources_node_future_is_every_readers_units_of_it(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings
+) -> None:
+    """Eviction and prefetch see, per source, every reader's shards of it: this epoch's rest, then the next's."""
+    runtime = mix(tmp_path, settings)._complete()
+    common: dict[str, Any] = {"seed": 11, "epoch": 1, "shuffle": True, "drop_last": False, "cursors": ()}
+    layouts = [Layout(2, rank, 2, worker, 4) for rank in range(2) for worker in range(2)]
+    futures = {layout: mix_futures(runtime, layout, **common) for layout in layouts}
+    assert all([f.units for f in found] == [f.units for f in futures[layouts[0]]] for found in futures.values())
+    for layout, found in futures.items():
+        now, following = mix_plan(runtime, layout, **common), mix_plan(runtime, layout, **{**common, "epoch": 2})
+        assert len(found) == 3
+        for source, future in enumerate(found):
+            offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].plan.units)
+            sequence = future.units[reader_name(layout)]
+            assert set(SourcePlan(now, offset, units).unit_sequence) <= set(sequence[: future.split])
+            assert set(SourcePlan(following, offset, units).unit_sequence) <= set(sequence[future.split :])
+            assert all(0 <= unit < units for unit in sequence)

@@ -8,7 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders import Source
-from datacache.loaders.mixing import apportion, interleave, mixed_order, source_counts, source_draw
+from datacache.loaders.mixing import apportion, source_counts
+from datacache.loaders.mixplan import Interleave, MixedOrder, SourceDraw
 from datacache.loaders.sources import resolve_sources
 
 from datacache.config import DatasetConfig
@@ -17,6 +18,22 @@ from datacache.errors import ConfigError
 WINDOW = 10_000
 TOLERANCE = 0.02
 """Every window of 10,000 samples holds each source within 2 points of its weight (issue 14's target)."""
+
+
+def mixed_order(units: list[np.ndarray], counts: np.ndarray, **options: object) -> np.ndarray:
+    """Every flat id of the epoch, in order (O(samples): small mixes only)."""
+    order = MixedOrder.of(units, counts, **options)  # type: ignore[arg-type]
+    return order.ids(np.arange(order.total, dtype=np.int64))
+
+
+def source_draw(units: np.ndarray, *, seed: int, epoch: int, count: int, **options: object) -> np.ndarray:
+    draw = SourceDraw(units, seed, epoch, count, **options)  # type: ignore[arg-type]
+    return draw.ids(np.arange(count, dtype=np.int64))
+
+
+def interleave(counts: list[int], *, seed: int, epoch: int) -> np.ndarray:
+    sources: np.ndarray = Interleave(np.asarray(counts), seed, epoch).locate(np.arange(sum(counts)))[0]
+    return sources
 
 
 def _worst_window(labels: np.ndarray, shares: np.ndarray, window: int, step: int = 250) -> float:

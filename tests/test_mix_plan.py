@@ -1,0 +1,247 @@
+"""A mixed epoch's plan at any scale (`loaders/mixplan.py`): exact counts per source, exactly once
+within each source's share, equal rank lengths, resume onto another layout, (seed, epoch) only.
+
+Pure arithmetic, so Hypothesis checks the properties over many mixes and layouts; memory is measured
+with tracemalloc (allocations, not time) for a mix of 1e10 samples.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections import Counter
+
+import numpy as np
+import pytest
+from datacache.loaders.epoch import plan_epoch
+from datacache.loaders.mixing import apportion, source_seed
+from datacache.loaders.mixplan import MixedOrder
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.sequence import Deal, WindowedOrder, exclusive_sum
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+units_strategy = st.lists(
+    st.lists(st.integers(0, 30), min_size=1, max_size=6).filter(lambda c: sum(c) > 0), min_size=1, max_size=4
+)
+
+
+@st.composite
+def mixes(draw: st.DrawFn) -> tuple[list[np.ndarray], np.ndarray]:
+    """Sources (unit counts each) and the samples each gives an epoch: from none to several times its size."""
+    units = [np.asarray(u, dtype=np.int64) for u in draw(units_strategy)]
+    counts = np.asarray([draw(st.integers(0, 3 * int(u.sum()))) for u in units], dtype=np.int64)
+    return units, counts
+
+
+def _order(units: list[np.ndarray], counts: np.ndarray, **options: object) -> MixedOrder:
+    common: dict[str, object] = {"seed": 7, "epoch": 2, "shuffle": True, "windows": [5] * len(units)}
+    common["replacement"] = False
+    common.update(options)
+    return MixedOrder.of(units, counts, **common)  # type: ignore[arg-type]
+
+
+def _split(order: MixedOrder, ids: np.ndarray) -> list[list[int]]:
+    """``ids`` (flat) as each source's own sample ids, source by source."""
+    starts = exclusive_sum([draw.size for draw in order.draws])
+    source = np.searchsorted(starts, ids, side="right") - 1
+    return [(ids[source == s] - starts[s]).tolist() for s in range(len(order.draws))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(mix=mixes(), seed=st.integers(0, 2**40), epoch=st.integers(0, 6), replacement=st.booleans())
+def test_each_source_gives_exactly_its_count(
+    mix: tuple[list[np.ndarray], np.ndarray], seed: int, epoch: int, replacement: bool
+) -> None:
+    units, counts = mix
+    order = _order(units, counts, seed=seed, epoch=epoch, replacement=replacement)
+    assert order.total == int(counts.sum())
+    source, index = order.interleave.locate(np.arange(order.total, dtype=np.int64))
+    for s, count in enumerate(counts.tolist()):
+        assert sorted(index[source == s].tolist()) == list(range(count)), "each index of the share once"
+    drawn = _split(order, order.ids(np.arange(order.total, dtype=np.int64)))
+    assert [len(d) for d in drawn] == counts.tolist()
+    assert all(0 <= i < int(u.sum()) for d, u in zip(drawn, units, strict=True) for i in d)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mix=mixes(), seed=st.integers(0, 2**40), epoch=st.integers(0, 6))
+def test_each_source_share_is_its_stream_exactly_once(
+    mix: tuple[list[np.ndarray], np.ndarray], seed: int, epoch: int
+) -> None:
+    """Without replacement, source s's share of epoch e is items [e*c, (e+1)*c) of its stream of permutations."""
+    units, counts = mix
+    order = _order(units, counts, seed=seed, epoch=epoch)
+    drawn = _split(order, order.ids(np.arange(order.total, dtype=np.int64)))
+    for s, (u, count) in enumerate(zip(units, counts.tolist(), strict=True)):
+        size = int(u.sum())
+        cycles = range(epoch * count // size, -(-(epoch + 1) * count // size) + 1)
+        stream = {c: WindowedOrder(u, source_seed(seed, s), c, True, 5).ids(np.arange(size)) for c in cycles}
+        items = np.arange(epoch * count, (epoch + 1) * count, dtype=np.int64)
+        expected = [int(stream[int(i // size)][i % size]) for i in items]
+        assert sorted(drawn[s]) == sorted(expected)
+        if count <= size and epoch * count // size == ((epoch + 1) * count - 1) // size:
+            assert len(set(drawn[s])) == count, "within one pass, no sample twice"
+
+
+def _ids(plan: object, counts: np.ndarray, upto: int | None = None) -> list[int]:
+    bounds = exclusive_sum(counts)
+    stop = len(plan) if upto is None else min(upto, len(plan))  # type: ignore[arg-type]
+    units = plan.unit_of[0:stop]  # type: ignore[attr-defined]
+    local = plan.local[0:stop]  # type: ignore[attr-defined]
+    return (bounds[units] + local).tolist() if stop else []
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    mix=mixes(),
+    world=st.integers(1, 8),
+    workers=st.integers(0, 3),
+    chunk=st.integers(1, 5),
+    window=st.integers(1, 9),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**40),
+)
+def test_every_position_once_and_equal_lengths_for_any_layout(
+    mix: tuple[list[np.ndarray], np.ndarray],
+    world: int,
+    workers: int,
+    chunk: int,
+    window: int,
+    drop_last: bool,
+    seed: int,
+) -> None:
+    units, counts = mix
+    flat = np.concatenate(units)
+    order = _order(units, counts, seed=seed)
+    everything = Counter(order.ids(np.arange(order.total, dtype=np.int64)).tolist())
+    readers = max(1, workers)
+    seen: Counter[int] = Counter()
+    padded, per_rank = 0, []
+    for rank in range(world):
+        rank_total = 0
+        for worker in range(readers):
+            layout = Layout(world, rank, readers, worker, chunk)
+            common = {"seed": seed, "epoch": 2, "shuffle": True, "window": window, "drop_last": drop_last}
+            plan = plan_epoch(flat, cursors=(), layout=layout, order=order, **common)  # type: ignore[arg-type]
+            ids = _ids(plan, flat)
+            padded += plan.padded
+            seen.update(ids[: len(ids) - plan.padded])
+            rank_total += len(ids)
+            for position in range(len(plan)):
+                unit = plan.unit_of[position]
+                assert plan.first_use[unit] <= position <= plan.last_use[unit]
+        per_rank.append(rank_total)
+    assert len(set(per_rank)) == 1, "every rank reads as many samples"
+    if drop_last:
+        assert per_rank[0] == order.total // world
+        assert not seen - everything and sum((everything - seen).values()) < world
+    else:
+        assert seen == everything and padded < world
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    mix=mixes(),
+    before=st.tuples(st.integers(1, 8), st.integers(1, 3), st.integers(1, 4)),
+    after=st.tuples(st.integers(1, 8), st.integers(1, 3), st.integers(1, 4)),
+    fractions=st.lists(st.floats(0, 1), min_size=3, max_size=3),
+    window=st.integers(1, 9),
+    replacement=st.booleans(),
+    twice=st.booleans(),
+)
+def test_resume_onto_another_layout_reads_the_rest_exactly(
+    mix: tuple[list[np.ndarray], np.ndarray],
+    before: tuple[int, int, int],
+    after: tuple[int, int, int],
+    fractions: list[float],
+    window: int,
+    replacement: bool,
+    twice: bool,
+) -> None:
+    """Stopped part way on one layout (and, ``twice``, again on another), the rest read on a third."""
+    units, counts = mix
+    flat = np.concatenate(units)
+    order = _order(units, counts, replacement=replacement)
+    common = {"seed": 7, "epoch": 2, "shuffle": True, "window": window, "drop_last": False, "order": order}
+    consumed: list[int] = []
+    cursors: tuple[Cursor, ...] = ()
+    layouts = [before, after] if not twice else [before, after, before]
+    for world, workers, chunk in layouts[:-1]:
+        lengths = [len(_plan(flat, cursors, Layout(world, 0, workers, w, chunk), common)) for w in range(workers)]
+        produced = tuple(int(n * f) for n, f in zip(lengths, fractions))
+        for rank in range(world):
+            for worker in range(workers):
+                plan = _plan(flat, cursors, Layout(world, rank, workers, worker, chunk), common)
+                consumed.extend(_ids(plan, flat, produced[worker]))
+        cursors = (*cursors, Cursor(world, workers, chunk, produced))
+    world, workers, chunk = layouts[-1]
+    resumed: list[int] = []
+    for rank in range(world):
+        for worker in range(workers):
+            resumed.extend(_ids(_plan(flat, cursors, Layout(world, rank, workers, worker, chunk), common), flat))
+    expected = Counter(order.ids(np.arange(order.total, dtype=np.int64)).tolist())
+    got = Counter(consumed + resumed)
+    assert not expected - got, "a position of the epoch was skipped"
+    assert sum((got - expected).values()) < 3 * 8, "only padding repeats"
+
+
+def _plan(flat: np.ndarray, cursors: tuple[Cursor, ...], layout: Layout, common: dict[str, object]) -> LazyEpochPlan:
+    return plan_epoch(flat, cursors=cursors, layout=layout, **common)  # type: ignore[arg-type]
+
+
+def test_the_mix_depends_only_on_seed_and_epoch() -> None:
+    units = [np.full(20, 10, dtype=np.int64), np.full(3, 10, dtype=np.int64), np.full(7, 3, dtype=np.int64)]
+    counts = np.asarray([150, 50, 33])
+    positions = np.arange(233, dtype=np.int64)
+
+    def ids(seed: int, epoch: int, replacement: bool = False) -> list[int]:
+        order = _order([u.copy() for u in units], counts.copy(), seed=seed, epoch=epoch, replacement=replacement)
+        return list(order.ids(positions).tolist())
+
+    for replacement in (False, True):
+        assert ids(5, 2, replacement) == ids(5, 2, replacement)
+        assert ids(5, 2, replacement) != ids(5, 3, replacement)
+        assert ids(5, 2, replacement) != ids(6, 2, replacement)
+    # any subset of positions, asked in any order, says the same samples
+    order = _order(units, counts, seed=5, epoch=2)
+    picked = np.random.default_rng(0).permutation(233)[:50]
+    assert order.ids(picked).tolist() == [ids(5, 2)[p] for p in picked.tolist()]
+
+
+def test_with_replacement_samples_repeat_and_stay_within_the_source() -> None:
+    units = [np.full(10, 100, dtype=np.int64), np.full(4, 50, dtype=np.int64)]
+    order = _order(units, np.asarray([1000, 200]), replacement=True, windows=[64, 64])
+    drawn = _split(order, order.ids(np.arange(1200, dtype=np.int64)))
+    assert len(drawn[0]) == 1000 and min(drawn[0]) >= 0 and max(drawn[0]) < 1000
+    assert len(set(drawn[0])) < 700, "1,000 draws of 1,000 with replacement repeat"
+    assert len(drawn[1]) == 200 and len(set(drawn[1])) < 160
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_a_mix_of_ten_billion_samples_plans_in_what_its_shards_cost(world: int) -> None:
+    shards = [5_000, 3_000, 2_000]  # 1e4 shards of 1e6 samples: 1e10 samples in 3 sources
+    units = [np.full(n, 1_000_000, dtype=np.int64) for n in shards]
+    flat = np.concatenate(units)
+    counts = apportion(10**10, [0.5, 0.3, 0.2])
+    tracemalloc.start()
+    try:
+        order = _order(units, counts, seed=1, epoch=0, windows=[16384] * 3)
+        layout = Layout(world, world - 1 if world == 1 else 3, 4, 3, 64)
+        common = {"seed": 1, "epoch": 0, "shuffle": True, "window": 16384, "drop_last": False, "order": order}
+        plan = plan_epoch(flat, cursors=(), layout=layout, **common)  # type: ignore[arg-type]
+        first = [plan.unit_of[i] for i in range(100)]
+        sequence = plan.unit_sequence
+        cursor = Cursor(world, 4, 64, (10**6, 10**6 + 64, 10**6, 10**6))
+        resumed = plan_epoch(flat, cursors=(cursor,), layout=layout, **common)  # type: ignore[arg-type]
+        assert len(resumed) < len(plan) and resumed.unit_of[0] >= 0
+        deal = Deal(order.total, world, 16384)
+        future = [rank_unit_sequence(order, deal, rank, deal.length(drop_last=False)) for rank in range(world)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert abs(len(plan) - 10**10 / world / 4) <= 64
+    assert all(0 <= unit < 10_000 for unit in first) and set(sequence) <= set(range(10_000))
+    assert all(len(units) > 0 for units in future)
+    # per sample this would be 720 GB (72 bytes a sample); per shard and per block it is a few MB
+    assert peak < 200 * 2**20, f"peak {peak / 2**20:.0f} MiB"
