@@ -203,10 +203,6 @@ async def plan_source(
     return plan
 
 
-def _manifest_format(kind: str) -> ShardFormat:
-    return {"tar": ShardFormat.TAR, "parquet": ShardFormat.PARQUET, "zarr": ShardFormat.ZARR}[kind]
-
-
 async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
     """Write the plan (and Zarr metadata); return the units recorded by an earlier run."""
     recorded: set[str] = set()
@@ -284,7 +280,7 @@ def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResu
     return Manifest(
         dataset=dataset_id_for(dest.url),
         url=dest.url,
-        format=_manifest_format(plan.kind),
+        format=ShardFormat(plan.kind),
         shards=tuple(shards),
         created=0.0,
         extra=extra,
