@@ -75,6 +75,7 @@ _BUILTIN: dict[str, str] = {
     "parquet": "datacache.formats.parquet:FORMAT",
     "zarr": "datacache.formats.zarr:FORMAT",
     "files": "datacache.formats.files:FORMAT",
+    "arrow": "datacache.formats.arrow:FORMAT",
 }
 """The registry's list: format name -> where its `SampleFormat` is (imported when first asked for)."""
 
