@@ -145,7 +145,7 @@ def test_a_format_from_an_entry_point_and_one_registered_in_code(tmp_path: Path)
     info = package / "toyfmt-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyfmt\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[datacache.formats]\ntoy = toyfmt:FORMAT\n")
+    (info / "entry_points.txt").write_text("[datacache.formats]\ntoy = toyfmt:FORMAT\nbroken = nosuchmodule:FORMAT\n")
     script = textwrap.dedent(
         """
         import json
@@ -169,12 +169,18 @@ def test_a_format_from_an_entry_point_and_one_registered_in_code(tmp_path: Path)
             "enum": [ShardFormat("toy").value, ShardFormat("late").value],
             "class": type(get_format("toy")).__name__,
         }))
+        try:
+            get_format("broken")
+        except Exception as exc:
+            print(json.dumps({"broken": str(exc)}))
         """
     )
     env = {"PYTHONPATH": str(package), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout)
+    found, broken = (json.loads(line) for line in done.stdout.splitlines())
+    assert broken["broken"].startswith("format 'broken': cannot import nosuchmodule")
+    assert "leaving out format broken" in done.stderr, "detection goes on without a package that fails to import"
     assert found["names"][:4] == ["tar", "parquet", "zarr", "files"] and {"toy", "late"} <= set(found["names"])
     assert found["toy"] == "toy" and found["late"] == "late"
     assert found["enum"] == ["toy", "late"] and found["class"] == "Toy"

@@ -161,8 +161,20 @@ def _import(name: str, target: str) -> SampleFormat:
 
 
 def available_formats() -> list[SampleFormat]:
-    """Every registered format, in detection order (`SampleFormat.priority`, then name)."""
-    return sorted((get_format(name) for name in format_names()), key=lambda fmt: (fmt.priority, fmt.name))
+    """Every registered format, in detection order (`SampleFormat.priority`, then name).
+
+    A third-party format that cannot be imported is left out with a warning: one broken
+    package must not stop every dataset from being read. A built-in one is an error.
+    """
+    found = []
+    for name in format_names():
+        try:
+            found.append(get_format(name))
+        except ConfigError as exc:
+            if name in _BUILTIN:
+                raise
+            logger.warning("leaving out format %s: %s", name, exc)
+    return sorted(found, key=lambda fmt: (fmt.priority, fmt.name))
 
 
 def detect_format_name(keys: Iterable[str]) -> str:

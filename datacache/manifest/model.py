@@ -274,4 +274,3 @@ class Manifest:
         )
 
 
-_ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
