@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from datacache.errors import ConfigError
+from datacache.formats import format_names
 from datacache.tiers import RetryPolicy, redact_url, split_scheme, split_userinfo
 from datacache.units import parse_bandwidth, parse_size
 
@@ -259,7 +260,6 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
-FORMATS = ("tar", "parquet", "zarr", "files")
 
 
 def _suggest(word: str, choices: list[str] | set[str]) -> str:
@@ -294,8 +294,9 @@ def _dataset_from_table(name: str, table: Any, where: str) -> DatasetConfig:
     if not isinstance(options, dict):
         raise ConfigError(f"{where}: datasets.{name}.storage_options must be a table")
     fmt = table.get("format")
-    if fmt is not None and fmt not in FORMATS:
-        raise ConfigError(f"{where}: datasets.{name}.format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if fmt is not None and fmt not in format_names():
+        choices = ", ".join(format_names())
+        raise ConfigError(f"{where}: datasets.{name}.format: unknown format {fmt!r} (choose from {choices})")
     return DatasetConfig(
         name=name,
         url=url,

@@ -1,9 +1,10 @@
 """Building what a reader yields: decoded samples, and whole batches in batch mode.
 
 `BatchBuilder` reads the samples of a run of positions from the open units and
-packs them: raw tar fields into reused (shared) memory, Zarr rows stacked into
-tensors, Parquet rows into an Arrow record batch, anything decoded through
-torch's ``default_collate``. `ReadAhead` keeps reader threads building the next
+packs them as the dataset's format says (`SampleFormat.batch`): raw fields
+(tar, files) into reused (shared) memory, array rows (Zarr) stacked into
+tensors, table rows (Parquet) into an Arrow record batch, anything decoded
+through torch's ``default_collate``. `ReadAhead` keeps reader threads building the next
 few batches in order, in the consumer's process, so file reads, hashing and
 copies overlap training (they release the GIL).
 """
@@ -30,7 +31,7 @@ from datacache.loaders.stats import Counter
 
 from datacache._logging import FirstFew
 from datacache.errors import SampleDecodeError
-from datacache.manifest import ShardFormat
+from datacache.formats import get_format
 
 __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
 
@@ -73,7 +74,7 @@ class BatchBuilder:
         self._threads = threads
         self._in_consumer = in_consumer
         runtime = units.runtime
-        self._format = runtime.handle.manifest.format
+        self._batch = get_format(runtime.handle.manifest.format.value).batch
         self._ring: BufferRing | None = None
 
     def build(self, begin: int, size: int) -> Built | None:
@@ -86,7 +87,7 @@ class BatchBuilder:
         stop = min(begin + size, len(self._epoch))
         raw: list[list[tuple[str, memoryview]]] = []
         decoded: list[Any] = []
-        zarr_rows: list[tuple[UnitReader, int]] = []
+        array_rows: list[tuple[UnitReader, int]] = []
         skipped = 0
         for position in range(begin, stop):
             if self._threads and position % 8 == 0:
@@ -104,8 +105,8 @@ class BatchBuilder:
                 raw.append(fields)
                 if tally is not None:
                     tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
-            elif self._decoding.raw and self._format is ShardFormat.ZARR:
-                zarr_rows.append((reader, local))
+            elif self._decoding.raw and self._batch == "arrays":
+                array_rows.append((reader, local))
                 if tally is not None:
                     tally(position, sample_bytes(reader.sample(local)))
             else:
@@ -130,15 +131,15 @@ class BatchBuilder:
             del raw  # the views pin the mapped shards; drop them before any is unmapped
             nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
             return batch, nbytes, len(batch["__key__"])
-        if zarr_rows:
-            batch = _stack_zarr(zarr_rows)
-            return batch, sum(v.nbytes for k, v in batch.items() if k != "__key__"), len(zarr_rows)
+        if array_rows:
+            batch = _stack_arrays(array_rows)
+            return batch, sum(v.nbytes for k, v in batch.items() if k != "__key__"), len(array_rows)
         if decoded:
             return self._collate(decoded)
         return None
 
     def _collate(self, decoded: list[Any]) -> Built:
-        if self._format is ShardFormat.PARQUET and self._decoding.raw:
+        if self._batch == "arrow" and self._decoding.raw:
             import pyarrow as pa
 
             record_batch = pa.RecordBatch.from_pylist(decoded)
@@ -227,7 +228,7 @@ def sample_bytes(sample: Mapping[str, Any]) -> int:
     return total
 
 
-def _stack_zarr(rows: list[tuple[UnitReader, int]]) -> dict[str, Any]:
+def _stack_arrays(rows: list[tuple[UnitReader, int]]) -> dict[str, Any]:
     batch: dict[str, Any] = {"__key__": []}
     columns: dict[str, list[Any]] = {}
     for reader, index in rows:

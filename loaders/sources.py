@@ -25,12 +25,17 @@ from datacache.tiers import redact_url
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError
+from datacache.formats import available_formats
 from datacache.manifest import object_url
 
-__all__ = ["SHARD_SUFFIXES", "Source", "SourceSpec", "resolve_sources"]
+__all__ = ["Source", "SourceSpec", "names_a_shard", "resolve_sources"]
 
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".parquet", ".pq")
-"""Names that a plain list entry is taken as one shard file by (a pattern's expansions always are)."""
+def names_a_shard(url: str) -> bool:
+    """Whether a plain list entry is taken as one shard file (a pattern's expansions always are).
+
+    It is when a registered format says its shard files end so (`SampleFormat.names_a_shard`).
+    """
+    return any(fmt.names_a_shard(url) for fmt in available_formats())
 
 
 @dataclass(frozen=True)
@@ -209,7 +214,7 @@ def _groups(items: Sequence[str | DatasetConfig], *, only_files: bool) -> list[S
         pattern = "{" in item or "}" in item
         for url in expand(item):
             split = object_url(url)
-            if split is None or not (pattern or only_files or url.lower().endswith(SHARD_SUFFIXES)):
+            if split is None or not (pattern or only_files or names_a_shard(url)):
                 if only_files:
                     raise ConfigError(f"{redact_url(url)} is not the URL of one shard file")
                 specs.append(SourceSpec(url, None, redact_url(url)))

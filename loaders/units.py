@@ -24,20 +24,14 @@ import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.nextepoch import NextEpochStaging
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import (
-    TarReader,
-    UnitReader,
-    hash_buffer,
-    map_file,
-    open_unit_reader,
-)
+from datacache.loaders.readers import UnitReader, hash_buffer, map_file
 from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url
 
 from datacache.access import ShardAccess
-from datacache.errors import ChecksumMismatchError, ConfigError, DatacacheError, ShardReadError
-from datacache.manifest import ShardFormat
+from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
+from datacache.formats import get_format
 from datacache.stager import DatasetHandle, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "UnitReaders"]
@@ -77,7 +71,7 @@ class UnitReaders:
         self._positions = future.key_positions(runtime.plan) if future is not None else {}
         self._epoch = epoch
         self._plan = runtime.plan
-        self._format = runtime.handle.manifest.format
+        self._kind = get_format(runtime.handle.manifest.format.value)
         self._where = f"dataset {runtime.handle.id}"
         self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
         """The URL (credentials redacted) this dataset's shard keys are relative to."""
@@ -265,9 +259,7 @@ class UnitReaders:
             if book is not None:
                 book.unreadable[self._plan.units[unit].keys[0]] = self.skipped_why.get(unit, "unreadable")
             return 0
-        if not isinstance(reader, TarReader):
-            raise ConfigError(f"{self._where}: only tar shards are read before they are counted")
-        return len(reader.spans)
+        return reader.samples
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
@@ -420,12 +412,12 @@ class UnitReaders:
                 read_seconds = time.perf_counter() - read_started
                 index_key = None
                 identity = (locations[0].checksum or locations[0].shard.version) if len(locations) == 1 else None
-                if self._format is ShardFormat.TAR and identity is not None:
+                if self._kind.keeps_index and identity is not None:
                     index_key = (locations[0].shard.key, locations[0].shard.size, identity)
                 known = runtime.spans.get(index_key) if index_key is not None else None
-                reader = open_unit_reader(self._format, unit, where, buffers, self._plan.extra, spans=known)
-                if index_key is not None and known is None and isinstance(reader, TarReader):
-                    runtime.spans.put(index_key, reader.spans)
+                reader = self._kind.open_reader(unit, where, buffers, self._plan.extra, index=known)
+                if index_key is not None and known is None and reader.index is not None:
+                    runtime.spans.put(index_key, reader.index)
             except BaseException as exc:
                 # Unmap what was mapped before the failure now, not when the traceback is dropped.
                 _close_buffers(buffers)

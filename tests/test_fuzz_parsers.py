@@ -489,7 +489,9 @@ def parquet_stager(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_parquet_footers_read_through_the_cache(
     parquet_stager: Any, edits: list[tuple[int, int]], cut: int | None, junk: bytes | None
 ) -> None:
-    from datacache.loaders.plan import _parquet_rows
+    from datacache.loaders.plan import plan_context
+
+    from datacache.formats.parquet import parquet_rows
 
     root, loop, stager = parquet_stager
     raw = bytearray(GOOD_PARQUET if junk is None else junk)
@@ -504,7 +506,7 @@ def test_parquet_footers_read_through_the_cache(
 
     async def rows() -> int:
         handle = await stager.open(str(origin))
-        return await _parquet_rows(stager, handle, "p.parquet", len(raw))
+        return await parquet_rows(plan_context(stager, handle, stager.settings), "p.parquet", len(raw))
 
     try:
         count = loop.run(rows())
@@ -515,7 +517,9 @@ def test_parquet_footers_read_through_the_cache(
 
 
 def test_parquet_rows_of_an_intact_file(parquet_stager: Any) -> None:
-    from datacache.loaders.plan import _parquet_rows
+    from datacache.loaders.plan import plan_context
+
+    from datacache.formats.parquet import parquet_rows
 
     root, loop, stager = parquet_stager
     origin = root / "intact"
@@ -524,7 +528,7 @@ def test_parquet_rows_of_an_intact_file(parquet_stager: Any) -> None:
 
     async def rows() -> int:
         handle = await stager.open(str(origin))
-        return await _parquet_rows(stager, handle, "p.parquet", len(GOOD_PARQUET))
+        return await parquet_rows(plan_context(stager, handle, stager.settings), "p.parquet", len(GOOD_PARQUET))
 
     assert loop.run(rows()) == 7
 

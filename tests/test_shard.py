@@ -454,6 +454,19 @@ def test_parquet_rechunked_to_target_row_groups(tmp_path: Path) -> None:
     assert manifest.format.value == "parquet" and manifest.total_samples == 1200
 
 
+def test_a_spark_output_is_rechunked_as_parquet_as_it_is_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One detector: the Parquet files of a directory with a _SUCCESS marker are its data, for shard as for reading."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"id": list(range(30))}), tmp_path / "src" / "part-0.parquet")
+    (tmp_path / "src" / "_SUCCESS").write_bytes(b"")
+    report = shard_local(tmp_path / "src", tmp_path / "dst")
+    assert report.kind == "parquet" and report.samples == 30
+    assert "1 others" in caplog.text and "--format files" in caplog.text
+
+
 def test_zarr_rechunked_along_axis_zero(tmp_path: Path) -> None:
     import numpy as np
     import zarr

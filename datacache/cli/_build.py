@@ -17,7 +17,9 @@ from datacache.cli._common import (
 )
 from datacache.config import Settings, resolve_dataset
 from datacache.errors import ConfigError
+from datacache.formats import get_format
 from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
+from datacache.shard import SOURCE_FORMATS
 from datacache.stager import Stager
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -97,7 +99,7 @@ async def _index(args: argparse.Namespace) -> int:
     dataset = resolve_dataset(args.dataset, settings)
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
-        if handle.manifest.format.value != "tar":
+        if not get_format(handle.manifest.format.value).indexed:
             raise ConfigError(
                 f"dataset {dataset.name} is {handle.manifest.format.value}: its counts need no index (tar shards only)"
             )
@@ -159,7 +161,7 @@ def add_parsers(commands: Commands) -> None:
                        help="where shards are packed: this process, a Dask or a Ray cluster (default local)")
     shard.add_argument("--scheduler", metavar="ADDRESS",
                        help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
-    shard.add_argument("--format", choices=("auto", "files", "parquet", "zarr"), default="auto",
+    shard.add_argument("--format", choices=SOURCE_FORMATS, default="auto",
                        help="what SRC holds: small files (to tar shards), Parquet or a Zarr array (to re-chunk)")
     shard.add_argument("--chunk-size", metavar="SIZE", default="32MB",
                        help="Parquet row group / Zarr chunk target, uncompressed (default 32MB)")

@@ -6,10 +6,11 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
+from datacache.formats import available_formats, detect_format_name, get_format
+from datacache.formats._base import SampleFormat
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
 
@@ -26,24 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def detect_format(keys: Iterable[str]) -> ShardFormat:
-    """Guess a dataset's format from its keys: tar shards, Parquet, a Zarr store, or plain files."""
-    keys = list(keys)
-    names = {key.rsplit("/", 1)[-1] for key in keys}
-    if names & {"zarr.json", ".zarray"}:
-        return ShardFormat.ZARR
-    if any(key.endswith(".tar") for key in keys):
-        return ShardFormat.TAR
-    if any(key.endswith(".parquet") for key in keys):
-        return ShardFormat.PARQUET
-    return ShardFormat.FILES
+    """What a listing holds: the first format, by priority, with any file in it (`datacache.formats`).
 
-
-def _shard_keys_for(fmt: ShardFormat, infos: list[ObjectInfo]) -> list[ObjectInfo]:
-    if fmt is ShardFormat.TAR:
-        return [info for info in infos if info.key.endswith(".tar")]
-    if fmt is ShardFormat.PARQUET:
-        return [info for info in infos if info.key.endswith(".parquet")]
-    return infos
+    Zarr metadata anywhere makes a Zarr store; else tar shards, then Parquet
+    files, then any other registered format's files; else plain files.
+    """
+    return ShardFormat(detect_format_name(keys))
 
 
 SIDECAR_CANDIDATES = "sidecar_candidates"
@@ -52,13 +41,6 @@ SIDECAR_CANDIDATES = "sidecar_candidates"
 `datacache.indexing` reads the sample indexes from these, so that a cold start lists the origin
 once (a listing costs about a second per thousand objects on some stores).
 """
-
-
-def _sidecar_candidates(fmt: ShardFormat, infos: list[ObjectInfo]) -> dict[str, Any]:
-    if fmt is not ShardFormat.TAR:
-        return {}
-    found = [[info.key, info.size] for info in infos if info.key.endswith((".json", ".idx"))]
-    return {SIDECAR_CANDIDATES: found}
 
 
 OBJECT_KEY = "object"
@@ -124,21 +106,26 @@ def _glob_hint(url: str) -> str | None:
     )
 
 
-def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: ShardFormat, infos: list[ObjectInfo]) -> None:
-    """Warn when a prefix holds shards of both formats and only one is read.
+def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, infos: list[ObjectInfo]) -> None:
+    """Warn when a prefix holds the files of other formats too and only the detected one's are read.
 
     Not refused: img2dataset, for one, writes a ``.parquet`` of metadata beside each ``.tar``.
     """
-    tars = sum(1 for info in infos if info.key.endswith(".tar"))
-    parquets = sum(1 for info in infos if info.key.endswith(".parquet"))
-    if fmt is ShardFormat.TAR and parquets:
+    keys = [info.key for info in infos]
+    for other in available_formats():
+        if other is fmt or not other.suffixes or not other.detect(keys):
+            continue
         logger.warning(
-            "dataset %s: %s holds %d .tar and %d .parquet files; reading the .tar shards only "
-            '(set format = "parquet" for the dataset in the config file to read the others)',
+            "dataset %s: %s holds %d %s and %d %s files; reading the %s shards only "
+            '(set format = "%s" for the dataset in the config file to read the others)',
             dataset.name,
             redact_url(url),
-            tars,
-            parquets,
+            len(fmt.shard_keys(infos)),
+            "/".join(fmt.suffixes) or "other",
+            len(other.shard_keys(infos)),
+            "/".join(other.suffixes),
+            fmt.name,
+            other.name,
         )
 
 
@@ -188,9 +175,10 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | 
         )
     else:
         fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
-        chosen = _shard_keys_for(fmt, infos)
+        kind = get_format(fmt.value)
+        chosen = kind.shard_keys(infos)
         if not dataset.format:
-            _say_what_is_left_out(dataset, origin.url, fmt, infos)
+            _say_what_is_left_out(dataset, origin.url, kind, infos)
         if not chosen:
             raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
         for info in chosen:
@@ -204,7 +192,7 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | 
             url=dataset.url,
             format=fmt,
             shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
-            extra=_sidecar_candidates(fmt, infos),
+            extra=kind.manifest_extra(infos),
         )
     logger.info(
         "listed %s: %d shards, %d bytes, format %s, in %.2fs",

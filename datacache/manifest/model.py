@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from datacache.errors import ConfigError, ShardNotFoundError
+from datacache.formats import format_names, get_format
 from datacache.tiers import redact_url, validate_key
 
 __all__ = [
@@ -33,13 +34,30 @@ MANIFEST_NAME = "datacache-manifest.json"
 _FORMAT_VERSION = 1
 
 
-class ShardFormat(StrEnum):
-    """How the samples of a dataset are laid out in its files."""
+class FormatName(StrEnum):
+    """A format's name in the registry (`datacache.formats`): every registered name is a member.
 
-    TAR = "tar"
-    PARQUET = "parquet"
-    ZARR = "zarr"
-    FILES = "files"
+    The built-in and installed formats are members from the start; one added later with
+    `datacache.formats.register_format` becomes one when first named.
+    """
+
+    @classmethod
+    def _missing_(cls, value: object) -> FormatName | None:
+        if not isinstance(value, str) or value not in format_names():
+            return None
+        # Enum has no public way to add a member; this is what its own metaclass does per member.
+        member = str.__new__(cls, value)
+        member._name_ = value.upper()
+        member._value_ = value
+        cls._value2member_map_.setdefault(value, member)
+        return cast("FormatName", cls._value2member_map_[value])
+
+
+if TYPE_CHECKING:
+    ShardFormat = FormatName  # which names exist is known only when the registry is read
+else:
+    ShardFormat = FormatName("ShardFormat", [(name.upper(), name) for name in format_names()])
+    ShardFormat.__doc__ = "How the samples of a dataset are laid out in its files: a format of `datacache.formats`."
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +109,9 @@ def max_samples(fmt: ShardFormat, size: int) -> int | None:
     """The most samples ``size`` bytes of ``fmt`` can hold (None: no bound from the bytes alone).
 
     A declared count above it is not backed by bytes: trusting it would let a
-    small file make every reader allocate for billions of samples.
+    small file make every reader allocate for billions of samples. Each format says (`SampleFormat.max_samples`).
     """
-    if fmt is ShardFormat.TAR:
-        return size // TAR_BLOCK
-    if fmt is ShardFormat.PARQUET:
-        return max(size, 1) * PARQUET_MAX_ROWS_PER_BYTE
-    if fmt is ShardFormat.FILES:
-        return 1
-    return None
+    return get_format(fmt.value).max_samples(size)
 
 
 def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> tuple[Shard, ...]:
@@ -262,4 +274,3 @@ class Manifest:
         )
 
 
-_ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")

@@ -35,7 +35,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from datacache._progress import Progress
 from datacache.checksum import checksum_of, new_hasher
 from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
+from datacache.formats import detect_format_name, get_format
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.shard import columnar
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
@@ -77,7 +78,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOURCE_FORMATS = ("auto", "files", "parquet", "zarr")
 _OWN_NAMES = (MANIFEST_NAME, PLAN_NAME)
 
 
@@ -163,13 +163,42 @@ async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> lis
 
 
 def detect_source_format(infos: list[ObjectInfo]) -> str:
-    """``zarr`` for an array at its root, ``parquet`` if all objects are Parquet, else ``files``."""
-    keys = {info.key for info in infos}
-    if "zarr.json" in keys or ".zarray" in keys:
-        return "zarr"
-    if all(key.endswith(".parquet") for key in keys):
-        return "parquet"
-    return "files"
+    """What ``datacache shard`` makes of a source: the one detector's format where it can re-chunk it
+    (``parquet``, ``zarr``), else ``files`` (every object packed into tar shards)."""
+    detected = detect_format_name(info.key for info in infos)
+    return detected if detected in _PLANNERS else "files"
+
+
+async def _plan_files(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
+    return plan_tar(infos, options, source=shown)
+
+
+async def _plan_parquet(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
+    parquet = get_format("parquet").shard_keys(infos)
+    if not parquet:
+        raise ConfigError(f"--format parquet: no .parquet files at {shown}")
+    if len(parquet) < len(infos):
+        logger.warning(
+            "%s holds %d .parquet files and %d others; re-chunking the .parquet files only "
+            "(--format files packs every file into tar shards)",
+            shown,
+            len(parquet),
+            len(infos) - len(parquet),
+        )
+    return await asyncio.to_thread(columnar.plan_parquet, source, parquet, options)
+
+
+async def _plan_zarr(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
+    return await asyncio.to_thread(columnar.plan_zarr, source, infos, options)
+
+
+_PLANNERS: dict[str, Callable[[Endpoint, list[ObjectInfo], ShardOptions, str], Awaitable[ShardPlan]]] = {
+    "files": _plan_files,
+    "parquet": _plan_parquet,
+    "zarr": _plan_zarr,
+}
+"""The formats of `datacache.formats` that ``datacache shard`` reads (each packer is in `units`)."""
+SOURCE_FORMATS = ("auto", *_PLANNERS)
 
 
 async def plan_source(
@@ -180,15 +209,7 @@ async def plan_source(
         raise ConfigError(f"--format {source_format!r}: choose from {', '.join(SOURCE_FORMATS)}")
     chosen = detect_source_format(infos) if source_format == "auto" else source_format
     shown = redact_url(source.url)
-    if chosen == "files":
-        plan = plan_tar(infos, options, source=shown)
-    elif chosen == "parquet":
-        parquet = [info for info in infos if info.key.endswith(".parquet")]
-        if not parquet:
-            raise ConfigError(f"--format parquet: no .parquet files at {shown}")
-        plan = await asyncio.to_thread(columnar.plan_parquet, source, parquet, options)
-    else:
-        plan = await asyncio.to_thread(columnar.plan_zarr, source, infos, options)
+    plan = await _PLANNERS[chosen](source, infos, options, shown)
     if not plan.units:
         raise ShardNotFoundError(
             f"nothing to pack at {shown}: none of its {len(infos)} objects has a file extension "
@@ -201,10 +222,6 @@ async def plan_source(
             plan.skipped[0],
         )
     return plan
-
-
-def _manifest_format(kind: str) -> ShardFormat:
-    return {"tar": ShardFormat.TAR, "parquet": ShardFormat.PARQUET, "zarr": ShardFormat.ZARR}[kind]
 
 
 async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
@@ -284,7 +301,7 @@ def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResu
     return Manifest(
         dataset=dataset_id_for(dest.url),
         url=dest.url,
-        format=_manifest_format(plan.kind),
+        format=ShardFormat(plan.kind),
         shards=tuple(shards),
         created=0.0,
         extra=extra,

@@ -1,0 +1,152 @@
+"""Arrow IPC files (``.arrow``, the random-access file format): every row of every record batch is a sample.
+
+Read in place: a record batch of a mapped file is a view of its bytes, so only
+the rows a reader turns into Python objects cost memory (`BATCH_ROWS` at a
+time, a few batches kept). Counting opens each file once through the cache
+(an IPC footer does not hold the row counts; the batches' headers do), unless
+the manifest already gives its count. The stream format (no footer) is refused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from datacache.errors import ShardReadError
+from datacache.formats._base import (
+    Buffer,
+    PlanContext,
+    SampleFormat,
+    Unit,
+    UnitPlan,
+    UnitReader,
+    count_each_shard,
+)
+
+__all__ = ["FORMAT", "ArrowFormat", "ArrowReader", "ArrowRows"]
+
+BATCH_ROWS = 1024
+"""Rows turned into Python objects together."""
+_PYTHON_BATCHES = 4
+"""Slices of Python rows kept (a shuffle window draws from a few at a time)."""
+MAX_ROWS_PER_BYTE = 1024
+"""A null column takes no bytes per row: a count beyond this many rows per stored byte is not believed."""
+
+
+class ArrowRows:
+    """Random access to the rows of one Arrow IPC file, with bounded memory.
+
+    Opening validates every record batch (damage shows at open, not mid-epoch).
+    Raises ``pa.ArrowException`` or ``OSError`` for a damaged file.
+    """
+
+    def __init__(self, source: Any) -> None:
+        import pyarrow as pa
+
+        reader = pa.ipc.open_file(pa.BufferReader(source))
+        self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        for batch in self._batches:
+            batch.validate(full=True)
+        self._starts = [0]
+        for batch in self._batches:
+            self._starts.append(self._starts[-1] + batch.num_rows)
+        self.num_rows = self._starts[-1]
+        self._python: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
+
+    def row(self, index: int) -> dict[str, Any]:
+        """Row ``index`` of the file, as a dict of column values."""
+        if not 0 <= index < self.num_rows:
+            raise IndexError(index)
+        batch = bisect.bisect_right(self._starts, index) - 1
+        offset = index - self._starts[batch]
+        key = (batch, offset // BATCH_ROWS)
+        rows = self._python.get(key)
+        if rows is None:
+            rows = self._batches[batch].slice(key[1] * BATCH_ROWS, BATCH_ROWS).to_pylist()
+            self._python[key] = rows
+            while len(self._python) > _PYTHON_BATCHES:
+                self._python.popitem(last=False)
+        else:
+            self._python.move_to_end(key)
+        row: dict[str, Any] = rows[offset % BATCH_ROWS]
+        return row
+
+    def close(self) -> None:
+        """Drop the batches (views of the file's buffer) and the Python rows."""
+        self._batches.clear()
+        self._python.clear()
+
+
+def _open(buffer: Any, where: str) -> ArrowRows:
+    import pyarrow as pa
+
+    try:
+        return ArrowRows(buffer)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ShardReadError(f"{where}: not an Arrow IPC file, or a damaged one ({exc})") from None
+
+
+class ArrowReader(UnitReader):
+    """An Arrow IPC file: one sample per row, as a dict of column values."""
+
+    def __init__(self, unit: Unit, where: str, buffer: Buffer) -> None:
+        super().__init__(unit, where)
+        self._rows = _open(buffer, where)
+        if self._rows.num_rows != unit.count:
+            self._rows.close()
+            raise ShardReadError(f"{where}: holds {self._rows.num_rows} rows, it was counted {unit.count}")
+        self._buffer = buffer
+        self._stem = unit.keys[0].removesuffix(".arrow")
+
+    @property
+    def packable(self) -> bool:
+        return False
+
+    def sample(self, index: int) -> dict[str, Any]:
+        row = self._rows.row(index)
+        row.setdefault("__key__", f"{self._stem}/{index}")  # cached with its slice: set once
+        return row
+
+    def close(self) -> None:
+        self._rows.close()
+        if isinstance(self._buffer, mmap.mmap):
+            # Arrow frees its buffers lazily: a mapping still viewed is released with the last view.
+            with contextlib.suppress(BufferError):
+                self._buffer.close()
+
+
+class ArrowFormat(SampleFormat):
+    """Arrow IPC files, read in place; batch mode gives Arrow record batches, as for Parquet."""
+
+    name = "arrow"
+    suffixes = (".arrow",)
+    priority = 30
+    batch = "arrow"
+
+    def max_samples(self, size: int) -> int:
+        return max(size, 1) * MAX_ROWS_PER_BYTE
+
+    async def plan(self, context: PlanContext, *, wait: bool) -> UnitPlan:
+        async def count(key: str, size: int) -> int:
+            where = f"{context.where}: shard {key!r}"
+            rows = _open(await context.read(key, None), where)
+            try:
+                if rows.num_rows > self.max_samples(size):
+                    raise ShardReadError(f"{where}: {rows.num_rows} rows in {size} bytes is not believable")
+                return rows.num_rows
+            finally:
+                rows.close()
+
+        return await count_each_shard(context, count)
+
+    def open_reader(
+        self, unit: Unit, where: str, buffers: Mapping[str, Buffer], extra: Mapping[str, Any], *, index: Any = None
+    ) -> UnitReader:
+        return ArrowReader(unit, where, buffers[unit.keys[0]])
+
+
+FORMAT = ArrowFormat()
