@@ -1,0 +1,117 @@
+"""The size rules of STYLE.md, checked: functions under ~60 lines, modules under ~500.
+
+ruff's complexity rules (pyproject) count branches and statements; these count lines, which
+is what a reader pays for. Both allow-lists below hold today's offenders and only shrink: an
+entry whose function or module is back under the limit fails the test until it is removed,
+so the list never keeps a stale pass for new code.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("datacache", "tiers", "loaders")
+MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 500
+
+# "path::Qualified.name": functions over MAX_FUNCTION_LINES today. Only shrinks.
+LONG_FUNCTIONS = {
+    "datacache/catalog/store.py::Catalog.reserve",
+    "datacache/catalog/store.py::Catalog.reserve.write",
+    "datacache/cli/_top.py::Sampler._embedded",
+    "datacache/cli/_topview.py::rich_frame",
+    "datacache/cli/_topview.py::text_frame",
+    "datacache/config.py::load_settings",
+    "datacache/daemon/_status.py::StatusBoard.top_document",
+    "datacache/manifest/listing.py::take_manifest",
+    "datacache/metrics.py::DaemonMetrics.__init__",
+    "datacache/shard/__init__.py::shard_dataset",
+    "datacache/shard/columnar.py::plan_zarr",
+    "datacache/shard/plan.py::plan_tar",
+    "datacache/shard/tar.py::_tar_chunks",
+    "datacache/staging/transfer.py::Transfer.copy",
+    "loaders/dataset.py::CachedIterableDataset.__init__",
+    "loaders/iterator.py::EpochIterator.__init__",
+    "loaders/readers.py::zarr_plan",
+    "loaders/stats.py::LoaderStats.from_table",
+    "tiers/_retry.py::translate_error",
+    "tiers/_uploads.py::multipart_upload",
+}
+
+# Modules over MAX_MODULE_LINES today. Only shrinks.
+LONG_MODULES = {
+    "datacache/catalog/store.py",
+    "datacache/client.py",
+    "datacache/config.py",
+    "datacache/daemon/_server.py",
+    "datacache/staging/stager.py",
+    "datacache/tarindex.py",
+    "loaders/dataset.py",
+    "loaders/units.py",
+    "tiers/object.py",
+}
+
+
+def _sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, int]]:
+    """(qualified name, lines from ``def`` to its last line) for every function, nested too."""
+    found: list[tuple[str, int]] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            name = prefix + node.name
+            found.append((name, (node.end_lineno or node.lineno) - node.lineno + 1))
+            found += _functions(node, name + ".")
+        elif isinstance(node, ast.ClassDef):
+            found += _functions(node, prefix + node.name + ".")
+        else:
+            found += _functions(node, prefix)
+    return found
+
+
+def long_functions() -> dict[str, int]:
+    out = {}
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        for name, lines in _functions(ast.parse(path.read_text(), filename=rel)):
+            if lines > MAX_FUNCTION_LINES:
+                out[f"{rel}::{name}"] = lines
+    return out
+
+
+def long_modules() -> dict[str, int]:
+    out = {}
+    for path in _sources():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            out[path.relative_to(ROOT).as_posix()] = lines
+    return out
+
+
+def test_no_new_function_over_the_limit() -> None:
+    new = {k: v for k, v in long_functions().items() if k not in LONG_FUNCTIONS}
+    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them): {new}"
+
+
+def test_the_function_allow_list_only_shrinks() -> None:
+    fixed = LONG_FUNCTIONS - long_functions().keys()
+    assert not fixed, f"now under {MAX_FUNCTION_LINES} lines or gone, drop from LONG_FUNCTIONS: {sorted(fixed)}"
+
+
+def test_no_new_module_over_the_limit() -> None:
+    new = {k: v for k, v in long_modules().items() if k not in LONG_MODULES}
+    assert not new, f"modules over {MAX_MODULE_LINES} lines (split them): {new}"
+
+
+def test_the_module_allow_list_only_shrinks() -> None:
+    fixed = LONG_MODULES - long_modules().keys()
+    assert not fixed, f"now under {MAX_MODULE_LINES} lines or gone, drop from LONG_MODULES: {sorted(fixed)}"
+
+
+def test_the_measure_counts_nested_and_async_functions() -> None:
+    source = "class A:\n    async def f(self):\n        def g():\n" + "            x = 1\n" * 3 + "        return g\n"
+    assert dict(_functions(ast.parse(source))) == {"A.f": 6, "A.f.g": 4}
