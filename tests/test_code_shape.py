@@ -45,7 +45,6 @@ LONG_MODULES = {
     "datacache/catalog/store.py",
     "datacache/client.py",
     "datacache/config.py",
-    "datacache/daemon/_server.py",
     "datacache/staging/stager.py",
     "datacache/tarindex.py",
     "loaders/dataset.py",
