@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cold_start, mixing
+from benchmarks._section_tables import cold_start_lines, cold_start_ratio_16x, mixing_lines
 
 REFERENCE = "datacache-inprocess"
 WORKERS_REFERENCE = "datacache-workers"
@@ -185,7 +185,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     for index in ("none", "wids"):
-        ratio = cold_start.ratio_16x(results.get("cold_start"), index)
+        ratio = cold_start_ratio_16x(results.get("cold_start"), index)
         if ratio is not None:
             rows.append(
                 {
@@ -523,8 +523,8 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
             f"the result (cold, from S3) is {speedup} the raw objects one by one."
         )
     out.append("")
-    out += cold_start.render_lines(results.get("cold_start"))
-    out += mixing.render_lines(results.get("mixing"))
+    out += cold_start_lines(results.get("cold_start"))
+    out += mixing_lines(results.get("mixing"))
     if analysis.strip():
         out.append(analysis.strip())
         out.append("")

@@ -114,3 +114,53 @@ def test_the_module_allow_list_only_shrinks() -> None:
 def test_the_measure_counts_nested_and_async_functions() -> None:
     source = "class A:\n    async def f(self):\n        def g():\n" + "            x = 1\n" * 3 + "        return g\n"
     assert dict(_functions(ast.parse(source))) == {"A.f": 6, "A.f.g": 4}
+
+
+def _benchmark_imports(folder: Path) -> dict[str, set[str]]:
+    """Which benchmark modules each one imports (at the top or inside a function)."""
+    modules = {path.stem: path for path in folder.glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                found.add((node.module or "").split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+        edges[name] = (found & modules.keys()) - {name}
+    return edges
+
+
+def import_cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One import cycle, as the path around it, or [] if there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_benchmarks_have_no_import_cycle() -> None:
+    cycle = import_cycle(_benchmark_imports(ROOT / "benchmarks"))
+    assert not cycle, f"benchmarks/ imports in a circle: {' -> '.join(cycle)}; move what both need down"
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) == []
