@@ -20,10 +20,6 @@ MAX_MODULE_LINES = 500
 LONG_FUNCTIONS = {
     "datacache/catalog/store.py::Catalog.reserve",
     "datacache/catalog/store.py::Catalog.reserve.write",
-    "datacache/cli/_top.py::Sampler._embedded",
-    "datacache/cli/_topview.py::rich_frame",
-    "datacache/cli/_topview.py::text_frame",
-    "datacache/daemon/_status.py::StatusBoard.top_document",
     "datacache/manifest/listing.py::take_manifest",
     "datacache/shard/__init__.py::shard_dataset",
     "datacache/shard/columnar.py::plan_zarr",
