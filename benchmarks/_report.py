@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cold_start, mixing
+from benchmarks._section_tables import cold_start_lines, cold_start_ratio_16x, mixing_lines
 
 REFERENCE = "datacache-inprocess"
 WORKERS_REFERENCE = "datacache-workers"
@@ -66,84 +66,77 @@ def _limit(results: dict[str, Any], name: str) -> float | None:
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of issue 5: the measured ratio, the goal, and whether it holds."""
-    loaders = results.get("loaders", {})
     rows: list[dict[str, Any]] = []
+    loaders = results.get("loaders", {})
+    for key in (*DROPINS, REFERENCE, WORKERS_REFERENCE):
+        entry = loaders.get(key)
+        if entry is not None:
+            _loader_targets(rows, results, key, entry)
+    _cli_targets(rows, results)
+    _small_file_targets(rows, results)
+    _cold_start_targets(rows, results)
+    _training_targets(rows, results)
+    return rows
+
+
+def _best_anchor(loaders: dict[str, Any], phase: str) -> tuple[str | None, float | None]:
+    """The anchor loader fastest in ``phase`` and its median MB/s."""
     anchors = {k: v for k, v in loaders.items() if v.get("anchor")}
-    best_warm_anchor = max(
-        ((k, _median(v, "warm")) for k, v in anchors.items() if _median(v, "warm") is not None),
+    return max(
+        ((k, _median(v, phase)) for k, v in anchors.items() if _median(v, phase) is not None),
         key=lambda kv: kv[1] or 0.0,
         default=(None, None),
     )
-    best_cold_anchor = max(
-        ((k, _median(v, "cold")) for k, v in anchors.items() if _median(v, "cold") is not None),
-        key=lambda kv: kv[1] or 0.0,
-        default=(None, None),
-    )
+
+
+def _loader_targets(rows: list[dict[str, Any]], results: dict[str, Any], key: str, entry: dict[str, Any]) -> None:
+    """The targets of one datacache loader (drop-in or batch mode) against the limits and the anchors."""
+    loaders = results.get("loaders", {})
+    best_warm_anchor = _best_anchor(loaders, "warm")
+    best_cold_anchor = _best_anchor(loaders, "cold")
     readinto = _limit(results, "readinto")
     get = _limit(results, "s3_get_ceiling")
     durable = _limit(results, "durable_write")
     ceiling = _median(loaders.get("dataloader-ceiling"), "warm")
-    for key in (*DROPINS, REFERENCE, WORKERS_REFERENCE):
-        entry = loaders.get(key)
-        if entry is None:
-            continue
-        mode = MODES[key]
-        goals = GOALS[key]
-        warm = _median(entry, "warm")
-        cold = _median(entry, "cold")
+    mode = MODES[key]
+    goals = GOALS[key]
+    warm = _median(entry, "warm")
+    cold = _median(entry, "cold")
 
-        def add(
-            what: str, value: float | None, reference: float | None, goal: float, note: str = "", mode: str = mode
-        ) -> None:
-            ratio = value / reference if value is not None and reference else None
-            rows.append(
-                {
-                    "target": what,
-                    "mode": mode,
-                    "ratio": ratio,
-                    "goal": goal,
-                    "holds": ratio is not None and ratio >= goal,
-                    "note": note,
-                }
-            )
-
-        if key not in DROPINS:
-            add("warm epoch / plain read (readinto)", warm, readinto, 0.5)
-        add(
-            "warm epoch / best anchor warm",
-            warm,
-            best_warm_anchor[1],
-            goals["best anchor warm"],
-            f"best anchor: {best_warm_anchor[0]}",
+    def add(
+        what: str, value: float | None, reference: float | None, goal: float, note: str = "", mode: str = mode
+    ) -> None:
+        ratio = value / reference if value is not None and reference else None
+        rows.append(
+            {
+                "target": what,
+                "mode": mode,
+                "ratio": ratio,
+                "goal": goal,
+                "holds": ratio is not None and ratio >= goal,
+                "note": note,
+            }
         )
-        add("warm epoch / no-I/O DataLoader ceiling", warm, ceiling, goals["ceiling"], "past the ceiling")
-        _dropin_against_batch(add, key, loaders)
-        if key in DROPINS:
-            add(
-                "cold epoch / best anchor cold",
-                cold,
-                best_cold_anchor[1],
-                goals["best anchor cold"],
-                f"best anchor: {best_cold_anchor[0]}",
-            )
-            continue
+
+    if key not in DROPINS:
+        add("warm epoch / plain read (readinto)", warm, readinto, 0.5)
+    best = f"best anchor: {best_warm_anchor[0]}"
+    add("warm epoch / best anchor warm", warm, best_warm_anchor[1], goals["best anchor warm"], best)
+    add("warm epoch / no-I/O DataLoader ceiling", warm, ceiling, goals["ceiling"], "past the ceiling")
+    _dropin_against_batch(add, key, loaders)
+    if key not in DROPINS:
         add("cold epoch / S3 GET ceiling", cold, get, 0.8)
         if durable is not None and get:
-            fill = min(get, durable)
-            add(
-                "cold epoch / cache-fill limit",
-                cold,
-                fill,
-                0.8,
-                "min(GET ceiling, durable write): every byte of a cold epoch is also written to the cache",
-            )
-        add(
-            "cold epoch / best anchor cold",
-            cold,
-            best_cold_anchor[1],
-            goals["best anchor cold"],
-            f"best anchor: {best_cold_anchor[0]}",
-        )
+            fill = "min(GET ceiling, durable write): every byte of a cold epoch is also written to the cache"
+            add("cold epoch / cache-fill limit", cold, min(get, durable), 0.8, fill)
+    best = f"best anchor: {best_cold_anchor[0]}"
+    add("cold epoch / best anchor cold", cold, best_cold_anchor[1], goals["best anchor cold"], best)
+
+
+def _cli_targets(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+    """`datacache warm` against the S3 GET ceiling and the cache-fill limit."""
+    get = _limit(results, "s3_get_ceiling")
+    durable = _limit(results, "durable_write")
     for name, mode in (("datacache_warm", "CLI"),):
         warm_cli = _limit(results, name)
         if warm_cli is not None and get:
@@ -169,6 +162,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "note": "min(GET ceiling, durable write); wall clock of the whole command",
                     }
                 )
+
+
+def _small_file_targets(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
     small = results.get("small_files", {})
     raw = small.get("raw", {}).get("objects_per_s")
     for phase in ("cold", "warm"):
@@ -184,8 +180,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "note": "samples/s over objects/s",
                 }
             )
+
+
+def _cold_start_targets(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
     for index in ("none", "wids"):
-        ratio = cold_start.ratio_16x(results.get("cold_start"), index)
+        ratio = cold_start_ratio_16x(results.get("cold_start"), index)
         if ratio is not None:
             rows.append(
                 {
@@ -198,6 +197,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "note": "fresh process, empty cache; see the cold start section",
                 }
             )
+
+
+def _training_targets(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+    """Data-stall at a per-rank target the anchors miss."""
+    anchors = {k for k, v in results.get("loaders", {}).items() if v.get("anchor")}
     training = results.get("training", {})
     for key in (*DROPINS, REFERENCE, WORKERS_REFERENCE):
         entry = training.get(key)
@@ -221,7 +225,6 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ),
             }
         )
-    return rows
 
 
 def _dropin_against_batch(add: Any, key: str, loaders: dict[str, Any]) -> None:
@@ -248,12 +251,24 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> str:
-    loaders = results.get("loaders", {})
-    reference = loaders.get(REFERENCE)
-    workers_ref = loaders.get(WORKERS_REFERENCE)
-    readinto = _limit(results, "readinto")
-    get = _limit(results, "s3_get_ceiling")
-    ceiling = _median(loaders.get("dataloader-ceiling"), "warm")
+    out = _intro_lines(results, picture, raw)
+    out += _loader_lines(results)
+    out += _limit_lines(results)
+    out += _target_lines(results)
+    out += _small_file_lines(results)
+    out += _training_lines(results)
+    out += _other_issue_lines(results)
+    out += cold_start_lines(results.get("cold_start"))
+    out += mixing_lines(results.get("mixing"))
+    if analysis.strip():
+        out.append(analysis.strip())
+        out.append("")
+    out += _machine_lines(results)
+    return "\n".join(out)
+
+
+def _intro_lines(results: dict[str, Any], picture: str, raw: str) -> list[str]:
+    """The title, how the run was made, the picture, and the dataset and loaders it measured."""
     sizes = results["sizes"]
     dataset = results.get("dataset", {})
     out: list[str] = []
@@ -289,25 +304,38 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
     if results.get("missing"):
         out.append(f"Not installed in this interpreter, skipped: {', '.join(results['missing'])}.")
         out.append("")
-    out.append("## Loaders: one cold and one warm epoch")
-    out.append("")
-    header = [
-        "loader",
-        "cold MB/s",
-        "cold samples/s",
-        "warm MB/s",
-        "warm samples/s",
-        "warm / datacache in-process",
-        "warm / datacache 2 workers",
-        "cold / datacache in-process",
-        "warm / plain read",
-        "warm / no-I/O DataLoader",
-        "cold / S3 GET ceiling",
-        "samples per epoch ok",
-        "first batch s (cold / warm)",
-        "CPU s per GB (cold / warm)",
-        "peak RSS / PSS MB",
-    ]
+    return out
+
+
+_LOADER_COLUMNS = [
+    "loader",
+    "cold MB/s",
+    "cold samples/s",
+    "warm MB/s",
+    "warm samples/s",
+    "warm / datacache in-process",
+    "warm / datacache 2 workers",
+    "cold / datacache in-process",
+    "warm / plain read",
+    "warm / no-I/O DataLoader",
+    "cold / S3 GET ceiling",
+    "samples per epoch ok",
+    "first batch s (cold / warm)",
+    "CPU s per GB (cold / warm)",
+    "peak RSS / PSS MB",
+]
+
+
+def _loader_lines(results: dict[str, Any]) -> list[str]:
+    """One cold and one warm epoch per loader, with its ratios to the references."""
+    loaders = results.get("loaders", {})
+    reference = loaders.get(REFERENCE)
+    workers_ref = loaders.get(WORKERS_REFERENCE)
+    readinto = _limit(results, "readinto")
+    get = _limit(results, "s3_get_ceiling")
+    ceiling = _median(loaders.get("dataloader-ceiling"), "warm")
+    sizes = results["sizes"]
+    out = ["## Loaders: one cold and one warm epoch", ""]
     rows = []
     for key, entry in loaders.items():
         warm = _median(entry, "warm")
@@ -346,7 +374,7 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
                 f"{_fmt(entry.get('peak_rss_mb'))} / {_fmt(entry.get('peak_pss_mb'))}",
             ]
         )
-    out += _table(header, rows)
+    out += _table(_LOADER_COLUMNS, rows)
     out.append("")
     out.append(
         "CPU s per GB: user + system CPU seconds of the job's whole process tree (consumer, DataLoader "
@@ -356,6 +384,13 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         "file pages count in its RSS."
     )
     out.append("")
+    return out
+
+
+def _limit_lines(results: dict[str, Any]) -> list[str]:
+    """What this machine's disk, S3 server and a no-I/O DataLoader reach, same run."""
+    loaders = results.get("loaders", {})
+    out: list[str] = []
     out.append("## Limits of this machine, same run")
     out.append("")
     limits = results.get("limits", {})
@@ -391,6 +426,12 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         limit_rows.append(["`datacache warm`, transfer rate as it reports it", _fmt(warm_reported)])
     out += _table(["limit", "MB/s"], limit_rows)
     out.append("")
+    return out
+
+
+def _target_lines(results: dict[str, Any]) -> list[str]:
+    """The issues' targets, each measured as a ratio in this run."""
+    out: list[str] = []
     out.append("## Targets (issue 5; drop-in: issue 15), ratios measured side by side in this run")
     out.append("")
     target_rows = []
@@ -406,6 +447,12 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         )
     out += _table(["target", "datacache mode", "measured", "goal", "", "note"], target_rows)
     out.append("")
+    return out
+
+
+def _small_file_lines(results: dict[str, Any]) -> list[str]:
+    """Raw small objects one by one against the same after `datacache shard`."""
+    out: list[str] = []
     small = results.get("small_files", {})
     if small:
         out.append("## Small files: raw objects one by one vs after `datacache shard`")
@@ -449,6 +496,12 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
         if small.get("read_error"):
             out += ["", f"Reading the shards failed: `{small['read_error'][:500]}`"]
         out.append("")
+    return out
+
+
+def _training_lines(results: dict[str, Any]) -> list[str]:
+    """The training-like consumer: data-stall per rank at a target rate."""
+    out: list[str] = []
     training = results.get("training", {})
     if training:
         target = training["target_bytes_per_s"] / 1e6
@@ -499,6 +552,18 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
             train_rows,
         )
         out.append("")
+    return out
+
+
+def _other_issue_lines(results: dict[str, Any]) -> list[str]:
+    """Figures other issues ask for, from the same run."""
+    loaders = results.get("loaders", {})
+    reference = loaders.get(REFERENCE)
+    workers_ref = loaders.get(WORKERS_REFERENCE)
+    readinto = _limit(results, "readinto")
+    limits = results.get("limits", {})
+    small = results.get("small_files", {})
+    out: list[str] = []
     out.append("## Numbers other issues ask for (same run)")
     out.append("")
     warm_cli = limits.get("datacache_warm", {})
@@ -523,11 +588,12 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
             f"the result (cold, from S3) is {speedup} the raw objects one by one."
         )
     out.append("")
-    out += cold_start.render_lines(results.get("cold_start"))
-    out += mixing.render_lines(results.get("mixing"))
-    if analysis.strip():
-        out.append(analysis.strip())
-        out.append("")
+    return out
+
+
+def _machine_lines(results: dict[str, Any]) -> list[str]:
+    """The machine, its load, and the versions measured."""
+    out: list[str] = []
     out.append("## Machine and versions")
     out.append("")
     machine = results.get("machine", {})
@@ -541,7 +607,7 @@ def render(results: dict[str, Any], analysis: str, picture: str, raw: str) -> st
     )
     out.append("- " + ", ".join(f"{k} {v}" for k, v in results.get("versions", {}).items()))
     out.append("")
-    return "\n".join(out)
+    return out
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:

@@ -29,10 +29,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import REPO, clean_env, run_section, s3_env
+from benchmarks._common import REPO, clean_env, s3_env
+from benchmarks._section import run_section
+from benchmarks._section_tables import SCALES
 
 BUCKET = "coldstart"
-SCALES = (1, 4, 16)
 BATCH = 64
 
 
@@ -170,58 +171,6 @@ def measure(endpoint: str, work: Path, *, quick: bool) -> dict[str, Any]:
         )
     shutil.rmtree(work, ignore_errors=True)
     return {"sizes": sizes, "batch": BATCH, "points": points}
-
-
-def ratio_16x(entry: dict[str, Any] | None, index: str) -> float | None:
-    """First batch at 16x over 1x (the issue's target: at most 1.5)."""
-    if not entry:
-        return None
-    points = entry["points"]
-    low, high = points.get(f"1x-{index}", {}), points.get(f"16x-{index}", {})
-    if "first_batch_s" not in low or "first_batch_s" not in high or not low["first_batch_s"]:
-        return None
-    return float(high["first_batch_s"] / low["first_batch_s"])
-
-
-def render_lines(entry: dict[str, Any] | None) -> list[str]:
-    """The RESULTS.md section."""
-    if not entry:
-        return []
-    sizes = entry["sizes"]
-    out = [
-        "## Cold start: time to the first batch as the dataset grows",
-        "",
-        f"WebDataset shards of {sizes['samples_per_shard']} samples x {sizes['sample_bytes'] // 1000} KB "
-        f"(webdataset's TarWriter), 1x = {sizes['base_shards']} shards; each point a fresh process with an empty "
-        f"cache taking one batch of {entry['batch']} (batch mode, in-process). Origin bytes = the shards the S3 "
-        "server was asked for before the first batch, whole (an upper bound: an index scan in flight counts "
-        f"whole). Medians of {sizes['repeats']} run(s), taken round robin across the points. "
-        "`benchmarks/cold_start.py`.",
-        "",
-        "| shards | sample index | first batch s | / 1x | shards requested before it | origin MB before it |",
-        "|---|---|---|---|---|---|",
-    ]
-    for index in ("none", "wids"):
-        base = entry["points"].get(f"1x-{index}", {}).get("first_batch_s")
-        for scale in SCALES:
-            point = entry["points"].get(f"{scale}x-{index}", {})
-            seconds = point.get("first_batch_s")
-            if seconds is None:
-                out.append(f"| {point.get('shards', '?')} | {index} | failed | | | |")
-                continue
-            relative = f"{seconds / base:.2f}x" if base else ""
-            out.append(
-                f"| {point['shards']} | {index} | {seconds:.2f} | {relative} | {point['shards_requested']:.0f} | "
-                f"{point['origin_bytes'] / 1e6:.1f} |"
-            )
-    out.append("")
-    for index in ("none", "wids"):
-        ratio = ratio_16x(entry, index)
-        if ratio is not None:
-            verdict = "holds" if ratio <= 1.5 else "missed"
-            out.append(f"- Target, {index} index: first batch at 16x <= 1.5x the time at 1x: {ratio:.2f}x ({verdict}).")
-    out.append("")
-    return out
 
 
 def main() -> None:

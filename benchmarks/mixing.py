@@ -34,13 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import REPO, boto_client, clean_env, run_section, s3_env
+from benchmarks._common import REPO, boto_client, clean_env, s3_env
+from benchmarks._section import run_section
+from benchmarks._section_tables import LOADERS
 
 BUCKET = "mixing"
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 BATCH = 64
 WORKERS = 2
-LOADERS = ("datacache (one source)", "datacache (mix)", "MosaicML Streaming (mix)", "LitData (mix)")
 
 
 def _sizes(quick: bool) -> dict[str, int]:
@@ -193,52 +194,6 @@ def measure(endpoint: str, work: Path, *, quick: bool) -> dict[str, Any]:
         runs[name] = {"error": "not measured: this benchmark has no runner for it yet"}
     shutil.rmtree(work, ignore_errors=True)
     return {"sizes": sizes, "counts": counts, "weights": WEIGHTS, "runs": runs}
-
-
-def render_lines(entry: dict[str, Any] | None) -> list[str]:
-    """The RESULTS.md section."""
-    if not entry:
-        return []
-    sizes = entry["sizes"]
-    out = [
-        "## Mixing three sources by weight",
-        "",
-        f"Sources a and b of {sizes['big']:,} samples, c of {sizes['small']:,} (ten times smaller), "
-        f"~{sizes['sample_bytes'] // 1000} KB each, mixed 0.5 / 0.3 / 0.2, an epoch as long as the three together; "
-        "one source = the same shards under one prefix. DataLoader with 2 workers, batches of 64, epoch 0 cold "
-        "(from S3), epoch 1 warm, each loader in a fresh process, medians of "
-        f"{sizes.get('repeats', 1)} run(s). Deviation = |realised share - weight|, the worst source, in points. "
-        "`benchmarks/mixing.py`.",
-        "",
-        "| loader | cold MB/s | warm MB/s | realised a / b / c | worst per 1,000 | worst per 10,000 window |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in LOADERS:
-        run = entry["runs"].get(name, {})
-        if "error" in run:
-            out.append(f"| {name} | {run['error']} | | | | |")
-            continue
-        warm = run["warm"]
-        shares = warm.get("proportions")
-        realised = " / ".join(f"{s:.3f}" for s in shares["overall"]) if shares else "(one source)"
-        worst_1k = f"{shares['per_1000_worst'] * 100:.2f}" if shares else ""
-        worst_10k = f"{shares['per_10000_worst'] * 100:.2f}" if shares else ""
-        out.append(
-            f"| {name} | {run['cold']['mb_per_s']:.0f} | {warm['mb_per_s']:.0f} | {realised} | {worst_1k} | "
-            f"{worst_10k} |"
-        )
-    single, mixed = entry["runs"].get(LOADERS[0], {}), entry["runs"].get(LOADERS[1], {})
-    if "warm" in single and "warm" in mixed:
-        out.append("")
-        for name in ("cold", "warm"):
-            ratio = mixed[name]["mb_per_s"] / single[name]["mb_per_s"]
-            verdict = "holds" if ratio >= 0.9 else "missed"
-            out.append(f"- Target, {name}: the mix within 10% of one source's throughput: {ratio:.2f}x ({verdict}).")
-        worst = max(mixed[n]["proportions"]["per_10000_worst"] for n in ("cold", "warm"))
-        verdict = "holds" if worst <= 0.02 else "missed"
-        out.append(f"- Target: within 2 points of the weights in every window of 10,000: {worst * 100:.2f} ({verdict})")
-    out.append("")
-    return out
 
 
 def main() -> None:

@@ -13,12 +13,29 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "before_thread_pools_stop"]
 
 T = TypeVar("T")
+
+
+def before_thread_pools_stop(hook: Callable[[], object]) -> bool:
+    """Run ``hook`` at interpreter exit, before ``concurrent.futures`` stops taking work; False if unsupported.
+
+    ``atexit`` runs too late for code that finishes work on a thread pool (a copy being made
+    durable: fsync, rename): by then every executor refuses new work and the copy could only be
+    cancelled. CPython runs the hooks of ``threading._register_atexit`` first; it is private, and
+    this is its one use in datacache, so an interpreter without it degrades here, to atexit's
+    order, in one place (tests/test_private_verbs.py checks the order). Raises RuntimeError once
+    the interpreter is already exiting.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    register(hook)
+    return True
 
 
 class LoopThread:

@@ -17,18 +17,17 @@ import json
 import logging
 import os
 import socket
-import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from datacache._client_http import BASE, VerifiedUnixConnector, decode_reply, read_file, streamed_events
 from datacache._protocol import (
     API,
     UnknownDatasetError,
     config_to_wire,
-    exception_from_wire,
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
@@ -47,39 +46,6 @@ from datacache.tiers import ByteRange, Tier, open_origin
 __all__ = ["DaemonClient"]
 
 logger = logging.getLogger(__name__)
-
-_BASE = "http://datacache"  # the host is ignored on a Unix socket
-_PEERCRED = struct.Struct("3i")
-
-
-class _VerifiedUnixConnector(aiohttp.UnixConnector):
-    """Connects to the daemon's socket and, before a byte is sent, checks who listens there.
-
-    Whoever can create the socket path could pose as the daemon and collect what
-    clients send: the listener must be root, this process's own uid, or the
-    configured daemon uid (``daemon.daemon_uid``), by ``SO_PEERCRED``.
-    """
-
-    def __init__(self, path: str, trusted: frozenset[int]) -> None:
-        super().__init__(path=path, force_close=True)
-        self.trusted = trusted
-        self.server_uid: int | None = None
-
-    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:  # noqa: ASYNC109 - aiohttp's signature
-        protocol = await super()._create_connection(req, traces, timeout)
-        sock = protocol.transport.get_extra_info("socket") if protocol.transport is not None else None
-        uid = -1
-        if sock is not None:
-            uid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
-        if uid not in self.trusted:
-            protocol.close()
-            raise DaemonUnavailableError(
-                f"the process listening on {self._path} runs as uid {uid}, not as root, this user or "
-                "the configured daemon uid (daemon.daemon_uid): not talking to it"
-            )
-        self.server_uid = uid
-        return protocol
-
 
 class DaemonClient:
     """Reach shards through the node's daemon (``datacache serve``).
@@ -115,7 +81,7 @@ class DaemonClient:
 
     def _reset_runtime(self) -> None:
         self._session: aiohttp.ClientSession | None = None
-        self._connector: _VerifiedUnixConnector | None = None
+        self._connector: VerifiedUnixConnector | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._closed_loop: asyncio.AbstractEventLoop | None = None
         """The loop `close` ran on: requests there after it are refused, never given a new session."""
@@ -170,7 +136,7 @@ class DaemonClient:
             # One connection per request: nothing to go stale when the daemon restarts.
             daemon_uid = self.settings.daemon_uid
             trusted = frozenset({0, os.getuid()} | ({daemon_uid} if daemon_uid is not None else set()))
-            connector = _VerifiedUnixConnector(str(self.socket_path), trusted)
+            connector = VerifiedUnixConnector(str(self.socket_path), trusted)
             self._connector = connector
             session = aiohttp.ClientSession(
                 connector=connector,
@@ -205,7 +171,7 @@ class DaemonClient:
         session = self._http()
         limit = aiohttp.ClientTimeout(total=within, sock_connect=self.connect_timeout)
         try:
-            async with session.request(method, _BASE + path, json=body, timeout=limit) as response:
+            async with session.request(method, BASE + path, json=body, timeout=limit) as response:
                 raw = await response.read()
                 status = response.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
@@ -214,22 +180,7 @@ class DaemonClient:
             raise DaemonUnavailableError(
                 f"the datacache daemon on {self.socket_path} did not answer {path} within {within}s"
             ) from exc
-        return self._decode(status, raw, path)
-
-    @staticmethod
-    def _decode(status: int, raw: bytes, path: str) -> dict[str, Any]:
-        try:
-            document = json.loads(raw) if raw else {}
-        except ValueError:
-            document = None
-        if not isinstance(document, dict):
-            raise DatacacheError(f"daemon: unexpected reply to {path} (HTTP {status})")
-        if status >= 400:
-            error = document.get("error")
-            if isinstance(error, dict):
-                raise exception_from_wire(str(error.get("code", "")), str(error.get("message", "")))
-            raise DatacacheError(f"daemon: HTTP {status} for {path}")
-        return document
+        return decode_reply(status, raw, path)
 
     async def _call_for(
         self, handle: DatasetHandle, verb: str, body: dict[str, Any], **kw: Any
@@ -250,11 +201,7 @@ class DaemonClient:
 
     async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
         """Open ``dataset`` in the daemon and return a handle on the snapshot it serves."""
-        config = (
-            dataset
-            if isinstance(dataset, DatasetConfig)
-            else resolve_dataset(dataset, self.settings)
-        )
+        config = dataset if isinstance(dataset, DatasetConfig) else resolve_dataset(dataset, self.settings)
         reply = await self._open_remote(config, refresh=refresh)
         manifest = await self._manifest(reply)
         origin = self._origins.get(config.id)
@@ -409,7 +356,7 @@ class DaemonClient:
         async def fetch(location: Location) -> bytes:
             if location.path is not None:
                 try:
-                    return await asyncio.to_thread(_read_file, location.path, byte_range)
+                    return await asyncio.to_thread(read_file, location.path, byte_range)
                 except FileNotFoundError:
                     pass  # evicted meanwhile: the origin has it
             return await handle.origin.get(key, byte_range, version=shard.version)
@@ -508,9 +455,7 @@ class DaemonClient:
 
     async def unpin(self, dataset_id: str) -> None:
         """Let eviction choose a dataset's shards again."""
-        await self._call(
-            "POST", f"{API}/unpin", {"dataset": dataset_id}, within=self.request_timeout
-        )
+        await self._call("POST", f"{API}/unpin", {"dataset": dataset_id}, within=self.request_timeout)
 
     async def warm(
         self,
@@ -526,11 +471,7 @@ class DaemonClient:
 
         The last line is the summary, ``warm_report_to_wire``'s form (``{"event": "done", ...}``).
         """
-        config = (
-            dataset
-            if isinstance(dataset, DatasetConfig)
-            else resolve_dataset(dataset, self.settings)
-        )
+        config = dataset if isinstance(dataset, DatasetConfig) else resolve_dataset(dataset, self.settings)
         body = {
             "dataset": await self._wire(config),
             "tier": tier,
@@ -541,41 +482,10 @@ class DaemonClient:
         }
         session = self._http()
         try:
-            async with session.post(f"{_BASE}{API}/warm", json=body) as response:
-                if response.status >= 400:
-                    self._decode(response.status, await response.read(), f"{API}/warm")
-                async for line in response.content:
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    if not isinstance(event, dict):
-                        raise DatacacheError("daemon: unexpected warm progress line")
-                    if event.get("event") == "error":
-                        raise exception_from_wire(
-                            str(event.get("code", "")), str(event.get("message", ""))
-                        )
+            async with session.post(f"{BASE}{API}/warm", json=body) as response:
+                async for event in streamed_events(response, f"{API}/warm"):
                     yield event
         except DatacacheError:
             raise  # the daemon's own answer (a missing bucket, say), not a lost connection
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise self._unavailable(exc) from exc
-
-
-def _read_file(path: Path, byte_range: ByteRange | None) -> bytes:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags)
-    try:
-        size = os.fstat(fd).st_size
-        start = byte_range.start if byte_range is not None else 0
-        length = byte_range.length(size) if byte_range is not None else size
-        chunks: list[bytes] = []
-        while length > 0:
-            chunk = os.pread(fd, min(length, 64 << 20), start)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            start += len(chunk)
-            length -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)

@@ -325,55 +325,90 @@ def load_settings(
         Values from command-line flags, by setting name (``local_dir``, ``concurrency``, ...).
     """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    datasets: dict[str, DatasetConfig] = {}
-    storage_options: dict[str, dict[str, Any]] = {}
+    loaded_from = _config_file(config_path, env)
+    file = _read_config_file(loaded_from) if loaded_from is not None else _ConfigFile()
+    values = {**file.values, **_env_values(env), **_override_values(overrides)}
+    datasets = _with_scheme_defaults(file.datasets, file.storage_options)
+    retry = RetryPolicy(max_attempts=values.pop("max_attempts", RetryPolicy().max_attempts))
+    socket = values.pop("socket", None)
+    local_dir = values.pop("local_dir", None) or default_cache_dir(env).absolute()
+    return Settings(
+        local_dir=local_dir,
+        retry=retry,
+        socket_path=socket,
+        storage_options=file.storage_options,
+        datasets=datasets,
+        config_path=loaded_from,
+        **values,
+    )
 
+
+def _config_file(config_path: str | os.PathLike[str] | None, env: Mapping[str, str]) -> Path | None:
+    """The config file to read: the one named (which must exist), else the per-user one if it exists."""
     explicit = config_path or env.get("DATACACHE_CONFIG")
     path = Path(os.path.expanduser(explicit)) if explicit else default_config_path(env)
     if explicit and not path.is_file():
         source = "--config" if config_path else "DATACACHE_CONFIG"
         raise ConfigError(f"config file {path} does not exist (from {source})")
-    loaded_from: Path | None = None
-    if path.is_file():
-        loaded_from = path
-        document = _read_toml(path)
-        for section, table in document.items():
-            if section in _SETTINGS and not isinstance(table, dict):
-                home = _SETTINGS[section][0]
-                raise ConfigError(
-                    f"config file {path}: {section!r} at the top level: it is a setting of [{home}] "
-                    f"(write it under [{home}])"
-                )
-            if section not in _SECTIONS:
-                raise ConfigError(f"config file {path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
-            if not isinstance(table, dict):
-                raise ConfigError(f"config file {path}: [{section}] must be a table")
-            if section == "datasets":
-                for name, entry in table.items():
-                    datasets[name] = _dataset_from_table(name, entry, f"config file {path}")
-                continue
-            if section == "storage_options":
-                for scheme, options in table.items():
-                    if not isinstance(options, dict):
-                        raise ConfigError(f"config file {path}: [storage_options.{scheme}] must be a table")
-                    storage_options[scheme] = options
-                continue
-            allowed = {key for key, (sec, _) in _SETTINGS.items() if sec == section}
-            for key, value in table.items():
-                if key not in allowed:
-                    raise ConfigError(
-                        f"config file {path}: unknown key '{section}.{key}'{_suggest(key, allowed)}"
-                    )
-                if _unitless_rate(key, value):
-                    raise ConfigError(
-                        f"{path}: {section}.{key}: {value!r} has no unit; "
-                        f"write it as a string with one, e.g. '{value:g}{'MB/s' if key in _RATES else 'GB'}'"
-                    )
-                values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
+    return path if path.is_file() else None
 
+
+@dataclass
+class _ConfigFile:
+    """What a config file sets: settings by name, datasets by name, storage options by scheme."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    datasets: dict[str, DatasetConfig] = field(default_factory=dict)
+    storage_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _read_config_file(path: Path) -> _ConfigFile:
+    found = _ConfigFile()
+    for section, table in _read_toml(path).items():
+        if section in _SETTINGS and not isinstance(table, dict):
+            home = _SETTINGS[section][0]
+            raise ConfigError(
+                f"config file {path}: {section!r} at the top level: it is a setting of [{home}] "
+                f"(write it under [{home}])"
+            )
+        if section not in _SECTIONS:
+            raise ConfigError(f"config file {path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: [{section}] must be a table")
+        if section == "datasets":
+            for name, entry in table.items():
+                found.datasets[name] = _dataset_from_table(name, entry, f"config file {path}")
+        elif section == "storage_options":
+            for scheme, options in table.items():
+                if not isinstance(options, dict):
+                    raise ConfigError(f"config file {path}: [storage_options.{scheme}] must be a table")
+                found.storage_options[scheme] = options
+        else:
+            found.values.update(_settings_section(path, section, table))
+    return found
+
+
+def _settings_section(path: Path, section: str, table: dict[str, Any]) -> dict[str, Any]:
+    """The settings of one section of the config file (``[cache]``, ``[daemon]``, ...), checked."""
+    allowed = {key for key, (sec, _) in _SETTINGS.items() if sec == section}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in allowed:
+            raise ConfigError(f"config file {path}: unknown key '{section}.{key}'{_suggest(key, allowed)}")
+        if _unitless_rate(key, value):
+            raise ConfigError(
+                f"{path}: {section}.{key}: {value!r} has no unit; "
+                f"write it as a string with one, e.g. '{value:g}{'MB/s' if key in _RATES else 'GB'}'"
+            )
+        values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
+    return values
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``DATACACHE_*`` variables give."""
     known_env = {f"DATACACHE_{key.upper()}": key for key in _SETTINGS}
     known_env.update({"DATACACHE_CONFIG": "", "DATACACHE_LOG": "", "DATACACHE_LOG_FORMAT": ""})
+    values: dict[str, Any] = {}
     for name, value in env.items():
         if not name.startswith("DATACACHE_"):
             continue
@@ -385,31 +420,31 @@ def load_settings(
             continue
         if key:
             values[key] = _SETTINGS[key][1](value, name)
+    return values
 
+
+def _override_values(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings command-line flags give (``None``: the flag was not given)."""
+    values: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         if key not in _SETTINGS:
             raise ConfigError(f"unknown setting {key!r}{_suggest(key, set(_SETTINGS))}")
         values[key] = _SETTINGS[key][1](value, f"--{key.replace('_', '-')}")
+    return values
 
-    # A configured dataset takes the global [storage_options.<scheme>] as a URL does, its own over them.
+
+def _with_scheme_defaults(
+    datasets: dict[str, DatasetConfig], storage_options: dict[str, dict[str, Any]]
+) -> dict[str, DatasetConfig]:
+    """A configured dataset takes the global [storage_options.<scheme>] as a URL does, its own over them."""
+    out = dict(datasets)
     for name, dataset in datasets.items():
         defaults = storage_options.get(split_scheme(dataset.url)[0], {})
         if defaults:
-            datasets[name] = replace(dataset, storage_options={**defaults, **dataset.storage_options})
-    retry = RetryPolicy(max_attempts=values.pop("max_attempts", RetryPolicy().max_attempts))
-    socket = values.pop("socket", None)
-    local_dir = values.pop("local_dir", None) or default_cache_dir(env).absolute()
-    return Settings(
-        local_dir=local_dir,
-        retry=retry,
-        socket_path=socket,
-        storage_options=storage_options,
-        datasets=datasets,
-        config_path=loaded_from,
-        **values,
-    )
+            out[name] = replace(dataset, storage_options={**defaults, **dataset.storage_options})
+    return out
 
 
 # Schemes that name the same stores: one identity for each store.

@@ -137,6 +137,22 @@ class DaemonMetrics:
     def __init__(self, stats: Callable[[], StagerStats | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # Registered in this order, which is the order /metrics lists them in.
+        self._add_staging(r)
+        self._add_tiers(r)
+        self._add_serving(r)
+        self._add_process(r)
+        self.info.info({"version": __version__})
+        self.start_time.set(time.time())
+        for tier in ("origin", "shared"):
+            self.read_bytes.labels(tier)
+        for tier in ("local", "shared"):
+            self.staged_bytes.labels(tier)
+            self.evictions.labels(tier)
+        r.register(_StagerCollector(stats))
+
+    def _add_staging(self, r: CollectorRegistry) -> None:
+        """What staging moved, evicted, failed or bypassed, and how long a shard took."""
         self.read_bytes = Counter(
             "datacache_read_bytes", "Bytes read from a tier to stage shards", ["tier"], registry=r
         )
@@ -170,6 +186,9 @@ class DaemonMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_tiers(self, r: CollectorRegistry) -> None:
+        """Prefetch slots and backlog, and each tier's bytes, capacity, free space and shards."""
         self.prefetch_pending = Gauge(
             "datacache_prefetch_pending",
             "Prefetch and warm requests waiting for a prefetch slot",
@@ -198,6 +217,9 @@ class DaemonMetrics:
         self.tier_shards = Gauge(
             "datacache_tier_shards", "Shards held on a tier", ["tier"], registry=r
         )
+
+    def _add_serving(self, r: CollectorRegistry) -> None:
+        """The socket's requests and what clients report delivering."""
         self.requests = Counter(
             "datacache_requests",
             "Requests answered on the daemon's socket",
@@ -232,6 +254,9 @@ class DaemonMetrics:
         self.clients = Gauge(
             "datacache_clients", "Clients that reported in the last few minutes", registry=r
         )
+
+    def _add_process(self, r: CollectorRegistry) -> None:
+        """Whether the daemon serves, since when, and its version."""
         self.ready = Gauge(
             "datacache_ready",
             "1 when the daemon serves requests, 0 while starting or draining",
@@ -241,14 +266,6 @@ class DaemonMetrics:
             "datacache_start_time_seconds", "When the daemon started (Unix time)", registry=r
         )
         self.info = Info("datacache_build", "The datacache version", registry=r)
-        self.info.info({"version": __version__})
-        self.start_time.set(time.time())
-        for tier in ("origin", "shared"):
-            self.read_bytes.labels(tier)
-        for tier in ("local", "shared"):
-            self.staged_bytes.labels(tier)
-            self.evictions.labels(tier)
-        r.register(_StagerCollector(stats))
 
     def on_event(self, event: StagingEvent) -> None:
         """Count one `StagingEvent` (a `Stager` listener; runs on the event loop)."""

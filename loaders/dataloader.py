@@ -6,7 +6,7 @@ process, and each worker opens the dataset anew every epoch. For a
 `CachedIterableDataset` whose samples are raw bytes (no decoder, no
 transform) the workers do nothing a thread could not: reading a cached shard
 is a memory copy. This DataLoader then reads in the training process, as the
-``num_workers`` workers would each read (`CachedIterableDataset._as_workers`),
+``num_workers`` workers would each read (`_dataset_verbs.as_workers`),
 groups each one's samples into batches and takes the batches in turn, as
 torch's DataLoader does. The batches are exactly torch's: the same samples,
 grouping, order and types (``default_collate``'s dicts of lists of ``bytes``),
@@ -28,14 +28,27 @@ from typing import Any
 
 import torch
 import torch.utils.data
+from datacache.loaders._dataset_verbs import as_workers, done_as_workers
 from datacache.loaders.dataset import CachedIterableDataset
 from torch.utils.data import default_collate
 from torch.utils.data._utils import pin_memory as _pinning
 
+from datacache._sync import before_thread_pools_stop
+
 __all__ = ["DataLoader"]
 
-_pin: Callable[[Any, str], Any] = _pinning.pin_memory
-"""torch's own pinning of a batch (what its DataLoader applies with ``pin_memory=True``)."""
+_torch_pin: Callable[[Any, str], Any] = _pinning.pin_memory  # typed: torch leaves it untyped
+
+
+def pin_batch(batch: Any, device: str) -> Any:
+    """Pin ``batch`` as torch's DataLoader does with ``pin_memory=True`` (nested dicts, lists, tensors).
+
+    torch publishes no function for a whole batch (``Tensor.pin_memory`` pins one tensor); its
+    DataLoader's own is private (``torch.utils.data._utils.pin_memory.pin_memory``). This is the
+    one call to it, so that the in-process batches are pinned exactly as torch's workers' are and
+    a torch upgrade that moves it breaks here, named (tests/test_private_verbs.py).
+    """
+    return _torch_pin(batch, device)
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -74,7 +87,7 @@ class _TakenInTurn(Iterator[Any]):
         if not isinstance(dataset, CachedIterableDataset) or loader.batch_size is None:  # pragma: no cover
             raise TypeError("in-process reading needs a CachedIterableDataset and a batch_size")
         self._dataset = dataset
-        self._streams: list[Iterator[Any] | None] = list(dataset._as_workers(loader.num_workers))
+        self._streams: list[Iterator[Any] | None] = list(as_workers(dataset, loader.num_workers))
         self._batch_size = loader.batch_size
         self._drop_last = loader.drop_last
         self._next = 0
@@ -95,8 +108,8 @@ class _TakenInTurn(Iterator[Any]):
                 continue
             self._next = worker + 1
             batch = default_collate(samples)
-            return batch if self._pin_device is None else _pin(batch, self._pin_device)
-        self._dataset._done_as_workers()
+            return batch if self._pin_device is None else pin_batch(batch, self._pin_device)
+        done_as_workers(self._dataset)
         raise StopIteration
 
 
@@ -172,10 +185,8 @@ def _stop_at_exit(thread: threading.Thread, stop: threading.Event) -> None:
     """
     with _LIVE_LOCK:
         _LIVE[thread] = stop
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        with contextlib.suppress(RuntimeError):  # the interpreter is already exiting
-            register(_stop_all)
+    with contextlib.suppress(RuntimeError):  # the interpreter is already exiting
+        before_thread_pools_stop(_stop_all)
 
 
 def _stop_all() -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 __all__ = ["BufferRing", "PackedBytes", "pack_fields", "process_alive", "shared_buffer"]
@@ -246,21 +247,8 @@ def pack_fields(
 
     A field missing from some samples is packed as an empty value for them.
     """
-    names: list[str] = []
-    for fields in samples:
-        for name, _ in fields:
-            if name != "__key__" and name not in names:
-                names.append(name)
+    names, keys, lengths = _measure_fields(samples)
     count = len(samples)
-    lengths = np.zeros((len(names), count), dtype=np.int64)
-    column = {name: i for i, name in enumerate(names)}
-    keys: list[str] = []
-    for j, fields in enumerate(samples):
-        for name, view in fields:
-            if name == "__key__":
-                keys.append(view.tobytes().decode("utf-8", "surrogateescape"))
-            else:
-                lengths[column[name], j] = view.nbytes
     totals = lengths.sum(axis=1)
     # Offsets live in the slot too (8-byte aligned, after the data): one shared
     # storage per batch, so nothing new is allocated in shared memory per batch.
@@ -281,7 +269,35 @@ def pack_fields(
         np.cumsum(lengths[row], out=offsets_np[row, 1:])
         batch[name] = PackedBytes(buffer[start : start + int(totals[row])], all_offsets[row], origin)
         start += int(totals[row])
-    positions = {name: int(batch[name].data.storage_offset()) for name in names}
+    _copy_fields(samples, target, {name: int(batch[name].data.storage_offset()) for name in names})
+    return batch
+
+
+def _measure_fields(
+    samples: Sequence[Sequence[tuple[str, memoryview]]],
+) -> tuple[list[str], list[str], npt.NDArray[np.int64]]:
+    """The field names in order of first appearance, the samples' keys, and each field's length per sample."""
+    names: list[str] = []
+    for fields in samples:
+        for name, _ in fields:
+            if name != "__key__" and name not in names:
+                names.append(name)
+    lengths = np.zeros((len(names), len(samples)), dtype=np.int64)
+    column = {name: i for i, name in enumerate(names)}
+    keys: list[str] = []
+    for j, fields in enumerate(samples):
+        for name, view in fields:
+            if name == "__key__":
+                keys.append(view.tobytes().decode("utf-8", "surrogateescape"))
+            else:
+                lengths[column[name], j] = view.nbytes
+    return names, keys, lengths
+
+
+def _copy_fields(
+    samples: Sequence[Sequence[tuple[str, memoryview]]], target: npt.NDArray[np.uint8], positions: dict[str, int]
+) -> None:
+    """Copy each field's bytes to its column's next place in ``target`` (``positions``: where each starts)."""
     for fields in samples:
         for name, view in fields:
             if name == "__key__":
@@ -291,4 +307,3 @@ def pack_fields(
                 at = positions[name]
                 target[at : at + size] = np.frombuffer(view, dtype=np.uint8)
                 positions[name] = at + size
-    return batch

@@ -186,66 +186,78 @@ class LoaderStats:
     ) -> LoaderStats:
         mask = rows[:, Counter.ACTIVE] > 0
         active = rows[mask]
-        now = time.time()
         if active.shape[0] == 0:
-            return cls(
-                mode,
-                epoch,
-                0,
-                0,
-                0.0,
-                0.0,
-                0.0,
-                None,
-                0.0,
-                retries=int(consumer[Counter.RETRIES].item()),
-                target_bandwidth=target,
-            )
-        codes = {int(code) for code in active[:, Counter.MODE].tolist() if code}
-        if codes:
-            # What the readers themselves used: with worker processes the main
-            # process never opens the cache itself.
-            mode = " + ".join(MODES[code] for code in sorted(codes))
-        samples = int(active[:, Counter.SAMPLES].sum().item())
-        nbytes = int(active[:, Counter.BYTES].sum().item())
-        started = float(active[:, Counter.STARTED].min().item())
-        ended = float(active[:, Counter.UPDATED].max().item())
-        seconds = max((ended if ended > started else now) - started, 1e-9)
-        reader_time = float((active[:, Counter.UPDATED] - active[:, Counter.STARTED]).clamp(min=1e-9).sum().item())
-        wait = float(active[:, Counter.WAIT].sum().item())
-        units = {
-            "local": float(active[:, Counter.UNITS_LOCAL].sum().item()),
-            "shared": float(active[:, Counter.UNITS_SHARED].sum().item()),
-            "origin": float(active[:, Counter.UNITS_ORIGIN].sum().item()),
-        }
-        opened = sum(units.values())
-        consumer_time = float(active[:, Counter.CONSUMER_TIME].sum().item() + consumer[Counter.CONSUMER_TIME].item())
-        consumer_wait = float(active[:, Counter.CONSUMER_WAIT].sum().item() + consumer[Counter.CONSUMER_WAIT].item())
-        stall = consumer_wait / consumer_time if consumer_time > 0 else None
+            retries = int(consumer[Counter.RETRIES].item())
+            return cls(mode, epoch, 0, 0, 0.0, 0.0, 0.0, None, 0.0, retries=retries, target_bandwidth=target)
+        samples = int(_sum(active, Counter.SAMPLES))
+        nbytes = int(_sum(active, Counter.BYTES))
+        seconds = _elapsed(active, time.time())
         rate = nbytes / seconds
         return cls(
-            mode=mode,
+            mode=_readers_mode(active, mode),
             epoch=epoch,
             samples=samples,
             bytes=nbytes,
             seconds=seconds,
             bytes_per_second=rate,
             samples_per_second=samples / seconds,
-            stall_fraction=stall,
-            reader_wait_fraction=min(1.0, wait / reader_time) if reader_time > 0 else 0.0,
-            hit_ratio={tier: (count / opened if opened else 0.0) for tier, count in units.items()},
+            stall_fraction=_stall_fraction(active, consumer),
+            reader_wait_fraction=_reader_wait_fraction(active),
+            hit_ratio=_hit_ratio(active),
             prefetch_depth=int(active[:, Counter.DEPTH].max().item()),
-            padded_samples=int(active[:, Counter.PADDED].sum().item()),
-            skipped_shards=int(active[:, Counter.SKIPPED_SHARDS].sum().item()),
-            skipped_samples=int(active[:, Counter.SKIPPED_SAMPLES].sum().item()),
-            corrupt_copies=int(active[:, Counter.CORRUPT].sum().item()),
-            retries=int(active[:, Counter.RETRIES].sum().item() + consumer[Counter.RETRIES].item()),
+            padded_samples=int(_sum(active, Counter.PADDED)),
+            skipped_shards=int(_sum(active, Counter.SKIPPED_SHARDS)),
+            skipped_samples=int(_sum(active, Counter.SKIPPED_SAMPLES)),
+            corrupt_copies=int(_sum(active, Counter.CORRUPT)),
+            retries=int(_sum(active, Counter.RETRIES) + consumer[Counter.RETRIES].item()),
             readers=int(active.shape[0]),
             target_bandwidth=target,
             meets_target=None if target is None or samples == 0 else rate >= target,
             limiting_stage=limiting,
             sources=_per_source(per_source[mask] if per_source is not None else None, labels, samples, nbytes),
         )
+
+
+def _sum(active: torch.Tensor, column: Counter) -> Any:
+    """One counter summed over the active readers, as a Python number."""
+    return active[:, column].sum().item()
+
+
+def _readers_mode(active: torch.Tensor, mode: str) -> str:
+    """What the readers themselves used: with worker processes the main process never opens the cache itself."""
+    codes = {int(code) for code in active[:, Counter.MODE].tolist() if code}
+    return " + ".join(MODES[code] for code in sorted(codes)) if codes else mode
+
+
+def _elapsed(active: torch.Tensor, now: float) -> float:
+    """Seconds from the first reader's start to the last one's update (to now while none updated yet)."""
+    started = float(active[:, Counter.STARTED].min().item())
+    ended = float(active[:, Counter.UPDATED].max().item())
+    return max((ended if ended > started else now) - started, 1e-9)
+
+
+def _stall_fraction(active: torch.Tensor, consumer: torch.Tensor) -> float | None:
+    """The share of the consumers' time spent waiting for data (None before any was measured)."""
+    consumer_time = float(_sum(active, Counter.CONSUMER_TIME) + consumer[Counter.CONSUMER_TIME].item())
+    consumer_wait = float(_sum(active, Counter.CONSUMER_WAIT) + consumer[Counter.CONSUMER_WAIT].item())
+    return consumer_wait / consumer_time if consumer_time > 0 else None
+
+
+def _reader_wait_fraction(active: torch.Tensor) -> float:
+    reader_time = float((active[:, Counter.UPDATED] - active[:, Counter.STARTED]).clamp(min=1e-9).sum().item())
+    wait = float(_sum(active, Counter.WAIT))
+    return min(1.0, wait / reader_time) if reader_time > 0 else 0.0
+
+
+def _hit_ratio(active: torch.Tensor) -> dict[str, float]:
+    """Of the units the readers opened, the share found on each tier."""
+    units = {
+        "local": float(_sum(active, Counter.UNITS_LOCAL)),
+        "shared": float(_sum(active, Counter.UNITS_SHARED)),
+        "origin": float(_sum(active, Counter.UNITS_ORIGIN)),
+    }
+    opened = sum(units.values())
+    return {tier: (count / opened if opened else 0.0) for tier, count in units.items()}
 
 
 def _per_source(

@@ -119,6 +119,39 @@ def error_code(exc: BaseException) -> str | None:
 
 def translate_error(exc: BaseException, where: str) -> DatacacheError:
     """Return the datacache error that ``exc`` (raised while accessing ``where``) means."""
+    chain = _chain(exc)
+    # The error code, wherever it sits in the chain (s3fs wraps a ClientError in an
+    # OSError), says more than the wrapper's type does.
+    for err in chain:
+        if isinstance(err, DatacacheError):
+            return err
+        code = _s3_code(err)
+        if code is not None:
+            return _by_code(code, where)
+    for err in chain:
+        found = _by_type(err, where)
+        if found is not None:
+            return found
+    return OriginError(f"{where}: {type(exc).__name__}")
+
+
+def _by_code(code: str, where: str) -> DatacacheError:
+    """The error an S3 error code (or HTTP status) means."""
+    if code == "NoSuchBucket":
+        return ShardNotFoundError(f"{where}: {_bucket_of(where)}does not exist (NoSuchBucket)")
+    if code in _NOT_FOUND_CODES:
+        return ShardNotFoundError(f"{where}: not found at the origin ({code})")
+    if code in _PERMISSION_CODES:
+        return OriginPermissionError(f"{where}: access denied by the origin ({code})")
+    if code in _CHANGED_CODES:
+        return OriginChangedError.since_manifest(where)
+    if code in _TRANSIENT_CODES:
+        return TransientOriginError(f"{where}: transient origin error ({code})")
+    return OriginError(f"{where}: origin error ({code})")
+
+
+def _by_type(err: BaseException, where: str) -> DatacacheError | None:
+    """The error an exception without an error code means, by its type; None: nothing known."""
     import http.client
 
     import botocore.exceptions as boto
@@ -129,57 +162,38 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
     except ImportError:  # pragma: no cover - aiohttp comes with s3fs
         aiohttp = None  # type: ignore[assignment]
 
-    chain = _chain(exc)
-    # The error code, wherever it sits in the chain (s3fs wraps a ClientError in an
-    # OSError), says more than the wrapper's type does.
-    for err in chain:
-        if isinstance(err, DatacacheError):
-            return err
-        code = _s3_code(err)
-        if code is not None:
-            if code == "NoSuchBucket":
-                return ShardNotFoundError(f"{where}: {_bucket_of(where)}does not exist (NoSuchBucket)")
-            if code in _NOT_FOUND_CODES:
-                return ShardNotFoundError(f"{where}: not found at the origin ({code})")
-            if code in _PERMISSION_CODES:
-                return OriginPermissionError(f"{where}: access denied by the origin ({code})")
-            if code in _CHANGED_CODES:
-                return OriginChangedError.since_manifest(where)
-            if code in _TRANSIENT_CODES:
-                return TransientOriginError(f"{where}: transient origin error ({code})")
-            return OriginError(f"{where}: origin error ({code})")
-    for err in chain:
-        if isinstance(err, boto.NoCredentialsError | boto.PartialCredentialsError):
-            return OriginPermissionError(
-                f"{where}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or storage options in the config file; use anon=true for public buckets)"
-            )
-        if isinstance(
-            err,
-            boto.EndpointConnectionError
-            | boto.ConnectTimeoutError
-            | boto.ReadTimeoutError
-            | boto.ConnectionClosedError
-            | boto.ResponseStreamingError
-            | boto.IncompleteReadError
-            | http.client.HTTPException
-            | urllib3.exceptions.HTTPError,
-        ):
-            return TransientOriginError(f"{where}: connection to the origin failed ({type(err).__name__})")
-        if isinstance(err, boto.FlexibleChecksumError):
-            # The body did not match the CRC the server sent: damaged in transit, fetch it again.
-            return TransientOriginError(f"{where}: the response failed its checksum in transit")
-        if aiohttp is not None and isinstance(err, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError):
-            return TransientOriginError(f"{where}: connection to the origin failed ({type(err).__name__})")
-        if isinstance(err, TimeoutError):
-            return TransientOriginError(f"{where}: origin request timed out")
-        if isinstance(err, FileNotFoundError):
-            return ShardNotFoundError(f"{where}: not found at the origin")
-        if isinstance(err, PermissionError):
-            return OriginPermissionError(f"{where}: access denied by the origin")
-        if isinstance(err, ConnectionError) or (isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS):
-            return TransientOriginError(f"{where}: connection to the origin failed ({type(err).__name__})")
-    return OriginError(f"{where}: {type(exc).__name__}")
+    failed = f"{where}: connection to the origin failed ({type(err).__name__})"
+    if isinstance(err, boto.NoCredentialsError | boto.PartialCredentialsError):
+        return OriginPermissionError(
+            f"{where}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or storage options in the config file; use anon=true for public buckets)"
+        )
+    if isinstance(
+        err,
+        boto.EndpointConnectionError
+        | boto.ConnectTimeoutError
+        | boto.ReadTimeoutError
+        | boto.ConnectionClosedError
+        | boto.ResponseStreamingError
+        | boto.IncompleteReadError
+        | http.client.HTTPException
+        | urllib3.exceptions.HTTPError,
+    ):
+        return TransientOriginError(failed)
+    if isinstance(err, boto.FlexibleChecksumError):
+        # The body did not match the CRC the server sent: damaged in transit, fetch it again.
+        return TransientOriginError(f"{where}: the response failed its checksum in transit")
+    if aiohttp is not None and isinstance(err, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError):
+        return TransientOriginError(failed)
+    if isinstance(err, TimeoutError):
+        return TransientOriginError(f"{where}: origin request timed out")
+    if isinstance(err, FileNotFoundError):
+        return ShardNotFoundError(f"{where}: not found at the origin")
+    if isinstance(err, PermissionError):
+        return OriginPermissionError(f"{where}: access denied by the origin")
+    if isinstance(err, ConnectionError) or (isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS):
+        return TransientOriginError(failed)
+    return None
 
 
 async def call_with_retry(

@@ -31,85 +31,85 @@ async def multipart_upload(
     multipart upload sends it at the start and, if it changed by the end, sets it again with a
     server-side copy (the `Tier.put` contract: a writer may complete it while streaming).
     """
-    bucket, object_key, _ = fs.split_path(path)
-    sent: dict[str, str] = {}  # metadata as sent with create_multipart_upload
-
-    def extra() -> dict[str, Any]:  # read when used: the writer may complete it while streaming
-        return {"Metadata": dict(metadata)} if metadata else {}
-
+    upload = _Multipart(fs, path, metadata, call)
     buffer = bytearray()
     size = 0
-    upload_id: str | None = None
-    parts: list[dict[str, Any]] = []
-
-    async def send_part(data: bytes) -> None:
-        number = len(parts) + 1
-
-        async def upload() -> Any:
-            return await fs._call_s3(
-                "upload_part", Bucket=bucket, Key=object_key, UploadId=upload_id, PartNumber=number, Body=data
-            )
-
-        response = await call(upload)
-        parts.append({"PartNumber": number, "ETag": response["ETag"]})
-
     try:
         async for chunk in chunks:
             buffer += chunk
             size += len(chunk)
             while len(buffer) >= part_size:
-                if upload_id is None:
-
-                    async def create() -> Any:
-                        sent.update(extra().get("Metadata", {}))
-                        return await fs._call_s3(
-                            "create_multipart_upload", Bucket=bucket, Key=object_key, **extra()
-                        )
-
-                    upload_id = (await call(create))["UploadId"]
-                part, buffer = bytes(buffer[: part_size]), buffer[part_size :]
-                await send_part(part)
-        if upload_id is None:
-            body = bytes(buffer)
-
-            async def put_object() -> Any:
-                return await fs._call_s3("put_object", Bucket=bucket, Key=object_key, Body=body, **extra())
-
-            await call(put_object)
+                part, buffer = bytes(buffer[:part_size]), buffer[part_size:]
+                await upload.send_part(part)
+        if upload.upload_id is None:
+            await upload.put_whole(bytes(buffer))
             return size
         if buffer:
-            await send_part(bytes(buffer))
-
-        async def complete() -> Any:
-            return await fs._call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=object_key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-
-        await call(complete)
-        if metadata and dict(metadata) != sent:  # completed after the upload began: set it now
-
-            async def replace_metadata() -> Any:
-                source = {"Bucket": bucket, "Key": object_key}
-                return await fs._call_s3(
-                    "copy_object", Bucket=bucket, Key=object_key, CopySource=source,
-                    Metadata=dict(metadata), MetadataDirective="REPLACE",
-                )
-
-            await call(replace_metadata)
+            await upload.send_part(bytes(buffer))
+        await upload.complete()
         return size
     except BaseException:
-        if upload_id is not None:
-            abort_id = upload_id
-
-            async def abort() -> Any:
-                return await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=object_key, UploadId=abort_id)
-
-            await asyncio.shield(call(abort))
+        await upload.abort()
         raise
+
+
+class _Multipart:
+    """One S3 multipart upload, begun with its first part; each request runs through ``call``."""
+
+    def __init__(self, fs: Any, path: str, metadata: Mapping[str, str] | None, call: Call) -> None:
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.metadata = metadata
+        self.call = call
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []
+        self.sent: dict[str, str] = {}  # metadata as sent with create_multipart_upload
+
+    def _extra(self) -> dict[str, Any]:  # read when used: the writer may complete it while streaming
+        return {"Metadata": dict(self.metadata)} if self.metadata else {}
+
+    async def _s3(self, method: str, fields: Callable[[], dict[str, Any]]) -> Any:
+        """One request; ``fields`` is read at each attempt (the metadata may have been completed since)."""
+
+        async def request() -> Any:
+            return await self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **fields())
+
+        return await self.call(request)
+
+    def _create_fields(self) -> dict[str, Any]:
+        extra = self._extra()
+        self.sent.update(extra.get("Metadata", {}))
+        return extra
+
+    async def send_part(self, data: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = (await self._s3("create_multipart_upload", self._create_fields))["UploadId"]
+        number, upload_id = len(self.parts) + 1, self.upload_id
+        response = await self._s3(
+            "upload_part", lambda: {"UploadId": upload_id, "PartNumber": number, "Body": data}
+        )
+        self.parts.append({"PartNumber": number, "ETag": response["ETag"]})
+
+    async def put_whole(self, body: bytes) -> None:
+        """No part was sent: the object in one PUT, with the metadata as it is now."""
+        await self._s3("put_object", lambda: {"Body": body, **self._extra()})
+
+    async def complete(self) -> None:
+        done = {"UploadId": self.upload_id, "MultipartUpload": {"Parts": self.parts}}
+        await self._s3("complete_multipart_upload", lambda: done)
+        metadata = self.metadata
+        if metadata and dict(metadata) != self.sent:  # completed after the upload began: set it now
+            source = {"Bucket": self.bucket, "Key": self.key}
+            await self._s3(
+                "copy_object",
+                lambda: {"CopySource": source, "Metadata": dict(metadata), "MetadataDirective": "REPLACE"},
+            )
+
+    async def abort(self) -> None:
+        if self.upload_id is not None:
+            abort = {"UploadId": self.upload_id}
+            await asyncio.shield(self._s3("abort_multipart_upload", lambda: abort))
+
 
 async def spooled_upload(
     fs: Any,

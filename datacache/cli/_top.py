@@ -116,6 +116,25 @@ class Sampler:
         if self._stager is None:
             self._stager = Stager(settings, reconcile=False)
         stager = self._stager
+        tiers = await self._embedded_tiers(stager)
+        policies = {record.id: record.policy for record in await stager.catalog.datasets()}
+        files = await asyncio.to_thread(read_report_files, settings.local_dir, now=now)
+        clients, processes = _clients_of(files, now, policies)
+        counters, transfers = _activity_of(processes, now)
+        readers = {c.get("dataset") for c in clients}
+        return {
+            "source": "embedded",
+            "operator": os.geteuid() == 0,
+            "clients": clients,
+            "tiers": tiers,
+            "counters": counters,
+            "transfers": transfers,
+            "policies": {k: v for k, v in policies.items() if k in readers},
+        }
+
+    async def _embedded_tiers(self, stager: Stager) -> list[dict[str, Any]]:
+        """The local tier from the catalog; the shared tier's usage, read at most every few seconds (a walk)."""
+        settings = self.settings
         used, count = await stager.catalog.usage()
         tiers: list[dict[str, Any]] = [
             {
@@ -140,49 +159,7 @@ class Sampler:
                     },
                 )
             tiers.append(dict(self._shared[1]))
-        policies = {record.id: record.policy for record in await stager.catalog.datasets()}
-        files = await asyncio.to_thread(read_report_files, settings.local_dir, now=now)
-        clients: list[dict[str, Any]] = []
-        counters: dict[str, dict[str, int]] = {}
-        transfers: list[dict[str, Any]] = []
-        processes: dict[tuple[str, int], dict[str, Any]] = {}
-        for document in files:
-            reader = document.get("reader")
-            if not isinstance(reader, dict):
-                continue
-            row = {
-                **reader,
-                "client": str(document.get("client")),
-                "uid": document["uid"],
-                "user": user_name(document["uid"]),
-                "pid": document.get("pid"),
-                "seconds_since_report": round(now - float(document["written"]), 3),
-            }
-            clients.append(_client_row(row))
-            if isinstance(reader.get("dataset"), str) and isinstance(document.get("policy"), str):
-                policies[reader["dataset"]] = document["policy"]
-            # One stager per process: its counters once, from its newest file.
-            ident = (str(document.get("host")), int(document.get("pid") or 0))
-            if ident not in processes or processes[ident]["written"] < document["written"]:
-                processes[ident] = document
-        for document in processes.values():
-            for name, per_tier in (document.get("activity") or {}).items():
-                into = counters.setdefault(name, {})
-                for tier, value in per_tier.items():
-                    into[tier] = into.get(tier, 0) + int(value)
-            if now - float(document["written"]) <= _TRANSFERS_FRESH:
-                # A process writes its file when a reader reports: after its epoch, its transfers are history.
-                transfers.extend(_transfer_row(t) for t in document.get("transfers", []))
-        readers = {c.get("dataset") for c in clients}
-        return {
-            "source": "embedded",
-            "operator": os.geteuid() == 0,
-            "clients": clients,
-            "tiers": tiers,
-            "counters": counters,
-            "transfers": transfers,
-            "policies": {k: v for k, v in policies.items() if k in readers},
-        }
+        return tiers
 
     def _rates(self, frame: dict[str, Any], now: float) -> None:
         """Per tier: usage, and bytes in / out, evictions and declines per second since the last frame."""
@@ -226,6 +203,51 @@ def _empty_frame(error: str) -> dict[str, Any]:
         "transfers": [],
         "policies": {},
     }
+
+
+def _clients_of(
+    files: list[dict[str, Any]], now: float, policies: dict[str, str]
+) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]:
+    """Each report file's reader as a client row, and each process's newest file (``policies`` updated)."""
+    clients: list[dict[str, Any]] = []
+    processes: dict[tuple[str, int], dict[str, Any]] = {}
+    for document in files:
+        reader = document.get("reader")
+        if not isinstance(reader, dict):
+            continue
+        row = {
+            **reader,
+            "client": str(document.get("client")),
+            "uid": document["uid"],
+            "user": user_name(document["uid"]),
+            "pid": document.get("pid"),
+            "seconds_since_report": round(now - float(document["written"]), 3),
+        }
+        clients.append(_client_row(row))
+        if isinstance(reader.get("dataset"), str) and isinstance(document.get("policy"), str):
+            policies[reader["dataset"]] = document["policy"]
+        # One stager per process: its counters once, from its newest file.
+        ident = (str(document.get("host")), int(document.get("pid") or 0))
+        if ident not in processes or processes[ident]["written"] < document["written"]:
+            processes[ident] = document
+    return clients, processes
+
+
+def _activity_of(
+    processes: dict[tuple[str, int], dict[str, Any]], now: float
+) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
+    """The processes' counters summed per tier, and the transfers of those that reported lately."""
+    counters: dict[str, dict[str, int]] = {}
+    transfers: list[dict[str, Any]] = []
+    for document in processes.values():
+        for name, per_tier in (document.get("activity") or {}).items():
+            into = counters.setdefault(name, {})
+            for tier, value in per_tier.items():
+                into[tier] = into.get(tier, 0) + int(value)
+        if now - float(document["written"]) <= _TRANSFERS_FRESH:
+            # A process writes its file when a reader reports: after its epoch, its transfers are history.
+            transfers.extend(_transfer_row(t) for t in document.get("transfers", []))
+    return counters, transfers
 
 
 def _client_row(row: dict[str, Any]) -> dict[str, Any]:

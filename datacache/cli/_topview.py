@@ -90,11 +90,25 @@ def header_lines(frame: dict[str, Any]) -> list[str]:
 def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False) -> str:
     """One frame as plain text (``--once``, and the live view without rich)."""
     out = [*header_lines(frame), ""]
-    clients = sort_clients(frame["clients"], sort, reverse)
-    out.append(
+    out += _text_clients(sort_clients(frame["clients"], sort, reverse))
+    out += _text_ranks(frame["ranks"])
+    out += ["", *_text_tiers(frame["tiers"]), ""]
+    transfers = frame["transfers"]
+    out.append(f"TRANSFERS IN FLIGHT: {len(transfers)}")
+    for t in transfers[:8]:
+        done = _progress(t, 12)
+        out.append(f"  {_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7} {done}")
+    policies = frame["policies"]
+    if policies:
+        out.append("EVICTION POLICY: " + ", ".join(f"{_short(d, 24)}: {p}" for d, p in sorted(policies.items())))
+    return "\n".join(out) + "\n"
+
+
+def _text_clients(clients: list[dict[str, Any]]) -> list[str]:
+    out = [
         f"{'CLIENT':<22} {'USER':<10} {'DATASET':<20} {'EP':>3} {'MB/s':>8} {'TARGET':>8} "
         f"{'SAMPLES/s':>10} {'STALL':>6} {'DEPTH':>5}  HITS local/shared/origin %"
-    )
+    ]
     for c in clients:
         out.append(
             f"{_short(_label(c), 22):<22} {_short(c.get('user') or c.get('uid'), 10):<10} "
@@ -105,25 +119,31 @@ def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False)
         )
     if not clients:
         out.append("(no client is reading on this node)")
-    if frame["ranks"]:
-        out.append("")
+    return out
+
+
+def _text_ranks(ranks: list[dict[str, Any]]) -> list[str]:
+    if not ranks:
+        return []
+    out = [
+        "",
+        f"{'RANK':<6} {'USER':<10} {'DATASET':<20} {'READERS':>7} {'SAMPLES':>9} {'MB/s':>8} "
+        f"{'TARGET':>8} {'WAIT':>5} {'DEPTH':>5}  HITS local/shared/origin %",
+    ]
+    for r in ranks:
+        target = _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-"
+        flag = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " LOW")
         out.append(
-            f"{'RANK':<6} {'USER':<10} {'DATASET':<20} {'READERS':>7} {'SAMPLES':>9} {'MB/s':>8} "
-            f"{'TARGET':>8} {'WAIT':>5} {'DEPTH':>5}  HITS local/shared/origin %"
+            f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(r['dataset'], 20):<20} "
+            f"{r['readers']:>7} {r['samples']:>9} {_mbps(r['bytes_per_second']):>8} {target + flag:>8} "
+            f"{_percent(r['reader_wait_fraction']):>5} {r['prefetch_depth']:>5}  {_hits(r['hit_ratio'])}"
         )
-        for r in frame["ranks"]:
-            target = _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-"
-            flag = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " LOW")
-            out.append(
-                f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(r['dataset'], 20):<20} "
-                f"{r['readers']:>7} {r['samples']:>9} {_mbps(r['bytes_per_second']):>8} {target + flag:>8} "
-                f"{_percent(r['reader_wait_fraction']):>5} {r['prefetch_depth']:>5}  {_hits(r['hit_ratio'])}"
-            )
-    out.append("")
-    out.append(
-        f"{'TIER':<7} {'USAGE':<38} {'SHARDS':>7} {'IN MB/s':>8} {'OUT MB/s':>9} {'EVICT/s':>8} {'DECLINE/s':>9}"
-    )
-    for t in frame["tiers"]:
+    return out
+
+
+def _text_tiers(tiers: list[dict[str, Any]]) -> list[str]:
+    out = [f"{'TIER':<7} {'USAGE':<38} {'SHARDS':>7} {'IN MB/s':>8} {'OUT MB/s':>9} {'EVICT/s':>8} {'DECLINE/s':>9}"]
+    for t in tiers:
         if t["tier"] == "origin":
             usage = ""
         else:
@@ -139,16 +159,7 @@ def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False)
             f"{_mbps(t.get('bytes_out_per_s')):>9} {_rate(t.get('evictions_per_s')):>8} "
             f"{_rate(t.get('declines_per_s')):>9}"
         )
-    out.append("")
-    transfers = frame["transfers"]
-    out.append(f"TRANSFERS IN FLIGHT: {len(transfers)}")
-    for t in transfers[:8]:
-        done = _progress(t, 12)
-        out.append(f"  {_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7} {done}")
-    policies = frame["policies"]
-    if policies:
-        out.append("EVICTION POLICY: " + ", ".join(f"{_short(d, 24)}: {p}" for d, p in sorted(policies.items())))
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _progress(transfer: dict[str, Any], width: int) -> str:
@@ -164,8 +175,6 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-
-
 @dataclass
 class View:
     """The live view's sort key and direction, changed by key presses."""
@@ -177,14 +186,36 @@ class View:
 def rich_frame(frame: dict[str, Any], view: View) -> Any:
     """The live view's screen: the plain frame's tables as rich tables, bars coloured."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     parts: list[Any] = [
         Text(line, style="bold red" if line.startswith("!") else "bold") for line in header_lines(frame)
     ]
+    parts += [Text(""), _rich_clients(frame["clients"], view)]
+    if not frame["clients"]:
+        parts.append(Text("(no client is reading on this node)", style="dim"))
+    if frame["ranks"]:
+        parts += [Text(""), _rich_ranks(frame["ranks"])]
+    parts += [Text(""), _rich_tiers(frame["tiers"]), Text("")]
+    transfers = frame["transfers"]
+    parts.append(Text(f"TRANSFERS IN FLIGHT: {len(transfers)}", style="bold"))
+    for t in transfers[:8]:
+        done = _progress(t, 20)
+        where = f"{_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7}"
+        parts.append(Text(f"  {where} {done}"))
+    if frame["policies"]:
+        parts.append(Text("EVICTION POLICY: " + ", ".join(f"{d}: {p}" for d, p in sorted(frame["policies"].items()))))
     name, _ = SORTS[view.sort]
-    clients = Table(expand=True, box=None, header_style="reverse")
+    keys = " ".join(f"{key} {label}" for key, (label, _) in SORTS.items())
+    parts.append(Text(f"\nq quit   sort: {keys}   r reverse   (sorted by {name})", style="dim"))
+    return Group(*parts)
+
+
+def _rich_clients(clients: list[dict[str, Any]], view: View) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(expand=True, box=None, header_style="reverse")
     for column, keyed in (
         ("CLIENT", "c"),
         ("USER", "u"),
@@ -198,10 +229,10 @@ def rich_frame(frame: dict[str, Any], view: View) -> Any:
         ("HITS local/shared/origin", "h"),
     ):
         arrow = (" v" if view.reverse else " ^") if keyed == view.sort else ""
-        clients.add_column(f"{column}{arrow}", justify="left" if keyed in ("c", "u", "d", "h") else "right")
-    for c in sort_clients(frame["clients"], view.sort, view.reverse):
+        table.add_column(f"{column}{arrow}", justify="left" if keyed in ("c", "u", "d", "h") else "right")
+    for c in sort_clients(clients, view.sort, view.reverse):
         stall = float(c.get("stall_fraction", 0.0))
-        clients.add_row(
+        table.add_row(
             _label(c),
             str(c.get("user") or c.get("uid")),
             _short(c.get("dataset"), 24),
@@ -213,32 +244,41 @@ def rich_frame(frame: dict[str, Any], view: View) -> Any:
             str(c.get("prefetch_depth", 0)),
             _hit_text(c["hit_share"]),
         )
-    parts += [Text(""), clients]
-    if not frame["clients"]:
-        parts.append(Text("(no client is reading on this node)", style="dim"))
-    if frame["ranks"]:
-        ranks = Table(expand=True, box=None, header_style="reverse")
-        for column in ("RANK", "USER", "DATASET", "READERS", "SAMPLES", "MB/s", "TARGET", "WAIT", "DEPTH", "HITS"):
-            ranks.add_column(column, justify="left" if column in ("RANK", "USER", "DATASET", "HITS") else "right")
-        for r in frame["ranks"]:
-            low = r["meets_target"] is False
-            ranks.add_row(
-                str(r["rank"]),
-                str(r["user"] or r["uid"]),
-                _short(r["dataset"], 24),
-                str(r["readers"]),
-                str(r["samples"]),
-                Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),
-                _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-",
-                _percent(r["reader_wait_fraction"]),
-                str(r["prefetch_depth"]),
-                _hit_text(r["hit_ratio"]),
-            )
-        parts += [Text(""), ranks]
-    tiers = Table(expand=True, box=None, header_style="reverse")
+    return table
+
+
+def _rich_ranks(ranks: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(expand=True, box=None, header_style="reverse")
+    for column in ("RANK", "USER", "DATASET", "READERS", "SAMPLES", "MB/s", "TARGET", "WAIT", "DEPTH", "HITS"):
+        table.add_column(column, justify="left" if column in ("RANK", "USER", "DATASET", "HITS") else "right")
+    for r in ranks:
+        low = r["meets_target"] is False
+        table.add_row(
+            str(r["rank"]),
+            str(r["user"] or r["uid"]),
+            _short(r["dataset"], 24),
+            str(r["readers"]),
+            str(r["samples"]),
+            Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),
+            _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-",
+            _percent(r["reader_wait_fraction"]),
+            str(r["prefetch_depth"]),
+            _hit_text(r["hit_ratio"]),
+        )
+    return table
+
+
+def _rich_tiers(tiers: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(expand=True, box=None, header_style="reverse")
     for column in ("TIER", "USAGE", "SHARDS", "IN MB/s", "OUT MB/s", "EVICT/s", "DECLINE/s"):
-        tiers.add_column(column, justify="left" if column in ("TIER", "USAGE") else "right")
-    for t in frame["tiers"]:
+        table.add_column(column, justify="left" if column in ("TIER", "USAGE") else "right")
+    for t in tiers:
         usage = Text("")
         if t["tier"] != "origin":
             capacity, used = t.get("capacity_bytes"), int(t.get("used_bytes", 0))
@@ -251,7 +291,7 @@ def rich_frame(frame: dict[str, Any], view: View) -> Any:
                 usage.append(f" {format_bytes(used)} / {format_bytes(capacity)}")
             else:
                 usage = Text(f"{format_bytes(used)} (unbounded)")
-        tiers.add_row(
+        table.add_row(
             t["tier"],
             usage,
             str(t.get("shards", "")),
@@ -260,18 +300,7 @@ def rich_frame(frame: dict[str, Any], view: View) -> Any:
             _rate(t.get("evictions_per_s")),
             _rate(t.get("declines_per_s")),
         )
-    parts += [Text(""), tiers, Text("")]
-    transfers = frame["transfers"]
-    parts.append(Text(f"TRANSFERS IN FLIGHT: {len(transfers)}", style="bold"))
-    for t in transfers[:8]:
-        done = _progress(t, 20)
-        where = f"{_short(t['dataset'], 20)}/{_short(t['key'], 30):<30} {t['source']}->{t['tier']:<7}"
-        parts.append(Text(f"  {where} {done}"))
-    if frame["policies"]:
-        parts.append(Text("EVICTION POLICY: " + ", ".join(f"{d}: {p}" for d, p in sorted(frame["policies"].items()))))
-    keys = " ".join(f"{key} {label}" for key, (label, _) in SORTS.items())
-    parts.append(Text(f"\nq quit   sort: {keys}   r reverse   (sorted by {name})", style="dim"))
-    return Group(*parts)
+    return table
 
 
 def _hit_text(shares: dict[str, float]) -> Any:

@@ -1,7 +1,7 @@
 """The daemon's HTTP layer: who may call, how a request is parsed, how an error is answered.
 
 Everything here is about the transport, nothing about datasets: the verbs
-(`datacache.daemon._server`) parse their bodies with these helpers and raise;
+(`datacache.daemon._server`, `_reads`) parse their bodies with these helpers and raise;
 the middleware turns what they raise into one JSON error line (docs/DAEMON.md).
 """
 

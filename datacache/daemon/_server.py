@@ -4,7 +4,8 @@ Clients reach it over a Unix domain socket with HTTP/JSON (docs/DAEMON.md);
 Prometheus and the kubelet reach ``/metrics``, ``/healthz`` and ``/readyz`` on a
 TCP port bound to loopback unless configured otherwise.
 
-This module holds the verbs; its collaborators hold the rest: `Lifecycle`
+This module starts, stops and routes, and holds the operator's verbs; the reading verbs are in
+`_reads`, the parts every verb uses in `_base`; its collaborators hold the rest: `Lifecycle`
 (directories, lock, sockets, drain), the HTTP layer (`_http`: peers, parsing,
 errors), `DatasetRegistry` (configurations, handles, pins, snapshots) and
 `StatusBoard` (status, gauges, client reports).
@@ -13,16 +14,11 @@ errors), `DatasetRegistry` (configurations, handles, pins, snapshots) and
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import os
 import signal
-import socket
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -31,29 +27,21 @@ from datacache._protocol import (
     API,
     MAX_BODY_BYTES,
     client_label,
-    location_to_wire,
 )
 from datacache.activity import check_reader_fields
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import _http as http
-from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
-from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._limits import BodyBudget
-from datacache.daemon._policy import OriginPolicy, own_endpoints
-from datacache.daemon._registry import DatasetRegistry
+from datacache.daemon._options import DaemonOptions
+from datacache.daemon._reads import ReadVerbs
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
-from datacache.daemon._status import ClientReport, StatusBoard, log_event
+from datacache.daemon._status import ClientReport, log_event
 from datacache.daemon._warm import WarmRun
-from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
-from datacache.metrics import CONTENT_TYPE, DaemonMetrics
+from datacache.errors import ConfigError, ShardNotFoundError
+from datacache.metrics import CONTENT_TYPE
 from datacache.stager import (
     LOCAL,
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
     SHARED,
-    FutureOrder,
-    Location,
-    ReaderProgress,
     Stager,
 )
 from datacache.tiers import validate_key
@@ -64,60 +52,7 @@ __all__ = ["Daemon", "DaemonOptions", "serve"]
 logger = logging.getLogger("datacache.daemon")
 
 
-@dataclass(frozen=True)
-class DaemonOptions:
-    """How the daemon serves, beyond the cache `Settings`.
-
-    Parameters
-    ----------
-    prefetch_slots
-        Prefetch transfers run at once; default: three quarters of
-        ``settings.concurrency``, so that readers always find a free worker.
-    prefetch_bandwidth
-        Optional cap on prefetch and warm traffic, bytes per second.
-    drain_timeout
-        On SIGTERM, how long running transfers may take to finish before
-        they are abandoned (cleanly: nothing half-written stays visible).
-    allow_uids, allow_gids
-        Peers (by ``SO_PEERCRED``) allowed besides root, the daemon's own
-        uid and its primary gid.
-    allow_datasets
-        Origin URL prefixes that clients other than the daemon's own user (and
-        root) may open besides configured datasets; if set, the daemon's own
-        user is limited to them too.
-    allow_endpoints
-        Endpoints such clients may name in ``storage_options.endpoint_url``.
-    allow_client_credentials
-        Whether such clients may send credentials (the daemon then uses theirs).
-    socket_group
-        The group that owns the socket (mode 0660), so that its members can connect.
-    request_timeout
-        Seconds a connection may take to send its headers, and again its body.
-    body_memory
-        Bytes of request bodies held at once, across all connections.
-    connections_per_client
-        Connections one uid may hold at once (default: a quarter of the daemon's budget,
-        which follows its open-file limit).
-    client_ttl
-        A client that stopped reporting for this long leaves the metrics.
-    """
-
-    prefetch_slots: int | None = None
-    prefetch_bandwidth: float | None = None
-    drain_timeout: float = 10.0
-    allow_uids: frozenset[int] = frozenset()
-    allow_gids: frozenset[int] = frozenset()
-    allow_datasets: tuple[str, ...] = ()
-    allow_endpoints: tuple[str, ...] = ()
-    allow_client_credentials: bool = False
-    socket_group: int | None = None
-    request_timeout: float = 10.0
-    body_memory: int = 256 << 20
-    connections_per_client: int | None = None
-    client_ttl: float = 300.0
-
-
-class Daemon:
+class Daemon(ReadVerbs):
     """The per-node cache daemon. `serve` runs one until SIGTERM.
 
     Parameters
@@ -127,41 +62,6 @@ class Daemon:
     options
         Serving options (prefetch pacing, drain time, who may connect).
     """
-
-    def __init__(self, settings: Settings, options: DaemonOptions | None = None) -> None:
-        self.settings = settings
-        self.options = options or DaemonOptions()
-        self.stager: Stager | None = None
-        self.metrics = DaemonMetrics(self._stats)
-        self.scheduler: PrefetchScheduler | None = None
-        self.lifecycle = Lifecycle(
-            settings,
-            self.options.drain_timeout,
-            socket_group=self.options.socket_group,
-            request_timeout=self.options.request_timeout,
-            connections_per_client=self.options.connections_per_client,
-        )
-        self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
-        policy = OriginPolicy(
-            prefixes=self.options.allow_datasets,
-            endpoints=self.options.allow_endpoints,
-            client_credentials=self.options.allow_client_credentials,
-            own_endpoints=own_endpoints(settings),
-        )
-        self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
-        self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
-        self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
-
-    @property
-    def socket_path(self) -> Path:
-        return self.lifecycle.socket_path
-
-    @property
-    def metrics_address(self) -> str | None:
-        return self.lifecycle.metrics_address
-
-    def _stats(self) -> Any:
-        return self.stager.stats() if self.stager is not None else None
 
     # -- start and stop -------------------------------------------------------------------
 
@@ -281,38 +181,6 @@ class Daemon:
         app.router.add_get("/readyz", self._readyz)
         return app
 
-    @staticmethod
-    def _peer(request: web.Request) -> http.Peer:
-        who = request.get("peer")
-        if not isinstance(who, http.Peer):
-            raise http.Forbidden("cannot tell which user is calling (no SO_PEERCRED on this connection)")
-        return who
-
-    def _may_change(self, request: web.Request, dataset_id: str, verb: str) -> None:
-        """Only an operator, or a uid that opened ``dataset_id``, may change it."""
-        peer = self._peer(request)
-        if not self.registry.opened_by(peer, dataset_id):
-            raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
-
-    def _pin_holder_only(self, request: web.Request, dataset_id: str, verb: str) -> None:
-        """A pinned dataset is its pinner's: only that uid (or an operator) may unpin, re-pin or evict it."""
-        peer = self._peer(request)
-        holder = self.registry.pinned_by(dataset_id)
-        if holder is None or peer.is_operator or holder == peer.uid:
-            return
-        what = "pinned by another uid" if holder >= 0 else "pinned (before this daemon started)"
-        raise http.Forbidden(f"uid {peer.uid} may not {verb} {dataset_id}: it is {what}; ask its owner or an operator")
-
-    def _stager(self) -> Stager:
-        if self.stager is None:
-            raise DaemonUnavailableError("the daemon is starting")
-        return self.stager
-
-    def _scheduler(self) -> PrefetchScheduler:
-        if self.scheduler is None:
-            raise DaemonUnavailableError("the daemon is starting")
-        return self.scheduler
-
     # -- health and metrics ---------------------------------------------------------------
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -328,150 +196,7 @@ class Daemon:
         await self.status.refresh_gauges(self.stager, self.scheduler)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    # -- the verbs ------------------------------------------------------------------------
-
-    async def _open(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        peer = self._peer(request)
-        config = await asyncio.to_thread(self.registry.config, data, peer)
-        snapshot = data.get("snapshot")
-        if snapshot is not None and not isinstance(snapshot, str):
-            raise http.BadRequest("'snapshot' must be a string")
-        refresh = bool(data.get("refresh", False))
-        handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot)
-        )
-        manifest = handle.manifest
-        return web.json_response(
-            {
-                "dataset_id": handle.id,
-                "snapshot": manifest.snapshot,
-                "manifest_path": str(self.registry.snapshot_path(handle.id, manifest.snapshot)),
-                "format": manifest.format.value,
-                "shards": len(manifest.shards),
-                "total_bytes": manifest.total_bytes,
-                "policy": handle.config.policy,
-                "pinned": handle.config.pinned,
-            }
-        )
-
-    async def _ensure(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
-        key = http.string(data, "key")
-        self.registry.shard(handle, key)
-        tier = http.tier(data)
-        priority = http.number(data, "priority", PRIORITY_URGENT)
-        if priority < PRIORITY_PREFETCH:
-            # A reader waits on this shard: straight to the stager, whose queue puts it first.
-            location = await self.lifecycle.tracked(
-                self._stager().ensure(handle, key, tier=tier, priority=priority)
-            )
-        else:
-            future = self._scheduler().submit(handle, key, tier=tier, priority=priority, wait=True)
-            if future is None:  # pragma: no cover - waited submissions are never dropped
-                raise DatacacheError("the prefetch backlog is full")
-            location = await self.lifecycle.tracked(future)
-        return web.json_response(location_to_wire(location))
-
-    async def _locate(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
-        key = http.string(data, "key")
-        self.registry.shard(handle, key)
-        location = await self._stager().locate(handle, key)
-        return web.json_response(location_to_wire(location))
-
-    async def _prefetch(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
-        keys = http.keys(data)
-        for key in keys:
-            self.registry.shard(handle, key)
-        tier = http.tier(data)
-        priority = max(http.number(data, "priority", PRIORITY_PREFETCH), PRIORITY_PREFETCH)
-        scheduler = self._scheduler()
-        for position, key in enumerate(keys):
-            scheduler.submit(handle, key, tier=tier, priority=priority + position * 1e-6)
-        return web.json_response({"queued": len(keys), "pending": scheduler.pending})
-
-    async def _future_order(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
-        if "order" not in data:
-            keys = http.keys(data)
-            await self._stager().set_future_order(handle, keys)
-            return web.json_response({"keys": len(keys)})
-        try:
-            order = FutureOrder.from_json(data["order"])
-        except ValueError as exc:
-            raise http.BadRequest(str(exc)) from None
-        for sequence in order.readers.values():
-            for key in set(sequence):
-                validate_key(key)
-        await self._stager().set_future_order(handle, order)
-        return web.json_response({"readers": len(order.readers)})
-
-    async def _progress(self, request: web.Request) -> web.Response:
-        """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
-        data = await http.body(request)
-        peer = self._peer(request)
-        handle = self.registry.handle(data, peer)
-        try:
-            progress = ReaderProgress.from_json(data.get("progress"))
-        except ValueError as exc:
-            raise http.BadRequest(str(exc)) from None
-        if progress.owner.rpartition(":")[0] != socket.gethostname():
-            # A lease names a process of this node, whose death ends it; another host's never would.
-            raise http.BadRequest("reader progress must name a process of this node as its owner")
-        if peer.pid <= 0:
-            raise http.Forbidden("cannot tell which process is calling (no pid in SO_PEERCRED)")
-        sizes = []
-        for key in progress.holding:
-            validate_key(key)
-            if key not in handle.manifest:
-                raise http.BadRequest(f"reader progress holds {key!r}, which is not a shard of {handle.id}")
-            sizes.append((key, handle.manifest.shard(key).size))
-        # The lease is the calling process's (the kernel's word, not the client's), held only while it
-        # lives, and one uid holds at most its share of the tier.
-        owner = owner_of(peer.pid)
-        held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
-        if len(held) < len(sizes):
-            logger.warning(
-                "uid %d may lease at most %d bytes of the local tier: %d of %d shards of %s not leased",
-                peer.uid,
-                self.leases.limit,
-                len(sizes) - len(held),
-                len(sizes),
-                handle.id,
-            )
-        progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
-        wanted = http.keys(data, "locate") if "locate" in data else []
-        for key in wanted:
-            self.registry.shard(handle, key)
-        located = await self._stager().note_progress(handle, progress, locate=wanted)
-        reply: dict[str, Any] = {"holding": len(progress.holding)}
-        if wanted:
-            reply["locations"] = [location_to_wire(location) for location in located]
-        return web.json_response(reply)
-
-    async def _report_corrupt(self, request: web.Request) -> web.Response:
-        data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
-        key = http.string(data, "key")
-        shard = self.registry.shard(handle, key)
-        tier = http.tier(data)
-        stager = self._stager()
-        path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
-        await stager.report_corrupt(handle, Location(tier, path, shard, None))
-        logger.warning(
-            "a client reported shard %s/%s corrupt on the %s tier; dropped it",
-            handle.id,
-            key,
-            tier,
-            extra={"event": "corrupt", "dataset": handle.id, "key": key, "tier": tier},
-        )
-        return web.json_response({"dropped": True})
+    # -- the operator's verbs and reports ----------------------------------------------
 
     async def _evict(self, request: web.Request) -> web.Response:
         data = await http.body(request)
@@ -614,6 +339,7 @@ class Daemon:
         warm = WarmRun(self._stager(), self._scheduler(), handle, tier)
         pace = float(bandwidth) if bandwidth is not None else None
         return await warm.stream(request, shards, self.lifecycle, verify=bool(data.get("verify")), bandwidth=pace)
+
 
 
 async def serve(settings: Settings, options: DaemonOptions | None = None) -> int:

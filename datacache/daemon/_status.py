@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,34 +198,10 @@ class StatusBoard:
         tier usage and the stager's counters are the node's, as in ``/v1/status``.
         """
         self.expire_clients()
-        now = time.monotonic()
         wall = time.time()
-        clients = [
-            {
-                "client": name,
-                "uid": report.uid,
-                "user": user_name(report.uid),
-                "pid": report.pid,
-                "dataset": report.dataset,
-                "delivered_bytes_per_s": report.bandwidth,
-                "stall_fraction": report.stall_fraction,
-                "delivered_bytes": report.delivered,
-                "seconds_since_report": round(now - report.seen, 3),
-                **report.figures,
-            }
-            for name, report in sorted(self.clients.items())
-            if operator or report.uid == uid
-        ]
+        clients = self._client_rows(uid, operator)
         visible = {handle.id for handle in handles if operator or handle.id in opened}
-        sizes = {handle.id: handle for handle in handles}
-
-        def size(dataset: str, key: str) -> int | None:
-            handle = sizes.get(dataset)
-            try:
-                return handle.manifest.shard(key).size if handle is not None else None
-            except (LookupError, OSError):
-                return None
-
+        size = _shard_sizes(handles)
         activity = stager.activity
         return {
             "version": __version__,
@@ -247,6 +224,40 @@ class StatusBoard:
             ],
             "clients": clients,
         }
+
+    def _client_rows(self, uid: int, operator: bool) -> list[dict[str, Any]]:
+        """The clients' latest reports, as rows of ``datacache top``: ``uid``'s, or all for an operator."""
+        now = time.monotonic()
+        return [
+            {
+                "client": name,
+                "uid": report.uid,
+                "user": user_name(report.uid),
+                "pid": report.pid,
+                "dataset": report.dataset,
+                "delivered_bytes_per_s": report.bandwidth,
+                "stall_fraction": report.stall_fraction,
+                "delivered_bytes": report.delivered,
+                "seconds_since_report": round(now - report.seen, 3),
+                **report.figures,
+            }
+            for name, report in sorted(self.clients.items())
+            if operator or report.uid == uid
+        ]
+
+
+def _shard_sizes(handles: list[DatasetHandle]) -> Callable[[str, str], int | None]:
+    """A shard's size by dataset id and key, from the open datasets' manifests (None: not known)."""
+    by_id = {handle.id: handle for handle in handles}
+
+    def size(dataset: str, key: str) -> int | None:
+        handle = by_id.get(dataset)
+        try:
+            return handle.manifest.shard(key).size if handle is not None else None
+        except (LookupError, OSError):
+            return None
+
+    return size
 
 
 def _newly_delivered(previous: ClientReport | None, report: ClientReport) -> int:

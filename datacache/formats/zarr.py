@@ -97,6 +97,67 @@ def _dimensions(value: Any, least: int) -> TypeGuard[list[int]]:
     )
 
 
+def _array_layout(dataset: str, key: str, document: Any) -> dict[str, Any] | None:
+    """One array's shape, chunks and chunk key encoding from its metadata (None: a v3 group)."""
+    name = key.rsplit("/", 1)[-1]
+    if not isinstance(document, dict):
+        raise ShardReadError(f"dataset {dataset}: {key}: Zarr metadata must be a JSON object")
+    if name == "zarr.json" and document.get("node_type") != "array":
+        return None
+    shape = document.get("shape")
+    if name == "zarr.json":
+        grid = _table(_table(document.get("chunk_grid")).get("configuration")).get("chunk_shape")
+        encoding = _table(document.get("chunk_key_encoding"))
+        separator = _table(encoding.get("configuration")).get("separator", "/")
+        kind = encoding.get("name", "default")
+    else:
+        grid = document.get("chunks")
+        separator = document.get("dimension_separator", ".") or "."
+        kind = "v2"
+    if not _dimensions(shape, 0) or not _dimensions(grid, 1) or len(grid) != len(shape):
+        raise ShardReadError(f"dataset {dataset}: {key}: Zarr metadata lacks shape or chunks")
+    if separator not in (".", "/") or not isinstance(kind, str):
+        raise ShardReadError(f"dataset {dataset}: {key}: unsupported Zarr chunk key encoding")
+    return {"shape": shape, "chunks": grid, "separator": separator, "kind": kind}
+
+
+def _arrays(manifest: Manifest, metadata_keys: list[str], read_metadata: Callable[[str], bytes]) -> dict[str, Any]:
+    """Every array of the store by its prefix; they must share the first axis and its chunking."""
+    arrays: dict[str, dict[str, Any]] = {}
+    for key in metadata_keys:
+        name = key.rsplit("/", 1)[-1]
+        if name not in ("zarr.json", ".zarray"):
+            continue
+        try:
+            document = json.loads(read_metadata(key))
+        except ValueError as exc:
+            raise ShardReadError(f"dataset {manifest.dataset}: {key}: invalid Zarr metadata ({exc})") from None
+        layout = _array_layout(manifest.dataset, key, document)
+        if layout is not None:
+            arrays[key[: -len(name)].rstrip("/")] = layout
+    if not arrays:
+        raise ShardReadError(f"dataset {manifest.dataset}: no Zarr array found")
+    first = next(iter(arrays.values()))
+    for prefix, info in arrays.items():
+        if info["shape"][0] != first["shape"][0] or info["chunks"][0] != first["chunks"][0]:
+            raise ShardReadError(
+                f"dataset {manifest.dataset}: Zarr array {prefix or '/'} does not share the first axis "
+                f"({info['shape'][0]} rows in chunks of {info['chunks'][0]}) with the others"
+            )
+    return arrays
+
+
+def _row_keys(arrays: dict[str, Any], keys: set[str], row: int) -> list[str]:
+    """The chunk objects of one row of chunks, in every array."""
+    needed = []
+    for prefix, info in arrays.items():
+        base = f"{prefix}/" if prefix else ""
+        lead = f"{base}c{info['separator']}{row}" if info["kind"] == "default" else f"{base}{row}"
+        sep = info["separator"]
+        needed.extend(key for key in keys if key == lead or key.startswith(lead + sep))
+    return needed
+
+
 def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> UnitPlan:
     """Units of a Zarr store: one per row of chunks along the first axis.
 
@@ -105,45 +166,9 @@ def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> Unit
     """
     keys = {shard.key for shard in manifest.shards}
     metadata_keys = sorted(k for k in keys if k.rsplit("/", 1)[-1] in ("zarr.json", ".zarray", ".zgroup", ".zattrs"))
-    arrays: dict[str, dict[str, Any]] = {}
-    for key in metadata_keys:
-        name = key.rsplit("/", 1)[-1]
-        prefix = key[: -len(name)].rstrip("/")
-        if name not in ("zarr.json", ".zarray"):
-            continue
-        try:
-            document = json.loads(read_metadata(key))
-        except ValueError as exc:
-            raise ShardReadError(f"dataset {manifest.dataset}: {key}: invalid Zarr metadata ({exc})") from None
-        if not isinstance(document, dict):
-            raise ShardReadError(f"dataset {manifest.dataset}: {key}: Zarr metadata must be a JSON object")
-        if name == "zarr.json" and document.get("node_type") != "array":
-            continue
-        shape = document.get("shape")
-        if name == "zarr.json":
-            grid = _table(_table(document.get("chunk_grid")).get("configuration")).get("chunk_shape")
-            encoding = _table(document.get("chunk_key_encoding"))
-            separator = _table(encoding.get("configuration")).get("separator", "/")
-            kind = encoding.get("name", "default")
-        else:
-            grid = document.get("chunks")
-            separator = document.get("dimension_separator", ".") or "."
-            kind = "v2"
-        if not _dimensions(shape, 0) or not _dimensions(grid, 1) or len(grid) != len(shape):
-            raise ShardReadError(f"dataset {manifest.dataset}: {key}: Zarr metadata lacks shape or chunks")
-        if separator not in (".", "/") or not isinstance(kind, str):
-            raise ShardReadError(f"dataset {manifest.dataset}: {key}: unsupported Zarr chunk key encoding")
-        arrays[prefix] = {"shape": shape, "chunks": grid, "separator": separator, "kind": kind}
-    if not arrays:
-        raise ShardReadError(f"dataset {manifest.dataset}: no Zarr array found")
+    arrays = _arrays(manifest, metadata_keys, read_metadata)
     first = next(iter(arrays.values()))
     rows, row_chunk = int(first["shape"][0]), int(first["chunks"][0])
-    for prefix, info in arrays.items():
-        if int(info["shape"][0]) != rows or int(info["chunks"][0]) != row_chunk:
-            raise ShardReadError(
-                f"dataset {manifest.dataset}: Zarr array {prefix or '/'} does not share the first axis "
-                f"({info['shape'][0]} rows in chunks of {info['chunks'][0]}) with the others"
-            )
     chunk_rows = -(-rows // row_chunk) if rows else 0
     if chunk_rows > 1000 * len(keys):
         raise ShardReadError(
@@ -153,14 +178,7 @@ def zarr_plan(manifest: Manifest, read_metadata: Callable[[str], bytes]) -> Unit
     units = []
     row_starts = []
     for row in range(chunk_rows):
-        needed = list(metadata_keys)
-        for prefix, info in arrays.items():
-            base = f"{prefix}/" if prefix else ""
-            lead = f"{base}c{info['separator']}{row}" if info["kind"] == "default" else f"{base}{row}"
-            sep = info["separator"]
-            for key in keys:
-                if key == lead or key.startswith(lead + sep):
-                    needed.append(key)
+        needed = metadata_keys + _row_keys(arrays, keys, row)
         start = row * row_chunk
         row_starts.append(start)
         units.append(Unit(tuple(sorted(set(needed))), min(row_chunk, rows - start), str(row)))

@@ -1,0 +1,107 @@
+"""HTTP over the daemon's Unix socket, as `DaemonClient` speaks it: who listens, what a reply means.
+
+Connecting checks the listener's uid before a byte is sent; a reply (or a streamed line) that
+carries an error is raised as the exception the daemon named (`datacache._protocol`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from datacache._protocol import exception_from_wire
+from datacache.errors import DaemonUnavailableError, DatacacheError
+from datacache.tiers import ByteRange
+
+__all__ = ["BASE", "VerifiedUnixConnector", "decode_reply", "read_file", "streamed_events"]
+
+BASE = "http://datacache"  # the host is ignored on a Unix socket
+_PEERCRED = struct.Struct("3i")
+
+
+class VerifiedUnixConnector(aiohttp.UnixConnector):
+    """Connects to the daemon's socket and, before a byte is sent, checks who listens there.
+
+    Whoever can create the socket path could pose as the daemon and collect what
+    clients send: the listener must be root, this process's own uid, or the
+    configured daemon uid (``daemon.daemon_uid``), by ``SO_PEERCRED``.
+    """
+
+    def __init__(self, path: str, trusted: frozenset[int]) -> None:
+        super().__init__(path=path, force_close=True)
+        self.trusted = trusted
+        self.server_uid: int | None = None
+
+    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:  # noqa: ASYNC109 - aiohttp's signature
+        protocol = await super()._create_connection(req, traces, timeout)
+        sock = protocol.transport.get_extra_info("socket") if protocol.transport is not None else None
+        uid = -1
+        if sock is not None:
+            uid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+        if uid not in self.trusted:
+            protocol.close()
+            raise DaemonUnavailableError(
+                f"the process listening on {self._path} runs as uid {uid}, not as root, this user or "
+                "the configured daemon uid (daemon.daemon_uid): not talking to it"
+            )
+        self.server_uid = uid
+        return protocol
+
+
+def decode_reply(status: int, raw: bytes, path: str) -> dict[str, Any]:
+    """The daemon's JSON reply to ``path``; its error, if it answered one, raised as the exception it names."""
+    try:
+        document = json.loads(raw) if raw else {}
+    except ValueError:
+        document = None
+    if not isinstance(document, dict):
+        raise DatacacheError(f"daemon: unexpected reply to {path} (HTTP {status})")
+    if status >= 400:
+        error = document.get("error")
+        if isinstance(error, dict):
+            raise exception_from_wire(str(error.get("code", "")), str(error.get("message", "")))
+        raise DatacacheError(f"daemon: HTTP {status} for {path}")
+    return document
+
+
+async def streamed_events(response: aiohttp.ClientResponse, path: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON lines of a streamed reply (``warm``); an error line is raised as the exception it names."""
+    if response.status >= 400:
+        decode_reply(response.status, await response.read(), path)
+    async for line in response.content:
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if not isinstance(event, dict):
+            raise DatacacheError("daemon: unexpected warm progress line")
+        if event.get("event") == "error":
+            raise exception_from_wire(str(event.get("code", "")), str(event.get("message", "")))
+        yield event
+
+
+def read_file(path: Path, byte_range: ByteRange | None) -> bytes:
+    """Read a cached shard's file (or a range of it) where the daemon said it is, never through a link."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        size = os.fstat(fd).st_size
+        start = byte_range.start if byte_range is not None else 0
+        length = byte_range.length(size) if byte_range is not None else size
+        chunks: list[bytes] = []
+        while length > 0:
+            chunk = os.pread(fd, min(length, 64 << 20), start)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            start += len(chunk)
+            length -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -1,0 +1,107 @@
+"""`DaemonBase`: the daemon's parts and the checks every verb makes (who calls, may they, is it up).
+
+`Daemon` (`_server`) starts, stops and routes; the verbs a reader's client sends are in `_reads`;
+both build on this, so that the parts are made in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from datacache.config import Settings
+from datacache.daemon import _http as http
+from datacache.daemon._leases import LeaseBook, lease_limit
+from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._options import DaemonOptions
+from datacache.daemon._policy import OriginPolicy, own_endpoints
+from datacache.daemon._registry import DatasetRegistry
+from datacache.daemon._scheduler import PrefetchScheduler
+from datacache.daemon._status import StatusBoard
+from datacache.errors import DaemonUnavailableError
+from datacache.metrics import DaemonMetrics
+from datacache.stager import Stager
+
+__all__ = ["DaemonBase"]
+
+
+class DaemonBase:
+    """The daemon's parts, made once, and the checks its verbs share.
+
+    Parameters
+    ----------
+    settings
+        The cache: tiers, capacities, concurrency, the socket path and the metrics address.
+    options
+        Serving options (prefetch pacing, drain time, who may connect).
+    """
+
+    def __init__(self, settings: Settings, options: DaemonOptions | None = None) -> None:
+        self.settings = settings
+        self.options = options or DaemonOptions()
+        self.stager: Stager | None = None
+        self.metrics = DaemonMetrics(self._stats)
+        self.scheduler: PrefetchScheduler | None = None
+        self.lifecycle = Lifecycle(
+            settings,
+            self.options.drain_timeout,
+            socket_group=self.options.socket_group,
+            request_timeout=self.options.request_timeout,
+            connections_per_client=self.options.connections_per_client,
+        )
+        self.peers = http.PeerPolicy(self.options.allow_uids, self.options.allow_gids)
+        policy = OriginPolicy(
+            prefixes=self.options.allow_datasets,
+            endpoints=self.options.allow_endpoints,
+            client_credentials=self.options.allow_client_credentials,
+            own_endpoints=own_endpoints(settings),
+        )
+        self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
+        self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
+        self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.lifecycle.socket_path
+
+    @property
+    def metrics_address(self) -> str | None:
+        return self.lifecycle.metrics_address
+
+    def _stats(self) -> Any:
+        return self.stager.stats() if self.stager is not None else None
+
+
+    @staticmethod
+    def _peer(request: web.Request) -> http.Peer:
+        who = request.get("peer")
+        if not isinstance(who, http.Peer):
+            raise http.Forbidden("cannot tell which user is calling (no SO_PEERCRED on this connection)")
+        return who
+
+    def _may_change(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """Only an operator, or a uid that opened ``dataset_id``, may change it."""
+        peer = self._peer(request)
+        if not self.registry.opened_by(peer, dataset_id):
+            raise http.Forbidden(f"uid {peer.uid} may {verb} only datasets it opened in this daemon")
+
+    def _pin_holder_only(self, request: web.Request, dataset_id: str, verb: str) -> None:
+        """A pinned dataset is its pinner's: only that uid (or an operator) may unpin, re-pin or evict it."""
+        peer = self._peer(request)
+        holder = self.registry.pinned_by(dataset_id)
+        if holder is None or peer.is_operator or holder == peer.uid:
+            return
+        what = "pinned by another uid" if holder >= 0 else "pinned (before this daemon started)"
+        raise http.Forbidden(f"uid {peer.uid} may not {verb} {dataset_id}: it is {what}; ask its owner or an operator")
+
+    def _stager(self) -> Stager:
+        if self.stager is None:
+            raise DaemonUnavailableError("the daemon is starting")
+        return self.stager
+
+    def _scheduler(self) -> PrefetchScheduler:
+        if self.scheduler is None:
+            raise DaemonUnavailableError("the daemon is starting")
+        return self.scheduler

@@ -1,0 +1,177 @@
+"""The verbs a reader's client sends: open a dataset, ensure, locate and prefetch shards, its order and progress."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from datacache._protocol import location_to_wire
+from datacache.daemon import _http as http
+from datacache.daemon._base import DaemonBase
+from datacache.daemon._leases import owner_of
+from datacache.errors import DatacacheError
+from datacache.stager import (
+    LOCAL,
+    PRIORITY_PREFETCH,
+    PRIORITY_URGENT,
+    FutureOrder,
+    Location,
+    ReaderProgress,
+)
+from datacache.tiers import validate_key
+
+__all__ = ["ReadVerbs"]
+
+logger = logging.getLogger("datacache.daemon")
+
+
+class ReadVerbs(DaemonBase):
+    """The reading verbs' handlers; `Daemon` routes ``/v1/<verb>`` to them."""
+
+    async def _open(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        peer = self._peer(request)
+        config = await asyncio.to_thread(self.registry.config, data, peer)
+        snapshot = data.get("snapshot")
+        if snapshot is not None and not isinstance(snapshot, str):
+            raise http.BadRequest("'snapshot' must be a string")
+        refresh = bool(data.get("refresh", False))
+        handle = await self.lifecycle.tracked(
+            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot)
+        )
+        manifest = handle.manifest
+        return web.json_response(
+            {
+                "dataset_id": handle.id,
+                "snapshot": manifest.snapshot,
+                "manifest_path": str(self.registry.snapshot_path(handle.id, manifest.snapshot)),
+                "format": manifest.format.value,
+                "shards": len(manifest.shards),
+                "total_bytes": manifest.total_bytes,
+                "policy": handle.config.policy,
+                "pinned": handle.config.pinned,
+            }
+        )
+
+    async def _ensure(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        key = http.string(data, "key")
+        self.registry.shard(handle, key)
+        tier = http.tier(data)
+        priority = http.number(data, "priority", PRIORITY_URGENT)
+        if priority < PRIORITY_PREFETCH:
+            # A reader waits on this shard: straight to the stager, whose queue puts it first.
+            location = await self.lifecycle.tracked(
+                self._stager().ensure(handle, key, tier=tier, priority=priority)
+            )
+        else:
+            future = self._scheduler().submit(handle, key, tier=tier, priority=priority, wait=True)
+            if future is None:  # pragma: no cover - waited submissions are never dropped
+                raise DatacacheError("the prefetch backlog is full")
+            location = await self.lifecycle.tracked(future)
+        return web.json_response(location_to_wire(location))
+
+    async def _locate(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        key = http.string(data, "key")
+        self.registry.shard(handle, key)
+        location = await self._stager().locate(handle, key)
+        return web.json_response(location_to_wire(location))
+
+    async def _prefetch(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        keys = http.keys(data)
+        for key in keys:
+            self.registry.shard(handle, key)
+        tier = http.tier(data)
+        priority = max(http.number(data, "priority", PRIORITY_PREFETCH), PRIORITY_PREFETCH)
+        scheduler = self._scheduler()
+        for position, key in enumerate(keys):
+            scheduler.submit(handle, key, tier=tier, priority=priority + position * 1e-6)
+        return web.json_response({"queued": len(keys), "pending": scheduler.pending})
+
+    async def _future_order(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        if "order" not in data:
+            keys = http.keys(data)
+            await self._stager().set_future_order(handle, keys)
+            return web.json_response({"keys": len(keys)})
+        try:
+            order = FutureOrder.from_json(data["order"])
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        for sequence in order.readers.values():
+            for key in set(sequence):
+                validate_key(key)
+        await self._stager().set_future_order(handle, order)
+        return web.json_response({"readers": len(order.readers)})
+
+    async def _progress(self, request: web.Request) -> web.Response:
+        """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""
+        data = await http.body(request)
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
+        try:
+            progress = ReaderProgress.from_json(data.get("progress"))
+        except ValueError as exc:
+            raise http.BadRequest(str(exc)) from None
+        if progress.owner.rpartition(":")[0] != socket.gethostname():
+            # A lease names a process of this node, whose death ends it; another host's never would.
+            raise http.BadRequest("reader progress must name a process of this node as its owner")
+        if peer.pid <= 0:
+            raise http.Forbidden("cannot tell which process is calling (no pid in SO_PEERCRED)")
+        sizes = []
+        for key in progress.holding:
+            validate_key(key)
+            if key not in handle.manifest:
+                raise http.BadRequest(f"reader progress holds {key!r}, which is not a shard of {handle.id}")
+            sizes.append((key, handle.manifest.shard(key).size))
+        # The lease is the calling process's (the kernel's word, not the client's), held only while it
+        # lives, and one uid holds at most its share of the tier.
+        owner = owner_of(peer.pid)
+        held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
+        if len(held) < len(sizes):
+            logger.warning(
+                "uid %d may lease at most %d bytes of the local tier: %d of %d shards of %s not leased",
+                peer.uid,
+                self.leases.limit,
+                len(sizes) - len(held),
+                len(sizes),
+                handle.id,
+            )
+        progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
+        wanted = http.keys(data, "locate") if "locate" in data else []
+        for key in wanted:
+            self.registry.shard(handle, key)
+        located = await self._stager().note_progress(handle, progress, locate=wanted)
+        reply: dict[str, Any] = {"holding": len(progress.holding)}
+        if wanted:
+            reply["locations"] = [location_to_wire(location) for location in located]
+        return web.json_response(reply)
+
+    async def _report_corrupt(self, request: web.Request) -> web.Response:
+        data = await http.body(request)
+        handle = self.registry.handle(data, self._peer(request))
+        key = http.string(data, "key")
+        shard = self.registry.shard(handle, key)
+        tier = http.tier(data)
+        stager = self._stager()
+        path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
+        await stager.report_corrupt(handle, Location(tier, path, shard, None))
+        logger.warning(
+            "a client reported shard %s/%s corrupt on the %s tier; dropped it",
+            handle.id,
+            key,
+            tier,
+            extra={"event": "corrupt", "dataset": handle.id, "key": key, "tier": tier},
+        )
+        return web.json_response({"dropped": True})
