@@ -14,6 +14,7 @@ import logging
 import mmap
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 
 from datacache._rate import TokenBucket
 from datacache.checksum import checksum_of, new_hasher
@@ -24,9 +25,19 @@ from datacache.staging.events import Events
 from datacache.staging.types import ORIGIN, DatasetHandle, StagingEvent
 from datacache.tiers import ByteRange, ObjectInfo, Tier
 
-__all__ = ["Transfer"]
+__all__ = ["WANTED_NOW", "Transfer"]
 
 logger = logging.getLogger(__name__)
+
+
+def _never() -> bool:
+    return False
+
+
+WANTED_NOW: ContextVar[Callable[[], bool]] = ContextVar("datacache_wanted_now", default=_never)
+"""Whether a reader is blocked on the transfer this task runs, asked at each chunk (a reader may
+join a prefetch in flight). Set by the job queue for each job's task; a transfer wanted now
+takes the bandwidth limit's whole share until it is in."""
 
 
 class Transfer:
@@ -41,6 +52,10 @@ class Transfer:
         # most one budget's worth across the transfers that may run at once.
         self.keep_limit = settings.memory_budget // max(1, settings.concurrency)
         self._buffers = _Buffers(idle=max(1, settings.concurrency))
+        self._wanted: set[object] = set()
+        """Transfers a reader is blocked on, moving bytes under the bandwidth limit now."""
+        self._none_wanted = asyncio.Event()
+        self._none_wanted.set()
 
     async def copy(
         self,
@@ -66,6 +81,9 @@ class Transfer:
         counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
         events = self._events
         throttle = self._throttle if source_name == ORIGIN else None
+        wanted_now, this = WANTED_NOW.get(), object()
+        if throttle is not None and wanted_now():
+            self._want(this)  # from its first request on: the others hold back their next parts
         # A shard that fits the keep limit lands once, in one buffer of its size, read straight
         # into by the source (in a thread, which hashes it there too), and is written and
         # served from that same memory: no chunk allocated, no join, no hashing on the loop.
@@ -89,13 +107,14 @@ class Transfer:
                         hasher.update(chunk)
                     events.count(counter, len(chunk))
                     if throttle is not None:
-                        await throttle.take(len(chunk))
+                        await self._take(throttle, len(chunk), this, wanted_now())
                     events.emit(
                         StagingEvent("bytes", handle.id, shard.key, destination.kind, source_name, len(chunk))
                     )
                     yield chunk
             except BufferError:
                 received = shard.size + 1  # the object holds more than the manifest says
+            self._unwant(this)  # its bytes are in: the others may move again while it is checked and written
             if received != shard.size:
                 got = f"more than {shard.size}" if received > shard.size else str(received)
                 raise ChecksumMismatchError(
@@ -114,11 +133,36 @@ class Transfer:
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
-        info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+        try:
+            info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+        finally:
+            self._unwant(this)
         checksum = checksum_of(hasher)
         if source_name == ORIGIN and shard.checksum is None:
             logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
         return info, checksum
+
+    async def _take(self, throttle: TokenBucket, amount: int, transfer: object, wanted: bool) -> None:
+        """Pass ``amount`` bytes under the bandwidth limit; the others wait while a wanted transfer moves.
+
+        Under a limit the bytes are shared, so a prefetch's bytes come out of the blocked
+        reader's: the reader's shard takes the whole rate until it is in (issue 25).
+        """
+        if wanted:
+            self._want(transfer)
+        else:
+            while self._wanted:
+                await self._none_wanted.wait()
+        await throttle.take(amount)
+
+    def _want(self, transfer: object) -> None:
+        self._wanted.add(transfer)
+        self._none_wanted.clear()
+
+    def _unwant(self, transfer: object) -> None:
+        self._wanted.discard(transfer)
+        if not self._wanted:
+            self._none_wanted.set()
 
     async def _parts(self, source: Tier, key: str, size: int, version: str | None) -> AsyncIterator[bytes]:
         """Yield the object's bytes in order, fetching up to a few parts ahead concurrently.
