@@ -3,7 +3,8 @@
 A reader blocked on a shard jumps ahead of every prefetch: a job re-submitted
 with a smaller priority number is queued again, and the stale entry skipped.
 When every worker is busy, a job a reader waits for starts at once beside them
-(at most ``concurrency`` such), rather than after a whole prefetch; a reader
+(`BESIDE` such at most: each may hold a transfer's share of the memory budget),
+rather than after a whole prefetch; a reader
 that asks for a shard in flight joins its transfer, which becomes wanted now
 (`WANTED_NOW`: under a bandwidth limit it then takes the whole rate).
 A shard the origin refused for good (missing, or forbidden) is remembered until
@@ -33,6 +34,9 @@ from datacache.staging.types import LOCAL, PRIORITY_URGENT, DatasetHandle, Job, 
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
+
+BESIDE = 1
+"""Jobs a reader waits for that may run beside busy workers (memory: `Transfer.keep_limit` each)."""
 
 DURABLE_WAIT = 20.0
 """Seconds `JobQueue.close` waits for copies whose bytes are all in to become durable."""
@@ -101,7 +105,7 @@ class JobQueue:
                 return job
         else:
             return job
-        if job.priority <= PRIORITY_URGENT and not self._idle and len(self._beside) < self._concurrency:
+        if job.priority <= PRIORITY_URGENT and not self._idle and len(self._beside) < BESIDE:
             # Every worker is on a transfer: the reader would wait for a whole one first.
             job.started = True
             task = asyncio.create_task(self._complete(job), name="datacache-stager-urgent")
