@@ -56,6 +56,7 @@ class Transfer:
         """Transfers a reader is blocked on, moving bytes under the bandwidth limit now."""
         self._none_wanted = asyncio.Event()
         self._none_wanted.set()
+        self._turn = asyncio.Lock()
 
     async def copy(
         self,
@@ -150,10 +151,15 @@ class Transfer:
         """
         if wanted:
             self._want(transfer)
-        else:
-            while self._wanted:
+        while True:
+            while not wanted and self._wanted:
                 await self._none_wanted.wait()
-        await throttle.take(amount)
+            async with self._turn:
+                # Looked at again in turn: a prefetch queued here before the reader came steps back,
+                # so the reader waits for one part at most, not one per transfer.
+                if wanted or not self._wanted:
+                    await throttle.take(amount)
+                    return
 
     def _want(self, transfer: object) -> None:
         self._wanted.add(transfer)
