@@ -28,8 +28,7 @@ from collections.abc import Awaitable, Callable
 from datacache.errors import OriginPermissionError, ShardNotFoundError, StagerClosedError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
-from datacache.staging.transfer import WANTED_NOW
-from datacache.staging.types import LOCAL, PRIORITY_URGENT, DatasetHandle, Job, Location, StagingEvent
+from datacache.staging.types import LOCAL, PRIORITY_URGENT, WANTED_NOW, DatasetHandle, Job, Location, StagingEvent
 
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 

@@ -14,7 +14,6 @@ import logging
 import mmap
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from contextvars import ContextVar
 
 from datacache._rate import TokenBucket
 from datacache.checksum import checksum_of, new_hasher
@@ -22,22 +21,12 @@ from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
-from datacache.staging.types import ORIGIN, DatasetHandle, StagingEvent
+from datacache.staging.types import ORIGIN, WANTED_NOW, DatasetHandle, StagingEvent
 from datacache.tiers import ByteRange, ObjectInfo, Tier
 
-__all__ = ["WANTED_NOW", "Transfer"]
+__all__ = ["Transfer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _never() -> bool:
-    return False
-
-
-WANTED_NOW: ContextVar[Callable[[], bool]] = ContextVar("datacache_wanted_now", default=_never)
-"""Whether a reader is blocked on the transfer this task runs, asked at each chunk (a reader may
-join a prefetch in flight). Set by the job queue for each job's task; a transfer wanted now
-takes the bandwidth limit's whole share until it is in."""
 
 
 class Transfer:
