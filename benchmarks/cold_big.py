@@ -111,6 +111,9 @@ def table(runs: dict[str, list[float]], dataset_bytes: int, capacity: int) -> st
             "| | embedded | through the daemon | daemon / embedded | median of the rounds' ratios |",
             "|---|---|---|---|---|",
             f"| cold epoch | {embedded:,.0f} | {daemon:,.0f} | {daemon / embedded:.2f}x | {paired:.2f}x |",
+            "",
+            "Each round, MB/s (embedded / daemon): "
+            + ", ".join(f"{e:.0f} / {d:.0f}" for e, d in zip(runs["embedded"], runs["daemon"], strict=True)),
         ]
     )
 
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     capacity = parse_size(args.capacity)
     # 50-150 KB samples: 100 KB on average.
-    sizes = replace(Sizes.full(), samples=int(args.gb * 1e9 / 100_000), raw_samples=0, repeats=args.repeats)
+    sizes = replace(Sizes.full(), samples=int(args.gb * 1e9 / 100_000), raw_samples=0)
     work = WORK / "cold-big"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
