@@ -18,10 +18,16 @@ PART = 64 << 10
 SHARD = 16 * PART  # sixteen throttled parts per shard: a prefetch in flight has parts left to yield
 
 
-def throttled(settings: Settings, concurrency: int) -> Settings:
+def throttled(settings: Settings, concurrency: int, memory_budget: int = 64 * PART) -> Settings:
     # 1 MB/s: a shard takes ~1 s of the limit; the order, not the time, is what is checked.
     return replace(
-        settings, shared_dir=None, part_size=PART, concurrency=concurrency, bandwidth_limit=1e6, fsync=False
+        settings,
+        shared_dir=None,
+        part_size=PART,
+        concurrency=concurrency,
+        bandwidth_limit=1e6,
+        fsync=False,
+        memory_budget=memory_budget,
     )
 
 
@@ -106,3 +112,35 @@ def test_a_reader_joins_the_prefetch_in_flight_for_its_shard_and_it_overtakes_th
     assert staged[0] == moving[1], f"the joined transfer came after {staged[: staged.index(moving[1])]}"
     assert sorted(staged) == sorted(keys), "each shard staged once"
     assert gets_per_object(s3) == dict.fromkeys(keys, SHARD // PART), "the reader's ask made no GET of its own"
+
+
+def test_a_reader_whose_parts_wait_for_memory_the_held_back_prefetches_hold_still_gets_its_shard(
+    s3: S3Bucket, settings: Settings
+) -> None:
+    """The prefetches held back for the reader hold the whole memory budget in fetched parts."""
+    shards = {**make_shards(1, 4 * SHARD, seed=2, prefix="long"), **make_shards(1, SHARD, seed=3)}
+    fill_bucket(s3.client, s3.name, "ds", shards)
+    keys = list(shards)
+    settings = throttled(settings, concurrency=1, memory_budget=2 * PART)
+    dataset = replace(resolve_dataset(s3.url("ds"), settings), storage_options=s3.storage_options)
+
+    async def body(stager: Stager) -> list[str]:
+        handle = await stager.open(dataset)
+        staged: list[str] = []
+        first_bytes = asyncio.get_running_loop().create_future()
+
+        def listen(event: StagingEvent) -> None:
+            if event.kind == "staged":
+                staged.append(event.key)
+            elif event.kind == "bytes" and not first_bytes.done():
+                first_bytes.set_result(event.key)
+
+        stager.add_listener(listen)
+        await stager.prefetch(handle, keys[:1])
+        await first_bytes
+        # A guard against a hang, not a measure: the shard takes ~1 s at the limit.
+        await asyncio.wait_for(stager.ensure(handle, keys[1]), timeout=60)
+        await stager.ensure(handle, keys[0])
+        return staged
+
+    assert with_stager(settings, body) == [keys[1], keys[0]]

@@ -46,6 +46,8 @@ class Transfer:
         self._none_wanted = asyncio.Event()
         self._none_wanted.set()
         self._turn = asyncio.Lock()
+        self._starved = 0
+        """Wanted transfers waiting for memory: the held-back parts hold it, so they go on meanwhile."""
 
     async def copy(
         self,
@@ -83,7 +85,7 @@ class Transfer:
         chunks = (
             source.read_into(source_key, memoryview(kept)[: shard.size], version=version, hasher=hasher)
             if kept is not None
-            else self._parts(source, source_key, shard.size, version)
+            else self._parts(source, source_key, shard.size, version, wanted_now)
         )
 
         async def verified_chunks() -> AsyncIterator[bytes | memoryview]:
@@ -141,25 +143,55 @@ class Transfer:
         if wanted:
             self._want(transfer)
         while True:
-            while not wanted and self._wanted:
+            while not (wanted or self._may_move()):
                 await self._none_wanted.wait()
             async with self._turn:
                 # Looked at again in turn: a prefetch queued here before the reader came steps back,
                 # so the reader waits for one part at most, not one per transfer.
-                if wanted or not self._wanted:
+                if wanted or self._may_move():
                     await throttle.take(amount)
                     return
 
+    def _may_move(self) -> bool:
+        """Whether a transfer nobody waits for may pass bytes now."""
+        return not self._wanted or bool(self._starved)
+
+    def _settle(self) -> None:
+        if self._may_move():
+            self._none_wanted.set()
+        else:
+            self._none_wanted.clear()
+
     def _want(self, transfer: object) -> None:
         self._wanted.add(transfer)
-        self._none_wanted.clear()
+        self._settle()
 
     def _unwant(self, transfer: object) -> None:
         self._wanted.discard(transfer)
-        if not self._wanted:
-            self._none_wanted.set()
+        self._settle()
 
-    async def _parts(self, source: Tier, key: str, size: int, version: str | None) -> AsyncIterator[bytes]:
+    async def _memory_for(self, wanted: Callable[[], bool]) -> None:
+        """A permit of the memory budget for one part.
+
+        The prefetches held back for a wanted transfer keep the permits of the parts they
+        fetched ahead: when those are all of them, they go on until one is free (else the
+        wanted transfer would wait for them, and they for it).
+        """
+        memory = self._memory
+        if not (memory.locked() and wanted()):
+            await memory.acquire()
+            return
+        self._starved += 1
+        self._settle()
+        try:
+            await memory.acquire()
+        finally:
+            self._starved -= 1
+            self._settle()
+
+    async def _parts(
+        self, source: Tier, key: str, size: int, version: str | None, wanted: Callable[[], bool]
+    ) -> AsyncIterator[bytes]:
         """Yield the object's bytes in order, fetching up to a few parts ahead concurrently.
 
         Each part in flight holds one permit of the memory budget until it has
@@ -190,7 +222,7 @@ class Transfer:
                         yield await head
                     finally:
                         memory.release()
-                await memory.acquire()
+                await self._memory_for(wanted)
                 pending.append(launch(span))
             while pending:
                 head = pending.popleft()
