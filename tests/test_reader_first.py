@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 PART = 64 << 10
 SHARD = 16 * PART  # sixteen throttled parts per shard: a prefetch in flight has parts left to yield
+# The shard in flight that the reader's must beat is LONG (four shards' bytes): with the reader's
+# shard taking the whole rate, the margin is ~3 s of the limit, so a loop stalled for a second on a
+# busy machine between "bytes are moving" and the reader's ask does not change who finishes first.
+LONG = 4 * SHARD
 
 
 def throttled(settings: Settings, concurrency: int, memory_budget: int = 64 * PART) -> Settings:
@@ -43,7 +47,11 @@ def gets_per_object(s3: S3Bucket, prefix: str = "ds") -> dict[str, int]:
 def test_a_blocked_readers_shard_overtakes_every_prefetch_queued_or_in_flight(
     s3: S3Bucket, settings: Settings
 ) -> None:
-    shards = make_shards(5, SHARD)
+    shards = {
+        **make_shards(1, LONG, prefix="a-long"),
+        **make_shards(3, SHARD // 2, seed=4, prefix="b-short"),
+        **make_shards(1, SHARD, seed=5, prefix="c-read"),
+    }
     fill_bucket(s3.client, s3.name, "ds", shards)
     keys = list(shards)
     settings = throttled(settings, concurrency=1)
@@ -72,19 +80,25 @@ def test_a_blocked_readers_shard_overtakes_every_prefetch_queued_or_in_flight(
     staged = with_stager(settings, body)
     assert staged[0] == keys[-1], f"the reader's shard came after {staged[: staged.index(keys[-1])]}"
     assert sorted(staged) == sorted(keys), "each shard staged once"
-    assert gets_per_object(s3) == dict.fromkeys(keys, SHARD // PART), "no shard fetched twice"
+    assert gets_per_object(s3) == {key: len(data) // PART for key, data in shards.items()}, "no shard fetched twice"
 
 
 def test_a_reader_joins_the_prefetch_in_flight_for_its_shard_and_it_overtakes_the_others(
     s3: S3Bucket, settings: Settings
 ) -> None:
-    shards = make_shards(4, SHARD, seed=1)
+    # The two in flight first are the medium and the long one; the reader wants the long one, which
+    # without the jump would finish last of the two (they share the rate), with it first by ~2 s.
+    shards = {
+        **make_shards(1, 2 * SHARD, seed=1, prefix="a-medium"),
+        **make_shards(1, LONG, seed=6, prefix="b-long"),
+        **make_shards(2, SHARD, seed=7, prefix="c-rest"),
+    }
     fill_bucket(s3.client, s3.name, "ds", shards)
     keys = list(shards)
     settings = throttled(settings, concurrency=2)
     dataset = replace(resolve_dataset(s3.url("ds"), settings), storage_options=s3.storage_options)
 
-    async def body(stager: Stager) -> tuple[list[str], list[str]]:
+    async def body(stager: Stager) -> tuple[list[str], str]:
         handle = await stager.open(dataset)
         staged: list[str] = []
         moving: list[str] = []
@@ -102,23 +116,25 @@ def test_a_reader_joins_the_prefetch_in_flight_for_its_shard_and_it_overtakes_th
         s3.server.reset_counts()
         await stager.prefetch(handle, keys)
         await both_moving
-        # The reader wants the second shard in flight: it joins that transfer, which now goes first.
-        wanted = moving[1]
+        # The reader wants the longer shard in flight: it joins that transfer, which now goes first.
+        wanted = max(moving, key=lambda key: len(shards[key]))
         await stager.ensure(handle, wanted)
         await asyncio.gather(*(stager.ensure(handle, key) for key in keys))
-        return staged, moving
+        return staged, wanted
 
-    staged, moving = with_stager(settings, body)
-    assert staged[0] == moving[1], f"the joined transfer came after {staged[: staged.index(moving[1])]}"
+    staged, wanted = with_stager(settings, body)
+    assert wanted == keys[1], f"the long shard was not in flight with the first: {wanted}"
+    assert staged[0] == wanted, f"the joined transfer came after {staged[: staged.index(wanted)]}"
     assert sorted(staged) == sorted(keys), "each shard staged once"
-    assert gets_per_object(s3) == dict.fromkeys(keys, SHARD // PART), "the reader's ask made no GET of its own"
+    expected = {key: len(data) // PART for key, data in shards.items()}
+    assert gets_per_object(s3) == expected, "the reader's ask made no GET of its own"
 
 
 def test_a_reader_whose_parts_wait_for_memory_the_held_back_prefetches_hold_still_gets_its_shard(
     s3: S3Bucket, settings: Settings
 ) -> None:
     """The prefetches held back for the reader hold the whole memory budget in fetched parts."""
-    shards = {**make_shards(1, 4 * SHARD, seed=2, prefix="long"), **make_shards(1, SHARD, seed=3)}
+    shards = {**make_shards(1, LONG, seed=2, prefix="long"), **make_shards(1, SHARD, seed=3)}
     fill_bucket(s3.client, s3.name, "ds", shards)
     keys = list(shards)
     settings = throttled(settings, concurrency=1, memory_budget=2 * PART)
