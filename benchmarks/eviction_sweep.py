@@ -287,14 +287,14 @@ def saved_table(path: Path) -> str:
     return MARK + rest.partition(MARK)[0] + MARK + "\n"
 
 
-def write_table(block: str, path: Path) -> None:
+def write_table(block: str, path: Path, *, mark: str = MARK) -> None:
     """Put ``block`` (marks included) into ``path`` in place of the table there, or at its end."""
     if not block:
         return
     text = path.read_text() if path.exists() else ""
-    if text.count(MARK) >= 2:
-        head, _, rest = text.partition(MARK)
-        text = head + block.rstrip("\n") + rest.partition(MARK)[2]
+    if text.count(mark) >= 2:
+        head, _, rest = text.partition(mark)
+        text = head + block.rstrip("\n") + rest.partition(mark)[2]
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text)

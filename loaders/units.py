@@ -478,7 +478,8 @@ class UnitReaders:
         if len(buffer) != location.shard.size:
             problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
         elif (
-            runtime.settings.verify_on_read
+            # Others can write the shared tier's directories: a copy there is checked whatever the setting.
+            (runtime.settings.verify_on_read or location.tier == "shared")
             and location.checksum is not None
             and hash_buffer(buffer) != location.checksum
         ):

@@ -2,6 +2,11 @@
 
 A reader blocked on a shard jumps ahead of every prefetch: a job re-submitted
 with a smaller priority number is queued again, and the stale entry skipped.
+When every worker is busy, a job a reader waits for starts at once beside them
+(`BESIDE` such at most: each may hold a transfer's share of the memory budget),
+rather than after a whole prefetch; a reader
+that asks for a shard in flight joins its transfer, which becomes wanted now
+(`WANTED_NOW`: under a bandwidth limit it then takes the whole rate).
 A shard the origin refused for good (missing, or forbidden) is remembered until
 it is staged, so that prefetches stop asking the origin for it again; a reader
 still asks (and so sees the error, or the shard once it is back).
@@ -23,11 +28,14 @@ from collections.abc import Awaitable, Callable
 from datacache.errors import OriginPermissionError, ShardNotFoundError, StagerClosedError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
-from datacache.staging.types import LOCAL, DatasetHandle, Job, Location, StagingEvent
+from datacache.staging.types import LOCAL, PRIORITY_URGENT, WANTED_NOW, DatasetHandle, Job, Location, StagingEvent
 
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 
 _Ident = tuple[str, str, str]
+
+BESIDE = 1
+"""Jobs a reader waits for that may run beside busy workers (memory: `Transfer.keep_limit` each)."""
 
 DURABLE_WAIT = 20.0
 """Seconds `JobQueue.close` waits for copies whose bytes are all in to become durable."""
@@ -58,6 +66,9 @@ class JobQueue:
         self._sequence = itertools.count()
         self._refused: set[_Ident] = set()
         self._concurrency = concurrency
+        self._idle = 0
+        self._beside: set[asyncio.Task[None]] = set()
+        """Jobs a reader waits for, started beside busy workers."""
         self.tails: set[asyncio.Task[None]] = set()
         """Jobs whose bytes are in, still being made durable, that no worker waits for."""
         self.workers = [asyncio.create_task(self._worker(), name=f"datacache-stager-{i}") for i in range(concurrency)]
@@ -87,9 +98,18 @@ class JobQueue:
             # Its waiters may all be gone (a cancelled warm, Ctrl-C): the failure is theirs to see,
             # never asyncio's "Future exception was never retrieved" at exit.
             job.future.add_done_callback(_mark_retrieved)
-        elif priority < job.priority and not job.started:
-            job.priority = priority  # a reader now waits on it: it jumps the queue
+        elif priority < job.priority:
+            job.priority = priority  # a reader now waits on it: it jumps the queue, or is wanted now
+            if job.started:
+                return job
         else:
+            return job
+        if job.priority <= PRIORITY_URGENT and not self._idle and len(self._beside) < BESIDE:
+            # Every worker is on a transfer: the reader would wait for a whole one first.
+            job.started = True
+            task = asyncio.create_task(self._complete(job), name="datacache-stager-urgent")
+            self._beside.add(task)
+            task.add_done_callback(self._beside.discard)
             return job
         self._queue.put_nowait((job.priority, next(self._sequence), job))
         return job
@@ -102,7 +122,11 @@ class JobQueue:
 
     async def _next_job(self) -> Job:
         while True:
-            priority, _, job = await self._queue.get()
+            self._idle += 1
+            try:
+                priority, _, job = await self._queue.get()
+            finally:
+                self._idle -= 1
             if job.started or job.future.done() or priority != job.priority:
                 continue  # a stale entry: the job was re-queued sooner, or is done
             job.started = True
@@ -138,6 +162,7 @@ class JobQueue:
 
     async def _complete(self, job: Job) -> None:
         """Run ``job`` and settle its future."""
+        WANTED_NOW.set(lambda: job.priority <= PRIORITY_URGENT)  # this task's own context
         try:
             location = await self._run(job)
         except asyncio.CancelledError:
@@ -164,7 +189,8 @@ class JobQueue:
         seconds to become durable first, so that a process leaving right after an
         epoch keeps what it read.
         """
-        workers, self.workers = self.workers, []
+        workers, self.workers = [*self.workers, *self._beside], []
+        self._beside = set()
         for task in workers:
             task.cancel()
         for task in workers:

@@ -21,7 +21,7 @@ from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
-from datacache.staging.types import ORIGIN, DatasetHandle, StagingEvent
+from datacache.staging.types import ORIGIN, WANTED_NOW, DatasetHandle, StagingEvent
 from datacache.tiers import ByteRange, ObjectInfo, Tier
 
 __all__ = ["Transfer"]
@@ -41,6 +41,13 @@ class Transfer:
         # most one budget's worth across the transfers that may run at once.
         self.keep_limit = settings.memory_budget // max(1, settings.concurrency)
         self._buffers = _Buffers(idle=max(1, settings.concurrency))
+        self._wanted: set[object] = set()
+        """Transfers a reader is blocked on, moving bytes under the bandwidth limit now."""
+        self._none_wanted = asyncio.Event()
+        self._none_wanted.set()
+        self._turn = asyncio.Lock()
+        self._starved = 0
+        """Wanted transfers waiting for memory: the held-back parts hold it, so they go on meanwhile."""
 
     async def copy(
         self,
@@ -66,6 +73,9 @@ class Transfer:
         counter = "bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared"
         events = self._events
         throttle = self._throttle if source_name == ORIGIN else None
+        wanted_now, this = WANTED_NOW.get(), object()
+        if throttle is not None and wanted_now():
+            self._want(this)  # from its first request on: the others hold back their next parts
         # A shard that fits the keep limit lands once, in one buffer of its size, read straight
         # into by the source (in a thread, which hashes it there too), and is written and
         # served from that same memory: no chunk allocated, no join, no hashing on the loop.
@@ -75,7 +85,7 @@ class Transfer:
         chunks = (
             source.read_into(source_key, memoryview(kept)[: shard.size], version=version, hasher=hasher)
             if kept is not None
-            else self._parts(source, source_key, shard.size, version)
+            else self._parts(source, source_key, shard.size, version, wanted_now)
         )
 
         async def verified_chunks() -> AsyncIterator[bytes | memoryview]:
@@ -89,13 +99,14 @@ class Transfer:
                         hasher.update(chunk)
                     events.count(counter, len(chunk))
                     if throttle is not None:
-                        await throttle.take(len(chunk))
+                        await self._take(throttle, len(chunk), this, wanted_now())
                     events.emit(
                         StagingEvent("bytes", handle.id, shard.key, destination.kind, source_name, len(chunk))
                     )
                     yield chunk
             except BufferError:
                 received = shard.size + 1  # the object holds more than the manifest says
+            self._unwant(this)  # its bytes are in: the others may move again while it is checked and written
             if received != shard.size:
                 got = f"more than {shard.size}" if received > shard.size else str(received)
                 raise ChecksumMismatchError(
@@ -114,13 +125,73 @@ class Transfer:
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
-        info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+        try:
+            info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+        finally:
+            self._unwant(this)
         checksum = checksum_of(hasher)
         if source_name == ORIGIN and shard.checksum is None:
             logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
         return info, checksum
 
-    async def _parts(self, source: Tier, key: str, size: int, version: str | None) -> AsyncIterator[bytes]:
+    async def _take(self, throttle: TokenBucket, amount: int, transfer: object, wanted: bool) -> None:
+        """Pass ``amount`` bytes under the bandwidth limit; the others wait while a wanted transfer moves.
+
+        Under a limit the bytes are shared, so a prefetch's bytes come out of the blocked
+        reader's: the reader's shard takes the whole rate until it is in (issue 25).
+        """
+        if wanted:
+            self._want(transfer)
+        while True:
+            while not (wanted or self._may_move()):
+                await self._none_wanted.wait()
+            async with self._turn:
+                # Looked at again in turn: a prefetch queued here before the reader came steps back,
+                # so the reader waits for one part at most, not one per transfer.
+                if wanted or self._may_move():
+                    await throttle.take(amount)
+                    return
+
+    def _may_move(self) -> bool:
+        """Whether a transfer nobody waits for may pass bytes now."""
+        return not self._wanted or bool(self._starved)
+
+    def _settle(self) -> None:
+        if self._may_move():
+            self._none_wanted.set()
+        else:
+            self._none_wanted.clear()
+
+    def _want(self, transfer: object) -> None:
+        self._wanted.add(transfer)
+        self._settle()
+
+    def _unwant(self, transfer: object) -> None:
+        self._wanted.discard(transfer)
+        self._settle()
+
+    async def _memory_for(self, wanted: Callable[[], bool]) -> None:
+        """A permit of the memory budget for one part.
+
+        The prefetches held back for a wanted transfer keep the permits of the parts they
+        fetched ahead: when those are all of them, they go on until one is free (else the
+        wanted transfer would wait for them, and they for it).
+        """
+        memory = self._memory
+        if not (memory.locked() and wanted()):
+            await memory.acquire()
+            return
+        self._starved += 1
+        self._settle()
+        try:
+            await memory.acquire()
+        finally:
+            self._starved -= 1
+            self._settle()
+
+    async def _parts(
+        self, source: Tier, key: str, size: int, version: str | None, wanted: Callable[[], bool]
+    ) -> AsyncIterator[bytes]:
         """Yield the object's bytes in order, fetching up to a few parts ahead concurrently.
 
         Each part in flight holds one permit of the memory budget until it has
@@ -151,7 +222,7 @@ class Transfer:
                         yield await head
                     finally:
                         memory.release()
-                await memory.acquire()
+                await self._memory_for(wanted)
                 pending.append(launch(span))
             while pending:
                 head = pending.popleft()

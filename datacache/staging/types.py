@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "PRIORITY_URGENT",
     "SHARED",
     "TIERS",
+    "WANTED_NOW",
     "DatasetHandle",
     "FutureOrder",
     "Job",
@@ -34,6 +36,17 @@ PRIORITY_URGENT = 0.0
 """A reader is blocked on this shard."""
 PRIORITY_PREFETCH = 1.0
 """Prefetches start here; later positions in the read order get larger numbers."""
+
+
+
+def _never() -> bool:
+    return False
+
+
+WANTED_NOW: ContextVar[Callable[[], bool]] = ContextVar("datacache_wanted_now", default=_never)
+"""Whether a reader is blocked on the transfer this task runs, asked at each chunk (a reader may
+join a prefetch in flight). Set by the job queue in each job's task; under a bandwidth limit a
+transfer wanted now takes the whole rate until its bytes are in (`Transfer`)."""
 
 LOCAL, SHARED, ORIGIN = "local", "shared", "origin"
 TIERS = (LOCAL, SHARED)
