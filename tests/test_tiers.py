@@ -291,6 +291,13 @@ def test_open_origin_rejects_unknown_scheme() -> None:
         open_origin("nosuch://bucket/x")
 
 
+@pytest.mark.parametrize("url", ["S3://bucket/x/", "HTTP://127.0.0.1:1/shard.tar", "File:///tmp/x"])
+def test_an_uppercase_scheme_is_refused_naming_the_lower_case_one(url: str) -> None:
+    scheme = url.split("://", 1)[0]
+    with pytest.raises(UnsupportedURLError, match=rf"write the scheme in lower case \({scheme.lower()}://\)"):
+        open_origin(url)
+
+
 @pytest.mark.parametrize("url", ["", "s3://", "s3:///"])
 def test_open_origin_rejects_empty_urls(url: str) -> None:
     with pytest.raises(ConfigError):
