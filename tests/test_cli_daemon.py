@@ -205,3 +205,20 @@ def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
     assert all(words <= set(line) for line in steps), steps
     assert (steps[-1]["shards_done"], steps[-1]["bytes_done"]) == (3, sum(map(len, shards.values())))
     assert done["event"] == "done" and done["complete"] is True
+
+
+def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_capacity(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """Through the daemon the CLI knew no capacity and said "dataset 1.50 MB do not fit in the room left"."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 5, 300_000)
+    local = tmp_path / "local"
+    daemon = start_daemon(cache_env, local, "--local-capacity", "700kB")
+    try:
+        result = run(daemon.env, "warm", str(origin))
+        assert result.returncode == 1, result.stdout + result.stderr
+        said = [line for line in result.stderr.splitlines() if "kept" in line]
+        assert said == ["datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)"]
+    finally:
+        daemon.stop()

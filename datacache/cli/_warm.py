@@ -24,7 +24,7 @@ from datacache.cli._common import (
 )
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ConfigError, DaemonUnavailableError, ShardNotFoundError
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
 from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -187,9 +187,21 @@ async def _warm_through(
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
     report = warm_report_from_wire(done)
-    # The daemon's capacity is its own configuration's, which this process may not share.
-    _print_warm_report(report, redact_url(dataset.url), args, None)
+    # The daemon's capacity is its own configuration's, which this process may not share: ask it.
+    no_room = any(failure[1].startswith(_NO_ROOM) for failure in report.failures)
+    capacity = await _daemon_capacity(client, report) if no_room else None
+    _print_warm_report(report, redact_url(dataset.url), args, capacity)
     return 0 if report.complete else 1
+
+
+async def _daemon_capacity(client: DaemonClient, report: WarmReport) -> int | None:
+    """The capacity of the daemon's tier ``report`` warmed (None where it has none, or cannot say)."""
+    try:
+        status = await client.status()
+    except DatacacheError:
+        return None
+    found = [tier.get("capacity_bytes") for tier in status.get("tiers", ()) if tier.get("tier") == report.tier]
+    return found[0] if found and isinstance(found[0], int) else None
 
 
 _NO_ROOM = ("not kept on the ", "evicted from the ")
@@ -239,7 +251,7 @@ def _no_room_line(report: WarmReport, capacity: int | None, *, whole: bool) -> s
     if capacity is not None and report.bytes_requested > capacity:
         what += f" > {report.tier} capacity {format_bytes(capacity)}"
     else:  # the tier's room, not its capacity, ran out: other data, or a full device
-        what += f" do not fit in the room left on the {report.tier} tier"
+        what += f" {'does' if whole else 'do'} not fit in the room left on the {report.tier} tier"
     return f"{what}: {report.shards_resident} of {report.shards_requested} shards kept (-v lists the others)"
 
 
