@@ -222,3 +222,27 @@ def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_cap
         assert said == ["datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)"]
     finally:
         daemon.stop()
+
+
+def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """The CLI refused `--tier shared` for want of a shared directory of its own, before asking the daemon."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 3, 50_000)
+    shared = tmp_path / "shared"
+    daemon = start_daemon(cache_env, tmp_path / "local", "--shared-dir", str(shared))
+    try:
+        assert "DATACACHE_SHARED_DIR" not in daemon.env  # the user's side names no shared tier
+        result = run(daemon.env, "warm", str(origin), "--tier", "shared", "--json")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["complete"] and summary["tier"] == "shared" and summary["shards_resident"] == 3
+        assert len([p for p in shared.rglob("shard-*.tar") if p.is_file()]) == 3
+    finally:
+        daemon.stop()
+    # No daemon and no shared tier: one line saying what to do.
+    alone = run({**daemon.env, "DATACACHE_SOCKET": str(tmp_path / "none.sock")}, "warm", str(origin), "--tier", "shared")
+    assert alone.returncode == 2
+    [line] = alone.stderr.strip().splitlines()
+    assert "--tier shared needs a shared tier" in line and "datacache serve" in line

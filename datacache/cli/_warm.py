@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -64,15 +65,15 @@ async def _warm(args: argparse.Namespace) -> int:
         args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
     )
     dataset = _dataset_of(args.dataset, settings, args.policy)
-    if args.tier == SHARED and settings.shared_dir is None:
-        raise ConfigError("--tier shared needs a shared tier (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)")
     if not args.no_daemon:
         client = await daemon_client(settings)
-        if client is not None:
+        if client is not None:  # the daemon writes the shared tier with its own authority
             try:
                 return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
+    if args.tier == SHARED:
+        _check_shared_writable(settings)
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
         if args.pattern is not None:
@@ -145,6 +146,19 @@ def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes:
         mode=progress_mode(args),
         stream=sys.stderr if not args.json else sys.stdout,
     )
+
+
+def _check_shared_writable(settings: Settings) -> None:
+    """Refuse `--tier shared` in this process (no daemon answered) when it has no shared tier it may write."""
+    daemon = "start the node's daemon (datacache serve), which writes its shared tier, or "
+    if settings.shared_dir is None:
+        raise ConfigError(
+            f"--tier shared needs a shared tier: {daemon}give --shared-dir (DATACACHE_SHARED_DIR, cache.shared_dir)"
+        )
+    if settings.shared_dir.exists() and not os.access(settings.shared_dir, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--tier shared: {settings.shared_dir} is not writable by this user: {daemon}ask its owner for write access"
+        )
 
 
 async def _warm_through(
