@@ -103,6 +103,8 @@ class ObjectTier(Tier):
         self._get_client: Any = None
         self._get_client_lock: asyncio.Lock | None = None
         self._get_client_lock_loop: asyncio.AbstractEventLoop | None = None
+        self._closed_loop: asyncio.AbstractEventLoop | None = None
+        """The loop `close` ran on: a request there after it is refused, never given a new client."""
 
     # -- pickling: configuration only ---------------------------------------------------
 
@@ -114,6 +116,7 @@ class ObjectTier(Tier):
         state["_get_client"] = None
         state["_get_client_lock"] = None
         state["_get_client_lock_loop"] = None
+        state["_closed_loop"] = None
         state["_counters"] = dict.fromkeys(self._counters, 0)
         return state
 
@@ -150,6 +153,10 @@ class ObjectTier(Tier):
         loop = asyncio.get_running_loop()
         if self._fs is not None and self._fs_loop is loop:
             return self._fs
+        if self._closed_loop is loop:
+            # A request still in flight when the process closed this tier (a prefetch at exit): a new
+            # client now would never be closed ("Unclosed client session" after the user's last line).
+            raise OriginError(f"{self.url}: this origin's client is closed")
         options = backend_options(
             self._protocol,
             self._fs_class,
@@ -190,6 +197,7 @@ class ObjectTier(Tier):
         return self._get_client, self._get_pool
 
     async def close(self) -> None:
+        self._closed_loop = asyncio.get_running_loop()
         fs, self._fs, self._fs_loop = self._fs, None, None
         if fs is not None:
             await close_filesystem(getattr(fs, "fs", fs))  # an AsyncFileSystemWrapper holds the sync one
