@@ -219,7 +219,8 @@ def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_cap
         result = run(daemon.env, "warm", str(origin))
         assert result.returncode == 1, result.stdout + result.stderr
         said = [line for line in result.stderr.splitlines() if "kept" in line]
-        assert said == ["datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)"]
+        line = "datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)"
+        assert said == [line]
     finally:
         daemon.stop()
 
@@ -242,7 +243,8 @@ def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
     finally:
         daemon.stop()
     # No daemon and no shared tier: one line saying what to do.
-    alone = run({**daemon.env, "DATACACHE_SOCKET": str(tmp_path / "none.sock")}, "warm", str(origin), "--tier", "shared")
+    no_daemon = {**daemon.env, "DATACACHE_SOCKET": str(tmp_path / "none.sock")}
+    alone = run(no_daemon, "warm", str(origin), "--tier", "shared")
     assert alone.returncode == 2
     [line] = alone.stderr.strip().splitlines()
     assert "--tier shared needs a shared tier" in line and "datacache serve" in line

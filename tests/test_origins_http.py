@@ -169,7 +169,9 @@ def test_a_wids_index_url_is_a_dataset_of_the_shards_it_lists(site: Site, env: d
     (``"__kind__": "wids-shard-index-v1"``) names the shards, relative to it or by full URL, with
     their sample counts. The server here has no listing page at all."""
     site.listing = False
-    site.files = {f"shard-{i:04d}.tar": tar_of({f"s{i}-{j}.bin": bytes([i, j]) * 50 for j in range(5)}) for i in range(4)}
+    site.files = {
+        f"shard-{i:04d}.tar": tar_of({f"s{i}-{j}.bin": bytes([i, j]) * 50 for j in range(5)}) for i in range(4)
+    }
     index = {
         "__kind__": "wids-shard-index-v1",
         "wids_version": 1,
@@ -187,8 +189,9 @@ def test_a_wids_index_url_is_a_dataset_of_the_shards_it_lists(site: Site, env: d
     assert set(cached(tmp_path)) == {"shard-0000.tar", "shard-0002.tar", "shard-0003.tar"}
     assert all(site.gets.get(name) == 1 for name in cached(tmp_path))
 
-    from datacache.config import load_settings
     from datacache.loaders import CachedIterableDataset
+
+    from datacache.config import load_settings
 
     settings = load_settings(env)
     dataset = CachedIterableDataset(site.url("ds/train.json"), config=settings, shuffle=False)
@@ -196,7 +199,8 @@ def test_a_wids_index_url_is_a_dataset_of_the_shards_it_lists(site: Site, env: d
     assert sorted(sample["__key__"] for sample in dataset) == sorted(f"s{i}-{j}" for i in (0, 2, 3) for j in range(5))
     dataset.close()
 
-    site.files["bad.json"] = json.dumps({**index, "shardlist": [{"url": "http://elsewhere.example/x.tar", "nsamples": 1}]}).encode()
+    elsewhere = [{"url": "http://elsewhere.example/x.tar", "nsamples": 1}]
+    site.files["bad.json"] = json.dumps({**index, "shardlist": elsewhere}).encode()
     refused = run_cli(["warm", site.url("ds/bad.json")], env)
     [line] = refused.stderr.strip().splitlines()
     assert "bad.json" in line and "http://elsewhere.example/x.tar" in line and "outside" in line, line
