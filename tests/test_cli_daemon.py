@@ -242,6 +242,15 @@ def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
         assert len([p for p in shared.rglob("shard-*.tar") if p.is_file()]) == 3
     finally:
         daemon.stop()
+    # A daemon without a shared tier says so once, not once per shard.
+    bare = start_daemon(cache_env, tmp_path / "bare-local")
+    try:
+        refused = run(bare.env, "warm", str(origin), "--tier", "shared")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("datacache: error: daemon: no shared tier on this node (the operator gives"), line
+    finally:
+        bare.stop()
     # No daemon and no shared tier: one line saying what to do.
     no_daemon = {**daemon.env, "DATACACHE_SOCKET": str(tmp_path / "none.sock")}
     alone = run(no_daemon, "warm", str(origin), "--tier", "shared")
