@@ -34,6 +34,7 @@ from typing import Any
 
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.manifest import Manifest, Shard
+from datacache.manifest.wids import WIDS_KIND
 from datacache.tarindex import INDEX_SUFFIX, index_from_json
 from datacache.tiers import ObjectInfo, Tier
 
@@ -50,7 +51,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-WIDS_KIND = "wids-shard-index-v1"
 MAX_SIDECAR_BYTES = 64 << 20
 """Largest index document read (a wids index of a million shards is ~100 MB; past this, scan)."""
 _MAX_JSON_CANDIDATES = 64

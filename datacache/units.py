@@ -48,6 +48,8 @@ def parse_size(value: str | int | float, *, what: str = "size", _per: str = "") 
     if not isinstance(value, str):
         raise ConfigError(f"{what}: expected a size such as '256MB', got {value!r}")
     match = _SIZE.match(value)
+    if match is None and value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+        raise ConfigError(f"{what}: must not be negative, got {value.strip()!r}")
     if match is None:
         raise ConfigError(f"{what}: expected a size such as '256MB' or '1.5GiB', got {value!r}")
     number, unit = match.groups()

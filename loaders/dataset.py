@@ -33,7 +33,7 @@ from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache
 from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
 from datacache.loaders.runtime import Runtime
-from datacache.loaders.sources import Given, resolve_sources
+from datacache.loaders.sources import Given, SourceSpec, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -181,6 +181,12 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._layout_hint: tuple[int, int] | None = None
         self._runtime: Runtime | None = None
         self._main_iterator: EpochIterator | None = None
+        if any(_names_shards(spec) for spec in self._sources):
+            # Shards named one by one (a brace pattern, a list) or by a glob must be in the listing:
+            # a pattern that names none is refused here, in one line, rather than at the first
+            # iter() inside a DataLoader worker's traceback. It opens this process's runtime, which
+            # len() or iter() would open first anyway, and keeps it (pickling drops it).
+            self._prepare()
 
     # -- pickling: configuration only --------------------------------------------------------
 
@@ -552,6 +558,13 @@ class CachedIterableDataset(IterableDataset[Any]):
             row[Counter.CONSUMER_TIME] += got - last
             last = got
             yield batch
+
+
+def _names_shards(spec: SourceSpec) -> bool:
+    """Whether ``spec`` names shards that may not exist: keys of a pattern or list, or a glob's last segment."""
+    if spec.keys is not None:
+        return True
+    return isinstance(spec.dataset, str) and any(char in spec.dataset.rstrip("/").rsplit("/", 1)[-1] for char in "*?[")
 
 
 def _leave_if_orphaned(parent: int) -> None:

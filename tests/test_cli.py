@@ -269,9 +269,8 @@ def test_warm_names_a_pattern_that_matches_no_shard_as_the_loader_does(
     for pattern in (f"{origin}/shard-{{0100..0101}}.tar", f"{origin}/shard-{{0001..0004}}.tar"):
         result = run_cli(["warm", pattern], env)
         assert result.returncode != 0
-        loader = CachedIterableDataset(pattern, config=settings)
         with pytest.raises(ShardNotFoundError) as caught:
-            next(iter(loader))
+            CachedIterableDataset(pattern, config=settings)  # refused when made, not at iter()
         assert result.stderr.splitlines() == [f"datacache: error: {caught.value}"], result.stderr
         assert pattern in result.stderr
 
@@ -496,6 +495,9 @@ def test_unknown_datacache_variable(tmp_path: Path, env: dict[str, str]) -> None
         (["warm", "s3://AKIAXX:" + SECRET + "@bucket/ds"], "cannot carry credentials"),
         (["warm", "/x", "--local-capacity", "lots"], "--local-capacity"),
         (["warm", "/x", "--concurrency", "0"], "must be positive"),
+        (["warm", "/x", "--local-capacity", "-5GB"], "--local-capacity: must not be negative, got '-5GB'"),
+        (["plan", "--gpus", "2", "--per-gpu", "1GB/s", "--dataset", "-1TB"], "--dataset: must not be negative"),
+        (["warm", "S3://bucket/ds/"], "write the scheme in lower case (s3://)"),
         (["warm"], "the following arguments are required: dataset"),
         (["warm", "/x", "--tier", "gpu"], "invalid choice: 'gpu'"),
     ],

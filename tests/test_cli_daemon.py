@@ -205,3 +205,55 @@ def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
     assert all(words <= set(line) for line in steps), steps
     assert (steps[-1]["shards_done"], steps[-1]["bytes_done"]) == (3, sum(map(len, shards.values())))
     assert done["event"] == "done" and done["complete"] is True
+
+
+def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_capacity(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """Through the daemon the CLI knew no capacity and said "dataset 1.50 MB do not fit in the room left"."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 5, 300_000)
+    local = tmp_path / "local"
+    daemon = start_daemon(cache_env, local, "--local-capacity", "700kB")
+    try:
+        result = run(daemon.env, "warm", str(origin))
+        assert result.returncode == 1, result.stdout + result.stderr
+        said = [line for line in result.stderr.splitlines() if "kept" in line]
+        line = "datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)"
+        assert said == [line]
+    finally:
+        daemon.stop()
+
+
+def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """The CLI refused `--tier shared` for want of a shared directory of its own, before asking the daemon."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 3, 50_000)
+    shared = tmp_path / "shared"
+    daemon = start_daemon(cache_env, tmp_path / "local", "--shared-dir", str(shared))
+    try:
+        assert "DATACACHE_SHARED_DIR" not in daemon.env  # the user's side names no shared tier
+        result = run(daemon.env, "warm", str(origin), "--tier", "shared", "--json")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["complete"] and summary["tier"] == "shared" and summary["shards_resident"] == 3
+        assert len([p for p in shared.rglob("shard-*.tar") if p.is_file()]) == 3
+    finally:
+        daemon.stop()
+    # A daemon without a shared tier says so once, not once per shard.
+    bare = start_daemon(cache_env, tmp_path / "bare-local")
+    try:
+        refused = run(bare.env, "warm", str(origin), "--tier", "shared")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("datacache: error: daemon: no shared tier on this node (the operator gives"), line
+    finally:
+        bare.stop()
+    # No daemon and no shared tier: one line saying what to do.
+    no_daemon = {**daemon.env, "DATACACHE_SOCKET": str(tmp_path / "none.sock")}
+    alone = run(no_daemon, "warm", str(origin), "--tier", "shared")
+    assert alone.returncode == 2
+    [line] = alone.stderr.strip().splitlines()
+    assert "--tier shared needs a shared tier" in line and "datacache serve" in line

@@ -38,7 +38,6 @@ LONG_MODULES = {
     "datacache/tarindex.py",
     "loaders/dataset.py",
     "loaders/units.py",
-    "tiers/object.py",
 }
 
 

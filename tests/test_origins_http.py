@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import make_shards, run_cli
+from _helpers import make_shards, run_cli, tar_of
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Site:
     files: dict[str, bytes]
     ranges: bool = True
     lengths: bool = True
+    listing: bool = True
     gets: dict[str, int] = field(default_factory=dict)
     port: int = 0
 
@@ -61,6 +62,9 @@ def _handler(site: Site) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
+            if path in ("/ds", "/ds/") and not site.listing:
+                self._send(404, b"no listing here", {})
+                return
             if path in ("/ds", "/ds/"):
                 links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in site.files)
                 self._send(200, f"<html><body>\n{links}</body></html>".encode(), {"Content-Type": "text/html"})
@@ -158,3 +162,45 @@ def test_one_http_shard_url_is_a_dataset_of_that_shard(site: Site, env: dict[str
     assert (done["complete"], done["shards_resident"], done["bytes_transferred"]) == (True, 1, 40_000)
     assert cached(tmp_path) == {"shard-0002.tar": site.files["shard-0002.tar"]}
     assert site.gets == {"shard-0002.tar": 1}
+
+
+def test_a_wids_index_url_is_a_dataset_of_the_shards_it_lists(site: Site, env: dict[str, str], tmp_path: Path) -> None:
+    """Issue 24 item 5: http datasets were found only through a page of links; a wids shard index
+    (``"__kind__": "wids-shard-index-v1"``) names the shards, relative to it or by full URL, with
+    their sample counts. The server here has no listing page at all."""
+    site.listing = False
+    site.files = {
+        f"shard-{i:04d}.tar": tar_of({f"s{i}-{j}.bin": bytes([i, j]) * 50 for j in range(5)}) for i in range(4)
+    }
+    index = {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "shardlist": [
+            {"url": "shard-0000.tar", "nsamples": 5},
+            {"url": site.url("ds/shard-0002.tar"), "nsamples": 5},
+            {"url": "./shard-0003.tar", "nsamples": 5, "filesize": len(site.files["shard-0003.tar"])},
+        ],
+    }
+    site.files["train.json"] = json.dumps(index).encode()
+    result = run_cli(["warm", site.url("ds/train.json"), "--json"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (done["complete"], done["shards_resident"]) == (True, 3)
+    assert set(cached(tmp_path)) == {"shard-0000.tar", "shard-0002.tar", "shard-0003.tar"}
+    assert all(site.gets.get(name) == 1 for name in cached(tmp_path))
+
+    from datacache.loaders import CachedIterableDataset
+
+    from datacache.config import load_settings
+
+    settings = load_settings(env)
+    dataset = CachedIterableDataset(site.url("ds/train.json"), config=settings, shuffle=False)
+    assert len(dataset) == 15  # the index's counts
+    assert sorted(sample["__key__"] for sample in dataset) == sorted(f"s{i}-{j}" for i in (0, 2, 3) for j in range(5))
+    dataset.close()
+
+    elsewhere = [{"url": "http://elsewhere.example/x.tar", "nsamples": 1}]
+    site.files["bad.json"] = json.dumps({**index, "shardlist": elsewhere}).encode()
+    refused = run_cli(["warm", site.url("ds/bad.json")], env)
+    [line] = refused.stderr.strip().splitlines()
+    assert "bad.json" in line and "http://elsewhere.example/x.tar" in line and "outside" in line, line

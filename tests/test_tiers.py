@@ -291,6 +291,13 @@ def test_open_origin_rejects_unknown_scheme() -> None:
         open_origin("nosuch://bucket/x")
 
 
+@pytest.mark.parametrize("url", ["S3://bucket/x/", "HTTP://127.0.0.1:1/shard.tar", "File:///tmp/x"])
+def test_an_uppercase_scheme_is_refused_naming_the_lower_case_one(url: str) -> None:
+    scheme = url.split("://", 1)[0]
+    with pytest.raises(UnsupportedURLError, match=rf"write the scheme in lower case \({scheme.lower()}://\)"):
+        open_origin(url)
+
+
 @pytest.mark.parametrize("url", ["", "s3://", "s3:///"])
 def test_open_origin_rejects_empty_urls(url: str) -> None:
     with pytest.raises(ConfigError):
@@ -545,3 +552,45 @@ def test_a_host_based_fsspec_url_reaches_the_host_it_names(
     assert main(["warm", f"ftp://127.0.0.1:{port}/data/", "--no-daemon"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Connection refused" in err[0], err
+
+
+_USED_AFTER_CLOSE = """
+import asyncio, os, sys
+from datacache.tiers import ObjectTier
+
+async def main():
+    tier = ObjectTier(sys.argv[1])
+    await tier.stat("shard-0000.tar")
+    await tier.close()  # the process ends its client (a DataLoader worker's runtime, at exit)...
+    try:
+        await tier.stat("shard-0000.tar")  # ...while a prefetch still in flight asks the origin
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+
+asyncio.run(main())
+print("the user's last line")
+"""
+
+
+def test_an_object_tier_used_after_close_opens_no_session_nothing_would_close(
+    s3: S3Bucket, tmp_path: Path
+) -> None:
+    """The drop-in through the daemon printed "Unclosed client session" at exit now and then: the client's
+    own origin tier (it reads shards not cached) made a new session for a read still in flight after the
+    runtime closed it, and nothing closed that one."""
+    import subprocess
+    import sys
+
+    s3.put("ds/shard-0000.tar", b"x" * 100)
+    run = subprocess.run(
+        [sys.executable, "-c", _USED_AFTER_CLOSE, s3.url("ds")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "the user's last line"
+    assert "is closed" in run.stdout
+    assert "Unclosed" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr

@@ -17,6 +17,7 @@ import re
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -216,19 +217,62 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
             daemon.stop()
 
 
-def _report_as(user: User, daemon: DaemonProcess, rank: int) -> None:
-    """A client of ``user`` reports to the daemon, over its socket, with the kernel's uid."""
+_REPORT_AND_LIVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from _daemon import unix_request
+code, reply = unix_request({socket!r}, "POST", "/v1/report", {body!r})
+assert code == 200, reply
+print("reported", flush=True)
+sys.stdin.read()  # alive until the test closes stdin: the daemon lists only readers that live
+"""
+
+
+def _reporter(daemon: DaemonProcess, body: dict[str, Any], user: User | None = None) -> subprocess.Popen[str]:
+    """A reader process that reports ``body`` to the daemon over its socket and lives until its stdin closes."""
+    code = _REPORT_AND_LIVE.format(tests=str(Path(__file__).parent), socket=str(daemon.socket), body=body)
+    as_user: dict[str, Any] = {}
+    if user is not None:
+        as_user = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "cwd": user.home}
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=_users.user_env(user) if user is not None else daemon.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **as_user,
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "reported"
+    return process
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.close()
+    process.wait(timeout=60)
+    process.stdout.close()
+
+
+def _report_as(user: User, daemon: DaemonProcess, rank: int) -> subprocess.Popen[str]:
+    """A client of ``user`` reports to the daemon, over its socket, with the kernel's uid (and stays alive)."""
     body = {"client": f"{user.name}-r{rank}", "delivered_bytes_per_s": 1e6, "stall_fraction": 0.1,
             "rank": rank, "worker": 0, "samples": 10, "delivered_bytes": 1000}  # fmt: skip
-    done = python_as(
-        user,
-        f"""
-        from _daemon import unix_request
-        code, reply = unix_request({str(daemon.socket)!r}, "POST", "/v1/report", {body!r})
-        assert code == 200, reply
-        """,
-    )
-    assert done.returncode == 0, done.stderr
+    return _reporter(daemon, body, user)
+
+
+def test_the_daemon_forgets_a_reader_whose_process_ended(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """The last epoch's readers stayed in `top` through the daemon for the reports' 5-minute TTL after they died."""
+    daemon = start_daemon(cache_env, tmp_path / "local")
+    try:
+        body = {"client": "last-epoch-r0w0", "rank": 0, "worker": 0, "epoch": 3, "samples": 10, "delivered_bytes": 100}
+        reader = _reporter(daemon, body)
+        assert [c["client"] for c in _frame(daemon.env)["clients"]] == ["last-epoch-r0w0"]
+        _end(reader)
+        frame = _frame(daemon.env)
+        assert frame["clients"] == [] and frame["ranks"] == []
+        assert daemon.status()["clients"] == []
+    finally:
+        daemon.stop()
 
 
 def _top_as(user: User, env: dict[str, str]) -> dict[str, Any]:
@@ -250,9 +294,9 @@ def test_a_user_sees_their_own_clients_and_an_operator_sees_all(
         socket_path=world_dir / "run" / "daemon.sock",
         log=world_dir / "daemon.log",
     )  # fmt: skip
+    readers = []
     try:
-        _report_as(alice, daemon, 0)
-        _report_as(bob, daemon, 1)
+        readers = [_report_as(alice, daemon, 0), _report_as(bob, daemon, 1)]
         env_for = {u.name: _users.user_env(u, {"DATACACHE_SOCKET": str(daemon.socket),
                                               "DATACACHE_LOCAL_DIR": str(world_dir / "cache")})
                    for u in (alice, bob)}  # fmt: skip
@@ -274,6 +318,8 @@ def test_a_user_sees_their_own_clients_and_an_operator_sees_all(
             (f"{bob.name}-r1", bob.name),
         }
     finally:
+        for reader in readers:
+            _end(reader)
         daemon.stop()
 
     # Embedded: each user's local tier is their own (every folder in it 0700, whatever the umask):

@@ -108,6 +108,14 @@ def open_origin(
     scheme, rest = split_scheme(url)
     if not rest.strip("/"):
         raise ConfigError(f"URL {redact_url(url)!r} names no bucket or path")
+    written = url.split("://", 1)[0] if "://" in url else scheme
+    if written != scheme:
+        # fsspec looks a protocol up as written ("Protocol not known: S3"), and one dataset must not
+        # have two identities by the case of its scheme: say what to write instead.
+        raise UnsupportedURLError(
+            f"URL {redact_url(url)!r}: write the scheme in lower case ({scheme}://); "
+            f"fsspec knows no protocol {written!r}"
+        )
     if scheme in _NO_USERINFO and split_userinfo(url)[0] is not None:
         raise ConfigError(
             f"{scheme}:// URLs cannot carry credentials ({redact_url(url)!r}): use the backend's usual "

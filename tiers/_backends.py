@@ -34,14 +34,15 @@ def filesystem_class(protocol: str) -> Any:
     (which first asks the gRPC control plane for each bucket's layout, for hierarchical
     and zonal buckets): datacache only stats, lists and reads objects, which the JSON API
     serves for every bucket, and the lookup costs a minute of retries wherever gRPC is
-    not reachable (an emulator, a proxy that passes only HTTPS).
+    not reachable (an emulator, a proxy that passes only HTTPS). Its requests are tried
+    once (``_gcs``): the tier's retry policy is the one rule.
     """
     import fsspec
 
     if protocol in ("gs", "gcs"):
-        from gcsfs.core import GCSFileSystem
+        from datacache.tiers._gcs import OneTryGCSFileSystem
 
-        return GCSFileSystem
+        return OneTryGCSFileSystem
     return fsspec.get_filesystem_class(protocol)
 
 

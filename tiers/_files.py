@@ -25,6 +25,7 @@ __all__ = [
     "redact_url",
     "remove_abandoned_partials",
     "remove_if_abandoned",
+    "resolves_inside",
     "split_userinfo",
 ]
 
@@ -98,6 +99,12 @@ def redact_url(url: str) -> str:
     (``#access_token=``) and of every path parameter (``;jsessionid=``).
     """
     return _URL.sub(_redact_one, url)
+
+
+def resolves_inside(path: str, root: str) -> bool:
+    """Whether local ``path``, its links followed, is ``root`` (itself resolved) or below it."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip("/") + "/")
 
 
 def device_free(directory: str | os.PathLike[str]) -> int | None:

@@ -23,7 +23,7 @@ from datacache.errors import (
     TransientOriginError,
 )
 
-__all__ = ["RetryPolicy", "call_with_retry", "error_code", "translate_error"]
+__all__ = ["RetriableError", "RetryPolicy", "call_with_retry", "error_code", "translate_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,14 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 
 
+class RetriableError(Exception):
+    """A backend adapter's word that a failure (its ``__cause__``) is transient, where no code says so.
+
+    A backend whose own retrying is turned off (``_gcs``) raises it for what it would have
+    retried; `translate_error` makes it a `TransientOriginError`, which the one rule retries.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """How transient origin errors are retried: capped exponential backoff with full jitter."""
@@ -101,6 +109,15 @@ def _s3_code(exc: BaseException) -> str | None:
     return str(status) if status else None
 
 
+def _http_status(exc: BaseException) -> str | None:
+    """The HTTP status an HTTP client's error carries (Azure's ``status_code``, aiohttp's ``status``)."""
+    for name in ("status_code", "status"):
+        status = getattr(exc, name, None)
+        if isinstance(status, int) and not isinstance(status, bool) and 400 <= status <= 599:
+            return str(status)
+    return None
+
+
 def _bucket_of(where: str) -> str:
     if "://" not in where:
         return "the bucket "
@@ -125,7 +142,9 @@ def translate_error(exc: BaseException, where: str) -> DatacacheError:
     for err in chain:
         if isinstance(err, DatacacheError):
             return err
-        code = _s3_code(err)
+        if isinstance(err, RetriableError):
+            return TransientOriginError(f"{where}: transient origin error ({err})")
+        code = _s3_code(err) or _http_status(err)
         if code is not None:
             return _by_code(code, where)
     for err in chain:

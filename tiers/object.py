@@ -1,7 +1,10 @@
 """`ObjectTier`: any fsspec URL (s3:// first; file://, memory://, gs://, ...) as a tier.
 
 The origin of every dataset is an `ObjectTier`. It is read-only unless made
-writable (``datacache shard`` writes its output through one).
+writable (``datacache shard`` writes its output through one). What each backend
+is told when its filesystem is made (one try per request, timeouts, confined
+redirects) is in ``_filesystems``; S3's resumable streamed reads in ``_s3_reads``;
+what else differs between backends in ``_backends``.
 """
 
 from __future__ import annotations
@@ -15,17 +18,12 @@ from typing import Any, TypeVar
 
 from datacache.tiers._backends import close_filesystem, filesystem_class, metadata_of, pinned_cat, version_of
 from datacache.tiers._backends import past_the_end as backend_past_the_end
-from datacache.tiers._files import redact_url
+from datacache.tiers._files import redact_url, resolves_inside
+from datacache.tiers._filesystems import CONFINE_REDIRECTS, backend_options, one_try
 from datacache.tiers._options import check_storage_options
-from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
-from datacache.tiers._s3_threads import (
-    ThreadedGet,
-    ThreadedGetInto,
-    get_request,
-    past_the_end,
-    read_object,
-    sync_client_like,
-)
+from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code
+from datacache.tiers._s3_reads import S3Object
+from datacache.tiers._s3_threads import get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers._uploads import multipart_upload, spooled_upload
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
@@ -33,9 +31,7 @@ from datacache.errors import (
     ConfigError,
     OriginChangedError,
     OriginError,
-    OriginPermissionError,
     ShardNotFoundError,
-    TransientOriginError,
 )
 
 __all__ = ["CONFINE_REDIRECTS", "ObjectTier"]
@@ -45,51 +41,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 _MULTIPART_MIN = 5 << 20
-
-
-def _resolves_inside(path: str, root: str) -> bool:
-    """Whether local ``path``, its links followed, is ``root`` (itself resolved) or below it."""
-    import os.path
-
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return real == top or real.startswith(top.rstrip("/") + "/")
-
-
-CONFINE_REDIRECTS = "datacache_confine_redirects"
-"""A storage option only datacache reads (never fsspec): true, and an http(s) tier follows a redirect
-only to a URL inside its own (the daemon sets it for datasets its clients open; docs/SECURITY.md)."""
-
-
-def _inside(target: Any, root: Any) -> bool:
-    """Whether yarl URL ``target`` is ``root`` or lies below it: same scheme, host and port, a path under it."""
-    if target.user is not None or target.password is not None:
-        return False
-    if (target.scheme, (target.host or "").lower(), target.port) != (root.scheme, (root.host or "").lower(), root.port):
-        return False
-    base = root.path.rstrip("/")
-    return bool(target.path.rstrip("/") == base or target.path.startswith(base + "/"))
-
-
-def _confined(url: str) -> Any:
-    """An aiohttp trace that refuses a redirect out of ``url`` before it is followed, naming where it led."""
-    import aiohttp
-    from yarl import URL
-
-    root = URL(url)
-
-    async def on_redirect(session: Any, context: Any, params: Any) -> None:
-        response = params.response
-        target = response.url.join(URL(response.headers.get("Location", "")))
-        if not _inside(target, root):
-            raise OriginPermissionError(
-                f"{redact_url(str(response.url))}: the origin redirects ({response.status}) to "
-                f"{redact_url(str(target))}, outside the dataset's URL; such a redirect is not followed "
-                "for a dataset a daemon's client opened (docs/SECURITY.md, 'The daemon')"
-            )
-
-    trace = aiohttp.TraceConfig()
-    trace.on_request_redirect.append(on_redirect)
-    return trace
 
 
 class ObjectTier(Tier):
@@ -152,6 +103,8 @@ class ObjectTier(Tier):
         self._get_client: Any = None
         self._get_client_lock: asyncio.Lock | None = None
         self._get_client_lock_loop: asyncio.AbstractEventLoop | None = None
+        self._closed_loop: asyncio.AbstractEventLoop | None = None
+        """The loop `close` ran on: a request there after it is refused, never given a new client."""
 
     # -- pickling: configuration only ---------------------------------------------------
 
@@ -163,6 +116,7 @@ class ObjectTier(Tier):
         state["_get_client"] = None
         state["_get_client_lock"] = None
         state["_get_client_lock_loop"] = None
+        state["_closed_loop"] = None
         state["_counters"] = dict.fromkeys(self._counters, 0)
         return state
 
@@ -199,30 +153,21 @@ class ObjectTier(Tier):
         loop = asyncio.get_running_loop()
         if self._fs is not None and self._fs_loop is loop:
             return self._fs
-        options = dict(self._storage_options)
-        # What the URL itself says (ftp://user@host:21/, hdfs://namenode/ ...), as fsspec's own
-        # url_to_fs takes it: a host-based filesystem cannot be made without it. Given options win.
-        for name, value in self._fs_class._get_kwargs_from_urls(self._raw_url).items():
-            options.setdefault(name, value)
-        if self.is_s3:
-            # Retries happen in one place (call_with_retry), not three layers deep.
-            config = dict(options.pop("config_kwargs", None) or {})
-            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-            config.setdefault("connect_timeout", 10)
-            config.setdefault("read_timeout", 60)
-            options["config_kwargs"] = config
-            # A cached listing would answer stat with an old size and ETag after a write,
-            # and a manifest must be a fresh snapshot: never reuse listings.
-            options.setdefault("use_listings_cache", False)
-        if self._confine_redirects and self._protocol in ("http", "https"):
-            # Every hop is checked before it is followed: it must stay inside this tier's URL.
-            client_kwargs = dict(options.get("client_kwargs") or {})
-            client_kwargs["trace_configs"] = [*client_kwargs.get("trace_configs", ()), _confined(self._raw_url)]
-            options["client_kwargs"] = client_kwargs
+        if self._closed_loop is loop:
+            # A request still in flight when the process closed this tier (a prefetch at exit): a new
+            # client now would never be closed ("Unclosed client session" after the user's last line).
+            raise OriginError(f"{self.url}: this origin's client is closed")
+        options = backend_options(
+            self._protocol,
+            self._fs_class,
+            self._raw_url,
+            self._storage_options,
+            confine_redirects=self._confine_redirects,
+        )
         if getattr(self._fs_class, "async_impl", False):
             fs = self._fs_class(asynchronous=True, loop=loop, skip_instance_cache=True, **options)
+            one_try(fs, self._protocol)
             if self.is_s3:
-                fs.retries = 1
                 await call_with_retry(fs.set_session, where=self.url, policy=self._retry)
         else:
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -252,6 +197,7 @@ class ObjectTier(Tier):
         return self._get_client, self._get_pool
 
     async def close(self) -> None:
+        self._closed_loop = asyncio.get_running_loop()
         fs, self._fs, self._fs_loop = self._fs, None, None
         if fs is not None:
             await close_filesystem(getattr(fs, "fs", fs))  # an AsyncFileSystemWrapper holds the sync one
@@ -387,6 +333,13 @@ class ObjectTier(Tier):
 
         return await self._call(where, cat)
 
+    async def _s3_object(self, key: str) -> S3Object:
+        fs = await self._filesystem()
+        client, pool = await self._threaded()
+        bucket, object_key, _ = fs.split_path(self._path(key))
+        where = f"{self.url}/{key}"
+        return S3Object(client, pool, bucket, object_key, where, self._retry, self._counters)
+
     async def stream(
         self,
         key: str,
@@ -400,57 +353,17 @@ class ObjectTier(Tier):
         On S3 the body is read by a pool thread (see ``_s3_threads``); a
         connection cut mid-body is resumed from the byte where it stopped (a
         ranged GET, still conditional on ``version``), under the same retry
-        policy as every other request. Other backends read ranges of
-        ``chunk_size``.
+        policy as every other request (``_s3_reads``). Other backends read
+        ranges of ``chunk_size``.
         """
         if not self.is_s3:
             async for chunk in super().stream(key, chunk_size=chunk_size, byte_range=byte_range, version=version):
                 yield chunk
             return
-        path = self._path(key)
-        fs = await self._filesystem()
-        client, pool = await self._threaded()
-        loop = asyncio.get_running_loop()
-        where = f"{self.url}/{key}"
-        bucket, object_key, _ = fs.split_path(path)
         span = byte_range or ByteRange()
-        offset, end = span.start, span.end
-        attempt = 0
-        self._counters["requests"] += 1
-        while end is None or offset < end:
-            request = get_request(bucket, object_key, offset, end, version)
-            transfer = ThreadedGet(client, request, chunk_size=min(chunk_size, 1 << 20), loop=loop)
-            transfer.start(pool)
-            try:
-                async for chunk in transfer.chunks():
-                    offset += len(chunk)
-                    self._counters["bytes_read"] += len(chunk)
-                    yield chunk
-                return
-            except Exception as exc:
-                retry = await self._after_failure(exc, request, where, attempt)
-                if retry is None:
-                    return
-                attempt = retry
-            finally:
-                transfer.abandon()
-
-    async def _after_failure(self, exc: Exception, request: Any, where: str, attempt: int) -> int | None:
-        """The retry rule of a streamed GET that failed: None when its range began past the end (done),
-        else the attempt number to retry as, after the back-off; the translated error when it is not
-        transient or the attempts are spent."""
-        if past_the_end(request, exc):
-            return None
-        error = translate_error(exc, where)
-        attempt += 1
-        if not isinstance(error, TransientOriginError) or attempt >= self._retry.max_attempts:
-            self._counters["errors"] += 1
-            if isinstance(error, TransientOriginError):
-                error = TransientOriginError(f"{error} (gave up after {attempt} attempts)")
-            raise error from exc
-        self._counters["retries"] += 1
-        await asyncio.sleep(self._retry.delay(attempt))
-        return attempt
+        reads = await self._s3_object(key)
+        async for chunk in reads.stream(span.start, span.end, version, chunk_size):
+            yield chunk
 
     async def read_into(
         self,
@@ -470,33 +383,9 @@ class ObjectTier(Tier):
             async for region in super().read_into(key, buffer, version=version, hasher=hasher):
                 yield region
             return
-        path = self._path(key)
-        fs = await self._filesystem()
-        client, pool = await self._threaded()
-        loop = asyncio.get_running_loop()
-        where = f"{self.url}/{key}"
-        bucket, object_key, _ = fs.split_path(path)
-        offset, attempt = 0, 0
-        self._counters["requests"] += 1
-        while True:
-            request = get_request(bucket, object_key, offset, None, version)
-            transfer = ThreadedGetInto(client, request, buffer, offset=offset, hasher=hasher, loop=loop)
-            transfer.start(pool)
-            try:
-                async for region in transfer.regions():
-                    offset += len(region)
-                    self._counters["bytes_read"] += len(region)
-                    yield region
-                return
-            except BufferError:
-                raise
-            except Exception as exc:
-                retry = await self._after_failure(exc, request, where, attempt)
-                if retry is None:
-                    return
-                attempt = retry
-            finally:
-                transfer.abandon()
+        reads = await self._s3_object(key)
+        async for region in reads.read_into(buffer, version, hasher):
+            yield region
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         fs = await self._filesystem()
@@ -536,7 +425,7 @@ class ObjectTier(Tier):
             details = found[path]
             if details.get("type") == "directory":
                 continue
-            if local and details.get("islink") and not _resolves_inside(path, base):
+            if local and details.get("islink") and not resolves_inside(path, base):
                 # A link out of the root: neither its bytes nor its size is the dataset's (a daemon's
                 # listing would otherwise tell a client the size of a file only the daemon can read).
                 logger.warning("%s: a symlink out of %s; not listed", redact_url(str(path)), redact_url(base))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pwd
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, TypeAlias
@@ -21,6 +22,12 @@ Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A dash and a digit is a (negative) value, never a flag: `--local-capacity -5GB` then reaches
+        # the size parser, which names the flag and the value, instead of "expected one argument".
+        self._negative_number_matcher = re.compile(r"^-\d")
+
     def error(self, message: str) -> Any:  # one line, exit status 2
         # Arguments are echoed in usage errors: a URL among them may carry credentials.
         self.exit(2, f"datacache: error: {redact_url(message)} (see 'datacache --help')\n")

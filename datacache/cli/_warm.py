@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -24,7 +25,7 @@ from datacache.cli._common import (
 )
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ConfigError, DaemonUnavailableError, ShardNotFoundError
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
 from datacache.stager import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
@@ -64,15 +65,15 @@ async def _warm(args: argparse.Namespace) -> int:
         args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
     )
     dataset = _dataset_of(args.dataset, settings, args.policy)
-    if args.tier == SHARED and settings.shared_dir is None:
-        raise ConfigError("--tier shared needs a shared tier (--shared-dir, DATACACHE_SHARED_DIR or cache.shared_dir)")
     if not args.no_daemon:
         client = await daemon_client(settings)
-        if client is not None:
+        if client is not None:  # the daemon writes the shared tier with its own authority
             try:
                 return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
+    if args.tier == SHARED:
+        _check_shared_writable(settings)
     async with Stager(settings) as stager:
         handle = await stager.open(dataset, refresh=args.refresh)
         if args.pattern is not None:
@@ -147,6 +148,19 @@ def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes:
     )
 
 
+def _check_shared_writable(settings: Settings) -> None:
+    """Refuse `--tier shared` in this process (no daemon answered) when it has no shared tier it may write."""
+    daemon = "start the node's daemon (datacache serve), which writes its shared tier, or "
+    if settings.shared_dir is None:
+        raise ConfigError(
+            f"--tier shared needs a shared tier: {daemon}give --shared-dir (DATACACHE_SHARED_DIR, cache.shared_dir)"
+        )
+    if settings.shared_dir.exists() and not os.access(settings.shared_dir, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--tier shared: {settings.shared_dir} is not writable by this user: {daemon}ask its owner for write access"
+        )
+
+
 async def _warm_through(
     client: DaemonClient, args: argparse.Namespace, dataset: DatasetConfig, settings: Settings
 ) -> int:
@@ -187,9 +201,21 @@ async def _warm_through(
     if not done:
         raise DaemonUnavailableError("the daemon ended the warm without a summary")
     report = warm_report_from_wire(done)
-    # The daemon's capacity is its own configuration's, which this process may not share.
-    _print_warm_report(report, redact_url(dataset.url), args, None)
+    # The daemon's capacity is its own configuration's, which this process may not share: ask it.
+    no_room = any(failure[1].startswith(_NO_ROOM) for failure in report.failures)
+    capacity = await _daemon_capacity(client, report) if no_room else None
+    _print_warm_report(report, redact_url(dataset.url), args, capacity)
     return 0 if report.complete else 1
+
+
+async def _daemon_capacity(client: DaemonClient, report: WarmReport) -> int | None:
+    """The capacity of the daemon's tier ``report`` warmed (None where it has none, or cannot say)."""
+    try:
+        status = await client.status()
+    except DatacacheError:
+        return None
+    found = [tier.get("capacity_bytes") for tier in status.get("tiers", ()) if tier.get("tier") == report.tier]
+    return found[0] if found and isinstance(found[0], int) else None
 
 
 _NO_ROOM = ("not kept on the ", "evicted from the ")
@@ -239,7 +265,7 @@ def _no_room_line(report: WarmReport, capacity: int | None, *, whole: bool) -> s
     if capacity is not None and report.bytes_requested > capacity:
         what += f" > {report.tier} capacity {format_bytes(capacity)}"
     else:  # the tier's room, not its capacity, ran out: other data, or a full device
-        what += f" do not fit in the room left on the {report.tier} tier"
+        what += f" {'does' if whole else 'do'} not fit in the room left on the {report.tier} tier"
     return f"{what}: {report.shards_resident} of {report.shards_requested} shards kept (-v lists the others)"
 
 

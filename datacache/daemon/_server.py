@@ -323,6 +323,11 @@ class Daemon(ReadVerbs):
         peer = self._peer(request)
         config = await asyncio.to_thread(self.registry.config, data, peer)
         tier = http.tier(data)
+        if tier == SHARED and self.settings.shared_dir is None:
+            # Once, before a shard is asked for (it was one "no shared tier" line per shard).
+            raise ConfigError(
+                "no shared tier on this node (the operator gives `datacache serve` --shared-dir or cache.shared_dir)"
+            )
         spec = data.get("shards")
         if spec is not None and not isinstance(spec, str):
             raise http.BadRequest("'shards' must be a string such as '0:10' or 'a.tar,b.tar'")

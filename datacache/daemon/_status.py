@@ -84,8 +84,11 @@ class StatusBoard:
         self.metrics.clients.set(len(self.clients))
 
     def expire_clients(self) -> None:
+        """Forget clients silent for the TTL, and at once those whose process has ended (a DataLoader's
+        workers of the last epoch: `top` listed them as readers for the TTL after they died)."""
         cutoff = time.monotonic() - self.client_ttl
-        for name in [name for name, report in self.clients.items() if report.seen < cutoff]:
+        gone = [name for name, report in self.clients.items() if report.seen < cutoff or _ended(report.pid)]
+        for name in gone:
             del self.clients[name]
             self.metrics.forget_client(name)
         self.metrics.clients.set(len(self.clients))
@@ -278,6 +281,22 @@ def _dataset_document(handle: DatasetHandle, pins: set[str]) -> dict[str, Any]:
         "policy": handle.config.policy,
         "pinned": handle.id in pins or handle.config.pinned,
     }
+
+
+def _ended(pid: int | None) -> bool:
+    """Whether the process ``pid`` (the kernel's, of the socket's peer) no longer exists.
+
+    No pid (a peer in another pid namespace) is never taken as ended: the TTL decides.
+    """
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's process, alive
+    return False
 
 
 def log_event(event: StagingEvent) -> None:

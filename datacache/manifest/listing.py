@@ -12,6 +12,7 @@ from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
 from datacache.formats import available_formats, detect_format_name, get_format
 from datacache.formats._base import SampleFormat
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.manifest.wids import wids_manifest
 from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
 
 __all__ = [
@@ -78,7 +79,7 @@ def _lists_itself(url: str, infos: list[ObjectInfo]) -> bool:
 
 
 async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | None:
-    """The manifest of a dataset whose URL names one object (a shard, a Parquet file), else None."""
+    """The manifest of a dataset whose URL names one object (a shard, a Parquet file, a wids index), else None."""
     split = object_url(dataset.url)
     if split is None:
         return None
@@ -89,6 +90,11 @@ async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | Non
         return None
     if info is None:
         return None
+    # The index itself is the sidecar its counts are read from.
+    extra = {OBJECT_KEY: name, SIDECAR_CANDIDATES: [[name, info.size]]}
+    listed = await wids_manifest(dataset, parent, name, info, extra=extra)
+    if listed is not None:
+        return listed
     fmt = ShardFormat(dataset.format) if dataset.format else detect_format([name])
     shard = Shard(name, info.size, info.version)
     return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
