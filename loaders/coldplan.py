@@ -34,12 +34,11 @@ from datacache.loaders.coldorder import (
     rank_units,
 )
 from datacache.loaders.epoch import ReadPlan, auto_window, plan_epoch
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Layout, worker_count, worker_spots
 from datacache.loaders.plan import save_plan
 from datacache.loaders.readers import Unit, UnitPlan
 from datacache.loaders.readplan import Segmented
 from datacache.loaders.runtime import Runtime
-from datacache.loaders.sequence import worker_count, worker_spots
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess

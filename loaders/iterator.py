@@ -19,11 +19,10 @@ from datacache.loaders.epoch import (
     initial_prefetch,
     node_epoch_sequences,
     node_unit_sequences,
-    reader_name,
 )
 from datacache.loaders.mixed import mix_plan
 from datacache.loaders.mixunits import MixedUnitReaders
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Layout, reader_name
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import sample_of
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
@@ -156,7 +155,8 @@ class EpochIterator:
                 shuffle=dataset.shuffle,
                 layout=self.layout,
             )
-            return NodeFuture(reader_name(self.layout), self.epoch, units, later=self._next_epoch_units)
+            name = reader_name(self.layout.rank, self.layout.worker)
+            return NodeFuture(name, self.epoch, units, later=self._next_epoch_units)
         cursors, order = self.cursors, None
         if cursors and cursors[0].cold:
             order = cold_remaining(
@@ -179,7 +179,7 @@ class EpochIterator:
             drop_last=dataset.drop_last,
             order=order,
         )
-        return NodeFuture(reader_name(self.layout), self.epoch, units)
+        return NodeFuture(reader_name(self.layout.rank, self.layout.worker), self.epoch, units)
 
     def _next_epoch_units(self) -> Mapping[str, tuple[int, ...]] | None:
         """Every reader's units of the epoch after this cold one, once the cold epoch's counts are all known."""
