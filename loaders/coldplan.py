@@ -52,7 +52,7 @@ from datacache.errors import (
 )
 from datacache.indexing import ClusterIndex, decide_cold
 from datacache.manifest import Shard
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle
 from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
 __all__ = ["ColdEpochPlan", "CountBook", "UnitCounter", "complete_runtime", "epoch_is_cold", "epoch_plan"]
@@ -115,10 +115,8 @@ class CountBook:
             if self._settings.shared_dir is not None:
                 with contextlib.suppress(TierAccessError):  # a tier this user cannot use is read around
                     location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
-            if location is None and isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+            if location is None:  # counted from its verified bytes, before the fsync, where the access can
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
-            elif location is None:
-                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
             if location.buffer is not None:
                 return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)
             if location.path is None:  # the tier declined it (full): count from the origin's stream
