@@ -19,13 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldplan import CountBook, complete_runtime
+from datacache.loaders.coldplan import CountBook
+from datacache.loaders.datasetplans import DatasetPlanner
 from datacache.loaders.epoch import EpochPlan, auto_window, plan_epoch
 from datacache.loaders.mixing import mixed_order, source_counts
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.sequence import exclusive_sum
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -156,15 +158,15 @@ def open_mix(
         handle = loop.run(open_handle(access, spec))
         plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
-        part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans)
-        if not complete(plan):
-            # Counted through the stager, so that the origin serves each shard once, for counting and
-            # reading alike; every source's count starts now, and they run together.
-            part.book = CountBook(plan, handle, settings, loop, access)
-            part.book.start()
+        # Counted through the stager, so that the origin serves each shard once, for counting and
+        # reading alike; every source's count starts now, and they run together.
+        book = None if complete(plan) else CountBook(plan, handle, settings, loop, access)
+        part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans, book=book)
+        if book is not None:
+            book.start()
         parts.append(part)
     for part in parts:
-        complete_runtime(part, shuffle_buffer)  # a mix shares the epoch out by the sources' sizes
+        DatasetPlanner(part, shuffle_buffer).complete()  # a mix shares the epoch out by the sources' sizes
     formats = {part.handle.manifest.format for part in parts}
     if len(formats) > 1:
         found = ", ".join(
@@ -184,16 +186,15 @@ def open_mix(
     _check_fits(total, sum(part.plan.total for part in parts), labels)
     window = shuffle_buffer or auto_window(total, len(combined.units))
     first = parts[0]
-    runtime = Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans)
-    runtime.mix = Mix(
+    mix = Mix(
         parts=tuple(parts),
         labels=labels,
         counts=counts,
         windows=tuple(part.window for part in parts),
         replacement=replacement,
-        unit_offsets=np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64),
+        unit_offsets=exclusive_sum(sizes)[:-1],
     )
-    return runtime
+    return Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans, mix=mix)
 
 
 def mix_plan(
@@ -207,7 +208,7 @@ def mix_plan(
     cursors: tuple[Cursor, ...],
 ) -> EpochPlan:
     """The reader ``layout``'s share of mixed epoch ``epoch``, less what ``cursors`` consumed."""
-    mix: Mix = runtime.mix
+    mix = runtime.mixed()
     plan = plan_epoch(
         runtime.plan.counts,
         seed=seed,

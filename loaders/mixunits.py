@@ -71,7 +71,7 @@ class MixedUnitReaders:
         skip_bad: bool,
         in_consumer: bool,
     ) -> None:
-        mix: Mix = runtime.mix
+        mix: Mix = runtime.mixed()
         self.runtime = runtime
         self.source_at: IntArray = mix.source_of_unit[epoch.unit_of] if len(epoch) else np.zeros(0, np.int64)
         self._offsets = mix.unit_offsets

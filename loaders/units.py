@@ -261,10 +261,7 @@ class UnitReaders:
         """
         reader = self.reader_for(unit)
         if reader is None:
-            book = self.runtime.book
-            if book is not None:
-                book.unreadable[self._plan.units[unit].keys[0]] = self.skipped_why.get(unit, "unreadable")
-            return 0
+            return 0  # the plan records why (`skipped_why`)
         if not isinstance(reader, TarReader):
             raise ConfigError(f"{self._where}: only tar shards are read before they are counted")
         return len(reader.spans)
