@@ -297,7 +297,8 @@ class ColdEpochPlan(Segmented):
         )
 
     def releases_after(self, position: int) -> tuple[int, ...]:
-        return tuple(self._releases.get(position, ()))
+        # A unit a later position reads again (a repeat that evens rank lengths) is released after that one.
+        return tuple(u for u in self._releases.get(position, ()) if self.last_use.get(u, -1) <= position)
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         self.ensure(produced + 1)
