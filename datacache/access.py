@@ -60,8 +60,14 @@ class ShardAccess(Protocol):
         *,
         tier: str = "local",
         priority: float = PRIORITY_URGENT,
+        early: bool = False,
     ) -> Location:
-        """Make a shard resident (on the local tier by default) and say where it is."""
+        """Make a shard resident (on the local tier by default) and say where it is.
+
+        With ``early``, the answer may come as soon as the shard's bytes are verified in
+        memory (`Location.buffer`), before its local copy is durable: what a reader in
+        this process can use at once. An access that cannot answer early answers when durable.
+        """
         ...
 
     async def prefetch(
@@ -236,9 +242,10 @@ class FailoverAccess:
         *,
         tier: str = "local",
         priority: float = PRIORITY_URGENT,
+        early: bool = False,
     ) -> Location:
         return await self._route(
-            lambda access: access.ensure(handle, key, tier=tier, priority=priority)
+            lambda access: access.ensure(handle, key, tier=tier, priority=priority, early=early)
         )
 
     async def prefetch(

@@ -290,8 +290,12 @@ class DaemonClient:
         *,
         tier: str = "local",
         priority: float = PRIORITY_URGENT,
+        early: bool = False,
     ) -> Location:
-        """Have the daemon make shard ``key`` resident and say where it is."""
+        """Have the daemon make shard ``key`` resident and say where it is.
+
+        ``early`` is not sent: the daemon's answer is a path, so it comes once the copy is durable.
+        """
         reply = await self._call_for(
             handle, "ensure", {"key": key, "tier": tier, "priority": priority}
         )

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Layout, consumed_spots, reader_name, worker_ends
 from datacache.loaders.permute import mix_key, permute
-from datacache.loaders.sequence import dedupe_ranges, exclusive_sum, worker_spots
+from datacache.loaders.sequence import dedupe_ranges, exclusive_sum
 
 __all__ = [
     "WINDOW_UNITS",
@@ -88,7 +88,7 @@ def node_cold_sequences(
             rank_units(units, seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=rank).tolist()
         )
         for worker in range(layout.num_workers):
-            found[f"{rank}.{worker}"] = mine
+            found[reader_name(rank, worker)] = mine
     return found
 
 
@@ -341,16 +341,10 @@ def cold_remaining(
     streams = Streams(
         counts, seed=seed, epoch=epoch, shuffle=shuffle, world_size=cursor.world_size, drop_last=drop_last
     )
-    produced = np.asarray(cursor.produced, dtype=np.int64)
-    ends = [
-        int(worker_spots(Layout(1, 0, cursor.num_workers, w, cursor.chunk), np.asarray([n]))[0])
-        for w, n in enumerate(cursor.produced)
-    ]
-    low, high = min(*ends, streams.length), min(max(ends), streams.length)
+    ends = worker_ends(cursor)
+    low, high = min(int(ends.min()), streams.length), min(int(ends.max()), streams.length)
     band = np.arange(low, high, dtype=np.int64)
-    chunk_index = band // cursor.chunk
-    index = (chunk_index // cursor.num_workers) * cursor.chunk + band % cursor.chunk
-    taken = band[index < produced[chunk_index % cursor.num_workers]]
+    taken = band[consumed_spots(cursor, band)]
     left = np.setdiff1d(band, taken, assume_unique=True)
     excluded: dict[int, set[int]] = {}
     for rank in range(cursor.world_size):

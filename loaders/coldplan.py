@@ -28,18 +28,13 @@ import numpy.typing as npt
 from datacache.loaders.coldorder import (
     WINDOW_UNITS,
     Streams,
-    cold_remaining,
     lower_bound_length,
     natural_units,
     rank_units,
 )
-from datacache.loaders.epoch import ReadPlan, auto_window, plan_epoch
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.plan import save_plan
+from datacache.loaders.order import Layout, worker_count, worker_spots
 from datacache.loaders.readers import Unit, UnitPlan
 from datacache.loaders.readplan import Segmented
-from datacache.loaders.runtime import Runtime
-from datacache.loaders.sequence import worker_count, worker_spots
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -51,12 +46,12 @@ from datacache.errors import (
     StagerClosedError,
     TierAccessError,
 )
-from datacache.indexing import ClusterIndex, decide_cold
+from datacache.indexing import ClusterIndex
 from datacache.manifest import Shard
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Stager
+from datacache.stager import PRIORITY_PREFETCH, DatasetHandle
 from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
-__all__ = ["ColdEpochPlan", "CountBook", "UnitCounter", "complete_runtime", "epoch_is_cold", "epoch_plan"]
+__all__ = ["ColdEpochPlan", "CountBook", "Counts", "UnitCounter"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +111,8 @@ class CountBook:
             if self._settings.shared_dir is not None:
                 with contextlib.suppress(TierAccessError):  # a tier this user cannot use is read around
                     location = await access.ensure(self._handle, shard.key, tier="shared", priority=PRIORITY_PREFETCH)
-            if location is None and isinstance(access, Stager):  # counted from its verified bytes, before the fsync
+            if location is None:  # counted from its verified bytes, before the fsync, where the access can
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
-            elif location is None:
-                location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH)
             if location.buffer is not None:
                 return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)
             if location.path is None:  # the tier declined it (full): count from the origin's stream
@@ -141,6 +134,11 @@ class CountBook:
         with self._lock:
             self.counts[unit] = samples
             self._grew.notify_all()
+
+    def note_unreadable(self, unit: int, why: str) -> None:
+        """``unit`` could not be read (``on_error="skip"``): it counts 0, and the plan says why."""
+        self.unreadable[self._plan.units[unit].keys[0]] = why
+        self.note(unit, 0)
 
     def wait_for_more(self, than: int, timeout: float = 5.0) -> bool:
         """Wait until more than ``than`` samples are known; False if the background index is not running."""
@@ -198,7 +196,39 @@ class _FirstUse(dict[int, int]):
 class UnitCounter(Protocol):
     """What counts a cold epoch's units: opens one (it is read next anyway) and says its samples."""
 
+    @property
+    def skipped_why(self) -> dict[int, str]:
+        """Why each unit skipped as unreadable was (it counts 0)."""
+        ...
+
     def count_samples(self, unit: int) -> int: ...
+
+
+class Counts(Protocol):
+    """What a cold epoch's plan needs of the process's sample counts (`CountBook`; -1: unknown)."""
+
+    counts: IntArray
+
+    @property
+    def complete(self) -> bool: ...
+
+    def start(self) -> None:
+        """Count the rest in the background (the first window is counted)."""
+        ...
+
+    def note(self, unit: int, samples: int) -> None: ...
+
+    def note_unreadable(self, unit: int, why: str) -> None: ...
+
+    def known_total(self) -> int: ...
+
+    def wait_for_more(self, than: int, timeout: float = 5.0) -> bool:
+        """Wait until more than ``than`` samples are known; False if nothing counts in the background."""
+        ...
+
+    def wait_complete(self) -> IntArray:
+        """Every count, waiting for them if need be."""
+        ...
 
 
 class ColdEpochPlan(Segmented):
@@ -217,7 +247,7 @@ class ColdEpochPlan(Segmented):
     """
 
     def __init__(
-        self, book: CountBook, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool
+        self, book: Counts, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool
     ) -> None:
         super().__init__()
         self._book = book
@@ -267,7 +297,8 @@ class ColdEpochPlan(Segmented):
         )
 
     def releases_after(self, position: int) -> tuple[int, ...]:
-        return tuple(self._releases.get(position, ()))
+        # A unit a later position reads again (a repeat that evens rank lengths) is released after that one.
+        return tuple(u for u in self._releases.get(position, ()) if self.last_use.get(u, -1) <= position)
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         self.ensure(produced + 1)
@@ -314,6 +345,10 @@ class ColdEpochPlan(Segmented):
         if self._counter is None:
             raise DatacacheError("a cold epoch's plan was read before it was given its unit counter")
         samples = self._counter.count_samples(unit)
+        why = self._counter.skipped_why.get(unit)
+        if why is not None:
+            self._book.note_unreadable(unit, why)
+            return 0
         self._book.note(unit, samples)
         return samples
 
@@ -387,55 +422,3 @@ class ColdEpochPlan(Segmented):
         ours = set(self.unit_sequence)
         extra = [u for u in self.first_use if u not in ours]
         self.unit_sequence = tuple(placed + sorted(extra, key=self.first_use.__getitem__))
-
-
-def complete_runtime(runtime: Runtime, shuffle_buffer: int | None) -> None:
-    """Wait for every sample count, then give ``runtime`` the complete plan and the default window."""
-    book = runtime.book
-    if book is not None:
-        plan = book.completed_plan()
-        runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
-        runtime.plan = plan
-        runtime.book = None
-    if not runtime.window:
-        runtime.window = shuffle_buffer or auto_window(runtime.plan.total, len(runtime.plan.units))
-
-
-def epoch_is_cold(runtime: Runtime, *, seed: int, epoch: int) -> bool:
-    """Whether this epoch is dealt cold (see `indexing.decide_cold`: every process agrees)."""
-    incomplete = runtime.book is not None and not runtime.book.complete
-    return decide_cold(runtime.settings, runtime.handle.manifest, seed=seed, epoch=epoch, cold=incomplete)
-
-
-def epoch_plan(
-    runtime: Runtime,
-    layout: Layout,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    drop_last: bool,
-    shuffle_buffer: int | None,
-    cursors: tuple[Cursor, ...],
-) -> ReadPlan:
-    """The reader's plan of an epoch: cold (whole shards, growing) or indexed, resumed after ``cursors``."""
-    if not cursors and epoch_is_cold(runtime, seed=seed, epoch=epoch):
-        book = runtime.book or CountBook(runtime.plan, runtime.handle, runtime.settings, runtime.loop, runtime.access)
-        return ColdEpochPlan(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
-    complete_runtime(runtime, shuffle_buffer)
-    counts = runtime.plan.counts
-    order = None
-    if cursors and cursors[0].cold:
-        order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
-        cursors = cursors[1:]
-    return plan_epoch(
-        counts,
-        seed=seed,
-        epoch=epoch,
-        shuffle=shuffle,
-        window=runtime.window,
-        cursors=cursors,
-        layout=layout,
-        drop_last=drop_last,
-        order=order,
-    )

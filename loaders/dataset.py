@@ -22,16 +22,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from datacache.loaders.coldplan import CountBook, complete_runtime, epoch_is_cold
+from datacache.loaders.datasetplans import DatasetPlanner, open_dataset
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
-from datacache.loaders.epoch import auto_window
 from datacache.loaders.iterator import EpochIterator
+from datacache.loaders.mixadapter import MixPlanner
 from datacache.loaders.mixed import open_handle, open_mix
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
-from datacache.loaders.plan import complete, load_or_build_plan
-from datacache.loaders.readers import SpanCache
-from datacache.loaders.resume import STATE_VERSION, find_iterator_states, identity, state_from_iterators
+from datacache.loaders.planning import Dealing, Planner
+from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given, SourceSpec, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
@@ -59,6 +58,27 @@ def _rank_and_world() -> tuple[int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world}")
     return rank, world
+
+
+def _check_options(
+    *, epoch_size: int | None, on_error: str, shuffle_buffer: int | None, batch_size: int | None, prefetch: int | None
+) -> None:
+    """Refuse, in one line naming it, an option out of its range."""
+    if epoch_size is not None and (isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1):
+        raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if shuffle_buffer is not None and shuffle_buffer < 1:
+        raise ConfigError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    if prefetch is not None and prefetch < 0:
+        raise ConfigError(f"prefetch must not be negative, got {prefetch}")
+
+
+def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
+    """Whether the epochs are a mix's (`mixed`): several sources, a drawn epoch, or a source repeated or chosen."""
+    return len(sources) > 1 or drawn or any(spec.mode != ("repeat", 1.0) for spec in sources)
 
 
 class CachedIterableDataset(IterableDataset[Any]):
@@ -137,30 +157,19 @@ class CachedIterableDataset(IterableDataset[Any]):
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
-        if epoch_size is not None and (
-            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
-        ):
-            raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
-        self._sources = resolve_sources(dataset, weights)
-        self._mixed = (
-            len(self._sources) > 1
-            or epoch_size is not None
-            or replacement
-            or resample
-            or any(spec.mode != ("repeat", 1.0) for spec in self._sources)
+        _check_options(
+            epoch_size=epoch_size,
+            on_error=on_error,
+            shuffle_buffer=shuffle_buffer,
+            batch_size=batch_size,
+            prefetch=prefetch,
         )
+        self._sources = resolve_sources(dataset, weights)
+        self._mixed = _reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
         self.weights = tuple(weights) if weights is not None else None
         self.epoch_size = epoch_size
         self.replacement = bool(replacement)
         self.resample = bool(resample)
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if shuffle_buffer is not None and shuffle_buffer < 1:
-            raise ConfigError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size must be positive, got {batch_size}")
-        if prefetch is not None and prefetch < 0:
-            raise ConfigError(f"prefetch must not be negative, got {prefetch}")
         decode = check_decoder(decode)
         self.dataset = dataset
         self.shuffle = shuffle
@@ -180,6 +189,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._table = StatsTable(sources=len(self._sources))
         self._layout_hint: tuple[int, int] | None = None
         self._runtime: Runtime | None = None
+        self._planner: Planner | None = None
         self._main_iterator: EpochIterator | None = None
         if any(_names_shards(spec) for spec in self._sources):
             # Shards named one by one (a brace pattern, a list) or by a glob must be in the listing:
@@ -193,6 +203,7 @@ class CachedIterableDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_runtime"] = None
+        state["_planner"] = None
         state["_main_iterator"] = None
         # Captured here, in the process that hands the dataset to spawned workers,
         # where torch.distributed is initialised.
@@ -208,7 +219,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         if not callable(function):
             raise ConfigError(f"map() takes a callable, got {type(function).__name__}")
         mapped = copy.copy(self)
-        mapped.__dict__.update(_runtime=None, _main_iterator=None, _table=StatsTable(sources=len(self._sources)))
+        table = StatsTable(sources=len(self._sources))
+        mapped.__dict__.update(_runtime=None, _planner=None, _main_iterator=None, _table=table)
         mapped._table.epoch = self._epoch
         mapped.transform = Compose.of(self.transform, function)
         return mapped
@@ -235,9 +247,11 @@ class CachedIterableDataset(IterableDataset[Any]):
                     replacement=self.replacement,
                     shuffle_buffer=self.shuffle_buffer,
                 )
-                return self._keep(runtime)
-            handle = loop.run(open_handle(access, self._sources[0]))
-            plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
+                planner: Planner = MixPlanner(runtime)
+            else:
+                handle = loop.run(open_handle(access, self._sources[0]))
+                runtime = open_dataset(loop, access, settings, handle, shuffle_buffer=self.shuffle_buffer)
+                planner = DatasetPlanner(runtime, self.shuffle_buffer)
         except BaseException:
             if access is not None:
                 # Stop its transfers cleanly (no temporary file left open) and close its sessions.
@@ -245,17 +259,11 @@ class CachedIterableDataset(IterableDataset[Any]):
                     loop.run(access.close(), timeout=30)
             loop.close()
             raise
-        spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
-        known = complete(plan)
-        # Without every count the default window waits for the index (`coldplan.complete_runtime`).
-        window = self.shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
-        runtime = Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans)
-        if not known:
-            runtime.book = CountBook(plan, handle, settings, loop, access)
-        return self._keep(runtime)
+        return self._keep(runtime, planner)
 
-    def _keep(self, runtime: Runtime) -> Runtime:
+    def _keep(self, runtime: Runtime, planner: Planner) -> Runtime:
         self._runtime = runtime
+        self._planner = planner
         # Runs at exit in the main process and in DataLoader workers alike (they
         # leave through multiprocessing, which skips plain atexit handlers).
         multiprocessing.util.Finalize(runtime, runtime.close, exitpriority=100)
@@ -299,17 +307,33 @@ class CachedIterableDataset(IterableDataset[Any]):
     def epoch(self) -> int:
         return self._epoch
 
+    def _plans(self) -> Planner:
+        """This process's planner of the dataset's epochs (made with its runtime)."""
+        self._prepare()
+        if self._planner is None:
+            raise RuntimeError("a dataset's runtime was made without its planner")
+        return self._planner
+
+    def _dealing(self) -> Dealing:
+        return Dealing(self.seed, self.shuffle, self.drop_last)
+
     def _complete(self) -> Runtime:
-        runtime = self._prepare()
-        complete_runtime(runtime, self.shuffle_buffer)
-        return runtime
+        """The runtime, every sample count known."""
+        self._plans().complete()
+        return self._prepare()
+
+    def _reader(self, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> EpochIterator:
+        """Reader ``layout``'s iterator over epoch ``epoch``, resumed after ``cursors``."""
+        runtime, planner = self._prepare(), self._plans()
+        plan = planner.plan(layout, self._dealing(), epoch=epoch, cursors=cursors)
+        rows = self._table.row(layout.worker).numpy(), self._table.source_row(layout.worker).numpy()
+        return EpochIterator(self, runtime, plan, layout, epoch, cursors, rows)
 
     def __len__(self) -> int:
         """Samples (or batches, in batch mode) this rank delivers per epoch (waits for every count)."""
         if self.resample:
             raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
-        runtime = self._complete()
-        total = runtime.mix.total if runtime.mix is not None else runtime.plan.total
+        total = self._plans().total()
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)
         if self.batch_size:
@@ -317,14 +341,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         return max(0, per_rank)
 
     def __iter__(self) -> Iterator[Any]:
-        runtime = self._prepare()
         info = get_worker_info()
         layout = self._layout(info.num_workers if info is not None else 1, info.id if info is not None else 0)
         epoch = self._table.epoch if info is not None else self._epoch
         cursors = self._cursors_for(epoch)
         if self.resample:
-            return self._endless(runtime, layout, epoch, cursors)
-        iterator = EpochIterator(self, runtime, layout, epoch, cursors)
+            return self._endless(layout, epoch, cursors)
+        iterator = self._reader(layout, epoch, cursors)
         if info is None:
             self._main_iterator = iterator
         return iterator
@@ -347,17 +370,14 @@ class CachedIterableDataset(IterableDataset[Any]):
         runtime = self._prepare()
         runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
         cursors = self._cursors_for(self._epoch)
-        return [
-            EpochIterator(self, runtime, self._layout(num_workers, worker), self._epoch, cursors)
-            for worker in range(num_workers)
-        ]
+        return [self._reader(self._layout(num_workers, worker), self._epoch, cursors) for worker in range(num_workers)]
 
-    def _endless(self, runtime: Runtime, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
+    def _endless(self, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
         """Epoch after epoch from ``epoch`` on (``resample=True``); the main process's epoch follows."""
-        if runtime.mix is not None and runtime.mix.total == 0:
+        if self._plans().empty():
             raise ConfigError("resample=True with an epoch of 0 samples would never yield one")
         while True:
-            iterator = EpochIterator(self, runtime, layout, epoch, cursors)
+            iterator = self._reader(layout, epoch, cursors)
             if layout.num_workers == 1 and get_worker_info() is None:
                 self._main_iterator = iterator
                 self._epoch = epoch
@@ -407,7 +427,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             if samples_consumed < 0:
                 raise ConfigError(f"samples_consumed must not be negative, got {samples_consumed}")
             workers = int(self._table.row(0)[Counter.NUM_WORKERS].item()) or 1
-            taken = self._loader_batch(batch_size, workers)
+            taken = loader_batch(self.batch_size, batch_size, workers)
             cursor = Cursor(world, workers, chunk, produced_from_consumed(samples_consumed, workers, taken))
         elif self._main_iterator is not None and self._main_iterator.epoch == self._epoch:
             cursor = Cursor(world, 1, chunk, (self._main_iterator.produced,))
@@ -418,42 +438,21 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
-        runtime = self._prepare()
-        if not self._cursors and runtime.mix is None and epoch_is_cold(runtime, seed=self.seed, epoch=self._epoch):
+        if not self._cursors and self._plans().cold(self._dealing(), self._epoch):
             # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor))
 
-    def _loader_batch(self, batch_size: int | None, workers: int) -> int:
-        """Samples in each batch the DataLoader takes from one worker."""
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size must be positive, got {batch_size}")
-        if self.batch_size:
-            if batch_size is not None and batch_size != self.batch_size:
-                raise ConfigError(
-                    f"state_dict(batch_size={batch_size}) but the dataset yields batches of {self.batch_size} "
-                    "(with DataLoader(batch_size=None)); leave batch_size out"
-                )
-            return self.batch_size
-        if batch_size is not None:
-            return batch_size
-        if workers > 1:
-            raise ConfigError(
-                f"with {workers} DataLoader worker processes, pass the DataLoader's batch size too: "
-                "state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)"
-            )
-        return 1
-
     def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
         # Never waits for sample counts (a cold first epoch's are still arriving): the default
         # window follows from the snapshot, which the state names, so it is kept as None.
-        runtime = self._prepare()
-        dataset, snapshot = identity(runtime)
+        runtime, planner = self._prepare(), self._plans()
+        dataset, snapshot = planner.identity()
         return {
             "version": STATE_VERSION,
             "dataset": dataset,
             "snapshot": snapshot,
-            **({"mix": runtime.mix.counts.tolist(), "replacement": self.replacement} if runtime.mix else {}),
+            **planner.state_fields(),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": runtime.window or self.shuffle_buffer,
@@ -473,36 +472,15 @@ class CachedIterableDataset(IterableDataset[Any]):
         if get_worker_info() is not None and set(state) <= {"version", "epoch"}:
             self._epoch = int(state.get("epoch", self._epoch))
             return
-        iterator_states = find_iterator_states(state)
-        if "cursors" not in state and iterator_states:
-            state = state_from_iterators(iterator_states)
-        try:
-            version = state["version"]
-            cursors = tuple(Cursor.from_json(c) for c in state["cursors"])
-            epoch = int(state["epoch"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
-        if version != STATE_VERSION:
-            raise ConfigError(f"unsupported state version {version!r}")
+        state, epoch, cursors = read_state(state)
         ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if state.get("shuffle_buffer") is not None:
             ours["shuffle_buffer"] = self._complete().window
-        if "mix" in state or self._mixed:
-            mix = self._complete().mix
-            ours["mix"] = mix.counts.tolist() if mix is not None else None
+        fields = self._plans().state_fields()
+        if "mix" in state or fields:
+            ours["mix"] = fields.get("mix")
             ours["replacement"] = self.replacement
-        for name, value in ours.items():
-            if name in state and state[name] != value:
-                raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
-        if "snapshot" in state:
-            dataset, snapshot = identity(self._prepare())
-            if state.get("dataset", dataset) != dataset:
-                raise ConfigError(f"the saved state is for dataset {state['dataset']}, this one reads {dataset}")
-            if state["snapshot"] != snapshot:
-                raise ConfigError(
-                    f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "
-                    f"the cache now holds {snapshot}; resume needs the same snapshot"
-                )
+        check_same(state, ours, self._plans().identity)
         self._epoch = epoch
         self._table.epoch = epoch
         self._cursors = cursors

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Layout, reader_name
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
 
@@ -29,7 +29,6 @@ __all__ = [
     "node_epoch_sequences",
     "node_unit_sequences",
     "plan_epoch",
-    "reader_name",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -170,11 +169,6 @@ def plan_epoch(
     return LazyEpochPlan(sequence, np.asarray(counts, dtype=np.int64), block=window, layout=layout, drop_last=drop_last)
 
 
-def reader_name(layout: Layout) -> str:
-    """How a reader is named in the node's future order: ``"rank.worker"``."""
-    return f"{layout.rank}.{layout.worker}"
-
-
 def node_unit_sequences(
     counts: Sequence[int] | IntArray,
     *,
@@ -228,7 +222,7 @@ def _node_epoch(sequence: Order, window: int, layout: Layout, drop_last: bool) -
     for rank in range(layout.world_size):
         units = rank_unit_sequence(sequence, deal, rank, length)
         for worker in range(layout.num_workers):
-            found[reader_name(Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk))] = units
+            found[reader_name(rank, worker)] = units
     return found
 
 

@@ -9,27 +9,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.coldorder import cold_remaining, node_cold_sequences
-from datacache.loaders.coldplan import ColdEpochPlan, epoch_plan
-from datacache.loaders.epoch import (
-    ReadPlan,
-    auto_window,
-    initial_prefetch,
-    node_epoch_sequences,
-    node_unit_sequences,
-    reader_name,
-)
-from datacache.loaders.mixed import mix_futures, mix_plan
-from datacache.loaders.mixunits import MixedUnitReaders
+from datacache.loaders.epoch import initial_prefetch
 from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.planning import Opening, Plan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import sample_of
-from datacache.loaders.readplan import LazyEpochPlan
-from datacache.loaders.runtime import NodeFuture, Runtime, Units
+from datacache.loaders.runtime import Runtime
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
-from datacache.loaders.units import UnitReaders
 from torch.utils.data import get_worker_info
 
 from datacache.errors import ConfigError, ShardReadError
@@ -38,6 +27,8 @@ if TYPE_CHECKING:
     from datacache.loaders.dataset import CachedIterableDataset
 
 __all__ = ["ITERATOR_MARK", "EpochIterator"]
+
+FloatArray = npt.NDArray[np.float64]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +43,21 @@ ITERATOR_MARK = "datacache_iterator"
 class EpochIterator:
     """One reader's pass over its share of an epoch; `Stateful` for torchdata.
 
-    The plan (`epoch.plan_epoch`) says what to read; `units.UnitReaders` opens
-    it; `batching.BatchBuilder` turns it into samples or batches. This class
-    walks the plan and keeps the reader's counters.
+    The plan (a `planning.Plan`, whatever kind of epoch it is) says what to read and
+    opens its units; `batching.BatchBuilder` turns them into samples or batches.
+    This class walks the plan and keeps the reader's counters (``rows``: its stats
+    row and its per-source row, in the dataset's shared table).
     """
 
     def __init__(
         self,
         dataset: CachedIterableDataset,
         runtime: Runtime,
+        plan: Plan,
         layout: Layout,
         epoch: int,
         cursors: tuple[Cursor, ...],
+        rows: tuple[FloatArray, FloatArray],
     ) -> None:
         self.dataset = dataset
         self.runtime = runtime
@@ -71,56 +65,20 @@ class EpochIterator:
         self.epoch = epoch
         self.cursors = cursors
         self.produced = 0
-        self._plan: ReadPlan
-        common: dict[str, Any] = {
-            "seed": dataset.seed,
-            "epoch": epoch,
-            "shuffle": dataset.shuffle,
-            "drop_last": dataset.drop_last,
-            "cursors": cursors,
-        }
-        mixed: LazyEpochPlan | None = None
-        if runtime.mix is not None:
-            self._plan = mixed = mix_plan(runtime, layout, **common)
-        else:
-            self._plan = epoch_plan(runtime, layout, shuffle_buffer=dataset.shuffle_buffer, **common)
-        plan = runtime.plan
-        share = dataset.target_bandwidth / layout.num_workers if dataset.target_bandwidth else None
-        self.controller = PrefetchController(
-            fixed=dataset.prefetch,
-            initial=initial_prefetch(
-                max(plan.total, len(plan.units)), len(plan.units), runtime.window or 1, runtime.settings.concurrency
-            ),
-            target=share,
-            unit_bytes=runtime.handle.manifest.total_bytes / max(1, len(plan.units)),
-            where=f"dataset {runtime.handle.id} reader {layout.worker}",
-        )
+        self._epoch_plan = plan
+        self._plan = plan.reads
+        self._tally = plan.sources
+        self.controller = self._controller()
         self._in_consumer = get_worker_info() is None
-        self._row = dataset._table.row(layout.worker).numpy()
-        self._source_row = dataset._table.source_row(layout.worker).numpy()
+        self._row, self._source_row = rows
         self._start_row()
         self._skip_unreadable()
         self._reported_at = time.monotonic()
         self._last_yield = time.perf_counter()
         self._lock = threading.Lock()
         threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
-        self._units: Units
-        self._mixed: MixedUnitReaders | None = None
-        readers: dict[str, Any] = {
-            "controller": self.controller,
-            "row": self._row,
-            "lock": self._lock,
-            "skip_bad": dataset.on_error == "skip",
-            "in_consumer": self._in_consumer,
-        }
-        if mixed is not None:
-            futures = mix_futures(runtime, layout, **common)
-            self._units = self._mixed = MixedUnitReaders(runtime, mixed, futures=futures, **readers)
-        else:
-            units = UnitReaders(runtime, self._plan, future=self._node_future(), **readers)
-            if isinstance(self._plan, ColdEpochPlan):
-                self._plan.count_with(units)  # a cold epoch counts the shards it reads as it opens them
-            self._units = units
+        skip_bad = dataset.on_error == "skip"
+        self._units = plan.open_units(Opening(self.controller, self._row, self._lock, skip_bad, self._in_consumer))
         self._builder = BatchBuilder(
             self._units,
             self._plan,
@@ -130,8 +88,8 @@ class EpochIterator:
             lock=self._lock,
             threads=threads,
             in_consumer=self._in_consumer,
-            skip_bad=dataset.on_error == "skip",
-            tally=self._tally if self._mixed is not None else None,
+            skip_bad=skip_bad,
+            tally=self._tally.note,
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
         self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
@@ -140,62 +98,17 @@ class EpochIterator:
         self._skip_to(0)
         self._units.note_retries()
 
-    def _node_future(self) -> NodeFuture:
-        """Every reader's units (all ranks, all workers), so the stager sees the node's whole future.
-
-        A cold epoch's readers read whole shards in their rank's order (`coldorder.node_cold_sequences`);
-        a resumed one reads what the cold epoch left (`coldorder.cold_remaining`), as its plan does.
-        """
+    def _controller(self) -> PrefetchController:
+        """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
         dataset, runtime = self.dataset, self.runtime
-        if isinstance(self._plan, ColdEpochPlan):
-            units = node_cold_sequences(
-                len(runtime.plan.units),
-                seed=dataset.seed,
-                epoch=self.epoch,
-                shuffle=dataset.shuffle,
-                layout=self.layout,
-            )
-            return NodeFuture(reader_name(self.layout), self.epoch, units, later=self._next_epoch_units)
-        cursors, order = self.cursors, None
-        if cursors and cursors[0].cold:
-            order = cold_remaining(
-                runtime.plan.counts,
-                cursors[0],
-                seed=dataset.seed,
-                epoch=self.epoch,
-                shuffle=dataset.shuffle,
-                drop_last=dataset.drop_last,
-            )
-            cursors = cursors[1:]
-        units = node_unit_sequences(
-            runtime.plan.counts,
-            seed=dataset.seed,
-            epoch=self.epoch,
-            shuffle=dataset.shuffle,
-            window=runtime.window,
-            cursors=cursors,
-            layout=self.layout,
-            drop_last=dataset.drop_last,
-            order=order,
-        )
-        return NodeFuture(reader_name(self.layout), self.epoch, units)
-
-    def _next_epoch_units(self) -> Mapping[str, tuple[int, ...]] | None:
-        """Every reader's units of the epoch after this cold one, once the cold epoch's counts are all known."""
-        runtime, dataset = self.runtime, self.dataset
-        book = runtime.book
-        if book is not None and not book.complete:
-            return None
-        counts = runtime.plan.counts if book is None else book.counts.copy()
-        window = runtime.window or dataset.shuffle_buffer or auto_window(int(counts.sum()), len(counts))
-        return node_epoch_sequences(
-            counts,
-            seed=dataset.seed,
-            epoch=self.epoch + 1,
-            shuffle=dataset.shuffle,
-            window=window,
-            layout=self.layout,
-            drop_last=dataset.drop_last,
+        share = dataset.target_bandwidth / self.layout.num_workers if dataset.target_bandwidth else None
+        total, units = runtime.plan.total, len(runtime.plan.units)
+        return PrefetchController(
+            fixed=dataset.prefetch,
+            initial=initial_prefetch(max(total, units), units, runtime.window or 1, runtime.settings.concurrency),
+            target=share,
+            unit_bytes=runtime.handle.manifest.total_bytes / max(1, units),
+            where=f"dataset {runtime.handle.id} reader {self.layout.worker}",
         )
 
     def _start_row(self) -> None:
@@ -231,7 +144,7 @@ class EpochIterator:
             "epoch": self.epoch,
             "seed": self.dataset.seed,
             "produced": self.produced,
-            "cold": isinstance(self._plan, ColdEpochPlan),
+            "cold": self._epoch_plan.cold,
             "cursors": [c.to_json() for c in self.cursors],
             "layout": {
                 "world_size": self.layout.world_size,
@@ -267,10 +180,8 @@ class EpochIterator:
         self._units.restart(self.produced)
 
     def _known(self, length: int) -> int:
-        """Positions the plan holds, once it holds ``length`` or is complete (a cold plan grows here)."""
-        if isinstance(self._plan, ColdEpochPlan):
-            return self._plan.ensure(length)
-        return len(self._plan)
+        """Positions the plan holds, once it holds ``length`` or is complete (a growing plan grows here)."""
+        return self._epoch_plan.known(length)
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -311,9 +222,9 @@ class EpochIterator:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             self._account(nbytes, 1)
-            if self._mixed is not None:
-                self._tally(position, nbytes)
-                self._count_sources(position, position + 1)
+            if self._tally.note is not None:
+                self._tally.note(position, nbytes)
+            self._tally.delivered(position, position + 1, self._source_row, self._lock)
             return decoded
 
     def _next_batch(self, size: int) -> Any:
@@ -323,9 +234,7 @@ class EpochIterator:
                 self._finish()
                 raise StopIteration
             begin = self.produced
-            total = known
-            if isinstance(self._plan, ColdEpochPlan) and not self._plan.final:
-                total = begin + (known - begin) // size * size  # read ahead only whole batches laid out
+            total = self._epoch_plan.readable(begin, size, known)
             if self._ahead is not None:
                 built = self._ahead.take(begin, size, total)
             else:
@@ -338,25 +247,10 @@ class EpochIterator:
             if built is not None:
                 batch, nbytes, count = built
                 self._account(nbytes, count)
-                if self._mixed is not None:
-                    self._count_sources(begin, stop)
+                self._tally.delivered(begin, stop, self._source_row, self._lock)
                 return batch
 
     # -- counters and reports -------------------------------------------------------------
-
-    def _tally(self, position: int, nbytes: int) -> None:
-        """Note the payload of the sample at ``position`` (reader threads note distinct positions)."""
-        if self._mixed is not None:
-            self._mixed.tally(position, nbytes)
-
-    def _count_sources(self, begin: int, stop: int) -> None:
-        """Add the samples of positions ``[begin, stop)`` now delivered to their sources' counts."""
-        if self._mixed is None:
-            return
-        sources, nbytes = self._mixed.count_sources(begin, stop)
-        with self._lock:
-            np.add.at(self._source_row[:, 0], sources, 1)
-            np.add.at(self._source_row[:, 1], sources, nbytes)
 
     def _account(self, nbytes: int, samples: int) -> None:
         with self._lock:
@@ -407,7 +301,7 @@ class EpochIterator:
         self.runtime.loop.submit(publish_reader(access, self.runtime.handle, figures))
 
     def _finish(self) -> None:
-        self._row[Counter.PADDED] = self._plan.padded  # a cold plan knows them once it settled
+        self._row[Counter.PADDED] = self._plan.padded  # a growing plan knows them once it settled
         self._row[Counter.TOTAL] = len(self._plan)
         self._units.note_retries()
         if self._ahead is not None:

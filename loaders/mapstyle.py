@@ -30,6 +30,7 @@ from datacache.loaders.epoch import EpochPlan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.sequence import exclusive_sum
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
 from datacache.loaders.units import UnitReaders
@@ -126,8 +127,7 @@ class CachedMapDataset(Dataset[Any]):
             key = min(plan.unreadable)
             raise ShardReadError(plan.unreadable[key])
         counts = plan.counts
-        starts = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=starts[1:])
+        starts = exclusive_sum(counts)
         where = f"dataset {runtime.handle.id} (random access)"
         units = UnitReaders(
             runtime,

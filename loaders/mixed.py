@@ -17,16 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldplan import CountBook, complete_runtime
-from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch, reader_name
+from datacache.loaders.coldplan import CountBook
+from datacache.loaders.datasetplans import DatasetPlanner
+from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch
 from datacache.loaders.mixing import source_counts
 from datacache.loaders.mixplan import MixedOrder
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Layout, reader_name
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.sequence import Deal, Order
+from datacache.loaders.sequence import Deal, Order, exclusive_sum
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -125,15 +126,15 @@ def open_mix(
         handle = loop.run(open_handle(access, spec))
         plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
         spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
-        part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans)
-        if not complete(plan):
-            # Counted through the stager, so that the origin serves each shard once, for counting and
-            # reading alike; every source's count starts now, and they run together.
-            part.book = CountBook(plan, handle, settings, loop, access)
-            part.book.start()
+        # Counted through the stager, so that the origin serves each shard once, for counting and
+        # reading alike; every source's count starts now, and they run together.
+        book = None if complete(plan) else CountBook(plan, handle, settings, loop, access)
+        part = Runtime(os.getpid(), loop, settings, access, handle, plan, shuffle_buffer or 0, spans=spans, book=book)
+        if book is not None:
+            book.start()
         parts.append(part)
     for part in parts:
-        complete_runtime(part, shuffle_buffer)  # a mix shares the epoch out by the sources' sizes
+        DatasetPlanner(part, shuffle_buffer).complete()  # a mix shares the epoch out by the sources' sizes
     formats = {part.handle.manifest.format for part in parts}
     if len(formats) > 1:
         found = ", ".join(
@@ -152,16 +153,15 @@ def open_mix(
     total = int(counts.sum())
     window = shuffle_buffer or auto_window(total, len(combined.units))
     first = parts[0]
-    runtime = Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans)
-    runtime.mix = Mix(
+    mix = Mix(
         parts=tuple(parts),
         labels=labels,
         counts=counts,
         windows=tuple(part.window for part in parts),
         replacement=replacement,
-        unit_offsets=np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64),
+        unit_offsets=exclusive_sum(sizes)[:-1],
     )
-    return runtime
+    return Runtime(first.pid, loop, settings, access, first.handle, combined, window, spans=first.spans, mix=mix)
 
 
 def mix_plan(
@@ -175,7 +175,7 @@ def mix_plan(
     cursors: tuple[Cursor, ...],
 ) -> LazyEpochPlan:
     """The reader ``layout``'s share of mixed epoch ``epoch``, less what ``cursors`` consumed."""
-    mix: Mix = runtime.mix
+    mix = runtime.mixed()
     return plan_epoch(
         runtime.plan.counts,
         seed=seed,
@@ -204,7 +204,7 @@ def mix_futures(
     Per rank and per block of positions, as one dataset's (`epoch.node_unit_sequences`): a rank's
     workers share its sequence. Every reader computes the same value.
     """
-    mix: Mix = runtime.mix
+    mix = runtime.mixed()
     this = mix.order(seed=seed, epoch=epoch, shuffle=shuffle)
     now = epoch_sequence(
         runtime.plan.counts, seed=seed, epoch=epoch, shuffle=shuffle, window=runtime.window, cursors=cursors, order=this
@@ -222,9 +222,9 @@ def mix_futures(
             if rank == layout.rank:
                 splits[source] = len(parts[0][source])
             for worker in range(layout.num_workers):
-                name = reader_name(Layout(layout.world_size, rank, layout.num_workers, worker, layout.chunk))
+                name = reader_name(rank, worker)
                 found[source][name] = units
-    me = reader_name(layout)
+    me = reader_name(layout.rank, layout.worker)
     return tuple(NodeFuture(me, epoch, found[s], split=splits[s]) for s in range(sources))
 
 

@@ -90,6 +90,9 @@ class Spread:
     def near(self, items: IntArray) -> tuple[IntArray, IntArray]:
         """Parts at or before, and at or after, the part holding each of ``items``: a few apart, no search."""
         sources, total = len(self.counts), self.total
+        if total == 0:  # an empty mix: nothing to locate, every range is the first part
+            zero = np.zeros(len(items), dtype=np.int64)
+            return zero, zero
         # |items before part b - b*total/parts| < sources: the part is within a few of the proportion.
         scale = self.parts / total
         lo = np.clip(np.floor((items - sources) * scale).astype(np.int64) - 2, 0, self.parts - 1)

@@ -105,7 +105,7 @@ class MixedUnitReaders:
         in_consumer: bool,
         futures: tuple[NodeFuture, ...] | None = None,
     ) -> None:
-        mix: Mix = runtime.mix
+        mix: Mix = runtime.mixed()
         self.runtime = runtime
         self._plan = epoch
         self._source_of_unit = mix.source_of_unit

@@ -32,8 +32,13 @@ import numpy.typing as npt
 __all__ = [
     "Cursor",
     "Layout",
+    "consumed_spots",
     "produced_from_consumed",
+    "reader_name",
+    "worker_count",
+    "worker_ends",
     "worker_positions",
+    "worker_spots",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -96,13 +101,58 @@ class Cursor:
         return cls(world, workers, chunk, produced, cold=data.get("cold") is True)
 
 
+def worker_spots(layout: Layout, indexes: IntArray) -> IntArray:
+    """The spots of the rank's stream that worker ``layout.worker``'s positions ``indexes`` read.
+
+    The one rule of dealing a rank's stream to its workers: chunks of ``layout.chunk`` spots,
+    round robin (`worker_count` counts them, `consumed_spots` inverts them).
+    """
+    indexes = np.asarray(indexes, dtype=np.int64)
+    chunk, workers = layout.chunk, layout.num_workers
+    result: IntArray = ((indexes // chunk) * workers + layout.worker) * chunk + indexes % chunk
+    return result
+
+
+def worker_count(layout: Layout, length: int | IntArray) -> IntArray:
+    """How many of a rank stream's first ``length`` spots worker ``layout.worker`` reads."""
+    lengths = np.asarray(length, dtype=np.int64)
+    chunk, workers, worker = layout.chunk, layout.num_workers, layout.worker
+    chunks, rest = lengths // chunk, lengths % chunk
+    result: IntArray = (chunks // workers) * chunk + np.where(worker < chunks % workers, chunk, 0)
+    return result + np.where(chunks % workers == worker, rest, 0)
+
+
 def worker_positions(rank_stream: IntArray, num_workers: int, worker: int, chunk: int) -> IntArray:
     """The part of a rank's stream one worker reads: chunks ``worker, worker+W, ...`` of ``chunk`` samples."""
-    if num_workers == 1:
-        return rank_stream
-    chunk_of = np.arange(len(rank_stream), dtype=np.int64) // chunk
-    mine: IntArray = rank_stream[chunk_of % num_workers == worker]
+    layout = Layout(1, 0, num_workers, worker, chunk)
+    mine: IntArray = rank_stream[worker_spots(layout, np.arange(int(worker_count(layout, len(rank_stream)))))]
     return mine
+
+
+def worker_ends(cursor: Cursor) -> IntArray:
+    """Per worker of ``cursor``'s layout, the spot of its rank's stream it would read next."""
+    return np.asarray(
+        [
+            int(worker_spots(Layout(1, 0, cursor.num_workers, w, cursor.chunk), np.asarray([n]))[0])
+            for w, n in enumerate(cursor.produced)
+        ],
+        dtype=np.int64,
+    )
+
+
+def consumed_spots(cursor: Cursor, spots: IntArray) -> npt.NDArray[np.bool_]:
+    """Whether each of a rank stream's ``spots`` was read by the worker it is dealt to, as ``cursor`` says."""
+    spots = np.asarray(spots, dtype=np.int64)
+    chunk_index = spots // cursor.chunk
+    worker = chunk_index % cursor.num_workers
+    index = (chunk_index // cursor.num_workers) * cursor.chunk + spots % cursor.chunk
+    result: npt.NDArray[np.bool_] = index < np.asarray(cursor.produced, dtype=np.int64)[worker]
+    return result
+
+
+def reader_name(rank: int, worker: int) -> str:
+    """How a reader is named in the node's future order: ``"rank.worker"``."""
+    return f"{rank}.{worker}"
 
 
 def produced_from_consumed(consumed: int, num_workers: int, chunk: int) -> tuple[int, ...]:

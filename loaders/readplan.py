@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Layout
-from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum, worker_count, worker_spots
+from datacache.loaders.order import Layout, worker_count, worker_spots
+from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum
 
 __all__ = ["SEGMENT", "LazyEpochPlan", "Segmented", "rank_unit_sequence"]
 

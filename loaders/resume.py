@@ -1,26 +1,18 @@
-"""What a saved dataset state holds beyond the cursors: its version, identity, and torchdata's per-worker form."""
+"""What a saved dataset state holds beyond the cursors: its version and torchdata's per-worker form."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from datacache.loaders.iterator import ITERATOR_MARK
-from datacache.loaders.mixed import Mix
 from datacache.loaders.order import Cursor
-from datacache.loaders.runtime import Runtime
 
-__all__ = ["STATE_VERSION", "find_iterator_states", "identity", "state_from_iterators"]
+from datacache.errors import ConfigError
+
+__all__ = ["STATE_VERSION", "check_same", "find_iterator_states", "loader_batch", "read_state", "state_from_iterators"]
 
 STATE_VERSION = 1
-
-
-def identity(runtime: Runtime) -> tuple[str, str]:
-    """What a saved state was taken from: ``(dataset id, manifest snapshot)``, or a mix's."""
-    mix: Mix | None = runtime.mix
-    if mix is not None:
-        return mix.identity()
-    return runtime.handle.manifest.dataset, runtime.handle.manifest.snapshot
 
 
 def find_iterator_states(state: Any) -> list[Mapping[str, Any]]:
@@ -56,3 +48,56 @@ def state_from_iterators(states: list[Mapping[str, Any]]) -> dict[str, Any]:
         "seed": first["seed"],
         "cursors": [*first["cursors"], cursor.to_json()],
     }
+
+
+def read_state(state: Mapping[str, Any]) -> tuple[Mapping[str, Any], int, tuple[Cursor, ...]]:
+    """A saved state (a torchdata loader's per-worker ones made one), its epoch and its cursors."""
+    iterator_states = find_iterator_states(state)
+    if "cursors" not in state and iterator_states:
+        state = state_from_iterators(iterator_states)
+    try:
+        version = state["version"]
+        cursors = tuple(Cursor.from_json(c) for c in state["cursors"])
+        epoch = int(state["epoch"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"not a CachedIterableDataset state: {exc}") from None
+    if version != STATE_VERSION:
+        raise ConfigError(f"unsupported state version {version!r}")
+    return state, epoch, cursors
+
+
+def check_same(state: Mapping[str, Any], ours: Mapping[str, object], identity: Callable[[], tuple[str, str]]) -> None:
+    """Refuse a state saved with other options (``ours``) or from another dataset or snapshot (``identity``)."""
+    for name, value in ours.items():
+        if name in state and state[name] != value:
+            raise ConfigError(f"the saved state used {name}={state[name]!r}, this dataset has {value!r}")
+    if "snapshot" in state:
+        dataset, snapshot = identity()
+        if state.get("dataset", dataset) != dataset:
+            raise ConfigError(f"the saved state is for dataset {state['dataset']}, this one reads {dataset}")
+        if state["snapshot"] != snapshot:
+            raise ConfigError(
+                f"dataset {dataset}: the saved state is for manifest snapshot {state['snapshot']}, "
+                f"the cache now holds {snapshot}; resume needs the same snapshot"
+            )
+
+
+def loader_batch(dataset_batch: int | None, batch_size: int | None, workers: int) -> int:
+    """Samples in each batch the DataLoader takes from one worker (``dataset_batch``: the dataset's own)."""
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    if dataset_batch:
+        if batch_size is not None and batch_size != dataset_batch:
+            raise ConfigError(
+                f"state_dict(batch_size={batch_size}) but the dataset yields batches of {dataset_batch} "
+                "(with DataLoader(batch_size=None)); leave batch_size out"
+            )
+        return dataset_batch
+    if batch_size is not None:
+        return batch_size
+    if workers > 1:
+        raise ConfigError(
+            f"with {workers} DataLoader worker processes, pass the DataLoader's batch size too: "
+            "state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)"
+        )
+    return 1

@@ -7,7 +7,7 @@ import concurrent.futures
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from datacache.loaders.openunits import OpenUnits
 from datacache.loaders.readers import SpanCache, UnitPlan, UnitReader
@@ -15,7 +15,12 @@ from datacache.loaders.readers import SpanCache, UnitPlan, UnitReader
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
+from datacache.errors import ConfigError
 from datacache.stager import DatasetHandle, FutureOrder
+
+if TYPE_CHECKING:
+    from datacache.loaders.coldplan import CountBook
+    from datacache.loaders.mixed import Mix
 
 __all__ = ["NodeFuture", "Runtime", "Units"]
 
@@ -34,12 +39,25 @@ class Runtime:
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
-    book: Any = None
-    """The `coldplan.CountBook` while some shard's sample count is unknown."""
+    book: CountBook | None = None
+    """The sample counts this process knows, while some are unknown (given when made; see `counted`)."""
     units: OpenUnits = field(default_factory=OpenUnits)
     """Units open in this process, shared by its readers (`OpenUnits`)."""
-    mix: Any = None
-    """The `mixed.Mix` of a dataset of several sources (or one with an epoch size): None otherwise."""
+    mix: Mix | None = None
+    """The sources of a dataset of several (or of one with an epoch size), given when made: None otherwise."""
+
+    def counted(self, plan: UnitPlan, window: int) -> None:
+        """Every sample count is known: ``plan`` holds them, ``window`` is the default shuffle window.
+
+        Called by `datasetplans.DatasetPlanner.complete` only: the one switch from counts unknown to known.
+        """
+        self.plan, self.window, self.book = plan, window, None
+
+    def mixed(self) -> Mix:
+        """The mix this runtime reads (a mixed dataset's)."""
+        if self.mix is None:
+            raise ConfigError(f"dataset {self.handle.id} is not a mix of sources")
+        return self.mix
 
     def close(self) -> None:
         if self.pid != os.getpid() or self.closed:

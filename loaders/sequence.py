@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, consumed_spots, worker_ends
 from datacache.loaders.permute import mix_key, permute
 
 __all__ = [
@@ -90,7 +90,7 @@ def _expand(lo: IntArray, hi: IntArray) -> tuple[IntArray, IntArray]:
     """For each ``i``, the integers ``lo[i] .. hi[i]`` (inclusive): ``(i repeated, integer)``."""
     lengths = np.maximum(hi - lo + 1, 0)
     which = np.repeat(np.arange(len(lo), dtype=np.int64), lengths)
-    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(exclusive_sum(lengths)[:-1], lengths)
     return which, lo[which] + offsets
 
 
@@ -311,23 +311,6 @@ def epoch_order(counts: Sequence[int] | IntArray, *, seed: int, epoch: int, shuf
     return order.ids(np.arange(order.total, dtype=np.int64))
 
 
-def worker_spots(layout: Layout, indexes: IntArray) -> IntArray:
-    """The spots of the rank's stream that worker ``layout.worker``'s positions ``indexes`` read."""
-    indexes = np.asarray(indexes, dtype=np.int64)
-    chunk, workers = layout.chunk, layout.num_workers
-    result: IntArray = ((indexes // chunk) * workers + layout.worker) * chunk + indexes % chunk
-    return result
-
-
-def worker_count(layout: Layout, length: int | IntArray) -> IntArray:
-    """How many of a rank stream's first ``length`` spots worker ``layout.worker`` reads."""
-    lengths = np.asarray(length, dtype=np.int64)
-    chunk, workers, worker = layout.chunk, layout.num_workers, layout.worker
-    chunks, rest = lengths // chunk, lengths % chunk
-    result: IntArray = (chunks // workers) * chunk + np.where(worker < chunks % workers, chunk, 0)
-    return result + np.where(chunks % workers == worker, rest, 0)
-
-
 def remaining(order: Order, cursor: Cursor, block: int) -> RemainingOrder:
     """What ``cursor``'s layout did not consume of ``order`` dealt in blocks of ``block``, in order.
 
@@ -336,14 +319,7 @@ def remaining(order: Order, cursor: Cursor, block: int) -> RemainingOrder:
     rounds plus, per rank, a span of about a block and the workers' spread, listed explicitly.
     """
     deal = Deal(order.total, cursor.world_size, block)
-    produced = np.asarray(cursor.produced, dtype=np.int64)
-    ends = np.asarray(
-        [
-            int(worker_spots(Layout(1, 0, cursor.num_workers, w, cursor.chunk), np.asarray([n]))[0])
-            for w, n in enumerate(cursor.produced)
-        ],
-        dtype=np.int64,
-    )
+    ends = worker_ends(cursor)
     low, high = int(ends.min()), int(ends.max())
     full_blocks = min(low, deal.rounds * block) // block
     prefix = full_blocks * deal.world * block
@@ -353,10 +329,7 @@ def remaining(order: Order, cursor: Cursor, block: int) -> RemainingOrder:
         spots = np.arange(full_blocks * block, min(high, natural), dtype=np.int64)
         if not len(spots):
             continue
-        chunk_index = spots // cursor.chunk
-        worker = chunk_index % cursor.num_workers
-        index = (chunk_index // cursor.num_workers) * cursor.chunk + spots % cursor.chunk
-        taken = spots[index < produced[worker]]
+        taken = spots[consumed_spots(cursor, spots)]
         consumed.append(deal.positions(rank, taken))
     gone = np.unique(np.concatenate(consumed)) if consumed else _EMPTY
     tail = int(gone[-1]) + 1 if len(gone) else prefix

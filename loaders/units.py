@@ -255,10 +255,7 @@ class UnitReaders:
         """
         reader = self.reader_for(unit)
         if reader is None:
-            book = self.runtime.book
-            if book is not None:
-                book.unreadable[self._plan.units[unit].keys[0]] = self.skipped_why.get(unit, "unreadable")
-            return 0
+            return 0  # the plan records why (`skipped_why`)
         return reader.samples
 
     def reader_at(self, position: int) -> UnitReader | None:

@@ -14,8 +14,11 @@ from datacache.loaders.coldorder import (
     node_cold_sequences,
     rank_units,
 )
+from datacache.loaders.datasetplans import cold_plan
 from datacache.loaders.order import Cursor, Layout, worker_positions
+from datacache.loaders.planning import Dealing
 from datacache.loaders.sequence import Deal
+from datacache.loaders.testing import CountingShelf, MemoryCounts, read_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -124,3 +127,37 @@ def test_the_cold_node_future_is_every_readers_shards_and_the_same_from_every_re
         mine = tuple(rank_units(23, seed=7, epoch=0, shuffle=True, world_size=3, rank=rank).tolist())
         assert future[f"{rank}.0"] == future[f"{rank}.1"] == mine, "each reader's shards in its rank's order"
     assert sorted(u for rank in range(3) for u in future[f"{rank}.0"]) == list(range(23))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=count_lists,
+    world=st.integers(1, 6),
+    workers=st.integers(1, 3),
+    chunk=st.integers(1, 4),
+    seed=st.integers(0, 2**40),
+    drop_last=st.booleans(),
+    background=st.booleans(),
+)
+def test_the_growing_plan_deals_what_the_closed_form_says_position_by_position(
+    counts: list[int], world: int, workers: int, chunk: int, seed: int, drop_last: bool, background: bool
+) -> None:
+    """`ColdEpochPlan` (counts arriving as it reads) and `final_stream` (every count known) are one dealing.
+
+    Resume (`cold_remaining`) computes what a cold epoch consumed from the closed form; readers
+    produce it from the growing plan: they must agree at every position, for every worker.
+    """
+    sizes = np.asarray(counts, dtype=np.int64)
+    dealing = Dealing(seed=seed, shuffle=True, drop_last=drop_last)
+    for rank in range(world):
+        stream, repeats = final_stream(
+            sizes, seed=seed, epoch=4, shuffle=True, world_size=world, rank=rank, drop_last=drop_last
+        )
+        for worker in range(workers):
+            layout = Layout(world, rank, workers, worker, chunk)
+            plan = cold_plan(MemoryCounts(sizes, background=background), layout, dealing, epoch=4)
+            plan.reads.count_with(CountingShelf(sizes))
+            grown = read_ids(plan, sizes)
+            assert grown == stream[worker_positions(np.arange(len(stream)), workers, worker, chunk)].tolist()
+            mine = worker_positions(np.arange(len(stream)), workers, worker, chunk)
+            assert plan.reads.padded == int((mine >= len(stream) - repeats).sum())

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _daemon import start_daemon
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.epoch import node_unit_sequences, plan_epoch, reader_name
-from datacache.loaders.order import Layout
+from datacache.loaders.epoch import node_unit_sequences, plan_epoch
+from datacache.loaders.order import Layout, reader_name
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
@@ -126,7 +126,7 @@ def test_the_node_future_is_every_readers_plan_and_the_same_from_every_reader() 
         for worker in range(2):
             layout = Layout(2, rank, 2, worker, 4)
             plan = plan_epoch(counts, layout=layout, **common)  # type: ignore[arg-type]
-            mine = futures[0][reader_name(layout)]
+            mine = futures[0][reader_name(layout.rank, layout.worker)]
             # This epoch's units first, then the next epoch's.
             assert mine[: len(plan.unit_sequence)] == plan.unit_sequence
             nxt = plan_epoch(counts, layout=layout, **{**common, "epoch": 3})  # type: ignore[arg-type]

@@ -375,7 +375,7 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
         assert len(found) == 3
         for source, future in enumerate(found):
             offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].plan.units)
-            sequence = future.units[reader_name(layout)]
+            sequence = future.units[reader_name(layout.rank, layout.worker)]
             assert set(SourcePlan(now, offset, units).unit_sequence) <= set(sequence[: future.split])
             assert set(SourcePlan(following, offset, units).unit_sequence) <= set(sequence[future.split :])
             assert all(0 <= unit < units for unit in sequence)

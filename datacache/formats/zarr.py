@@ -149,7 +149,7 @@ def _arrays(manifest: Manifest, metadata_keys: list[str], read_metadata: Callabl
 
 def _row_keys(arrays: dict[str, Any], keys: set[str], row: int) -> list[str]:
     """The chunk objects of one row of chunks, in every array."""
-    needed = []
+    needed: list[str] = []
     for prefix, info in arrays.items():
         base = f"{prefix}/" if prefix else ""
         lead = f"{base}c{info['separator']}{row}" if info["kind"] == "default" else f"{base}{row}"

@@ -59,7 +59,7 @@ async def wids_manifest(
     folder_url = dataset.url.rsplit("/", 1)[0]
     keys = [_key(entry, folder, folder_url, where) for entry in entries]
     infos = await _stat_all(parent, keys, where, folder_url)
-    fmt = ShardFormat(dataset.format) if dataset.format else ShardFormat.TAR
+    fmt = ShardFormat(dataset.format or "tar")
     shards = tuple(Shard(key, found.size, found.version) for key, found in zip(keys, infos, strict=True))
     return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=shards, extra=dict(extra))
 

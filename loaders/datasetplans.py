@@ -1,0 +1,229 @@
+"""The epochs of one dataset: a first epoch while its sample counts arrive, indexed epochs after.
+
+`DatasetPlanner` makes each reader's `planning.Plan`: a `ColdPlan` (whole shards
+dealt, `coldplan.ColdEpochPlan` growing as the reader counts the shards it
+opens) while some count is unknown and the cluster decided to read the epoch
+cold, else an `IndexedPlan` (`readplan.LazyEpochPlan`), resumed after cursors of
+either kind. It is the one place where the runtime's counts go from unknown to
+known (`complete`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.coldorder import ColdRemainder, cold_remaining, node_cold_sequences
+from datacache.loaders.coldplan import ColdEpochPlan, CountBook, Counts
+from datacache.loaders.epoch import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
+from datacache.loaders.order import Cursor, Layout, reader_name
+from datacache.loaders.plan import complete, load_or_build_plan, save_plan
+from datacache.loaders.planning import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
+from datacache.loaders.readers import SpanCache
+from datacache.loaders.readplan import LazyEpochPlan
+from datacache.loaders.runtime import NodeFuture, Runtime, Units
+from datacache.loaders.units import UnitReaders
+
+from datacache._sync import LoopThread
+from datacache.access import ShardAccess
+from datacache.config import Settings
+from datacache.indexing import decide_cold
+from datacache.stager import DatasetHandle
+
+__all__ = ["ColdPlan", "DatasetPlanner", "IndexedPlan", "cold_plan", "indexed_plan", "open_dataset"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class IndexedPlan:
+    """An epoch dealt from every sample count (`readplan.LazyEpochPlan`): whole from the start."""
+
+    cold = False
+    sources: SourceTally = ONE_SOURCE
+
+    def __init__(self, runtime: Runtime | None, reads: LazyEpochPlan, future: NodeFuture | None) -> None:
+        self._runtime = runtime
+        self.reads = reads
+        self._future = future
+
+    def known(self, length: int) -> int:
+        return len(self.reads)
+
+    def readable(self, begin: int, size: int, known: int) -> int:
+        return known
+
+    def future(self) -> NodeFuture | None:
+        return self._future
+
+    def open_units(self, opening: Opening) -> Units:
+        return UnitReaders(_runtime_of(self._runtime), self.reads, future=self._future, **opening.arguments())
+
+
+class ColdPlan:
+    """A first epoch read while its counts arrive (`coldplan.ColdEpochPlan`): it grows as it is read."""
+
+    cold = True
+    sources: SourceTally = ONE_SOURCE
+
+    def __init__(self, planner: DatasetPlanner | None, reads: ColdEpochPlan, future: NodeFuture | None) -> None:
+        self._planner = planner
+        self.reads = reads
+        self._future = future
+
+    def known(self, length: int) -> int:
+        return self.reads.ensure(length)
+
+    def readable(self, begin: int, size: int, known: int) -> int:
+        if self.reads.final:
+            return known
+        return begin + (known - begin) // size * size  # read ahead only whole batches laid out
+
+    def future(self) -> NodeFuture | None:
+        return self._future
+
+    def open_units(self, opening: Opening) -> Units:
+        runtime = _runtime_of(self._planner.runtime if self._planner is not None else None)
+        units = UnitReaders(runtime, self.reads, future=self._future, **opening.arguments())
+        self.reads.count_with(units)  # the shards it reads next are counted as they are opened
+        return units
+
+
+def _runtime_of(runtime: Runtime | None) -> Runtime:
+    if runtime is None:
+        raise TypeError("this plan was made from plain values (a test's): it has no units to open")
+    return runtime
+
+
+def open_dataset(
+    loop: LoopThread, access: ShardAccess, settings: Settings, handle: DatasetHandle, *, shuffle_buffer: int | None
+) -> Runtime:
+    """The runtime of one dataset: its unit plan, and its counts (a `CountBook`) while some are unknown."""
+    plan = loop.run(load_or_build_plan(access, handle, settings, wait=False))
+    spans = SpanCache(directory=settings.local_dir / "indexes" / "spans" / handle.id)
+    known = complete(plan)
+    # Without every count the default window waits for them (`DatasetPlanner.complete`).
+    window = shuffle_buffer or (auto_window(plan.total, len(plan.units)) if known else 0)
+    book = None if known else CountBook(plan, handle, settings, loop, access)
+    return Runtime(os.getpid(), loop, settings, access, handle, plan, window, spans=spans, book=book)
+
+
+class DatasetPlanner:
+    """The `planning.Planner` of one dataset (see the module's docstring)."""
+
+    def __init__(self, runtime: Runtime, shuffle_buffer: int | None) -> None:
+        self.runtime = runtime
+        self._shuffle_buffer = shuffle_buffer
+
+    def complete(self) -> None:
+        """Every count known: the complete unit plan (saved for the node) and the default window."""
+        runtime = self.runtime
+        book = runtime.book
+        plan = runtime.plan
+        if book is not None:
+            plan = book.completed_plan()
+            runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
+        runtime.counted(plan, runtime.window or self._shuffle_buffer or auto_window(plan.total, len(plan.units)))
+
+    def total(self) -> int:
+        self.complete()
+        return self.runtime.plan.total
+
+    def empty(self) -> bool:
+        return self.runtime.book is None and self.runtime.plan.total == 0
+
+    def cold(self, dealing: Dealing, epoch: int) -> bool:
+        """Whether this epoch is dealt cold (see `indexing.decide_cold`: every process agrees)."""
+        runtime = self.runtime
+        incomplete = runtime.book is not None and not runtime.book.complete
+        manifest = runtime.handle.manifest
+        return decide_cold(runtime.settings, manifest, seed=dealing.seed, epoch=epoch, cold=incomplete)
+
+    def identity(self) -> tuple[str, str]:
+        manifest = self.runtime.handle.manifest
+        return manifest.dataset, manifest.snapshot
+
+    def state_fields(self) -> dict[str, object]:
+        return {}
+
+    def plan(self, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]) -> Plan:
+        runtime = self.runtime
+        if not cursors and self.cold(dealing, epoch):
+            book = runtime.book or CountBook(
+                runtime.plan, runtime.handle, runtime.settings, runtime.loop, runtime.access
+            )
+            return cold_plan(book, layout, dealing, epoch=epoch, planner=self)
+        self.complete()
+        counts, window = runtime.plan.counts, runtime.window
+        return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window, runtime=runtime)
+
+    def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, tuple[int, ...]] | None:
+        """Every reader's units of the epoch after a cold one, once every count is known (else None)."""
+        runtime = self.runtime
+        book = runtime.book
+        if book is not None and not book.complete:
+            return None
+        counts = runtime.plan.counts if book is None else book.counts.copy()
+        window = runtime.window or self._shuffle_buffer or auto_window(int(counts.sum()), len(counts))
+        return node_epoch_sequences(
+            counts,
+            seed=dealing.seed,
+            epoch=epoch,
+            shuffle=dealing.shuffle,
+            window=window,
+            layout=layout,
+            drop_last=dealing.drop_last,
+        )
+
+
+def cold_plan(
+    book: Counts, layout: Layout, dealing: Dealing, *, epoch: int, planner: DatasetPlanner | None = None
+) -> ColdPlan:
+    """Reader ``layout``'s plan of cold epoch ``epoch``, counted through ``book``, and the node's future."""
+    seed, shuffle = dealing.seed, dealing.shuffle
+    reads = ColdEpochPlan(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=dealing.drop_last)
+    units = node_cold_sequences(len(book.counts), seed=seed, epoch=epoch, shuffle=shuffle, layout=layout)
+    later = (lambda: planner.after_cold(layout, dealing, epoch + 1)) if planner is not None else None
+    return ColdPlan(planner, reads, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units, later=later))
+
+
+def indexed_plan(
+    counts: IntArray,
+    layout: Layout,
+    dealing: Dealing,
+    *,
+    epoch: int,
+    cursors: tuple[Cursor, ...],
+    window: int,
+    runtime: Runtime | None = None,
+) -> IndexedPlan:
+    """Reader ``layout``'s indexed plan of epoch ``epoch`` after ``cursors`` (a cold one's first), and its future."""
+    seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
+    order: ColdRemainder | None = None
+    if cursors and cursors[0].cold:
+        order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
+        cursors = cursors[1:]
+    reads = plan_epoch(
+        counts,
+        seed=seed,
+        epoch=epoch,
+        shuffle=shuffle,
+        window=window,
+        cursors=cursors,
+        layout=layout,
+        drop_last=drop_last,
+        order=order,
+    )
+    units = node_unit_sequences(
+        counts,
+        seed=seed,
+        epoch=epoch,
+        shuffle=shuffle,
+        window=window,
+        cursors=cursors,
+        layout=layout,
+        drop_last=drop_last,
+        order=order,
+    )
+    return IndexedPlan(runtime, reads, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))

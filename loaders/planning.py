@@ -1,0 +1,164 @@
+"""What an `EpochIterator` needs of an epoch's plan, whatever kind of epoch it is.
+
+Three kinds of epoch are read: an *indexed* one (every sample count known:
+`datasetplans.IndexedPlan`), a dataset's *first* one while its counts still
+arrive (whole shards dealt, the plan growing as they are counted:
+`datasetplans.ColdPlan`), and a *mixed* one over several sources
+(`mixadapter.MixedPlan`). Each is an object with the `Plan` interface, made by
+its dataset's `Planner` (`datasetplans.DatasetPlanner`, `mixadapter.MixPlanner`);
+the iterator talks only to these two, never asks which kind it reads.
+
+`loaders.testing.PlanTests` is the contract every kind passes: every sample
+once across ranks and workers, equal rank lengths, resume on another layout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.runtime import NodeFuture, Units
+
+if TYPE_CHECKING:
+    from datacache.loaders.prefetch import PrefetchController
+
+__all__ = ["ONE_SOURCE", "Dealing", "Opening", "Plan", "Planner", "SourceTally"]
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class Dealing:
+    """How a dataset deals its epochs: the same on every rank and worker."""
+
+    seed: int
+    shuffle: bool
+    drop_last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """What the units a reader opens share with it: its prefetch controller, stats row and lock."""
+
+    controller: PrefetchController
+    row: FloatArray
+    lock: threading.Lock
+    skip_bad: bool
+    in_consumer: bool
+
+    def arguments(self) -> dict[str, Any]:
+        """As keyword arguments of `units.UnitReaders` (and `mixunits.MixedUnitReaders`)."""
+        return {
+            "controller": self.controller,
+            "row": self.row,
+            "lock": self.lock,
+            "skip_bad": self.skip_bad,
+            "in_consumer": self.in_consumer,
+        }
+
+
+class SourceTally(Protocol):
+    """Delivered samples and bytes by source, for `stats().sources` (a mix has several)."""
+
+    @property
+    def note(self) -> Callable[[int, int], None] | None:
+        """Called with ``(position, payload bytes)`` for each sample read; None: nothing to measure."""
+        ...
+
+    def delivered(self, begin: int, stop: int, rows: FloatArray, lock: threading.Lock) -> None:
+        """Add the samples of positions ``[begin, stop)``, now delivered, to their sources' ``rows``."""
+        ...
+
+
+class _OneSource:
+    """One source: its figures are the reader's own, nothing to tally apart."""
+
+    note = None
+
+    def delivered(self, begin: int, stop: int, rows: FloatArray, lock: threading.Lock) -> None:
+        return None
+
+
+ONE_SOURCE: SourceTally = _OneSource()
+
+
+class Plan(Protocol):
+    """One reader's plan of one epoch, whatever its kind."""
+
+    @property
+    def reads(self) -> ReadPlan:
+        """Each position's unit and index in it; the unit sequence, first use and release (prefetch, closing)."""
+        ...
+
+    @property
+    def cold(self) -> bool:
+        """Whether a cursor saved in this epoch says so: resume then deals what the cold dealing left."""
+        ...
+
+    @property
+    def sources(self) -> SourceTally: ...
+
+    def known(self, length: int) -> int:
+        """Positions laid out once ``length`` of them are, or the epoch's whole length.
+
+        A plan whose counts are still arriving grows here (counting the units it reads next);
+        the others are whole from the start.
+        """
+        ...
+
+    def readable(self, begin: int, size: int, known: int) -> int:
+        """Where reading ahead from ``begin`` in batches of ``size`` may stop, ``known`` positions laid out.
+
+        A plan still growing lets readers ahead only over whole batches laid out.
+        """
+        ...
+
+    def future(self) -> NodeFuture | None:
+        """Every reader's units on this node, in order (eviction keeps what comes soonest); None: not known."""
+        ...
+
+    def open_units(self, opening: Opening) -> Units:
+        """The units this plan reads, opened as they come (a growing plan counts through them)."""
+        ...
+
+
+class Planner(Protocol):
+    """A dataset's epochs: makes each reader's `Plan`, and says what a saved state records of it.
+
+    The switch from "some counts unknown" to "every count known" happens here (`complete`), and
+    only here: a planner is the one thing that changes its runtime's unit plan and window.
+    """
+
+    def plan(self, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]) -> Plan:
+        """Reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed."""
+        ...
+
+    def complete(self) -> None:
+        """Wait for every sample count; from then on every epoch is indexed."""
+        ...
+
+    def total(self) -> int:
+        """Samples in one epoch, across all ranks (waits for every count)."""
+        ...
+
+    def empty(self) -> bool:
+        """Whether an epoch is known to hold no sample (without waiting for counts)."""
+        ...
+
+    def cold(self, dealing: Dealing, epoch: int) -> bool:
+        """Whether epoch ``epoch``, read from its start, is dealt before every count is known."""
+        ...
+
+    def identity(self) -> tuple[str, str]:
+        """``(dataset id, manifest snapshot)`` a saved state names: a resume needs the same."""
+        ...
+
+    def state_fields(self) -> dict[str, object]:
+        """What else a saved state records of this dataset's epochs, to be found equal on resume."""
+        ...

@@ -1,0 +1,80 @@
+"""Every kind of epoch plan keeps one contract (`datacache.loaders.testing.PlanTests`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.datasetplans import cold_plan, indexed_plan
+from datacache.loaders.epoch import auto_window, plan_epoch
+from datacache.loaders.mixadapter import MixedPlan
+from datacache.loaders.mixplan import MixedOrder
+from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.planning import Dealing, Plan
+from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests
+
+IntArray = npt.NDArray[np.int64]
+WINDOW = 4
+
+
+class TestIndexedPlan(PlanTests):
+    def make_plan(
+        self, counts: IntArray, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]
+    ) -> Plan:
+        return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=WINDOW)
+
+
+class TestUnshuffledIndexedPlan(TestIndexedPlan):
+    shuffle = False
+
+
+class TestColdPlan(PlanTests):
+    """A first epoch whose counts arrive only as its reader counts them (and all when it asks)."""
+
+    background = False
+
+    def make_plan(
+        self, counts: IntArray, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]
+    ) -> Plan:
+        if cursors:  # resumed: every count is known by then (as `DatasetPlanner.plan` deals it)
+            return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=WINDOW)
+        plan = cold_plan(MemoryCounts(counts, background=self.background), layout, dealing, epoch=epoch)
+        plan.reads.count_with(CountingShelf(counts))
+        return plan
+
+
+class TestColdPlanIndexedInTheBackground(TestColdPlan):
+    """The cluster's index completes as soon as the first window is counted."""
+
+    background = True
+
+
+class TestMixedPlan(PlanTests):
+    """Two sources (the units' first half and the rest), each read whole once an epoch."""
+
+    def make_plan(
+        self, counts: IntArray, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]
+    ) -> Plan:
+        half = max(1, len(counts) // 2)
+        sources = [counts[:half], counts[half:]]
+        totals = np.asarray([int(s.sum()) for s in sources], dtype=np.int64)
+        order = MixedOrder.of(
+            sources,
+            totals,
+            seed=dealing.seed,
+            epoch=epoch,
+            shuffle=dealing.shuffle,
+            windows=(WINDOW, WINDOW),
+            replacement=False,
+        )
+        reads = plan_epoch(
+            counts,
+            seed=dealing.seed,
+            epoch=epoch,
+            shuffle=dealing.shuffle,
+            window=auto_window(int(counts.sum()), len(counts)),
+            cursors=cursors,
+            layout=layout,
+            drop_last=dealing.drop_last,
+            order=order,
+        )
+        return MixedPlan(None, reads)
