@@ -151,7 +151,7 @@ def _write_origin_bytes(path: str, node: int, epoch: int, dataset: Any = None) -
     """
     from torch.utils.data import get_worker_info
 
-    from datacache.stager import Stager
+    from datacache.staging import Stager
 
     if dataset is None:
         info = get_worker_info()

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from datacache.config import load_settings
-from datacache.stager import Stager, StagingEvent
+from datacache.staging import Stager, StagingEvent
 
 MARK = "<!-- reader-first -->"
 SHARDS = 12

@@ -28,7 +28,7 @@ from datacache.errors import (
     TransientOriginError,
     UnsupportedURLError,
 )
-from datacache.stager import Location, WarmProgress, WarmReport
+from datacache.staging import Location, WarmProgress, WarmReport
 from datacache.tiers import redact_url
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import DaemonUnavailableError
-from datacache.stager import (
+from datacache.staging import (
     PRIORITY_PREFETCH,
     PRIORITY_URGENT,
     DatasetHandle,

@@ -32,14 +32,7 @@ from datacache._protocol import (
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest, reading_url
-from datacache.stager import (
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    DatasetHandle,
-    FutureOrder,
-    Location,
-    ReaderProgress,
-)
+from datacache.staging import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, FutureOrder, Location, ReaderProgress
 from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin
 

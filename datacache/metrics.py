@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from datacache import __version__
-from datacache.stager import StagerStats, StagingEvent
+from datacache.staging import StagerStats, StagingEvent
 
 __all__ = ["CONTENT_TYPE", "METRICS", "DaemonMetrics"]
 

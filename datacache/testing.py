@@ -40,9 +40,10 @@ from typing import TypeVar
 import pytest
 
 from datacache.access import ShardAccess
+from datacache.checksum import checksum_of, new_hasher
 from datacache.config import Settings
 from datacache.errors import ConfigError, ShardNotFoundError
-from datacache.stager import DatasetHandle, Location, ReaderProgress, checksum_of, new_hasher
+from datacache.staging import DatasetHandle, Location, ReaderProgress
 from datacache.tiers import ByteRange
 
 __all__ = ["Origin", "ShardAccessTests"]

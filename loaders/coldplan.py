@@ -48,7 +48,7 @@ from datacache.errors import (
 )
 from datacache.indexing import ClusterIndex
 from datacache.manifest import Shard
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle
+from datacache.staging import PRIORITY_PREFETCH, DatasetHandle
 from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
 __all__ = ["ColdEpochPlan", "CountBook", "Counts", "UnitCounter"]

@@ -30,7 +30,7 @@ from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.indexing import decide_cold
-from datacache.stager import DatasetHandle
+from datacache.staging import DatasetHandle
 
 __all__ = ["ColdPlan", "DatasetPlanner", "IndexedPlan", "cold_plan", "indexed_plan", "open_dataset"]
 

@@ -34,7 +34,7 @@ from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ConfigError, ShardNotFoundError
-from datacache.stager import DatasetHandle
+from datacache.staging import DatasetHandle
 
 __all__ = ["Mix", "mix_futures", "mix_plan", "only_keys", "open_handle", "open_mix"]
 

@@ -9,7 +9,7 @@ import threading
 from datacache.loaders.runtime import Runtime
 
 from datacache.errors import DatacacheError
-from datacache.stager import PRIORITY_PREFETCH
+from datacache.staging import PRIORITY_PREFETCH
 
 __all__ = ["NextEpochStaging"]
 

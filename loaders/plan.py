@@ -26,7 +26,7 @@ from datacache.formats import get_format
 from datacache.formats._base import PlanContext
 from datacache.indexing import node_plan_path
 from datacache.locks import NodeLock
-from datacache.stager import DatasetHandle
+from datacache.staging import DatasetHandle
 
 __all__ = ["complete", "load_or_build_plan", "plan_context", "save_plan"]
 

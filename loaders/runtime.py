@@ -16,7 +16,7 @@ from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.errors import ConfigError
-from datacache.stager import DatasetHandle, FutureOrder
+from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
     from datacache.loaders.coldplan import CountBook

@@ -23,7 +23,7 @@ import torch
 
 from datacache.access import ShardAccess, ThroughputReporter
 from datacache.activity import write_report_file
-from datacache.stager import DatasetHandle, Stager
+from datacache.staging import DatasetHandle, Stager
 
 __all__ = [
     "MAX_READERS",

@@ -32,7 +32,7 @@ from datacache.tiers import redact_url
 from datacache.access import ShardAccess
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.formats import get_format
-from datacache.stager import DatasetHandle, Location, ReaderProgress, Stager
+from datacache.staging import DatasetHandle, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "UnitReaders"]
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from datacache.config import Settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from _daemon import DaemonProcess, start_daemon
 from datacache.access import FailoverAccess, ShardAccess
 from datacache.client import DaemonClient
 from datacache.config import Settings, load_settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 from datacache.testing import ShardAccessTests
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from datacache.catalog import ReaderRow
 from datacache.config import Settings, load_settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -19,7 +19,7 @@ from datacache.config import Settings, load_settings
 from datacache.errors import ShardReadError
 from datacache.indexing import WIDS_INDEX_NAME, ClusterIndex, IndexReport
 from datacache.sidecars import KnownCount
-from datacache.stager import Stager
+from datacache.staging import Stager
 from datacache.tarindex import group_samples, index_to_json, scan_tar
 
 if TYPE_CHECKING:

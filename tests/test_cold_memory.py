@@ -16,7 +16,7 @@ from datacache.loaders import CachedIterableDataset
 from test_loader import write_wds
 
 from datacache.config import load_settings
-from datacache.stager import LOCAL, Stager
+from datacache.staging import LOCAL, Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -11,7 +11,7 @@ from datacache.config import load_settings, resolve_dataset
 from datacache.daemon._http import Peer
 from datacache.daemon._policy import OriginPolicy
 from datacache.daemon._registry import DatasetRegistry
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 
 def test_handles_and_snapshot_files_are_bounded(tmp_path: Path, cache_env: dict[str, str]) -> None:

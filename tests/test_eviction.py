@@ -13,7 +13,7 @@ from _helpers import fill_dir, make_shards, with_stager
 
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.eviction import Candidate, choose_victims
-from datacache.stager import DatasetHandle, Stager, WarmReport
+from datacache.staging import DatasetHandle, Stager, WarmReport
 
 SIZE = 10_000
 
@@ -220,7 +220,7 @@ def test_belady_weighs_a_shard_read_now_by_its_next_read() -> None:
     shard: auto 0.13 of opens local against no-thrash's 0.25 in the eviction sweep).
     """
     from datacache.catalog import ReaderRow
-    from datacache.stager import FutureOrder
+    from datacache.staging import FutureOrder
     from datacache.staging.residency import Residency
 
     residency = Residency()

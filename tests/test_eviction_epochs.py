@@ -26,7 +26,7 @@ from test_loader import write_wds
 from datacache.catalog import Catalog, ReaderRow, ShardState
 from datacache.config import Settings, load_settings
 from datacache.eviction import Candidate
-from datacache.stager import DatasetHandle, FutureOrder, Stager
+from datacache.staging import DatasetHandle, FutureOrder, Stager
 from datacache.staging.residency import Residency
 
 PER_SHARD, SHARDS, CAPACITY_SHARDS = 8, 12, 3

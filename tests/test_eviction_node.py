@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from datacache.catalog import Catalog
 from datacache.client import DaemonClient
 from datacache.config import Settings, load_settings
-from datacache.stager import FutureOrder, ReaderProgress, Stager
+from datacache.staging import FutureOrder, ReaderProgress, Stager
 from datacache.staging.residency import next_uses
 
 EPOCHS = 4
@@ -146,8 +146,8 @@ import asyncio, json, sys
 from datacache.catalog import Catalog
 from datacache.config import Settings, load_settings
 from datacache.client import DaemonClient
-from datacache.stager import FutureOrder, ReaderProgress, Stager
-from datacache.stager import ReaderProgress, Stager
+from datacache.staging import FutureOrder, ReaderProgress, Stager
+from datacache.staging import ReaderProgress, Stager
 
 async def main():
     settings = load_settings({}, overrides=json.loads(sys.argv[1]))

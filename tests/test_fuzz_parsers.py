@@ -469,7 +469,7 @@ def parquet_stager(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One stager (in its own loop) for all the footer examples."""
     from datacache._sync import LoopThread
     from datacache.config import load_settings
-    from datacache.stager import Stager
+    from datacache.staging import Stager
 
     root = tmp_path_factory.mktemp("parquet-footers")
     settings = load_settings({"HOME": str(root)}, overrides={"local_dir": str(root / "cache")})

@@ -22,7 +22,7 @@ from datacache.errors import DatacacheError
 from datacache.indexfiles import IndexFiles
 from datacache.indexing import decide_cold, index_dir
 from datacache.manifest import Manifest
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 
 def _snapshot_dir(settings: Settings, url: str) -> Path:

@@ -23,7 +23,7 @@ from datacache.manifest import (
     detect_format,
     take_manifest,
 )
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from _helpers import fill_bucket, make_shards, with_stager
 
 from datacache.config import Settings, resolve_dataset
-from datacache.stager import Stager, StagingEvent
+from datacache.staging import Stager, StagingEvent
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

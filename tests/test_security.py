@@ -32,7 +32,7 @@ from datacache.config import Settings, dataset_id_for, load_settings
 from datacache.errors import InvalidKeyError
 from datacache.locks import lock_name
 from datacache.manifest import ManifestStore
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -12,7 +12,7 @@ from datacache.loaders import CachedIterableDataset
 from test_loader import write_wds
 
 from datacache.config import Settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 
 def _stage_on_shared(settings: Settings, origin: Path) -> str:

@@ -17,7 +17,7 @@ from _helpers import checksum, fill_bucket, fill_dir, make_shards, partial_files
 from datacache.catalog import Catalog, ShardState
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import OriginChangedError, ShardNotFoundError, TierFullError
-from datacache.stager import PRIORITY_PREFETCH, DatasetHandle, Location, Stager, StagerStats, WarmReport
+from datacache.staging import PRIORITY_PREFETCH, DatasetHandle, Location, Stager, StagerStats, WarmReport
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

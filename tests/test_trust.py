@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from datacache.config import DatasetConfig, Settings, dataset_id_for, load_settings, resolve_dataset
 from datacache.errors import ConfigError
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 
 def write_tars(directory: Path, shards: int, samples: int, text: str) -> dict[str, bytes]:

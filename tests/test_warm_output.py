@@ -11,7 +11,7 @@ from _helpers import fill_dir, make_shards, run_cli
 
 from datacache._progress import Progress
 from datacache._protocol import warm_progress_to_wire
-from datacache.stager import WarmProgress
+from datacache.staging import WarmProgress
 
 PROGRESS_WORDS = {"shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_transferred", "rate_bytes_per_s"}
 """What a warm's progress line says, in `warm --json` and in the daemon's /v1/warm alike (docs/DAEMON.md)."""

@@ -18,7 +18,7 @@ from datacache.bench._verdict import TIERS, BenchReport, TierMeasurement, assess
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import ConfigError
 from datacache.manifest import Shard
-from datacache.stager import DatasetHandle, Stager
+from datacache.staging import DatasetHandle, Stager
 from datacache.tiers import ByteRange, device_free
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from datacache.errors import ConfigError
 from datacache.formats import get_format
 from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.shard import SOURCE_FORMATS
-from datacache.stager import Stager
+from datacache.staging import Stager
 from datacache.tiers import redact_url
 from datacache.units import format_bytes, format_rate
 

@@ -17,7 +17,7 @@ from datacache.cli._common import (
 )
 from datacache.config import Settings, resolve_dataset
 from datacache.errors import ConfigError
-from datacache.stager import LOCAL, SHARED, Stager
+from datacache.staging import LOCAL, SHARED, Stager
 from datacache.tiers import redact_url
 from datacache.units import format_bytes
 

@@ -27,7 +27,7 @@ from datacache.cli._topview import SORTS, View, rich_frame, text_frame
 from datacache.client import DaemonClient
 from datacache.config import Settings
 from datacache.errors import ConfigError, DatacacheError
-from datacache.stager import LOCAL, SHARED, Stager
+from datacache.staging import LOCAL, SHARED, Stager
 
 TIERS = ("local", "shared", "origin")
 

@@ -22,7 +22,7 @@ from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.daemon._status import StatusBoard
 from datacache.errors import DaemonUnavailableError
 from datacache.metrics import DaemonMetrics
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 __all__ = ["DaemonBase"]
 

@@ -26,7 +26,7 @@ from datacache._protocol import MAX_BODY_BYTES, error_for
 from datacache.daemon._limits import BodyBudget
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.metrics import DaemonMetrics
-from datacache.stager import LOCAL, SHARED
+from datacache.staging import LOCAL, SHARED
 from datacache.tiers import redact_url, validate_key
 
 __all__ = [

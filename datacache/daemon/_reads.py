@@ -15,14 +15,7 @@ from datacache.daemon import _http as http
 from datacache.daemon._base import DaemonBase
 from datacache.daemon._leases import owner_of
 from datacache.errors import DatacacheError
-from datacache.stager import (
-    LOCAL,
-    PRIORITY_PREFETCH,
-    PRIORITY_URGENT,
-    FutureOrder,
-    Location,
-    ReaderProgress,
-)
+from datacache.staging import LOCAL, PRIORITY_PREFETCH, PRIORITY_URGENT, FutureOrder, Location, ReaderProgress
 from datacache.tiers import validate_key
 
 __all__ = ["ReadVerbs"]

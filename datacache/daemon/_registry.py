@@ -23,7 +23,7 @@ from datacache.daemon._http import BadRequest, Peer, string
 from datacache.daemon._policy import OriginPolicy, check_form
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
-from datacache.stager import DatasetHandle, Stager
+from datacache.staging import DatasetHandle, Stager
 from datacache.tiers import CONFINE_REDIRECTS, redact_url, validate_key
 from datacache.tiers.local import GROUP_READABLE
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from datacache._rate import TokenBucket
 from datacache.errors import DaemonUnavailableError
-from datacache.stager import LOCAL, DatasetHandle, Location, Stager
+from datacache.staging import LOCAL, DatasetHandle, Location, Stager
 
 __all__ = ["PrefetchScheduler", "default_prefetch_slots"]
 

@@ -39,11 +39,7 @@ from datacache.daemon._status import ClientReport, log_event
 from datacache.daemon._warm import WarmRun
 from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.metrics import CONTENT_TYPE
-from datacache.stager import (
-    LOCAL,
-    SHARED,
-    Stager,
-)
+from datacache.staging import LOCAL, SHARED, Stager
 from datacache.tiers import validate_key
 from datacache.tiers.local import GROUP_READABLE
 

@@ -21,7 +21,7 @@ from datacache.activity import user_name
 from datacache.config import Settings
 from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.metrics import DaemonMetrics
-from datacache.stager import LOCAL, SHARED, DatasetHandle, Stager, StagingEvent
+from datacache.staging import LOCAL, SHARED, DatasetHandle, Stager, StagingEvent
 from datacache.tiers import device_free, redact_url
 
 __all__ = ["ClientReport", "StatusBoard", "log_event"]

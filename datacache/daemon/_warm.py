@@ -19,7 +19,7 @@ from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.errors import DatacacheError
 from datacache.manifest import Shard
-from datacache.stager import DatasetHandle, Location, Stager, WarmProgress
+from datacache.staging import DatasetHandle, Location, Stager, WarmProgress
 from datacache.tiers import redact_url
 
 __all__ = ["WarmRun"]

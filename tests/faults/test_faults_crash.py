@@ -29,7 +29,7 @@ from _faultdata import catalog, check_cache, lease_locks, partials, record, xxh
 from _helpers import DATACACHE, REPO, run_cli
 
 from datacache.config import Settings, dataset_id_for, load_settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

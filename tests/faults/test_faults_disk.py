@@ -25,7 +25,7 @@ from datacache.loaders import CachedIterableDataset
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings, dataset_id_for, load_settings
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

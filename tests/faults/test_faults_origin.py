@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from datacache.config import DatasetConfig, Settings, load_settings
 from datacache.errors import OriginPermissionError, ShardNotFoundError, TransientOriginError
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -31,7 +31,7 @@ from datacache.loaders import CachedIterableDataset
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import OriginChangedError
 from datacache.manifest import MANIFEST_NAME
-from datacache.stager import Stager
+from datacache.staging import Stager
 
 if TYPE_CHECKING:
     from conftest import S3Bucket
