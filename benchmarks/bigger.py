@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from datacache.units import parse_bandwidth
+from datacache.sizes import parse_bandwidth
 
 __all__ = ["main", "run_scenario", "saved_table", "write_table"]
 

@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks import _data
 from benchmarks._common import BUCKET, NUM_WORKERS, REPO, WORK, Sizes, clean_env, parse_result, s3_env
 from benchmarks.daemon_mode import start_daemon, stop_daemon
-from datacache.units import format_bytes, parse_size
+from datacache.sizes import format_bytes, parse_size
 
 MARK = "<!-- cold-big -->"
 MODES = ("embedded", "daemon")

@@ -54,7 +54,7 @@ SAMPLES_PER_SHARD = (20, 128, 1000)
 CAPACITIES = (0.25, 0.5, 0.75)
 READERS = ((1, 1), (2, 2), (4, 2))
 PACES = ("fast", "paced")
-HOLD_AHEAD = 4  # as `datacache.loaders.units.HOLD_AHEAD`
+HOLD_AHEAD = 4  # as `datacache.loaders.unit_readers.HOLD_AHEAD`
 CONCURRENCY = 8  # the stager's default transfer slots: the prefetch is at least this deep
 DATASET = "sweep"
 

@@ -34,8 +34,8 @@ from pathlib import Path
 from datacache.loaders.readers import hash_buffer, map_file
 
 from datacache.config import load_settings
+from datacache.sizes import parse_size
 from datacache.staging import DatasetHandle, Stager
-from datacache.units import parse_size
 
 MARK = "<!-- shared-read -->"
 

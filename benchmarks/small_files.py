@@ -9,7 +9,7 @@ does) on 127.0.0.1, uploads the objects (not timed), then measures:
 (b) ``datacache shard`` of the tree to tar shards in the same bucket
     (objects/s of sharding), then ``datacache warm`` of the shards to a local
     cache and a read of every sample from the local copy through
-    `datacache.tarindex` (scan, group, hash every byte).
+    `datacache.counting.tarindex` (scan, group, hash every byte).
 
 It prints a markdown table with the rates and the ratio of (b)'s sample
 rate to (a)'s: once with the warm (the cold epoch) and once reading the
@@ -122,9 +122,9 @@ def _cli(args: list[str], env: dict[str, str]) -> tuple[dict[str, Any], float]:
 
 
 def read_shards(cache: Path) -> dict[str, float]:
-    """Every sample of every cached shard, through `datacache.tarindex`, hashing every byte."""
+    """Every sample of every cached shard, through `datacache.counting.tarindex`, hashing every byte."""
     from datacache.checksum import new_hasher
-    from datacache.tarindex import group_samples, scan_tar
+    from datacache.counting.tarindex import group_samples, scan_tar
 
     shards = sorted(cache.rglob("*.tar"))
     if not shards:

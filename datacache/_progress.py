@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from datacache._rate import RateMeter
-from datacache.units import format_bytes, format_rate
+from datacache.sizes import format_bytes, format_rate
 
 __all__ = ["Progress"]
 

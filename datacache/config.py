@@ -25,8 +25,8 @@ from urllib.parse import unquote
 
 from datacache.errors import ConfigError
 from datacache.formats import format_names
+from datacache.sizes import parse_bandwidth, parse_size
 from datacache.tiers import RetryPolicy, redact_url, split_scheme, split_userinfo
-from datacache.units import parse_bandwidth, parse_size
 
 __all__ = [
     "POLICIES",

@@ -27,8 +27,8 @@ import numpy as np
 from datacache._logging import configure_logging
 from datacache.config import Settings, load_settings, resolve_dataset
 from datacache.manifest import MANIFEST_NAME
+from datacache.sizes import format_bytes, format_rate
 from datacache.staging import Stager, StagingEvent
-from datacache.units import format_bytes, format_rate
 
 __all__ = ["main"]
 

@@ -39,6 +39,8 @@ from datacache.loaders.readplan import Segmented
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
+from datacache.counting.cluster import ClusterIndex
+from datacache.counting.tarscan import count_tar_bytes, count_tar_file, count_tar_samples
 from datacache.errors import (
     ChecksumMismatchError,
     DatacacheError,
@@ -46,10 +48,8 @@ from datacache.errors import (
     StagerClosedError,
     TierAccessError,
 )
-from datacache.indexing import ClusterIndex
 from datacache.manifest import Shard
 from datacache.staging import PRIORITY_PREFETCH, DatasetHandle
-from datacache.tarcount import count_tar_bytes, count_tar_file, count_tar_samples
 
 __all__ = ["ColdEpochPlan", "CountBook", "Counts", "UnitCounter"]
 

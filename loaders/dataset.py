@@ -25,8 +25,8 @@ import torch
 from datacache.loaders.datasetplans import DatasetPlanner, open_dataset
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.iterator import EpochIterator
-from datacache.loaders.mixadapter import MixPlanner
-from datacache.loaders.mixed import open_handle, open_mix
+from datacache.loaders.mix.plan import MixPlanner
+from datacache.loaders.mix.sources import open_handle, open_mix
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
@@ -40,7 +40,7 @@ from datacache._sync import LoopThread
 from datacache.access import ShardAccess, open_access
 from datacache.config import Settings, load_settings
 from datacache.errors import ConfigError
-from datacache.units import parse_bandwidth
+from datacache.sizes import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
@@ -77,7 +77,7 @@ def _check_options(
 
 
 def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
-    """Whether the epochs are a mix's (`mixed`): several sources, a drawn epoch, or a source repeated or chosen."""
+    """Whether the epochs are a mix's (`mix`): several sources, a drawn epoch, or a source repeated or chosen."""
     return len(sources) > 1 or drawn or any(spec.mode != ("repeat", 1.0) for spec in sources)
 
 

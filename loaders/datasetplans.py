@@ -24,12 +24,12 @@ from datacache.loaders.planning import ONE_SOURCE, Dealing, Opening, Plan, Sourc
 from datacache.loaders.readers import SpanCache
 from datacache.loaders.readplan import LazyEpochPlan
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
-from datacache.loaders.units import UnitReaders
+from datacache.loaders.unit_readers import UnitReaders
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
-from datacache.indexing import decide_cold
+from datacache.counting.cluster import decide_cold
 from datacache.staging import DatasetHandle
 
 __all__ = ["ColdPlan", "DatasetPlanner", "IndexedPlan", "cold_plan", "indexed_plan", "open_dataset"]
@@ -134,7 +134,7 @@ class DatasetPlanner:
         return self.runtime.book is None and self.runtime.plan.total == 0
 
     def cold(self, dealing: Dealing, epoch: int) -> bool:
-        """Whether this epoch is dealt cold (see `indexing.decide_cold`: every process agrees)."""
+        """Whether this epoch is dealt cold (see `counting.cluster.decide_cold`: every process agrees)."""
         runtime = self.runtime
         incomplete = runtime.book is not None and not runtime.book.complete
         manifest = runtime.handle.manifest

@@ -4,7 +4,7 @@ Sample ``i`` is the ``i``-th sample of the dataset in manifest order (the order
 `CachedIterableDataset` yields with ``shuffle=False`` on one rank): the dataset's
 unit plan says which unit (tar shard, Parquet file, plain file, row of Zarr
 chunks) holds it and where inside. Reading it opens that unit the way the
-iterable dataset does (`units.UnitReaders`): from the local tier, else the
+iterable dataset does (`unit_readers.UnitReaders`): from the local tier, else the
 shared tier (while the local copy is staged), else staged from the origin
 now, verified against the manifest before any sample is served from it. A few
 units stay open (mapped) per process, so that neighbouring indexes cost no
@@ -33,7 +33,7 @@ from datacache.loaders.runtime import Runtime
 from datacache.loaders.sequence import exclusive_sum
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
-from datacache.loaders.units import UnitReaders
+from datacache.loaders.unit_readers import UnitReaders
 from datacache.tiers import redact_url
 from torch.utils.data import Dataset
 

@@ -22,9 +22,9 @@ from datacache.tiers._files import atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings
+from datacache.counting.cluster import node_plan_path
 from datacache.formats import get_format
 from datacache.formats._base import PlanContext
-from datacache.indexing import node_plan_path
 from datacache.locks import NodeLock
 from datacache.staging import DatasetHandle
 

@@ -4,8 +4,8 @@ Three kinds of epoch are read: an *indexed* one (every sample count known:
 `datasetplans.IndexedPlan`), a dataset's *first* one while its counts still
 arrive (whole shards dealt, the plan growing as they are counted:
 `datasetplans.ColdPlan`), and a *mixed* one over several sources
-(`mixadapter.MixedPlan`). Each is an object with the `Plan` interface, made by
-its dataset's `Planner` (`datasetplans.DatasetPlanner`, `mixadapter.MixPlanner`);
+(`mix.plan.MixedPlan`). Each is an object with the `Plan` interface, made by
+its dataset's `Planner` (`datasetplans.DatasetPlanner`, `mix.plan.MixPlanner`);
 the iterator talks only to these two, never asks which kind it reads.
 
 `loaders.testing.PlanTests` is the contract every kind passes: every sample
@@ -53,7 +53,7 @@ class Opening:
     in_consumer: bool
 
     def arguments(self) -> dict[str, Any]:
-        """As keyword arguments of `units.UnitReaders` (and `mixunits.MixedUnitReaders`)."""
+        """As keyword arguments of `unit_readers.UnitReaders` (and `mix.readers.MixedUnitReaders`)."""
         return {
             "controller": self.controller,
             "row": self.row,

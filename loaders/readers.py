@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
+from datacache.counting.tarindex import SampleSpan, SpanTable
 from datacache.errors import ShardReadError
 from datacache.formats import get_format
 from datacache.formats._base import COUNT_SOURCES, Unit, UnitPlan, UnitReader, sample_of
 from datacache.formats.tar import TarReader
 from datacache.formats.zarr import zarr_plan
 from datacache.manifest import ShardFormat
-from datacache.tarindex import SampleSpan, SpanTable
 
 __all__ = [
     "COUNT_SOURCES",

@@ -20,7 +20,7 @@ from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
     from datacache.loaders.coldplan import CountBook
-    from datacache.loaders.mixed import Mix
+    from datacache.loaders.mix.sources import Mix
 
 __all__ = ["NodeFuture", "Runtime", "Units"]
 
@@ -111,7 +111,7 @@ class NodeFuture:
 
 
 class Units(Protocol):
-    """What walking a plan needs of the units it reads: `UnitReaders`, or `mixunits.MixedUnitReaders`."""
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `mix.readers.MixedUnitReaders`."""
 
     runtime: Runtime
 

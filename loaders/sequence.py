@@ -17,7 +17,7 @@ sample of the dataset:
   spread; so the remainder is a short explicit list followed by a contiguous tail of the order
   it came from, at a cost of ranks x (window + band), not of samples.
 - **`ArrayOrder`**: an order given as an array (what a cold epoch left). A mix of sources is an
-  `Order` of its own, computed per position too (`mixplan.MixedOrder`).
+  `Order` of its own, computed per position too (`mix.order.MixedOrder`).
 
 Every order also says, conservatively, which shards a range of its positions may read
 (`units_of_ranges`): the node's future, prefetch and closing work from that, per window.

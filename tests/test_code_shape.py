@@ -34,9 +34,9 @@ LONG_MODULES = {
     "datacache/catalog/store.py",
     "datacache/config.py",
     "datacache/staging/stager.py",
-    "datacache/tarindex.py",
+    "datacache/counting/tarindex.py",
     "loaders/dataset.py",
-    "loaders/units.py",
+    "loaders/unit_readers.py",
 }
 
 

@@ -16,11 +16,11 @@ from faults._faultproxy import FaultProxy
 from test_loader import write_wds
 
 from datacache.config import Settings, load_settings
+from datacache.counting.cluster import WIDS_INDEX_NAME, ClusterIndex, IndexReport
+from datacache.counting.sidecars import KnownCount
+from datacache.counting.tarindex import group_samples, index_to_json, scan_tar
 from datacache.errors import ShardReadError
-from datacache.indexing import WIDS_INDEX_NAME, ClusterIndex, IndexReport
-from datacache.sidecars import KnownCount
 from datacache.staging import Stager
-from datacache.tarindex import group_samples, index_to_json, scan_tar
 
 if TYPE_CHECKING:
     from conftest import S3Bucket

@@ -18,7 +18,7 @@ from datacache.config import (
     resolve_dataset,
 )
 from datacache.errors import ConfigError
-from datacache.units import format_bytes, format_rate, parse_bandwidth, parse_size
+from datacache.sizes import format_bytes, format_rate, parse_bandwidth, parse_size
 
 
 def write_config(tmp_path: Path, text: str) -> Path:

@@ -21,7 +21,7 @@ from _daemon import REPO, unix_request, wait_until
 
 from datacache.config import load_settings
 from datacache.metrics import METRICS
-from datacache.units import parse_size
+from datacache.sizes import parse_size
 
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "helm" / "datacache"

@@ -20,9 +20,9 @@ from datacache.tiers import validate_key
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from datacache.counting.tarindex import SpanTable, group_samples, index_from_json, index_to_json, scan_tar
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest import Manifest, Shard, ShardFormat
-from datacache.tarindex import SpanTable, group_samples, index_from_json, index_to_json, scan_tar
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

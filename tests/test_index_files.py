@@ -18,9 +18,9 @@ from test_cold_index import build_counts, counts_on_disk
 from test_loader import write_wds
 
 from datacache.config import Settings
+from datacache.counting.cluster import decide_cold, index_dir
+from datacache.counting.indexfiles import IndexFiles
 from datacache.errors import DatacacheError
-from datacache.indexfiles import IndexFiles
-from datacache.indexing import decide_cold, index_dir
 from datacache.manifest import Manifest
 from datacache.staging import Stager
 

@@ -11,8 +11,8 @@ import pytest
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, Source
 from datacache.loaders.epoch import reader_name
-from datacache.loaders.mixed import mix_futures, mix_plan
-from datacache.loaders.mixunits import SourcePlan
+from datacache.loaders.mix.readers import SourcePlan
+from datacache.loaders.mix.sources import mix_futures, mix_plan
 from datacache.loaders.order import Layout
 from torch.utils.data import DataLoader
 

@@ -1,4 +1,4 @@
-"""A mixed epoch's plan at any scale (`loaders/mixplan.py`): exact counts per source, exactly once
+"""A mixed epoch's plan at any scale (`loaders/mix/order.py`): exact counts per source, exactly once
 within each source's share, equal rank lengths, resume onto another layout, (seed, epoch) only.
 
 Pure arithmetic, so Hypothesis checks the properties over many mixes and layouts; memory is measured
@@ -13,8 +13,8 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders.epoch import plan_epoch
-from datacache.loaders.mixing import apportion, source_seed
-from datacache.loaders.mixplan import MixedOrder
+from datacache.loaders.mix.counts import apportion, source_seed
+from datacache.loaders.mix.order import MixedOrder
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.sequence import Deal, WindowedOrder, exclusive_sum

@@ -6,8 +6,8 @@ import numpy as np
 import numpy.typing as npt
 from datacache.loaders.datasetplans import cold_plan, indexed_plan
 from datacache.loaders.epoch import auto_window, plan_epoch
-from datacache.loaders.mixadapter import MixedPlan
-from datacache.loaders.mixplan import MixedOrder
+from datacache.loaders.mix.order import MixedOrder
+from datacache.loaders.mix.plan import MixedPlan
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.planning import Dealing, Plan
 from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests

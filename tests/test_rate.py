@@ -13,7 +13,7 @@ from _helpers import run_cli
 
 from datacache._rate import TokenBucket
 from datacache.errors import ConfigError
-from datacache.units import parse_bandwidth
+from datacache.sizes import parse_bandwidth
 
 
 class VirtualClock:

@@ -22,6 +22,7 @@ from datacache.tiers import ObjectInfo
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.cli import main
+from datacache.counting.tarindex import INDEX_SUFFIX, group_samples, index_from_json, scan_tar
 from datacache.errors import ConfigError, InvalidKeyError
 from datacache.manifest import MANIFEST_NAME, Manifest
 from datacache.shard import (
@@ -32,7 +33,6 @@ from datacache.shard import (
     plan_tar,
     shard_dataset,
 )
-from datacache.tarindex import INDEX_SUFFIX, group_samples, index_from_json, scan_tar
 
 T = TypeVar("T")
 Samples = dict[str, dict[str, bytes]]

@@ -9,8 +9,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from test_fuzz_parsers import FUZZ, crafted_loop, crafted_tars, member_lists, raw_header, real_tar
 
+from datacache.counting.tarindex import TarMember, TarScanner, scan_tar
 from datacache.errors import DatacacheError
-from datacache.tarindex import TarMember, TarScanner, scan_tar
 
 
 def scan_in_chunks(raw: bytes, cuts: list[int]) -> list[TarMember]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from datacache.bench._verdict import gbps
 from datacache.errors import ConfigError
-from datacache.units import format_bytes
+from datacache.sizes import format_bytes
 
 _HEADROOM = 1.10  # staging in flight, eviction lag, filesystem overhead
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from datacache.errors import ConfigError
-from datacache.units import format_bytes
+from datacache.sizes import format_bytes
 
 TIERS = ("origin", "shared", "local")
 _GB = 1e9

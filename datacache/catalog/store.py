@@ -30,8 +30,8 @@ from datacache.catalog.rows import (
 )
 from datacache.errors import TierFullError
 from datacache.eviction import Candidate
+from datacache.sizes import format_bytes
 from datacache.tiers.local import make_local_file
-from datacache.units import format_bytes
 
 __all__ = ["Catalog", "CatalogWrites"]
 

@@ -16,13 +16,13 @@ from datacache.cli._common import (
     settings_from,
 )
 from datacache.config import Settings, resolve_dataset
+from datacache.counting.cluster import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.errors import ConfigError
 from datacache.formats import get_format
-from datacache.indexing import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.shard import SOURCE_FORMATS
+from datacache.sizes import format_bytes, format_rate
 from datacache.staging import Stager
 from datacache.tiers import redact_url
-from datacache.units import format_bytes, format_rate
 
 
 def _endpoint_for(spec: str, settings: Settings, *, source: bool) -> Any:
@@ -39,7 +39,7 @@ def _endpoint_for(spec: str, settings: Settings, *, source: bool) -> Any:
 
 async def _shard(args: argparse.Namespace) -> int:
     from datacache.shard import ShardOptions, ShardPlan, shard_dataset
-    from datacache.units import parse_size
+    from datacache.sizes import parse_size
 
     settings = settings_from(args)
     options = ShardOptions(

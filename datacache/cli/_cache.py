@@ -17,9 +17,9 @@ from datacache.cli._common import (
 )
 from datacache.config import Settings, resolve_dataset
 from datacache.errors import ConfigError
+from datacache.sizes import format_bytes
 from datacache.staging import LOCAL, SHARED, Stager
 from datacache.tiers import redact_url
-from datacache.units import format_bytes
 
 
 async def _ls(args: argparse.Namespace) -> int:

@@ -59,7 +59,7 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
 def bandwidth_flag(args: argparse.Namespace) -> float | None:
     """``--bandwidth`` in bytes/s, its errors naming the flag as typed."""
-    from datacache.units import parse_bandwidth
+    from datacache.sizes import parse_bandwidth
 
     return None if args.bandwidth is None else parse_bandwidth(args.bandwidth, what="--bandwidth")
 

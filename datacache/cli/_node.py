@@ -40,7 +40,7 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 async def _serve(args: argparse.Namespace) -> int:
     from datacache.daemon import DaemonOptions, serve
-    from datacache.units import parse_bandwidth, parse_size
+    from datacache.sizes import parse_bandwidth, parse_size
 
     # A daemon logs each event at info level: one line each, JSON with --log-json.
     configure_logging(
@@ -85,7 +85,7 @@ def _group_id(group: str) -> int:
 
 async def _bench(args: argparse.Namespace) -> int:
     from datacache.bench import TIERS, format_bench, run_bench
-    from datacache.units import parse_bandwidth, parse_size
+    from datacache.sizes import parse_bandwidth, parse_size
 
     settings = settings_from(args)
     dataset = resolve_dataset(args.dataset, settings) if args.dataset else None
@@ -114,7 +114,7 @@ _MOST_GPUS_PER_NODE = 16
 
 async def _plan(args: argparse.Namespace) -> int:
     from datacache.bench import format_plan, plan_tiers
-    from datacache.units import parse_bandwidth, parse_size
+    from datacache.sizes import parse_bandwidth, parse_size
 
     if args.nodes > 1 and args.gpus > _MOST_GPUS_PER_NODE:
         logger.warning(

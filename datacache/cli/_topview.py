@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from datacache.units import format_bytes
+from datacache.sizes import format_bytes
 
 __all__ = ["SORTS", "View", "rich_frame", "sort_clients", "text_frame"]
 

@@ -26,9 +26,9 @@ from datacache.cli._common import (
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
+from datacache.sizes import format_bytes, format_rate
 from datacache.staging import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
-from datacache.units import format_bytes, format_rate
 
 
 def _pattern_to_shards(args: argparse.Namespace) -> None:

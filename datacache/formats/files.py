@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from datacache.counting.tarindex import split_key
 from datacache.formats._base import (
     Buffer,
     BufferReader,
@@ -16,7 +17,6 @@ from datacache.formats._base import (
     UnitReader,
     one_unit_per_shard,
 )
-from datacache.tarindex import split_key
 
 __all__ = ["FORMAT", "FileReader", "FilesFormat"]
 

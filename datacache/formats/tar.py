@@ -1,6 +1,6 @@
 """WebDataset tar shards: a sample is a run of members sharing a key (``0001.jpg``, ``0001.cls``).
 
-Counts come from `datacache.indexing.ClusterIndex`: the cluster's index on the
+Counts come from `datacache.counting.cluster.ClusterIndex`: the cluster's index on the
 shared tier, the sidecar indexes beside the shards (wids, open_clip,
 img2dataset, DALI), and, for shards nobody indexed, a streaming scan of their
 headers that the nodes divide among themselves. A cold epoch starts before
@@ -13,6 +13,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from datacache.counting.cluster import ClusterIndex
+from datacache.counting.sidecars import KnownCount
+from datacache.counting.tarindex import SampleSpan, SpanTable, group_samples, scan_tar
 from datacache.errors import ShardReadError
 from datacache.formats._base import (
     COUNT_SOURCES,
@@ -25,10 +28,7 @@ from datacache.formats._base import (
     UnitPlan,
     UnitReader,
 )
-from datacache.indexing import ClusterIndex
 from datacache.manifest import SIDECAR_CANDIDATES, TAR_BLOCK
-from datacache.sidecars import KnownCount
-from datacache.tarindex import SampleSpan, SpanTable, group_samples, scan_tar
 from datacache.tiers import ObjectInfo
 
 __all__ = ["FORMAT", "TarFormat", "TarReader"]

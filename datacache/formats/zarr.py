@@ -16,7 +16,7 @@ import numpy as np
 from datacache.errors import ShardReadError
 from datacache.formats._base import Buffer, PlanContext, SampleFormat, Unit, UnitPlan, UnitReader
 from datacache.manifest import Manifest
-from datacache.units import format_bytes
+from datacache.sizes import format_bytes
 
 __all__ = ["FORMAT", "ZarrFormat", "ZarrReader", "zarr_plan"]
 

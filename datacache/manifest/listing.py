@@ -39,7 +39,7 @@ def detect_format(keys: Iterable[str]) -> ShardFormat:
 SIDECAR_CANDIDATES = "sidecar_candidates"
 """In a tar manifest's ``extra``: ``[key, size]`` of each listed object that may be a sample index.
 
-`datacache.indexing` reads the sample indexes from these, so that a cold start lists the origin
+`datacache.counting.cluster` reads the sample indexes from these, so that a cold start lists the origin
 once (a listing costs about a second per thousand objects on some stores).
 """
 

@@ -7,7 +7,7 @@ that names such a JSON object is the dataset of those shards. Each shard's URL i
 relative to the index's folder (``base_path`` too), or a full URL under that folder; a
 shard elsewhere is refused, so that every key stays inside the folder the dataset reads.
 The index is kept as the manifest's only sidecar, so the counts it gives are used as
-every other sample index's are (``datacache.sidecars``).
+every other sample index's are (``datacache.counting.sidecars``).
 """
 
 from __future__ import annotations

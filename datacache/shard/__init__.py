@@ -10,7 +10,7 @@ rest of datacache reads without scanning:
 
 - WebDataset-compatible tar shards (``shard-000000.tar``), with fixed header
   fields so the same input always gives the same bytes;
-- ``<shard>.idx.json`` beside each shard (`datacache.tarindex`): every
+- ``<shard>.idx.json`` beside each shard (`datacache.counting.tarindex`): every
   sample's fields and byte spans;
 - ``datacache-manifest.json`` at the output root: each shard's size,
   checksum and sample count, which `datacache.manifest.take_manifest` uses
@@ -25,7 +25,7 @@ process, or as tasks on a Dask or Ray cluster (``engine``).
 
 The package's modules point one way: `plan` (pure planning) <- `job` (the
 values a worker receives) <- `tar` and `columnar` (the packers, independent
-of each other) <- `units` (keep or pack one unit) <- `engines` (where units
+of each other) <- `ensure` (keep or pack one unit) <- `engines` (where units
 run) <- this module (one run, end to end).
 """
 
@@ -197,7 +197,7 @@ _PLANNERS: dict[str, Callable[[Endpoint, list[ObjectInfo], ShardOptions, str], A
     "parquet": _plan_parquet,
     "zarr": _plan_zarr,
 }
-"""The formats of `datacache.formats` that ``datacache shard`` reads (each packer is in `units`)."""
+"""The formats of `datacache.formats` that ``datacache shard`` reads (each packer is picked in `ensure`)."""
 SOURCE_FORMATS = ("auto", *_PLANNERS)
 
 

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from datacache.engines import map_dask, map_ray
+from datacache.shard.ensure import ensure_unit, run_unit_sync
 from datacache.shard.job import ObjectCallback, ShardJob, UnitResult
 from datacache.shard.plan import UnitSpec
-from datacache.shard.units import ensure_unit, run_unit_sync
 
 __all__ = ["ENGINES", "run_dask", "run_local", "run_ray"]
 

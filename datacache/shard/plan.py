@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from datacache.counting.tarindex import SampleSpan
 from datacache.errors import ConfigError, InvalidKeyError
-from datacache.tarindex import SampleSpan
 from datacache.tiers import ObjectInfo, validate_key
 
 __all__ = [
@@ -254,7 +254,7 @@ def tar_header(name: str, size: int) -> bytes:
     """The header blocks of a regular member: fixed fields, so equal inputs give equal bytes.
 
     Names over 100 bytes or outside ASCII get a pax ``path`` record, which
-    GNU tar, Python's tarfile (hence webdataset) and `datacache.tarindex` read.
+    GNU tar, Python's tarfile (hence webdataset) and `datacache.counting.tarindex` read.
     """
     info = tarfile.TarInfo(name)
     info.size = size

@@ -13,10 +13,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from datacache.checksum import checksum_of, new_hasher
+from datacache.counting.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.errors import DatacacheError, OriginChangedError
 from datacache.shard.job import PackIO, ShardJob, put_bytes
 from datacache.shard.plan import ShardOptions, TarMemberPlan, TarPayload, UnitSpec, tar_header
-from datacache.tarindex import INDEX_SUFFIX, index_to_json
 
 __all__ = ["pack_tar"]
 

@@ -22,13 +22,13 @@ from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
 from datacache.locks import NodeLock, lock_name
 from datacache.manifest import Shard
+from datacache.sizes import format_bytes
 from datacache.staging.events import Events
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, known_checksum
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import LOCAL, ORIGIN, SHARED, DatasetHandle, Location, StagingEvent
 from datacache.tiers import LocalTier, Tier, device_free
-from datacache.units import format_bytes
 
 __all__ = ["LocalStager", "reserve_for"]
 

@@ -21,13 +21,13 @@ from datacache.errors import InvalidKeyError, OriginError, TierAccessError, Tier
 from datacache.eviction import Candidate
 from datacache.locks import LeaseLock
 from datacache.manifest import Shard
+from datacache.sizes import format_bytes
 from datacache.staging.events import Events
 from datacache.staging.residency import Residency
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import ORIGIN, SHARED, DatasetHandle, StagingEvent
 from datacache.tiers import ObjectInfo, SharedTier
 from datacache.tiers._dirfd import Place
-from datacache.units import format_bytes
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
 

@@ -32,6 +32,7 @@ from datacache.errors import (
     TierFullError,
 )
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
+from datacache.sizes import format_bytes
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
 from datacache.staging.events import Events, Listener
@@ -61,7 +62,6 @@ from datacache.staging.types import (
 from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, redact_url
 from datacache.tiers.local import PRIVATE, LocalModes
-from datacache.units import format_bytes
 
 __all__ = ["Stager"]
 

@@ -15,12 +15,12 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from datacache.checksum import checksum_of, new_hasher
+from datacache.counting.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.errors import ShardNotFoundError
 from datacache.shard import columnar
 from datacache.shard.job import ObjectCallback, PackIO, ShardJob, UnitResult, put_bytes, record_key
 from datacache.shard.plan import TarPayload, UnitSpec
 from datacache.shard.tar import pack_tar
-from datacache.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.tiers import Tier
 
 __all__ = ["ensure_unit", "run_unit_sync"]

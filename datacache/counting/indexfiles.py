@@ -1,6 +1,6 @@
 """The files of a dataset snapshot's cluster index on the shared tier, and what each one holds.
 
-`datacache.indexing` decides what to count and who counts it; this module
+`datacache.counting.cluster` decides what to count and who counts it; this module
 only reaches, reads and writes its files: every one reached without following
 a link, read bounded, aged by the file server's clock (see docs/SECURITY.md,
 "The shared tier"). `decide_cold` records, beside the counts, whether an
@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from datacache.config import Settings, default_cache_dir
+from datacache.counting.sidecars import KnownCount
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
-from datacache.sidecars import KnownCount
 from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
 
 __all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]

@@ -5,7 +5,7 @@ sample count. They come from, in order:
 
 1. the manifest (``datacache shard`` output records them);
 2. the cluster index on the shared tier (what any node already counted);
-3. the sidecar indexes beside the shards (`datacache.sidecars`: wids,
+3. the sidecar indexes beside the shards (`datacache.counting.sidecars`: wids,
    ``sizes.json``, img2dataset, DALI, ``.idx.json``);
 4. scanning the shards nobody counted: the headers are read from the
    origin's stream as it arrives (`TarScanner`), at the GET rate, and nothing
@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from datacache.config import Settings
+from datacache.counting.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
+from datacache.counting.sidecars import KnownCount, read_sidecar_counts, wids_index
+from datacache.counting.tarscan import count_batch_sync, count_tar_samples
 from datacache.engines import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
-from datacache.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.locks import LeaseLock
 from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
-from datacache.sidecars import KnownCount, read_sidecar_counts, wids_index
-from datacache.tarcount import count_batch_sync, count_tar_samples
 from datacache.tiers import ObjectInfo, Tier
 from datacache.tiers._dirfd import UnsafeFileError
 from datacache.tiers._files import atomic_write

@@ -32,10 +32,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from datacache.counting.tarindex import INDEX_SUFFIX, index_from_json
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.manifest import Manifest, Shard
 from datacache.manifest.wids import WIDS_KIND
-from datacache.tarindex import INDEX_SUFFIX, index_from_json
 from datacache.tiers import ObjectInfo, Tier
 
 __all__ = [

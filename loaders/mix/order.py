@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mixing import source_seed
+from datacache.loaders.mix.counts import source_seed
 from datacache.loaders.permute import mix_key
 from datacache.loaders.sequence import WindowedOrder, dedupe_ranges, exclusive_sum
 
@@ -166,7 +166,7 @@ class SourceDraw:
 
     unit_counts: IntArray
     seed: int
-    """The source's own (`mixing.source_seed`)."""
+    """The source's own (`mix.counts.source_seed`)."""
     epoch: int
     count: int
     shuffle: bool

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mixed import Mix
+from datacache.loaders.mix.sources import Mix
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.readplan import LazyEpochPlan, _UnitMap
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.units import UnitReaders
+from datacache.loaders.unit_readers import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
 

@@ -1,7 +1,7 @@
-"""A mixed epoch behind the `planning.Plan` interface: a thin wrapper of `mixed` and `mixunits`.
+"""A mixed epoch behind the `planning.Plan` interface: a thin wrapper of `mixed` and `mix.readers`.
 
-The mix's own modules plan it (`mixed.mix_plan`) and open its units by source
-(`mixunits.MixedUnitReaders`); this module only adapts them to what
+The mix's own modules plan it (`mix.sources.mix_plan`) and open its units by source
+(`mix.readers.MixedUnitReaders`); this module only adapts them to what
 `EpochIterator` asks of every kind of epoch, and tallies what each source
 delivered (`stats().sources`).
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mixed import mix_futures, mix_plan
-from datacache.loaders.mixunits import MixedUnitReaders
+from datacache.loaders.mix.readers import MixedUnitReaders
+from datacache.loaders.mix.sources import mix_futures, mix_plan
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.planning import Dealing, Opening, Plan
 from datacache.loaders.readplan import LazyEpochPlan
@@ -46,7 +46,7 @@ class _MixTally:
 
 
 class MixedPlan:
-    """A reader's plan of a mixed epoch (`mixed.mix_plan`), and each source's node future (`mix_futures`)."""
+    """A reader's plan of a mixed epoch (`mix.sources.mix_plan`), and each source's node future (`mix_futures`)."""
 
     cold = False
 
@@ -65,7 +65,7 @@ class MixedPlan:
         return known
 
     def future(self) -> NodeFuture | None:
-        return None  # each source's readers tell the stager their own order (`mixunits`)
+        return None  # each source's readers tell the stager their own order (`mix.readers`)
 
     def open_units(self, opening: Opening) -> Units:
         if self._runtime is None:
@@ -76,7 +76,7 @@ class MixedPlan:
 
 
 class MixPlanner:
-    """The `planning.Planner` of a mix of sources: every source counted when it was opened (`mixed.open_mix`)."""
+    """The `planning.Planner` of a mix of sources: every source counted when it was opened (`mix.sources.open_mix`)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime

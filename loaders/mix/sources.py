@@ -4,7 +4,7 @@ Every source is opened as a dataset of its own (its own handle in the stager,
 so its own residency, eviction and sample counts); shard files named one by
 one read their directory's dataset filtered to their keys (`only_keys`). The
 units of all sources are numbered one after the other, source by source, so
-that `epoch.plan_epoch` deals and resumes the mixed order (`mixplan.MixedOrder`, computed per
+that `epoch.plan_epoch` deals and resumes the mixed order (`mix.order.MixedOrder`, computed per
 position: O(shards + sources)) as it does one dataset's.
 """
 
@@ -20,8 +20,8 @@ import numpy.typing as npt
 from datacache.loaders.coldplan import CountBook
 from datacache.loaders.datasetplans import DatasetPlanner
 from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch
-from datacache.loaders.mixing import source_counts
-from datacache.loaders.mixplan import MixedOrder
+from datacache.loaders.mix.counts import source_counts
+from datacache.loaders.mix.order import MixedOrder
 from datacache.loaders.order import Cursor, Layout, reader_name
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from datacache.counting.tarindex import TarScanner, group_samples, scan_tar
 from datacache.errors import ShardReadError
 from datacache.manifest import Shard
-from datacache.tarindex import TarScanner, group_samples, scan_tar
 from datacache.tiers import Tier, open_origin
 
 __all__ = ["count_batch_sync", "count_tar_bytes", "count_tar_file", "count_tar_samples"]
