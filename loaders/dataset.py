@@ -16,7 +16,6 @@ import copy
 import logging
 import multiprocessing.util
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -36,7 +35,7 @@ from datacache.loaders.sources import Given, SourceSpec, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from torch.utils.data import IterableDataset, get_worker_info
 
-from datacache._sync import LoopThread
+from datacache._sync import LoopThread, before_thread_pools_stop
 from datacache.access import ShardAccess, open_access
 from datacache.config import Settings, load_settings
 from datacache.errors import ConfigError
@@ -275,9 +274,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         # the copies still being made durable (fsync, rename) could then only be cancelled, and
         # read from the origin again next time. The interpreter's hook that runs before the pools
         # stop lets `close` finish them (bounded, `JobQueue.close`); `close` runs once either way.
-        before_pools_stop = getattr(threading, "_register_atexit", None)
-        if before_pools_stop is not None:
-            before_pools_stop(runtime.close)
+        before_thread_pools_stop(runtime.close)
         return runtime
 
     def close(self) -> None:
