@@ -18,14 +18,17 @@ from datacache.catalog.rows import (
     ShardState,
     process_owner,
 )
+from datacache.catalog.room import Claim, Room
 from datacache.catalog.store import Catalog
 
 __all__ = [
     "CATALOG_ROOM",
     "Catalog",
     "CatalogEntry",
+    "Claim",
     "DatasetRecord",
     "ReaderRow",
+    "Room",
     "Reservation",
     "ShardState",
     "process_owner",
