@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 import stat as stat_module
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from datacache.tiers._batch import BatchItem, write_batch
 from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
 from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials, remove_if_abandoned
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
@@ -332,6 +333,34 @@ class DirectoryTier(Tier):
         if info is None:
             raise ShardNotFoundError(f"{self._root}/{key}: vanished right after it was written")
         return info
+
+    async def put_many(
+        self, items: Sequence[tuple[str, bytes | memoryview, Mapping[str, str]]]
+    ) -> list[BaseException | None]:
+        """`put` each ``(key, body, metadata)`` of a batch of small objects at once; each one's error, or None.
+
+        The same atomic, durable write per file as `put`, its system calls taken batch-wide
+        (`write_batch`): what makes a tiny object cost a few system calls, not a dozen thread
+        round trips and two fsyncs.
+        """
+        errors: list[BaseException | None] = [None] * len(items)
+        batch: list[BatchItem] = []
+        where: list[int] = []
+        for index, (key, body, metadata) in enumerate(items):
+            try:
+                batch.append(BatchItem(self._data_place(key), self._meta_place(key), body, metadata))
+            except InvalidKeyError as exc:
+                errors[index] = exc
+            else:
+                where.append(index)
+        self._counters["requests"] += len(batch)
+        written = await write_batch(batch, durable=self._durable, file_mode=self.file_mode)
+        for index, error in zip(where, written, strict=True):
+            unsafe = isinstance(error, UnsafeFileError)
+            errors[index] = InvalidKeyError(f"invalid key {items[index][0]!r}: {error}") if unsafe else error
+            if error is None:
+                self._counters["bytes_written"] += len(items[index][1])
+        return errors
 
     async def delete(self, key: str) -> bool:
         self._counters["requests"] += 1

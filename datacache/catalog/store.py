@@ -326,6 +326,20 @@ class Catalog:
                 # reader never fails for its bookkeeping.
                 logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
 
+    async def touch_many(self, dataset: str, keys: Sequence[str]) -> None:
+        """`touch` each of ``keys``, written in one transaction (if any)."""
+        if not keys:
+            return
+        now = time.time()
+        self._touched += len(keys)
+        for key in keys:
+            self._touches.pop((dataset, key), None)
+            self._touches[(dataset, key)] = now
+        try:
+            await self.flush_touches()
+        except sqlite3.OperationalError as exc:
+            logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
+
     async def flush_touches(self) -> None:
         """Write the pending reads of `touch` now."""
         if not self._touches:
@@ -334,7 +348,8 @@ class Catalog:
         self._touches = {}
 
         def write(c: sqlite3.Connection) -> None:
-            self._write_touches(c, pending)
+            with self._transaction(c):  # one commit for them all: alone, each UPDATE was its own
+                self._write_touches(c, pending)
 
         try:
             await self._write(write)

@@ -120,6 +120,36 @@ class Transfer:
             logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
         return info, checksum
 
+    async def fetch(
+        self, handle: DatasetHandle, shard: Shard, source: Tier, source_key: str, expected: str | None, source_name: str
+    ) -> tuple[bytes, str]:
+        """A small shard's bytes in one read, verified as `copy` verifies them; and their checksum.
+
+        For a batch of small shards (`datacache.staging.batch`): the caller writes them all at once.
+        """
+        version = shard.version if source_name == ORIGIN else None
+        if self._throttle is not None and source_name == ORIGIN:
+            await self._throttle.take(shard.size)
+        async with self._memory:
+            data = await source.get(source_key, version=version) if shard.size else b""
+        self._events.count("bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared", len(data))
+        self._events.emit(StagingEvent("bytes", handle.id, shard.key, "local", source_name, len(data)))
+        hasher = new_hasher()
+        hasher.update(data)
+        checksum = checksum_of(hasher)
+        if len(data) != shard.size:
+            got = f"more than {shard.size}" if len(data) > shard.size else str(len(data))
+            raise ChecksumMismatchError(
+                f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {got} bytes, "
+                f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
+            )
+        if expected is not None and checksum != expected:
+            self._events.count("checksum_failures")
+            raise ChecksumMismatchError(
+                f"dataset {handle.id}: shard {shard.key!r} from the {source_name} does not match its checksum"
+            )
+        return data, checksum
+
     async def _parts(self, source: Tier, key: str, size: int, version: str | None) -> AsyncIterator[bytes]:
         """Yield the object's bytes in order, fetching up to a few parts ahead concurrently.
 
