@@ -9,6 +9,7 @@ processes cannot both fill the last free gigabyte.
 
 from __future__ import annotations
 
+from datacache.catalog.room import Claim, Room
 from datacache.catalog.rows import (
     CATALOG_ROOM,
     CatalogEntry,
@@ -18,7 +19,6 @@ from datacache.catalog.rows import (
     ShardState,
     process_owner,
 )
-from datacache.catalog.room import Claim, Room
 from datacache.catalog.store import Catalog
 
 __all__ = [
@@ -28,8 +28,8 @@ __all__ = [
     "Claim",
     "DatasetRecord",
     "ReaderRow",
-    "Room",
     "Reservation",
+    "Room",
     "ShardState",
     "process_owner",
 ]
