@@ -8,7 +8,8 @@ RSS, and ``state_dict()``'s time; at world size 1 and as rank 3 of 8 (``RANK``/`
 and for a mix of three sources (1e6 + 1e7 + the largest). A plan that costs what the shards
 cost keeps all of them flat in the number of samples.
 
-Beside it, ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards (seconds, and per shard), and the
+Beside it, ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards (seconds, per shard, and per shard
+beyond the bytes: `benchmarks._warm_scale`), and the
 anchors' time to the first sample on the 1e8 set where they are installed (WebDataset's and
 LitData's need their own formats, so they are not run here: see RESULTS-scale.md's notes).
 
@@ -23,10 +24,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _warm_scale
 from benchmarks._common import REPO, WORK, clean_env
 
 FILES = 100
@@ -100,35 +101,6 @@ def _point(urls: list[str], cache: Path, env: dict[str, str], timeout: float) ->
     return result
 
 
-def _warm(shards: int, work: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    origin = work / f"tiny-{shards}"
-    if not (origin / ".written").exists():
-        origin.mkdir(parents=True, exist_ok=True)
-        for index in range(shards):
-            (origin / f"{index:07d}.bin").write_bytes(b"x" * 64)
-        (origin / ".written").touch()
-    cache = work / "cache-warm"
-    env = {**env, "DATACACHE_LOCAL_DIR": str(cache / "local")}
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "datacache.cli", "warm", str(origin), "--quiet"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"shards": shards, "error": f"not done within {timeout:.0f} s"}
-    finally:
-        subprocess.run(["rm", "-rf", str(cache)], check=False)
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        return {"shards": shards, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    return {"shards": shards, "seconds": seconds, "ms_per_shard": seconds / shards * 1000}
-
-
 def measure(work: Path, *, quick: bool) -> dict[str, Any]:
     sizes = [10**6, 10**7, 10**8] if quick else [10**6, 10**7, 10**8, 10**9]
     timeout = 300.0
@@ -145,9 +117,7 @@ def measure(work: Path, *, quick: bool) -> dict[str, Any]:
     mix = _point([str(small), str(medium), str(large)], work / "cache", env, timeout)
     mix_total = 10**6 + 10**7 + sizes[-1]
     print(f"scale: a mix of {mix_total:,} samples: {mix}", flush=True)
-    warms = [_warm(n, work, env, timeout) for n in ((10**3, 10**4) if quick else (10**3, 10**4, 10**5))]
-    for warm in warms:
-        print(f"scale: warm {warm}", flush=True)
+    warms = _warm_scale.measure(work, env, quick=quick)
     return {"files": FILES, "points": points, "mix": {"samples": mix_total, **mix}, "warm": warms}
 
 
@@ -181,13 +151,7 @@ def render(result: dict[str, Any]) -> str:
             f"- first sample {mix['first_sample_s']:.2f} s, epoch 1 {mix['epoch1_first_sample_s']:.2f} s, "
             f"peak RSS {mix['peak_rss_mb']:.0f} MB"
         )
-    lines += ["", "`datacache warm` of tiny shards (64 bytes each, a local directory as the origin):", ""]
-    lines += ["| shards | seconds | ms per shard |", "|---|---|---|"]
-    for warm in result["warm"]:
-        if "error" in warm:
-            lines.append(f"| {warm['shards']:,} | {warm['error']} | |")
-        else:
-            lines.append(f"| {warm['shards']:,} | {warm['seconds']:.1f} | {warm['ms_per_shard']:.2f} |")
+    lines += _warm_scale.render(result["warm"])
     return "\n".join(lines) + "\n"
 
 
@@ -195,10 +159,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="up to 1e8 samples and 1e4 shards")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    parser.add_argument("--warm-only", action="store_true", help="only the warm section (RESULTS-scale-warm.md)")
     args = parser.parse_args()
     work = WORK / "scale"
-    result = measure(work, quick=args.quick)
     suffix = "-quick" if args.quick else ""
+    if args.warm_only:
+        warms = _warm_scale.measure(work, clean_env(), quick=args.quick)
+        (args.out / f"results-scale-warm{suffix}.json").write_text(json.dumps(warms, indent=2) + "\n")
+        load = f"Machine load at the start: {os.getloadavg()[0]:.1f} (2 cores)."
+        lines = ["# Warm at scale", "", load, *_warm_scale.render(warms)]
+        (args.out / f"RESULTS-scale-warm{suffix}.md").write_text("\n".join(lines) + "\n")
+        return
+    result = measure(work, quick=args.quick)
     (args.out / f"results-scale{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"RESULTS-scale{suffix}.md").write_text(render(result))
 

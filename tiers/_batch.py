@@ -66,7 +66,7 @@ class _Open:
 
 async def write_batch(
     items: Sequence[BatchItem], *, durable: bool, file_mode: int | None
-) -> list[BaseException | None]:
+) -> list[Exception | None]:
     """Write each item's file (and then its metadata) atomically; return each one's error, or None.
 
     When this returns, every file without an error is in place, and with ``durable``
@@ -74,7 +74,7 @@ async def write_batch(
     temporary file behind (files already renamed stay: they are whole).
     """
     batch = _Open()
-    errors: list[BaseException | None] = [None] * len(items)
+    errors: list[Exception | None] = [None] * len(items)
     steps = asyncio.ensure_future(_steps(batch, items, errors, durable, file_mode))
     try:
         await asyncio.shield(steps)
@@ -90,7 +90,7 @@ async def write_batch(
 
 
 async def _steps(
-    batch: _Open, items: Sequence[BatchItem], errors: list[BaseException | None], durable: bool, file_mode: int | None
+    batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
     await asyncio.to_thread(_write_temporaries, batch, items, errors, file_mode)
     if durable and batch.files:
@@ -101,7 +101,7 @@ async def _steps(
 
 
 def _write_temporaries(
-    batch: _Open, items: Sequence[BatchItem], errors: list[BaseException | None], file_mode: int | None
+    batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], file_mode: int | None
 ) -> None:
     for index, item in enumerate(items):
         try:
@@ -131,7 +131,7 @@ def _fsync_all(fds: Sequence[int]) -> None:
 
 
 def _publish(
-    batch: _Open, items: Sequence[BatchItem], errors: list[BaseException | None], durable: bool, file_mode: int | None
+    batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
     """Rename each written file into place, then write its metadata; fsync each directory once."""
     touched: set[int] = set()

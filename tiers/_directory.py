@@ -336,31 +336,35 @@ class DirectoryTier(Tier):
 
     async def put_many(
         self, items: Sequence[tuple[str, bytes | memoryview, Mapping[str, str]]]
-    ) -> list[BaseException | None]:
-        """`put` each ``(key, body, metadata)`` of a batch of small objects at once; each one's error, or None.
+    ) -> list[Path | Exception]:
+        """`put` each ``(key, body, metadata)`` of a batch of small objects at once: where each landed, or why not.
 
         The same atomic, durable write per file as `put`, its system calls taken batch-wide
         (`write_batch`): what makes a tiny object cost a few system calls, not a dozen thread
-        round trips and two fsyncs.
+        round trips and two fsyncs. The paths were reached without following a link.
         """
-        errors: list[BaseException | None] = [None] * len(items)
+        outcomes: list[Path | Exception] = []
         batch: list[BatchItem] = []
-        where: list[int] = []
-        for index, (key, body, metadata) in enumerate(items):
+        for key, body, metadata in items:
             try:
                 batch.append(BatchItem(self._data_place(key), self._meta_place(key), body, metadata))
             except InvalidKeyError as exc:
-                errors[index] = exc
+                outcomes.append(exc)
             else:
-                where.append(index)
+                outcomes.append(batch[-1].data.path)
         self._counters["requests"] += len(batch)
-        written = await write_batch(batch, durable=self._durable, file_mode=self.file_mode)
-        for index, error in zip(where, written, strict=True):
-            unsafe = isinstance(error, UnsafeFileError)
-            errors[index] = InvalidKeyError(f"invalid key {items[index][0]!r}: {error}") if unsafe else error
-            if error is None:
-                self._counters["bytes_written"] += len(items[index][1])
-        return errors
+        errors = iter(await write_batch(batch, durable=self._durable, file_mode=self.file_mode))
+        for index, ((key, body, _), outcome) in enumerate(zip(items, outcomes, strict=True)):
+            if isinstance(outcome, Exception):
+                continue
+            error = next(errors)
+            if isinstance(error, UnsafeFileError):
+                outcomes[index] = InvalidKeyError(f"invalid key {key!r}: {error}")
+            elif error is not None:
+                outcomes[index] = error
+            else:
+                self._counters["bytes_written"] += len(body)
+        return outcomes
 
     async def delete(self, key: str) -> bool:
         self._counters["requests"] += 1

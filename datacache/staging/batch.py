@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 from datacache.catalog import Claim, Reservation
 from datacache.errors import ChecksumMismatchError, OriginPermissionError, ShardNotFoundError, TierFullError
@@ -52,7 +53,7 @@ _FINAL = (ShardNotFoundError, OriginPermissionError)
 
 async def stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> list[Outcome]:
     """Stage ``shards`` onto the local tier together; return where each one is (or why it is not)."""
-    outcomes: dict[str, Outcome] = await local.hits(handle, shards)
+    outcomes: dict[str, Outcome] = dict(await local.hits(handle, shards))
     for _ in outcomes:
         local.events.hit(LOCAL)
     missing = [shard for shard in shards if shard.key not in outcomes]
@@ -72,7 +73,7 @@ async def stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequenc
 
 async def _under_locks(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Outcome]:
     """Stage the shards whose node locks this process holds; those left out go the one-shard way."""
-    outcomes: dict[str, Outcome] = await local.hits(handle, shards)  # staged by another just before
+    outcomes: dict[str, Outcome] = dict(await local.hits(handle, shards))  # staged by another just before
     missing = [shard for shard in shards if shard.key not in outcomes]
     if not missing:
         return outcomes
@@ -157,20 +158,22 @@ async def _write(
         )
         for shard, (data, checksum, _) in fetched
     ]
-    errors = await local.tier.put_many(items)
-    done = [(shard, got) for (shard, got), error in zip(fetched, errors, strict=True) if error is None]
-    await local.catalog.commit_many(
-        handle.id, [(shard.key, shard.size, shard.version, checksum) for shard, (_, checksum, _) in done]
-    )
-    outcomes: dict[str, Outcome] = {}
-    for (shard, _), error in zip(fetched, errors, strict=True):
-        if error is not None:
-            outcomes[shard.key] = error
-    for shard, (_, checksum, source_name) in done:
+    landed = await local.tier.put_many(items)
+    done = [
+        (shard, checksum, source_name, path)
+        for (shard, (_, checksum, source_name)), path in zip(fetched, landed, strict=True)
+        if isinstance(path, Path)
+    ]
+    staged = [(shard.key, shard.size, shard.version, checksum) for shard, checksum, _, _ in done]
+    await local.catalog.commit_many(handle.id, staged)
+    outcomes: dict[str, Outcome] = {
+        shard.key: error for (shard, _), error in zip(fetched, landed, strict=True) if isinstance(error, Exception)
+    }
+    for shard, checksum, source_name, path in done:
         local.events.count("shards_staged")
         local.events.count("bytes_to_local", shard.size)
         local.events.emit(StagingEvent("staged", handle.id, shard.key, LOCAL, source_name, shard.size))
-        outcomes[shard.key] = Location(LOCAL, local.tier.path(handle.tier_key(shard.key)), shard, checksum)
+        outcomes[shard.key] = Location(LOCAL, path, shard, checksum)
     return outcomes
 
 
