@@ -39,6 +39,10 @@ __all__ = ["BATCH_BYTES", "BATCH_SHARDS", "Outcome", "WarmBatches", "stage_batch
 BATCH_SHARDS = 256
 """Shards in one batch: a catalog transaction and a round of fsyncs each (and as many open files)."""
 
+SMALL = 256 << 10
+"""The largest shard read whole and written with its batch; larger ones stream into their file as ever
+(where their bookkeeping is small beside their bytes)."""
+
 BATCH_BYTES = 64 << 20
 """Bytes of small shards held in memory by one batch until they are written."""
 
@@ -101,7 +105,7 @@ def _held_elsewhere(reservation: Reservation) -> bool:
 
 async def _transfer(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Outcome]:
     """Bring the reserved ``shards`` in: small ones read and written together, large ones one by one."""
-    small_limit = min(local.transfer.keep_limit, 1 << 20)
+    small_limit = min(local.transfer.keep_limit, SMALL)
     small = [shard for shard in shards if shard.size <= small_limit]
     large = [shard for shard in shards if shard.size > small_limit]
     outcomes: dict[str, Outcome] = {}
