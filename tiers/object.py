@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from datacache.tiers._backends import close_filesystem, filesystem_class, metadata_of, pinned_cat, version_of
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url
+from datacache.tiers._localread import read_files
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code, translate_error
 from datacache.tiers._s3_threads import (
@@ -355,6 +356,19 @@ class ObjectTier(Tier):
             data = data[: span.end - span.start]
         self._counters["bytes_read"] += len(data)
         return data
+
+    async def get_local_many(
+        self, keys: Sequence[str], versions: Sequence[str | None]
+    ) -> list[bytes | Exception | None]:
+        """`get` of whole small objects of an origin on this machine (`has_local_paths`), in one thread job.
+
+        Each one's bytes, or the error `get` would give, or None: ask `get` (`read_files`).
+        """
+        files = [(self._path(key), f"{self.url}/{key}", version) for key, version in zip(keys, versions, strict=True)]
+        found = await asyncio.to_thread(read_files, files)
+        self._counters["requests"] += len(found)
+        self._counters["bytes_read"] += sum(len(data) for data in found if isinstance(data, bytes))
+        return found
 
     async def _get_other(self, fs: Any, key: str, span: ByteRange, version: str | None) -> bytes:
         """A read from a backend other than S3: pinned where the backend can name a version."""

@@ -85,6 +85,11 @@ class LocalStager:
             await self.catalog.touch(handle.id, shard.key)
         return Location(LOCAL, path, shard, entry.checksum)
 
+    @property
+    def through_shared(self) -> bool:
+        """Whether shards come to this tier through the shared tier (one configured)."""
+        return self._shared is not None
+
     async def hits(self, handle: DatasetHandle, shards: Sequence[Shard], *, touch: bool = True) -> dict[str, Location]:
         """`hit` for many shards: one catalog read and one thread job of ``lstat`` (a read recorded if ``touch``).
 
