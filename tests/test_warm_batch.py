@@ -19,10 +19,12 @@ import subprocess
 from pathlib import Path
 
 from _helpers import DATACACHE, REPO, fill_dir, partial_files, wait_for, with_stager
+from datacache.tiers import LocalTier
 
 from datacache.catalog import Catalog, Claim, Room, ShardState
 from datacache.catalog.rows import SCHEMA
 from datacache.config import load_settings, resolve_dataset
+from datacache.errors import InvalidKeyError
 from datacache.stager import Stager
 
 TINY = 1_000
@@ -217,3 +219,14 @@ def test_two_nodes_warm_through_one_shared_directory_at_once(tmp_path: Path, cac
     assert on_shared == shards
     assert partial_files(shared) == []
     assert os.listdir(shared / "data") == [dataset]
+
+
+def test_put_many_writes_each_file_whole_and_names_the_bad_key(tmp_path: Path) -> None:
+    tier = LocalTier(tmp_path / "tier")
+    items = [("ds/a.bin", b"a" * 10, {"size": "10"}), ("../escape", b"x", {}), ("ds/sub/b.bin", b"b" * 3, {})]
+    landed = asyncio.run(tier.put_many(items))
+    assert landed[0] == tier.path("ds/a.bin") and landed[2] == tier.path("ds/sub/b.bin")
+    assert isinstance(landed[1], InvalidKeyError)
+    assert tier.path("ds/a.bin").read_bytes() == b"a" * 10
+    assert json.loads((tmp_path / "tier" / "meta" / "ds" / "a.bin.json").read_text()) == {"size": "10"}
+    assert partial_files(tmp_path) == []
