@@ -31,7 +31,7 @@ import socket
 import stat as stat_module
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from datacache.tiers import validate_key
 from datacache.tiers._dirfd import Place, UnsafeFileError, open_dir_async, read_bounded_at, server_now
 from datacache.tiers.local import make_local_dirs
 
-__all__ = ["LeaseLock", "NodeLock", "lock_name"]
+__all__ = ["LeaseLock", "NodeLock", "lock_name", "release_node_locks", "try_node_locks"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,44 @@ class NodeLock:
             os.close(fd)
             raise
         return fd
+
+
+def try_node_locks(paths: Sequence[Path]) -> dict[Path, int]:
+    """Take each `NodeLock` of ``paths`` that is free now, without waiting; the descriptors holding them.
+
+    Blocking (run it in a thread): a batch's locks in one job, a few system calls each.
+    Those held elsewhere are left out; their holder is staging them (wait for them with
+    `NodeLock.hold`). Release with `release_node_locks`.
+    """
+    held: dict[Path, int] = {}
+    made: set[Path] = set()
+    try:
+        for path in paths:
+            if path.parent not in made:
+                make_local_dirs(path.parent)
+                made.add(path.parent)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if _still_linked(fd, path):
+                held[path] = fd
+            else:
+                os.close(fd)  # its holder just finished and removed it: a later `hold` takes it
+    except BaseException:
+        release_node_locks(held)
+        raise
+    return held
+
+
+def release_node_locks(held: Mapping[Path, int]) -> None:
+    """Release locks `try_node_locks` took (removing their files first, as `NodeLock.hold` does)."""
+    for path, fd in held.items():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def _still_linked(fd: int, path: Path) -> bool:

@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 import stat as stat_module
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from datacache.tiers._batch import BatchItem, write_batch
 from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
 from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials, remove_if_abandoned
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
@@ -332,6 +333,38 @@ class DirectoryTier(Tier):
         if info is None:
             raise ShardNotFoundError(f"{self._root}/{key}: vanished right after it was written")
         return info
+
+    async def put_many(
+        self, items: Sequence[tuple[str, bytes | memoryview, Mapping[str, str]]]
+    ) -> list[Path | Exception]:
+        """`put` each ``(key, body, metadata)`` of a batch of small objects at once: where each landed, or why not.
+
+        The same atomic, durable write per file as `put`, its system calls taken batch-wide
+        (`write_batch`): what makes a tiny object cost a few system calls, not a dozen thread
+        round trips and two fsyncs. The paths were reached without following a link.
+        """
+        outcomes: list[Path | Exception] = []
+        batch: list[BatchItem] = []
+        for key, body, metadata in items:
+            try:
+                batch.append(BatchItem(self._data_place(key), self._meta_place(key), body, metadata))
+            except InvalidKeyError as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(batch[-1].data.path)
+        self._counters["requests"] += len(batch)
+        errors = iter(await write_batch(batch, durable=self._durable, file_mode=self.file_mode))
+        for index, ((key, body, _), outcome) in enumerate(zip(items, outcomes, strict=True)):
+            if isinstance(outcome, Exception):
+                continue
+            error = next(errors)
+            if isinstance(error, UnsafeFileError):
+                outcomes[index] = InvalidKeyError(f"invalid key {key!r}: {error}")
+            elif error is not None:
+                outcomes[index] = error
+            else:
+                self._counters["bytes_written"] += len(body)
+        return outcomes
 
     async def delete(self, key: str) -> bool:
         self._counters["requests"] += 1

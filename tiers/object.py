@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
@@ -20,6 +20,7 @@ from datacache.tiers._backends import close_filesystem, filesystem_class, metada
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url, resolves_inside
 from datacache.tiers._filesystems import CONFINE_REDIRECTS, backend_options, one_try
+from datacache.tiers._localread import Found, read_files
 from datacache.tiers._options import check_storage_options
 from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code
 from datacache.tiers._s3_reads import S3Object
@@ -27,12 +28,7 @@ from datacache.tiers._s3_threads import get_request, past_the_end, read_object, 
 from datacache.tiers._uploads import multipart_upload, spooled_upload
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
-from datacache.errors import (
-    ConfigError,
-    OriginChangedError,
-    OriginError,
-    ShardNotFoundError,
-)
+from datacache.errors import ConfigError, OriginChangedError, OriginError, ShardNotFoundError
 
 __all__ = ["CONFINE_REDIRECTS", "ObjectTier"]
 
@@ -301,6 +297,14 @@ class ObjectTier(Tier):
             data = data[: span.end - span.start]
         self._counters["bytes_read"] += len(data)
         return data
+
+    async def get_local_many(self, keys: Sequence[str], versions: Sequence[str | None]) -> list[Found]:
+        """`get` of whole small objects of an origin on this machine (`has_local_paths`) in one thread job."""
+        files = [(self._path(key), f"{self.url}/{key}", version) for key, version in zip(keys, versions, strict=True)]
+        found = await asyncio.to_thread(read_files, files)
+        self._counters["requests"] += len(found)
+        self._counters["bytes_read"] += sum(len(data) for data in found if isinstance(data, bytes))
+        return found
 
     async def _get_other(self, fs: Any, key: str, span: ByteRange, version: str | None) -> bytes:
         """A read from a backend other than S3: pinned where the backend can name a version."""

@@ -9,6 +9,7 @@ processes cannot both fill the last free gigabyte.
 
 from __future__ import annotations
 
+from datacache.catalog.room import Claim, Room
 from datacache.catalog.rows import (
     CATALOG_ROOM,
     CatalogEntry,
@@ -24,9 +25,11 @@ __all__ = [
     "CATALOG_ROOM",
     "Catalog",
     "CatalogEntry",
+    "Claim",
     "DatasetRecord",
     "ReaderRow",
     "Reservation",
+    "Room",
     "ShardState",
     "process_owner",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from datacache.catalog.room import Claim, Room, reserve_in
 from datacache.catalog.rows import (
     COLUMNS,
     SQLITE_FULL,
@@ -30,7 +31,6 @@ from datacache.catalog.rows import (
 )
 from datacache.errors import TierFullError
 from datacache.eviction import Candidate
-from datacache.sizes import format_bytes
 from datacache.tiers.local import make_local_file
 
 __all__ = ["Catalog", "CatalogWrites"]
@@ -44,6 +44,15 @@ TOUCH_BATCH = 64
 
 TOUCH_SECONDS = 5.0
 """Age of the oldest pending access that makes `Catalog.touch` write them all."""
+
+
+_COMMIT = (
+    "INSERT INTO shards (dataset, key, size, version, checksum, state, owner, last_access, staged_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(dataset, key) DO UPDATE SET size=excluded.size,"
+    " version=excluded.version, checksum=excluded.checksum, state=excluded.state, owner=NULL,"
+    " last_access=excluded.last_access, staged_at=excluded.staged_at"
+)
+"""``STAGING`` -> ``RESIDENT`` (or absent -> ``RESIDENT``, for an adopted file)."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +326,20 @@ class Catalog:
                 # reader never fails for its bookkeeping.
                 logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
 
+    async def touch_many(self, dataset: str, keys: Sequence[str]) -> None:
+        """`touch` each of ``keys``, written in one transaction (if any)."""
+        if not keys:
+            return
+        now = time.time()
+        self._touched += len(keys)
+        for key in keys:
+            self._touches.pop((dataset, key), None)
+            self._touches[(dataset, key)] = now
+        try:
+            await self.flush_touches()
+        except sqlite3.OperationalError as exc:
+            logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
+
     async def flush_touches(self) -> None:
         """Write the pending reads of `touch` now."""
         if not self._touches:
@@ -325,7 +348,8 @@ class Catalog:
         self._touches = {}
 
         def write(c: sqlite3.Connection) -> None:
-            self._write_touches(c, pending)
+            with self._transaction(c):  # one commit for them all: alone, each UPDATE was its own
+                self._write_touches(c, pending)
 
         try:
             await self._write(write)
@@ -362,99 +386,87 @@ class Catalog:
         bytes free), mark the victims ``EVICTING`` and insert the ``STAGING`` row.
         The caller deletes the victims' files and then calls `evicted`.
         """
+        room = Room(owner, capacity, device_free, reserve_free, choose)
+        return (await self.reserve_many(dataset, [Claim(key, size, version)], room))[0]
 
+    async def reserve_many(self, dataset: str, claims: Sequence[Claim], room: Room) -> list[Reservation]:
+        """`reserve` for each of ``claims`` in turn, in one transaction: one `Reservation` each, in order."""
         reads, self._touches = self._touches, {}
 
-        def write(c: sqlite3.Connection) -> Reservation:
+        def write(c: sqlite3.Connection) -> list[Reservation]:
             with self._transaction(c):
-                # This process's reads first: its eviction must see them.
-                self._write_touches(c, reads)
-                existing = c.execute(
-                    "SELECT state, owner FROM shards WHERE dataset=? AND key=?", (dataset, key)
-                ).fetchone()
-                if existing is not None and owner_alive(existing[1]):
-                    if existing[0] == ShardState.STAGING and existing[1] != owner:
-                        return Reservation(False, reason=f"being staged by {existing[1]}")
-                    if existing[0] == ShardState.EVICTING:
-                        # Its evictor will delete the file and the row: a new copy now would be deleted.
-                        return Reservation(False, reason=f"being evicted by {existing[1]}")
-                used = c.execute(
-                    "SELECT coalesce(sum(size), 0) FROM shards WHERE state != ? AND NOT (dataset=? AND key=?)",
-                    (ShardState.EVICTING.value, dataset, key),
-                ).fetchone()[0]
-                need = 0
-                if capacity is not None:
-                    need = used + size - capacity
-                free = device_free()
-                device_short = False
-                if free is not None:
-                    # Transfers reserved but not yet written will take their room too: six puts
-                    # at once must not all find the same free bytes.
-                    pending = c.execute(
-                        "SELECT coalesce(sum(size), 0) FROM shards WHERE state = ? AND NOT (dataset=? AND key=?)",
-                        (ShardState.STAGING.value, dataset, key),
-                    ).fetchone()[0]
-                    short = size + reserve_free - (free - pending)
-                    device_short = short > max(need, 0)
-                    need = max(need, short)
-                victims: list[CatalogEntry] = []
-                if need > 0:
-                    pinned = {row[0] for row in c.execute("SELECT id FROM datasets WHERE pinned=1")}
-                    rows = c.execute(
-                        f"SELECT {COLUMNS} FROM shards WHERE state=? AND NOT (dataset=? AND key=?)",
-                        (ShardState.RESIDENT.value, dataset, key),
-                    ).fetchall()
-                    leased = leased_shards(c)
-                    residents = {(r[0], r[1]): entry_from_row(r) for r in rows if (r[0], r[1]) not in leased}
-                    candidates = [
-                        Candidate(e.dataset, e.key, e.size, e.last_access, e.dataset in pinned)
-                        for e in residents.values()
-                    ]
-                    chosen = choose(Candidate(dataset, key, size, time.time()), candidates, need)
-                    if chosen is None:
-                        if device_short and free is not None:
-                            where = (
-                                f"no space left on the local device ({format_bytes(free)} free, "
-                                f"{format_bytes(reserve_free)} kept for the catalog and the system)"
-                            )
-                        else:
-                            held, room = format_bytes(used), format_bytes(capacity or 0)
-                            where = f"the local tier is full ({held} of its {room})"
-                        return Reservation(False, reason=f"{where}, and the policy keeps what is resident")
-                    victims = [residents[(v.dataset, v.key)] for v in chosen]
-                    c.executemany(
-                        "UPDATE shards SET state=?, owner=? WHERE dataset=? AND key=?",
-                        [(ShardState.EVICTING.value, owner, v.dataset, v.key) for v in victims],
-                    )
-                c.execute(
-                    "INSERT INTO shards (dataset, key, size, version, checksum, state, owner, last_access)"
-                    " VALUES (?, ?, ?, ?, NULL, ?, ?, ?) ON CONFLICT(dataset, key) DO UPDATE SET size=excluded.size,"
-                    " version=excluded.version, checksum=NULL, state=excluded.state, owner=excluded.owner,"
-                    " last_access=excluded.last_access",
-                    (dataset, key, size, version, ShardState.STAGING.value, owner, time.time()),
-                )
-                return Reservation(True, victims=tuple(victims))
+                self._write_touches(c, reads)  # this process's reads first: its eviction must see them
+                return reserve_in(c, dataset, claims, room)
 
         try:
-            reservation = await self._write(write)
+            return await self._write(write)
         except BaseException:
             for shard, when in reads.items():
                 self._touches.setdefault(shard, when)
             raise
-        return reservation
+
+    async def commit_many(self, dataset: str, staged: Sequence[tuple[str, int, str | None, str]]) -> None:
+        """`commit` for each ``(key, size, version, checksum)``, in one transaction: their files are in place."""
+        if not staged:
+            return
+
+        def write(c: sqlite3.Connection) -> None:
+            now = time.time()
+            with self._transaction(c):
+                c.executemany(
+                    _COMMIT,
+                    [
+                        (dataset, key, size, version, checksum, ShardState.RESIDENT.value, now, now)
+                        for key, size, version, checksum in staged
+                    ],
+                )
+
+        await self._write(write)
+
+    async def abandon_many(self, dataset: str, keys: Sequence[str], owner: str) -> None:
+        """`abandon` for each of ``keys``, in one transaction."""
+        if not keys:
+            return
+
+        def write(c: sqlite3.Connection) -> None:
+            with self._transaction(c):
+                c.executemany(
+                    "DELETE FROM shards WHERE dataset=? AND key=? AND state=? AND owner=?",
+                    [(dataset, key, ShardState.STAGING.value, owner) for key in keys],
+                )
+
+        await self._write(write)
+
+    async def get_many(self, dataset: str, keys: Sequence[str]) -> dict[str, CatalogEntry]:
+        """The rows of ``keys`` that exist, by key (one read)."""
+
+        def read(c: sqlite3.Connection) -> dict[str, CatalogEntry]:
+            found: dict[str, CatalogEntry] = {}
+            for key in keys:
+                row = c.execute(f"SELECT {COLUMNS} FROM shards WHERE dataset=? AND key=?", (dataset, key)).fetchone()
+                if row is not None:
+                    found[key] = entry_from_row(row)
+            return found
+
+        return await self._run(read)
+
+    async def remove_many(self, shards: Sequence[tuple[str, str]]) -> None:
+        """`remove` each ``(dataset, key)``, in one transaction."""
+        if not shards:
+            return
+
+        def write(c: sqlite3.Connection) -> None:
+            with self._transaction(c):
+                c.executemany("DELETE FROM shards WHERE dataset=? AND key=?", list(shards))
+
+        await self._write(write)
 
     async def commit(self, dataset: str, key: str, *, size: int, version: str | None, checksum: str) -> None:
         """``STAGING`` -> ``RESIDENT``: the verified file is in place."""
 
         def write(c: sqlite3.Connection) -> None:
             now = time.time()
-            c.execute(
-                "INSERT INTO shards (dataset, key, size, version, checksum, state, owner, last_access, staged_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(dataset, key) DO UPDATE SET size=excluded.size,"
-                " version=excluded.version, checksum=excluded.checksum, state=excluded.state, owner=NULL,"
-                " last_access=excluded.last_access, staged_at=excluded.staged_at",
-                (dataset, key, size, version, checksum, ShardState.RESIDENT.value, now, now),
-            )
+            c.execute(_COMMIT, (dataset, key, size, version, checksum, ShardState.RESIDENT.value, now, now))
 
         await self._write(write)
 

@@ -3,7 +3,8 @@
 `Stager` is the facade; its parts point one way, each handed what it needs:
 ``types`` (value types) <- ``events`` (listeners, counters) <- ``queue`` (the
 job queue), ``transfer`` (one copy in a memory budget), ``residency`` (what
-eviction keeps) <- ``shared`` (the shared tier) <- ``local`` (the local tier);
+eviction keeps) <- ``shared`` (the shared tier) <- ``local`` (the local tier) <- ``batch``
+(a warm's shards staged onto it many at once);
 ``recovery`` repairs what killed processes left; ``warm`` is the one warm, run by
 the facade with the queue or by the daemon with its prefetch gate. No part imports
 the facade.

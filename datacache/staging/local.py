@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from datacache._logging import FirstTime
-from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Reservation
+from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Claim, Reservation, Room
 from datacache.config import Settings
 from datacache.errors import ChecksumMismatchError, InvalidKeyError, TierAccessError, TierFullError
 from datacache.locks import NodeLock, lock_name
@@ -54,19 +54,19 @@ class LocalStager:
         events: Events,
         lock_waiters: concurrent.futures.ThreadPoolExecutor,
     ) -> None:
-        self._settings = settings
+        self.settings = settings
         self.tier = tier
-        self._catalog = catalog
-        self._owner = owner
+        self.catalog = catalog
+        self.owner = owner
         self._shared = shared
-        self._transfer = transfer
+        self.transfer = transfer
         self._residency = residency
-        self._events = events
+        self.events = events
         self._lock_waiters = lock_waiters
 
     async def hit(self, handle: DatasetHandle, shard: Shard, *, touch: bool = True) -> Location | None:
         """The shard's local copy if the catalog has it resident and its file is whole; else None."""
-        entry = await self._catalog.get(handle.id, shard.key)
+        entry = await self.catalog.get(handle.id, shard.key)
         if entry is None or entry.state != "resident" or entry.version != shard.version:
             return None
         path = self.tier.path(handle.tier_key(shard.key))
@@ -75,19 +75,51 @@ class LocalStager:
         except FileNotFoundError:
             size = -1
         if size != shard.size:
-            again = await self._catalog.get(handle.id, shard.key)
+            again = await self.catalog.get(handle.id, shard.key)
             if again is None or again.state != "resident":
                 return None  # evicted between the two looks: gone by the rules, not vanished
             logger.warning("dataset %s: shard %r vanished or changed on the local tier", handle.id, shard.key)
-            await self._catalog.remove(handle.id, shard.key)
+            await self.catalog.remove(handle.id, shard.key)
             return None
         if touch:
-            await self._catalog.touch(handle.id, shard.key)
+            await self.catalog.touch(handle.id, shard.key)
         return Location(LOCAL, path, shard, entry.checksum)
+
+    @property
+    def through_shared(self) -> bool:
+        """Whether shards come to this tier through the shared tier (one configured)."""
+        return self._shared is not None
+
+    async def hits(self, handle: DatasetHandle, shards: Sequence[Shard], *, touch: bool = True) -> dict[str, Location]:
+        """`hit` for many shards: one catalog read and one thread job of ``lstat`` (a read recorded if ``touch``).
+
+        A resident row whose file vanished or changed is left for `hit` (the one-shard way) to drop.
+        """
+        entries = await self.catalog.get_many(handle.id, [shard.key for shard in shards])
+        candidates = [
+            (shard, entries[shard.key])
+            for shard in shards
+            if shard.key in entries
+            and entries[shard.key].state == "resident"
+            and entries[shard.key].version == shard.version
+        ]
+        looked = await asyncio.to_thread(_sizes, self.tier, [handle.tier_key(shard.key) for shard, _ in candidates])
+        found = {
+            shard.key: Location(LOCAL, path, shard, entry.checksum)
+            for (shard, entry), (path, size) in zip(candidates, looked, strict=True)
+            if size == shard.size
+        }
+        if touch:
+            await self.catalog.touch_many(handle.id, list(found))
+        return found
+
+    def lock_path(self, name: str) -> Path:
+        """Where the node lock named ``name`` (`lock_name`) lives."""
+        return self.settings.local_dir / "locks" / name
 
     def node_lock(self, *parts: str) -> NodeLock:
         """A lock shared by the processes of this node, named by ``parts``."""
-        return NodeLock(self._settings.local_dir / "locks" / lock_name(*parts), self._lock_waiters)
+        return NodeLock(self.lock_path(lock_name(*parts)), self._lock_waiters)
 
     async def stage(
         self,
@@ -111,65 +143,67 @@ class LocalStager:
         async with self.node_lock(handle.id, shard.key).hold():
             hit = await self.hit(handle, shard)
             if hit is not None:  # another process staged it while we waited
-                self._events.hit(LOCAL)
+                self.events.hit(LOCAL)
                 return hit
-            self._events.count("misses")
+            self.events.count("misses")
             # A full device behaves like a full capacity: make room by the policy, else read
             # from the next tier. Twice: the device may fill between the reservation and the
             # write (a writer that is not datacache); the second reservation sees that.
             for attempt in (1, 2):
                 try:
-                    reservation = await self._reserve(handle, shard, capacity, wanted_now)
+                    reservation = await self._reserve(handle, shard, wanted_now)
                 except TierFullError as exc:  # the catalog itself found no room
-                    return await self._bypass(handle, shard, str(exc))
+                    return await self.bypass(handle, shard, str(exc))
                 await self.delete_victims(reservation.victims)
                 if not reservation.granted:
-                    return await self._bypass(handle, shard, reservation.reason)
+                    return await self.bypass(handle, shard, reservation.reason)
                 try:
-                    return await self._transfer_in(handle, shard, on_verified)
+                    return await self.transfer_in(handle, shard, on_verified)
                 except TierFullError as exc:
                     if attempt == 2:
-                        return await self._bypass(handle, shard, str(exc))
+                        return await self.bypass(handle, shard, str(exc))
             raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _reserve(
-        self, handle: DatasetHandle, shard: Shard, capacity: int | None, wanted_now: bool = False
-    ) -> Reservation:
+    async def _reserve(self, handle: DatasetHandle, shard: Shard, wanted_now: bool) -> Reservation:
+        claim = Claim(shard.key, shard.size, shard.version)
+        return (await self.catalog.reserve_many(handle.id, [claim], await self.room(handle, wanted_now)))[0]
+
+    async def room(self, handle: DatasetHandle, wanted_now: bool = False) -> Room:
+        """What a reservation for ``handle``'s shards is measured against: capacity, device, policy."""
         # Whatever a reader holds open or will open next is never a victim (issue 13).
-        readers = await self._catalog.readers(handle.id) if self._residency.knows(handle.id) else []
-        return await self._catalog.reserve(
-            handle.id,
-            shard.key,
-            size=shard.size,
-            version=shard.version,
-            owner=self._owner,
-            capacity=capacity,
-            device_free=lambda: device_free(self._settings.local_dir),
-            reserve_free=reserve_for(self._settings.local_dir),
+        readers = await self.catalog.readers(handle.id) if self._residency.knows(handle.id) else []
+        return Room(
+            owner=self.owner,
+            capacity=self.tier.capacity,
+            device_free=lambda: device_free(self.settings.local_dir),
+            reserve_free=reserve_for(self.settings.local_dir),
             choose=self._residency.chooser(handle, readers, wanted_now=wanted_now),
         )
 
-    async def _bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:
+    async def bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:
         """Read ``shard`` from the next tier, saying why the local tier could not take it."""
-        self._events.count("bypassed")
-        self._events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
+        self.events.count("bypassed")
+        self.events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
         location = await self.next_tier_location(handle, shard)
         # A cache smaller than the dataset is the expected case: news once per dataset and run.
-        level = _BYPASS_SAID.level(handle.id, run_dir=self._settings.local_dir / "notices")
+        level = _BYPASS_SAID.level(handle.id, run_dir=self.settings.local_dir / "notices")
         tier = location.tier
         logger.log(level, "dataset %s: shard %r is read from the %s tier: %s", handle.id, shard.key, tier, reason)
         return location
 
-    async def _transfer_in(
-        self, handle: DatasetHandle, shard: Shard, on_verified: Callable[[bytes | memoryview, str], None] | None
+    async def transfer_in(
+        self,
+        handle: DatasetHandle,
+        shard: Shard,
+        on_verified: Callable[[bytes | memoryview, str], None] | None = None,
     ) -> Location:
         """Copy a shard whose room is reserved onto the local tier and commit it to the catalog."""
         tier_key = handle.tier_key(shard.key)
         started = time.monotonic()
         try:
-            source, source_key, expected, source_name = await self._source(handle, shard)
+            source, source_key, expected, source_name = await self.source(handle, shard)
             try:
-                info, checksum = await self._transfer.copy(
+                info, checksum = await self.transfer.copy(
                     handle, shard, source, source_key, self.tier, tier_key, expected, source_name, on_verified
                 )
             except ChecksumMismatchError:
@@ -177,28 +211,34 @@ class LocalStager:
                     raise
                 # The shared copy is bad: drop it and go to the origin once.
                 await self._shared.tier.delete(tier_key)
-                source, source_key, expected, source_name = await self._source(handle, shard)
-                info, checksum = await self._transfer.copy(
+                source, source_key, expected, source_name = await self.source(handle, shard)
+                info, checksum = await self.transfer.copy(
                     handle, shard, source, source_key, self.tier, tier_key, expected, source_name, on_verified
                 )
-            await self._catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
+            await self.catalog.commit(handle.id, shard.key, size=info.size, version=shard.version, checksum=checksum)
         except BaseException as exc:
             try:
-                await asyncio.shield(self._catalog.abandon(handle.id, shard.key, self._owner))
+                await asyncio.shield(self.catalog.abandon(handle.id, shard.key, self.owner))
             except TierFullError as full:
                 # The row stays ours (reserved, never resident); reconcile drops it after this process.
                 logger.warning("dataset %s: shard %r: its reservation stays: %s", handle.id, shard.key, full)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                 raise TierFullError(f"the local device cannot take shard {shard.key!r} ({exc.strerror})") from exc
             raise
-        self._events.count("shards_staged")
-        self._events.count("bytes_to_local", info.size)
-        self._events.emit(
+        self.events.count("shards_staged")
+        self.events.count("bytes_to_local", info.size)
+        self.events.emit(
             StagingEvent("staged", handle.id, shard.key, LOCAL, source_name, info.size, time.monotonic() - started)
         )
         return Location(LOCAL, self.tier.path(tier_key), shard, checksum)
 
-    async def _source(self, handle: DatasetHandle, shard: Shard) -> tuple[Tier, str, str | None, str]:
+    async def source(
+        self, handle: DatasetHandle, shard: Shard, *, learned: bool = True
+    ) -> tuple[Tier, str, str | None, str]:
+        """Where to copy ``shard`` from: the shared tier if it holds (or takes) it, else the origin.
+
+        ``learned``: also look up a checksum this node learned for it (none while its row is reserved).
+        """
         if self._shared is not None:
             try:
                 _, checksum = await self._shared.ensure(handle, shard)
@@ -207,7 +247,7 @@ class LocalStager:
                 logger.info("dataset %s: shard %r bypasses the shared tier: %s", handle.id, shard.key, exc)
             else:
                 return self._shared.tier, handle.tier_key(shard.key), checksum, SHARED
-        expected = shard.checksum or await known_checksum(self._catalog, handle, shard)
+        expected = shard.checksum or (await known_checksum(self.catalog, handle, shard) if learned else None)
         return handle.origin, shard.key, expected, ORIGIN
 
     async def next_tier_location(self, handle: DatasetHandle, shard: Shard) -> Location:
@@ -219,7 +259,7 @@ class LocalStager:
                 pass
             else:
                 return Location(SHARED, path, shard, checksum)
-        return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self._catalog, handle, shard))
+        return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
 
     async def delete_victims(self, victims: Sequence[CatalogEntry]) -> None:
         """Delete shards the catalog marked as evicting, and record them gone."""
@@ -227,10 +267,22 @@ class LocalStager:
             return
         for victim in victims:
             await self.tier.delete(f"{victim.dataset}/{victim.key}")
-            self._events.emit(StagingEvent("evicted", victim.dataset, victim.key, LOCAL, size=victim.size))
-        await self._catalog.evicted(victims)
-        self._events.count("evictions", len(victims))
-        self._events.count("evicted_bytes", sum(v.size for v in victims))
+            self.events.emit(StagingEvent("evicted", victim.dataset, victim.key, LOCAL, size=victim.size))
+        await self.catalog.evicted(victims)
+        self.events.count("evictions", len(victims))
+        self.events.count("evicted_bytes", sum(v.size for v in victims))
+
+
+def _sizes(tier: LocalTier, keys: Sequence[str]) -> list[tuple[Path, int]]:
+    """Each file's path and size, -1 for one that is not there (blocking: one thread job for many)."""
+    found = []
+    for key in keys:
+        path = tier.path(key)
+        try:
+            found.append((path, os.lstat(path).st_size))
+        except FileNotFoundError:
+            found.append((path, -1))
+    return found
 
 
 def reserve_for(directory: Path) -> int:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from datacache.catalog import Catalog
+from datacache.catalog import Catalog, CatalogEntry
 from datacache.checksum import checksum_of, new_hasher
 from datacache.config import Settings
 from datacache.errors import DatacacheError, InvalidKeyError
@@ -58,7 +58,8 @@ async def reconcile(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return counts
-        known = await _repair_catalog(local, catalog, counts)
+        files = {info.key: info.size async for info in local.list()}  # one listing, for both passes
+        known = await _repair_catalog(local, catalog, files, counts)
         # On the node's own disk the writer's flock is authoritative: no grace period.
         counts["partials"] = await local.remove_abandoned_partials(min_age=0)
         # Manifests are written atomically too; a killed save leaves its temporary file.
@@ -66,8 +67,8 @@ async def reconcile(
             place = Place(directory.parent, (directory.name,), ".")  # its own path is not followed either
             removed = await asyncio.to_thread(remove_abandoned_partials, place, min_age=min_age)
             counts["partials"] += len(removed)
-        async for info in local.list():
-            dataset, _, key = info.key.partition("/")
+        for name in files:
+            dataset, _, key = name.partition("/")
             if (dataset, key) in known or not key:
                 continue
             async with shard_lock(dataset, key).hold():
@@ -93,29 +94,45 @@ def _open_lock(place: Place) -> int:
         os.close(directory)
 
 
-async def _repair_catalog(local: LocalTier, catalog: Catalog, counts: dict[str, int]) -> set[tuple[str, str]]:
+async def _repair_catalog(
+    local: LocalTier, catalog: Catalog, files: dict[str, int], counts: dict[str, int]
+) -> set[tuple[str, str]]:
     """Drop rows of transfers whose owner died, and rows whose file vanished or changed size.
 
-    Returns the (dataset, key) pairs the catalog knew after dropping stale rows: a file whose
-    row was dropped for a wrong size is not an orphan to adopt.
+    ``files``: the size of each file of the tier, by key, from one listing taken before the
+    catalog is read (a file staged since is in the catalog, not missing from it). Returns
+    the (dataset, key) pairs the catalog knew after dropping stale rows: a file whose row
+    was dropped for a wrong size is not an orphan to adopt.
     """
-    for entry in await catalog.stale_entries():
+    stale = await catalog.stale_entries()
+    for entry in stale:
         await local.delete(f"{entry.dataset}/{entry.key}")
-        await catalog.remove(entry.dataset, entry.key)
-        counts["stale_rows"] += 1
+        files.pop(f"{entry.dataset}/{entry.key}", None)
+    await catalog.remove_many([(entry.dataset, entry.key) for entry in stale])
+    counts["stale_rows"] += len(stale)
     known: set[tuple[str, str]] = set()
+    suspects: list[CatalogEntry] = []
     for entry in await catalog.entries():
         known.add((entry.dataset, entry.key))
-        if entry.state != "resident":
-            continue
-        try:
-            size = (await asyncio.to_thread(os.lstat, local.path(f"{entry.dataset}/{entry.key}"))).st_size
-        except (FileNotFoundError, DatacacheError):
-            size = -1
-        if size != entry.size:
-            await catalog.remove(entry.dataset, entry.key)
-            counts["missing_files"] += 1
+        if entry.state == "resident" and files.get(f"{entry.dataset}/{entry.key}", -1) != entry.size:
+            suspects.append(entry)
+    # Looked at again: a shard staged after the listing is in place now.
+    sizes = await asyncio.to_thread(_sizes, local, [f"{entry.dataset}/{entry.key}" for entry in suspects])
+    wrong = [(entry.dataset, entry.key) for entry, size in zip(suspects, sizes, strict=True) if size != entry.size]
+    await catalog.remove_many(wrong)
+    counts["missing_files"] += len(wrong)
     return known
+
+
+def _sizes(local: LocalTier, keys: list[str]) -> list[int]:
+    """Each file's size now, -1 if it is not there or cannot be reached safely (blocking)."""
+    sizes = []
+    for key in keys:
+        try:
+            sizes.append(os.lstat(local.path(key)).st_size)
+        except (FileNotFoundError, DatacacheError):
+            sizes.append(-1)
+    return sizes
 
 
 def manifest_dirs(settings: Settings) -> list[tuple[Path, float]]:

@@ -35,6 +35,7 @@ from datacache.manifest import ManifestStore, Shard, object_url, reading_url, ta
 from datacache.sizes import format_bytes
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
+from datacache.staging.batch import WarmBatches, stage_batch
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
@@ -497,18 +498,20 @@ class Stager:
         async def check(shard: Shard) -> bool:
             return await self.verify_resident(handle, shard, tier=tier)
 
-        async def resident(shard: Shard) -> bool:
-            return await self._is_resident(handle, shard, tier)
+        async def batch(shards: Sequence[Shard]) -> list[Location | BaseException]:
+            return await stage_batch((await self._ready()).local, handle, shards)
 
-        steps = WarmSteps(
-            submit=submit or admit,
-            is_resident=resident,
-            verify=check if verify else None,
-            why_not_kept=lambda: self._bypass_reason(tier),
-        )
-        return await run_warm(
-            handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
-        )
+        # In this process onto the local tier: in batches (a tiny shard costs its bytes, not 5 ms).
+        async with WarmBatches(batch) as batches:
+            steps = WarmSteps(
+                submit=submit or (batches.submit if tier == LOCAL else admit),
+                residents=lambda shards: self._residents(handle, shards, tier),
+                verify=check if verify else None,
+                why_not_kept=lambda: self._bypass_reason(tier),
+            )
+            return await run_warm(
+                handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
+            )
 
     def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
         target = self.local if tier == LOCAL else self.shared
@@ -523,14 +526,16 @@ class Stager:
                 f"(the largest, {largest.key!r}, is {format_bytes(largest.size)})"
             )
 
-    async def _is_resident(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
+    async def _residents(self, handle: DatasetHandle, shards: Sequence[Shard], tier: str) -> set[str]:
         if tier == LOCAL:
             parts = await self._ready()
-            return await parts.local.hit(handle, shard, touch=False) is not None
-        if self.shared is None:
-            return False
-        info = await self.shared.stat(handle.tier_key(shard.key))
-        return info is not None and shared_copy_matches(info, handle.id, shard, self._trusted)
+            return set(await parts.local.hits(handle, shards, touch=False))
+        found: set[str] = set()
+        for shard in shards:
+            info = await self.shared.stat(handle.tier_key(shard.key)) if self.shared is not None else None
+            if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
+                found.add(shard.key)
+        return found
 
     def _bypass_reason(self, tier: str) -> str:
         tier_object = self.local if tier == LOCAL else self.shared

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import mmap
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from datacache._rate import TokenBucket
 from datacache.checksum import checksum_of, new_hasher
@@ -22,7 +22,7 @@ from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
 from datacache.staging.types import ORIGIN, WANTED_NOW, DatasetHandle, StagingEvent
-from datacache.tiers import ByteRange, ObjectInfo, Tier
+from datacache.tiers import ByteRange, ObjectInfo, ObjectTier, Tier
 
 __all__ = ["Transfer"]
 
@@ -133,6 +133,64 @@ class Transfer:
         if source_name == ORIGIN and shard.checksum is None:
             logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
         return info, checksum
+
+    async def fetch(
+        self, handle: DatasetHandle, shard: Shard, source: Tier, source_key: str, expected: str | None, source_name: str
+    ) -> tuple[bytes, str]:
+        """A small shard's bytes in one read, verified as `copy` verifies them; and their checksum.
+
+        For a batch of small shards (`datacache.staging.batch`): the caller writes them all at once.
+        """
+        version = shard.version if source_name == ORIGIN else None
+        if self._throttle is not None and source_name == ORIGIN:
+            await self._throttle.take(shard.size)
+        async with self._memory:
+            data = await source.get(source_key, version=version) if shard.size else b""
+        return data, self.verified(handle, shard, data, expected, source_name)
+
+    async def fetch_local(
+        self, handle: DatasetHandle, shards: Sequence[Shard]
+    ) -> list[tuple[bytes, str] | Exception | None]:
+        """`fetch` of many small shards of an origin on this machine's filesystem, in one thread job.
+
+        Each one's bytes and checksum, or its error, or None: `fetch` it the usual way.
+        """
+        origin = handle.origin
+        if not isinstance(origin, ObjectTier) or not origin.has_local_paths:
+            return [None] * len(shards)
+        if self._throttle is not None:
+            await self._throttle.take(sum(shard.size for shard in shards))
+        found = await origin.get_local_many([shard.key for shard in shards], [shard.version for shard in shards])
+        results: list[tuple[bytes, str] | Exception | None] = []
+        for shard, data in zip(shards, found, strict=True):
+            if not isinstance(data, bytes):
+                results.append(data)
+                continue
+            try:
+                results.append((data, self.verified(handle, shard, data, shard.checksum, ORIGIN)))
+            except ChecksumMismatchError as exc:
+                results.append(exc)
+        return results
+
+    def verified(self, handle: DatasetHandle, shard: Shard, data: bytes, expected: str | None, source_name: str) -> str:
+        """The checksum of ``data``, once it is known to be ``shard`` whole (its size, and ``expected``)."""
+        self._events.count("bytes_from_origin" if source_name == ORIGIN else "bytes_from_shared", len(data))
+        self._events.emit(StagingEvent("bytes", handle.id, shard.key, "local", source_name, len(data)))
+        hasher = new_hasher()
+        hasher.update(data)
+        checksum = checksum_of(hasher)
+        if len(data) != shard.size:
+            got = f"more than {shard.size}" if len(data) > shard.size else str(len(data))
+            raise ChecksumMismatchError(
+                f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {got} bytes, "
+                f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
+            )
+        if expected is not None and checksum != expected:
+            self._events.count("checksum_failures")
+            raise ChecksumMismatchError(
+                f"dataset {handle.id}: shard {shard.key!r} from the {source_name} does not match its checksum"
+            )
+        return checksum
 
     async def _take(self, throttle: TokenBucket, amount: int, transfer: object, wanted: bool) -> None:
         """Pass ``amount`` bytes under the bandwidth limit; the others wait while a wanted transfer moves.

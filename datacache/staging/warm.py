@@ -47,7 +47,8 @@ class WarmSteps:
     """What a warm asks of whoever runs it (the `Stager`, with or without the daemon's gate)."""
 
     submit: Submit
-    is_resident: Callable[[Shard], Awaitable[bool]]
+    residents: Callable[[Sequence[Shard]], Awaitable[set[str]]]
+    """The keys of those of the shards resident on the tier now (asked once, at the end)."""
     verify: Callable[[Shard], Awaitable[bool]] | None
     why_not_kept: Callable[[], str]
 
@@ -107,8 +108,9 @@ async def run_warm(
             reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
             failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
     resident = resident_bytes = 0
-    for shard in placed:  # honest to the end: a shard staged early may have been evicted by a later one
-        if await steps.is_resident(shard):
+    still = await steps.residents(placed)  # honest to the end: a shard staged early may have been evicted since
+    for shard in placed:
+        if shard.key in still:
             resident += 1
             resident_bytes += shard.size
         else:

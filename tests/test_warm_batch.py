@@ -1,0 +1,232 @@
+"""Warm in batches: many tiny shards, killed mid-batch, under capacity, from two processes at once.
+
+`datacache warm` stages onto the local tier in batches (one reservation, one write round and
+one commit per batch). These tests hold it to the one-shard way's guarantees: after a SIGKILL
+at any moment the catalog and the files agree once recovered, and a re-run completes; a tier
+smaller than the dataset is never overfilled; two processes (one node, or two nodes sharing a
+directory) each end with every shard, each byte checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+from pathlib import Path
+
+from _helpers import DATACACHE, REPO, fill_dir, partial_files, wait_for, with_stager
+from datacache.tiers import LocalTier
+
+from datacache.catalog import Catalog, Claim, Room, ShardState
+from datacache.catalog.rows import SCHEMA
+from datacache.config import load_settings, resolve_dataset
+from datacache.errors import InvalidKeyError
+from datacache.staging import Stager
+
+TINY = 1_000
+
+
+def tiny_shards(count: int) -> dict[str, bytes]:
+    """``count`` shards of `TINY` bytes, each different (a shard swapped for another is caught)."""
+    return {f"{index:06d}.bin": index.to_bytes(4, "big") * (TINY // 4) for index in range(count)}
+
+
+def rows(local: Path) -> dict[str, tuple[str, int]]:
+    """The catalog's shards: key -> (state, size); none before the catalog has its tables."""
+    with contextlib.closing(sqlite3.connect(local / "catalog.sqlite")) as connection:
+        if not connection.execute("SELECT count(*) FROM sqlite_master WHERE name='shards'").fetchone()[0]:
+            return {}
+        return {key: (state, size) for key, state, size in connection.execute("SELECT key, state, size FROM shards")}
+
+
+def files(local: Path) -> dict[str, bytes]:
+    """The local tier's data files (no temporaries), by shard key."""
+    data = local / "data"
+    if not data.exists():
+        return {}
+    return {
+        path.name: path.read_bytes()
+        for path in data.rglob("*")
+        if path.is_file() and not path.name.endswith(".partial")
+    }
+
+
+def assert_agree(local: Path, shards: dict[str, bytes]) -> None:
+    """Catalog and files agree exactly, nothing half-done is left, and every byte is the origin's."""
+    catalogued = rows(local)
+    on_disk = files(local)
+    assert all(state == ShardState.RESIDENT for state, _ in catalogued.values()), catalogued
+    assert set(catalogued) == set(on_disk)
+    for key, data in on_disk.items():
+        assert data == shards[key], key
+    assert partial_files(local) == []
+
+
+def warm_command(origin: Path, *extra: str) -> list[str]:
+    return [*DATACACHE, "warm", str(origin), "--no-daemon", "--json", *extra]
+
+
+def test_totals_follow_every_change_and_an_older_catalog_gets_them(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as old:  # a catalog of the version before the totals
+        old.executescript(SCHEMA)
+        old.execute(
+            "INSERT INTO shards (dataset, key, size, state, last_access) VALUES ('d', 'a', 10, 'resident', 0),"
+            " ('d', 'b', 7, 'staging', 0)"
+        )
+        old.commit()
+    room = Room("host:1", None, lambda: None, 0, lambda *_: [])
+
+    async def body() -> None:
+        catalog = Catalog(path)
+        try:
+            await catalog.reserve_many("d", [Claim("c", 5, None), Claim("a", 11, "v2")], room)
+            await catalog.commit_many("d", [("c", 5, None, "x")])
+            await catalog.abandon_many("d", ["b"], "host:0")  # not its owner: stays
+            await catalog.remove_many([("d", "b")])
+            await catalog.mark_evicting("d", ["c"], "host:1")
+        finally:
+            await catalog.close()
+
+    asyncio.run(body())
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        totals = {state: (size, count) for state, size, count in connection.execute("SELECT * FROM totals")}
+        summed = dict.fromkeys(totals, (0, 0)) | {
+            state: (size, count)
+            for state, size, count in connection.execute("SELECT state, sum(size), count(*) FROM shards GROUP BY state")
+        }
+    assert totals == summed
+    assert totals["staging"] == (11, 1) and totals["evicting"] == (5, 1)
+
+
+def test_a_warm_killed_mid_batch_recovers_to_a_catalog_that_agrees_with_its_files(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    shards = tiny_shards(3_000)
+    origin = fill_dir(tmp_path / "origin", shards)
+    local = tmp_path / "local"
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local)}
+    in_flight = 0
+    for threshold in (300, 1_200, 2_100):
+        # Paced, so that the kill lands while batches are reserved and being written.
+        process = subprocess.Popen(
+            warm_command(origin, "--bandwidth", "600kB/s"),
+            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(
+                lambda threshold=threshold: (local / "catalog.sqlite").exists()
+                and sum(state == "resident" for state, _ in rows(local).values()) >= threshold,
+                timeout=120,
+                what=f"{threshold} shards resident",
+            )
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        left = rows(local)
+        in_flight += any(state == ShardState.STAGING for state, _ in left.values())
+        # Right after the kill: every row called resident has its whole file; every file is whole.
+        on_disk = files(local)
+        for key, (state, _) in left.items():
+            if state == ShardState.RESIDENT:
+                assert on_disk.get(key) == shards[key], key
+        for key, data in on_disk.items():
+            assert data == shards[key], key
+        # Recovery: a dead warm's batch is adopted (whole files) or removed, rows and files agree.
+        settings = load_settings(env)
+        with_stager(settings, lambda stager: stager.reconcile(), reconcile=False)
+        assert_agree(local, shards)
+    assert in_flight, "no kill found a batch in flight: the test did not test a batch"
+    done = subprocess.run(
+        warm_command(origin), env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["complete"] is True and report["shards_resident"] == len(shards)
+    assert_agree(local, shards)
+    assert len(files(local)) == len(shards)
+
+
+def test_a_batch_warm_honours_a_local_tier_smaller_than_the_dataset(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    shards = tiny_shards(600)
+    origin = fill_dir(tmp_path / "origin", shards)
+    capacity = 150 * TINY
+    small = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "small"), "local_capacity": f"{capacity}B"})
+
+    async def body(stager: Stager) -> tuple[int, int]:
+        handle = await stager.open(str(origin))
+        report = await stager.warm(handle)
+        return report.shards_resident, report.bytes_resident
+
+    resident, held = with_stager(small, body)
+    assert 0 < resident < len(shards)
+    assert held <= capacity
+    catalogued = rows(small.local_dir)
+    assert sum(size for _, size in catalogued.values()) <= capacity
+    assert sum(len(data) for data in files(small.local_dir).values()) <= capacity
+    assert_agree(small.local_dir, shards)
+
+
+def test_two_processes_of_one_node_warm_the_same_dataset_once(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    shards = tiny_shards(2_000)
+    origin = fill_dir(tmp_path / "origin", shards)
+    local = tmp_path / "local"
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local)}
+    processes = [
+        subprocess.Popen(
+            warm_command(origin), env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    reports = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert all(report["complete"] for report in reports)
+    # One transfer per shard for the node, whichever process made it.
+    assert sum(report["bytes_transferred"] for report in reports) == len(shards) * TINY
+    assert_agree(local, shards)
+    assert len(files(local)) == len(shards)
+
+
+def test_two_nodes_warm_through_one_shared_directory_at_once(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    shards = tiny_shards(1_000)
+    origin = fill_dir(tmp_path / "origin", shards)
+    shared = tmp_path / "shared"
+    nodes = [tmp_path / "node-a", tmp_path / "node-b"]
+    processes = [
+        subprocess.Popen(
+            warm_command(origin),
+            env={**cache_env, "DATACACHE_LOCAL_DIR": str(node), "DATACACHE_SHARED_DIR": str(shared)},
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in nodes
+    ]
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+        assert json.loads(stdout.strip().splitlines()[-1])["complete"] is True
+    for node in nodes:
+        assert_agree(node, shards)
+        assert len(files(node)) == len(shards)
+    dataset = resolve_dataset(str(origin), load_settings(cache_env)).id
+    on_shared = {path.name: path.read_bytes() for path in (shared / "data" / dataset).iterdir()}
+    assert on_shared == shards
+    assert partial_files(shared) == []
+    assert os.listdir(shared / "data") == [dataset]
+
+
+def test_put_many_writes_each_file_whole_and_names_the_bad_key(tmp_path: Path) -> None:
+    tier = LocalTier(tmp_path / "tier")
+    items = [("ds/a.bin", b"a" * 10, {"size": "10"}), ("../escape", b"x", {}), ("ds/sub/b.bin", b"b" * 3, {})]
+    landed = asyncio.run(tier.put_many(items))
+    assert landed[0] == tier.path("ds/a.bin") and landed[2] == tier.path("ds/sub/b.bin")
+    assert isinstance(landed[1], InvalidKeyError)
+    assert tier.path("ds/a.bin").read_bytes() == b"a" * 10
+    assert json.loads((tmp_path / "tier" / "meta" / "ds" / "a.bin.json").read_text()) == {"size": "10"}
+    assert partial_files(tmp_path) == []
