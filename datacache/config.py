@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from datacache.errors import ConfigError
+from datacache.eviction import POLICIES
 from datacache.formats import format_names
 from datacache.sizes import parse_bandwidth, parse_size
 from datacache.tiers import RetryPolicy, redact_url, split_scheme, split_userinfo
@@ -43,7 +44,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("auto", "lru", "nothrash", "belady")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 

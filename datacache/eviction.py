@@ -16,6 +16,9 @@ incoming shard is then not cached on this tier and is read from the next one.
 - **auto** (the default) is belady when the loader has handed over the order,
   no-thrash otherwise.
 
+A new policy is one function of the shape `Order` and its name in `_ORDERS`: the
+settings, the CLI's ``--policy`` and the daemon take their names from `POLICIES`.
+
 Shards of *other* datasets are always evicted least recently used first, and
 pinned datasets are never evicted.
 """
@@ -23,10 +26,10 @@ pinned datasets are never evicted.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "choose_victims"]
+__all__ = ["POLICIES", "Candidate", "choose_victims"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,37 @@ class Candidate:
     size: int
     last_access: float
     pinned: bool = False
+
+
+Order = Callable[["Candidate", list["Candidate"], list["Candidate"], Mapping[str, int]], list["Candidate"]]
+"""A policy: (incoming, its dataset's evictable shards, other datasets' oldest first, next uses) -> the
+shards in the order they may leave; those not listed stay (the incoming shard then may not get in)."""
+
+
+def _lru(
+    incoming: Candidate, own: list[Candidate], others: list[Candidate], uses: Mapping[str, int]
+) -> list[Candidate]:
+    return sorted(own + others, key=lambda c: c.last_access)
+
+
+def _nothrash(
+    incoming: Candidate, own: list[Candidate], others: list[Candidate], uses: Mapping[str, int]
+) -> list[Candidate]:
+    return others
+
+
+def _belady(
+    incoming: Candidate, own: list[Candidate], others: list[Candidate], uses: Mapping[str, int]
+) -> list[Candidate]:
+    incoming_next = uses.get(incoming.key, math.inf)
+    later = [c for c in own if uses.get(c.key, math.inf) > incoming_next]
+    later.sort(key=lambda c: uses.get(c.key, math.inf), reverse=True)
+    return others + later
+
+
+_ORDERS: dict[str, Order] = {"lru": _lru, "nothrash": _nothrash, "belady": _belady}
+POLICIES = ("auto", *_ORDERS)
+"""The names a dataset's ``policy`` may take (``auto``: belady with a known future, else nothrash)."""
 
 
 def choose_victims(
@@ -68,22 +102,12 @@ def choose_victims(
         return []
     if policy == "auto":
         policy = "belady" if next_use else "nothrash"
+    if policy not in _ORDERS:
+        raise ValueError(f"unknown eviction policy {policy!r}")
     evictable = [c for c in residents if not c.pinned]
     others = sorted((c for c in evictable if c.dataset != incoming.dataset), key=lambda c: c.last_access)
     own = [c for c in evictable if c.dataset == incoming.dataset]
-
-    if policy == "lru":
-        order = sorted(evictable, key=lambda c: c.last_access)
-    elif policy == "nothrash":
-        order = others
-    elif policy == "belady":
-        uses = next_use or {}
-        incoming_next = uses.get(incoming.key, math.inf)
-        later = [c for c in own if uses.get(c.key, math.inf) > incoming_next]
-        later.sort(key=lambda c: uses.get(c.key, math.inf), reverse=True)
-        order = others + later
-    else:
-        raise ValueError(f"unknown eviction policy {policy!r}")
+    order = _ORDERS[policy](incoming, own, others, next_use or {})
 
     victims: list[Candidate] = []
     freed = 0

@@ -24,7 +24,7 @@ from datacache.cli._common import (
     settings_from,
 )
 from datacache.client import DaemonClient
-from datacache.config import DatasetConfig, Settings, resolve_dataset
+from datacache.config import POLICIES, DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
 from datacache.sizes import format_bytes, format_rate
 from datacache.staging import LOCAL, SHARED, Stager, WarmProgress, WarmReport
@@ -288,7 +288,7 @@ def add_parsers(commands: Commands) -> None:
     )
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
-        "--policy", choices=("auto", "lru", "nothrash", "belady"), help="eviction policy for this dataset"
+        "--policy", choices=POLICIES, help="eviction policy for this dataset"
     )
     warm.add_argument("--json", action="store_true", help="machine-readable progress and summary, one JSON per line")
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
