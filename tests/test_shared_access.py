@@ -80,11 +80,13 @@ def test_a_user_outside_the_group_reads_around_the_tier(users: dict[str, User], 
     assert "not using the shared tier" in done.stderr and "cannot" in done.stderr
     assert "3/3 shards resident" in done.stdout + done.stderr
     assert list(shared.iterdir()) == []
-    # Asked to place shards on the tier, mallory is told why not, without a traceback.
+    # Asked to place shards on the tier, mallory is told why not and what to do (a settings error, 2),
+    # before anything is fetched, without a traceback.
     placed = cli_as(users["mallory"], "warm", url, "--tier", "shared", env=_env(users["mallory"], shared))
-    assert placed.returncode == 1
+    assert placed.returncode == 2, placed.stderr
     assert "Traceback" not in placed.stderr
-    assert "is not used" in placed.stderr and "cannot" in placed.stderr, placed.stderr
+    assert "is not writable by this user" in placed.stderr and "datacache serve" in placed.stderr, placed.stderr
+    assert list(shared.iterdir()) == []
 
 
 def test_start_up_check_names_what_is_wrong(tmp_path: Path) -> None:
