@@ -301,8 +301,8 @@ def _dataset_from_table(name: str, table: Any, where: str) -> DatasetConfig:
         name=name,
         url=url,
         storage_options=options,
-        policy=_policy(table.get("policy", "auto"), f"datasets.{name}.policy"),
-        pinned=_boolean(table.get("pin", False), f"datasets.{name}.pin"),
+        policy=_policy(table.get("policy", "auto"), f"{where}: datasets.{name}.policy"),
+        pinned=_boolean(table.get("pin", False), f"{where}: datasets.{name}.pin"),
         format=fmt,
     )
 

@@ -135,6 +135,9 @@ def test_precedence_file_then_environment_then_flags(
         ),
         ("[datasets.x]\nformat = 'tar'\n", "needs a url"),
         ("[datasets.x]\nurl = 's3://b/x'\nformat = 'csv'\n", "unknown format 'csv'"),
+        # Found by the long fuzz run: a dataset's policy and pin errors did not name the file.
+        ("[datasets.x]\nurl = 's3://b/x'\npolicy = false\n", "datasets.x.policy: unknown eviction policy False"),
+        ("[datasets.x]\nurl = 's3://b/x'\npin = 3\n", "datasets.x.pin: expected true or false"),
         ("[datasets.'../evil']\nurl = 's3://b/x'\n", "dataset name '../evil'"),
         ("[cache\nlocal_dir = 1\n", "config file"),
         ("cache = 3\n", "[cache] must be a table"),
@@ -153,6 +156,7 @@ def test_config_mistakes_are_named(
         load_settings(cache_env, config_path=path)
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+    assert str(path) in str(caught.value), "the error names the file"
 
 
 @pytest.mark.parametrize("where", ["env", "file", "flag"])
