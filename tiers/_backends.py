@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-_AZURE = ("az", "abfs", "abfss")
+AZURE_SCHEMES = ("az", "abfs", "abfss")
 
 
 def filesystem_class(protocol: str) -> Any:
@@ -85,12 +85,12 @@ def metadata_of(protocol: str, info: Any) -> dict[str, str]:
     if not isinstance(found, dict):
         return {}
     # adlfs marks every blob it writes with is_directory; that is adlfs's, not the writer's.
-    return {str(k): str(v) for k, v in found.items() if not (protocol in _AZURE and k == "is_directory")}
+    return {str(k): str(v) for k, v in found.items() if not (protocol in AZURE_SCHEMES and k == "is_directory")}
 
 
 async def set_metadata(fs: Any, protocol: str, path: str, metadata: dict[str, str]) -> None:
     """Attach ``metadata`` to an object an upload just wrote, where the upload could not (Azure)."""
-    if protocol in _AZURE:
+    if protocol in AZURE_SCHEMES:
         container, blob, _ = fs.split_path(path)
         client = fs.service_client.get_blob_client(container, blob)
         async with client:
@@ -116,7 +116,7 @@ async def pinned_cat(
     try:
         if protocol in ("gs", "gcs"):
             return await _gcs_generation(fs, path, start, end, version, where)
-        if protocol in _AZURE:
+        if protocol in AZURE_SCHEMES:
             return await _azure_if_match(fs, path, start, end, version, where)
     except Exception as exc:
         if past_the_end(exc):

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from datacache.tiers._backends import AZURE_SCHEMES
 from datacache.tiers._files import redact_url
 
 from datacache.errors import OriginPermissionError
@@ -33,7 +34,6 @@ CONFINE_REDIRECTS = "datacache_confine_redirects"
 """A storage option only datacache reads (never fsspec): true, and an http(s) tier follows a redirect
 only to a URL inside its own (the daemon sets it for datasets its clients open; docs/SECURITY.md)."""
 
-_AZURE = ("az", "abfs", "abfss")
 
 
 def _inside(target: Any, root: Any) -> bool:
@@ -93,7 +93,7 @@ def backend_options(
         options.setdefault(
             "requests_timeout", aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT)
         )
-    elif protocol in _AZURE:
+    elif protocol in AZURE_SCHEMES:
         options.setdefault("connection_timeout", CONNECT_TIMEOUT)
         options.setdefault("read_timeout", READ_TIMEOUT)
     if confine_redirects and protocol in ("http", "https"):
@@ -115,7 +115,7 @@ def one_try(fs: Any, protocol: str) -> Any:
     """
     if protocol in ("s3", "s3a"):
         fs.retries = 1
-    elif protocol in _AZURE:
+    elif protocol in AZURE_SCHEMES:
         service = getattr(fs, "service_client", None)
         for policy in getattr(getattr(service, "_pipeline", None), "_impl_policies", ()):
             if hasattr(policy, "total_retries"):  # the storage SDK's retry policy, shared by its blob clients
