@@ -35,7 +35,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,17 +46,18 @@ from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
-from datacache.shard import columnar
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
-from datacache.shard.job import Endpoint, ShardJob, UnitResult, put_bytes
+from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, put_bytes
 from datacache.shard.plan import (
     DONE_PREFIX,
     PLAN_NAME,
     ShardOptions,
     ShardPlan,
     UnitSpec,
+    digest_of,
     plan_tar,
 )
+from datacache.shard.rechunk import FALLBACK, Rechunker, rechunker_for, source_formats
 from datacache.tiers import ObjectInfo, Tier, redact_url
 from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
 
@@ -65,15 +66,22 @@ __all__ = [
     "PLAN_NAME",
     "SOURCE_FORMATS",
     "Endpoint",
+    "PackIO",
+    "Rechunker",
+    "ShardJob",
     "ShardOptions",
     "ShardPlan",
     "ShardReport",
     "UnitSpec",
     "detect_source_format",
+    "digest_of",
     "list_source",
     "plan_source",
     "plan_tar",
+    "put_bytes",
+    "rechunker_for",
     "shard_dataset",
+    "source_formats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -164,52 +172,28 @@ async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> lis
 
 def detect_source_format(infos: list[ObjectInfo]) -> str:
     """What ``datacache shard`` makes of a source: the one detector's format where it can re-chunk it
-    (``parquet``, ``zarr``), else ``files`` (every object packed into tar shards)."""
+    (its `SampleFormat.rechunker`), else ``files`` (every object packed into tar shards)."""
     detected = detect_format_name(info.key for info in infos)
-    return detected if detected in _PLANNERS else "files"
+    return detected if get_format(detected).rechunker is not None else FALLBACK
 
 
-async def _plan_files(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    return plan_tar(infos, options, source=shown)
-
-
-async def _plan_parquet(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    parquet = get_format("parquet").shard_keys(infos)
-    if not parquet:
-        raise ConfigError(f"--format parquet: no .parquet files at {shown}")
-    if len(parquet) < len(infos):
-        logger.warning(
-            "%s holds %d .parquet files and %d others; re-chunking the .parquet files only "
-            "(--format files packs every file into tar shards)",
-            shown,
-            len(parquet),
-            len(infos) - len(parquet),
-        )
-    return await asyncio.to_thread(columnar.plan_parquet, source, parquet, options)
-
-
-async def _plan_zarr(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    return await asyncio.to_thread(columnar.plan_zarr, source, infos, options)
-
-
-_PLANNERS: dict[str, Callable[[Endpoint, list[ObjectInfo], ShardOptions, str], Awaitable[ShardPlan]]] = {
-    "files": _plan_files,
-    "parquet": _plan_parquet,
-    "zarr": _plan_zarr,
-}
-"""The formats of `datacache.formats` that ``datacache shard`` reads (each packer is picked in `ensure`)."""
-SOURCE_FORMATS = ("auto", *_PLANNERS)
+def __getattr__(name: str) -> object:
+    # The choices are the registered formats that name a rechunker, known once the formats are imported.
+    if name == "SOURCE_FORMATS":
+        return ("auto", *source_formats())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 async def plan_source(
     source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, source_format: str = "auto"
 ) -> ShardPlan:
     """Plan the run for ``infos``, listed at ``source``, as ``source_format`` (or detected)."""
-    if source_format not in SOURCE_FORMATS:
-        raise ConfigError(f"--format {source_format!r}: choose from {', '.join(SOURCE_FORMATS)}")
+    choices = ("auto", *source_formats())
+    if source_format not in choices:
+        raise ConfigError(f"--format {source_format!r}: choose from {', '.join(choices)}")
     chosen = detect_source_format(infos) if source_format == "auto" else source_format
     shown = redact_url(source.url)
-    plan = await _PLANNERS[chosen](source, infos, options, shown)
+    plan = await rechunker_for(chosen).plan(source, infos, options, shown)
     if not plan.units:
         raise ShardNotFoundError(
             f"nothing to pack at {shown}: none of its {len(infos)} objects has a file extension "
@@ -224,8 +208,8 @@ async def plan_source(
     return plan
 
 
-async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
-    """Write the plan (and Zarr metadata); return the units recorded by an earlier run."""
+async def _prepare_output(dest: Tier, plan: ShardPlan, root_files: Mapping[str, bytes]) -> set[str]:
+    """Write the plan (and the rechunker's root files); return the units recorded by an earlier run."""
     recorded: set[str] = set()
     existing_plan = False
     existing_manifest = False
@@ -264,8 +248,8 @@ async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
         if removed:
             logger.info("removed %d temporary files left by an interrupted run", len(removed))
     await put_bytes(dest, PLAN_NAME, plan.to_json())
-    if plan.kind == "zarr":
-        await put_bytes(dest, "zarr.json", str(plan.extra["zarr_json"]).encode())
+    for key, data in root_files.items():
+        await put_bytes(dest, key, data)
     return recorded
 
 
@@ -276,13 +260,14 @@ def _local_root(url: str) -> Path:
     return Path(str(root))
 
 
-def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResult]) -> Manifest:
+def _build_manifest(
+    dest: Endpoint, plan: ShardPlan, root_files: Mapping[str, bytes], results: dict[str, UnitResult]
+) -> Manifest:
     shards: list[Shard] = []
-    if plan.kind == "zarr":
-        metadata = str(plan.extra["zarr_json"]).encode()
+    for key, data in root_files.items():
         hasher = new_hasher()
-        hasher.update(metadata)
-        shards.append(Shard("zarr.json", len(metadata), checksum=checksum_of(hasher), samples=0))
+        hasher.update(data)
+        shards.append(Shard(key, len(data), checksum=checksum_of(hasher), samples=0))
     for unit in plan.units:
         result = results[unit.key]
         shards.append(
@@ -355,7 +340,9 @@ async def shard_dataset(
         infos = await list_source(source_tier, exclude_prefix=_inside(dest.url, source.url))
     finally:
         await source_tier.close()
-    plan = await plan_source(source, infos, options, source_format)
+    chosen = detect_source_format(infos) if source_format == "auto" else source_format
+    plan = await plan_source(source, infos, options, chosen)
+    root_files = rechunker_for(chosen).root_files(plan)
     logger.info(
         "plan %s: %d objects (%d bytes) -> %d units, %d samples",
         plan.digest[:12],
@@ -366,7 +353,7 @@ async def shard_dataset(
     )
     dest_tier = dest.open(writable=True)
     try:
-        recorded = await _prepare_output(dest_tier, plan)
+        recorded = await _prepare_output(dest_tier, plan, root_files)
     finally:
         await dest_tier.close()
 
@@ -392,7 +379,7 @@ async def shard_dataset(
             )
 
     units: list[tuple[UnitSpec, bool]] = [(unit, unit.key in recorded) for unit in plan.units]
-    job = ShardJob(source=source, dest=dest, options=options)
+    job = ShardJob(source=source, dest=dest, options=options, source_format=chosen)
 
     async def ticker() -> None:
         while display is not None:
@@ -423,7 +410,7 @@ async def shard_dataset(
         raise DatacacheError(
             f"{len(missing)} of {len(plan.units)} shards were not packed (first: {missing[0]})"
         )
-    manifest = _build_manifest(dest, plan, results)
+    manifest = _build_manifest(dest, plan, root_files, results)
     dest_tier = dest.open(writable=True)
     try:
         await put_bytes(dest_tier, MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())

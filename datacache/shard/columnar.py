@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
+from datacache.formats import get_format
 from datacache.shard.job import Endpoint, PackIO, ShardJob
 from datacache.shard.plan import (
     ParquetPayload,
@@ -32,10 +34,15 @@ from datacache.shard.plan import (
     ZarrPayload,
     digest_of,
 )
+from datacache.shard.rechunk import Rechunker
 from datacache.tiers import ObjectInfo
 
 __all__ = [
+    "PARQUET",
+    "ZARR",
     "ZARR_METADATA",
+    "ParquetRechunker",
+    "ZarrRechunker",
     "pack_parquet",
     "pack_zarr",
     "plan_parquet",
@@ -45,6 +52,8 @@ __all__ = [
 
 ZARR_METADATA = "zarr.json"
 _READ_CHUNK = 8 << 20
+
+logger = logging.getLogger("datacache.shard")
 
 
 def _filesystem(endpoint: Endpoint) -> tuple[Any, str]:
@@ -332,3 +341,50 @@ async def pack_zarr(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str
     hasher = new_hasher()
     hasher.update(data)
     return len(data), checksum_of(hasher)
+
+
+# -- The rechunkers the formats name ------------------------------------------------------
+
+
+class ParquetRechunker(Rechunker):
+    """The ``.parquet`` files of the source re-chunked into files of whole, coalesced row groups."""
+
+    async def plan(
+        self, source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions, shown: str
+    ) -> ShardPlan:
+        parquet = get_format("parquet").shard_keys(infos)
+        if not parquet:
+            raise ConfigError(f"--format parquet: no .parquet files at {shown}")
+        if len(parquet) < len(infos):
+            logger.warning(
+                "%s holds %d .parquet files and %d others; re-chunking the .parquet files only "
+                "(--format files packs every file into tar shards)",
+                shown,
+                len(parquet),
+                len(infos) - len(parquet),
+            )
+        return await asyncio.to_thread(plan_parquet, source, parquet, options)
+
+    async def pack(self, spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
+        return await pack_parquet(spec, job, io)
+
+
+class ZarrRechunker(Rechunker):
+    """The Zarr array at the source's root copied with chunks of about ``--chunk-size`` along axis 0."""
+
+    async def plan(
+        self, source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions, shown: str
+    ) -> ShardPlan:
+        return await asyncio.to_thread(plan_zarr, source, infos, options)
+
+    async def pack(self, spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
+        return await pack_zarr(spec, job, io)
+
+    def root_files(self, plan: ShardPlan) -> Mapping[str, bytes]:
+        return {ZARR_METADATA: str(plan.extra["zarr_json"]).encode()}
+
+
+PARQUET = ParquetRechunker()
+"""The ``parquet`` format's rechunker (`datacache.formats.parquet` names it)."""
+ZARR = ZarrRechunker()
+"""The ``zarr`` format's rechunker (`datacache.formats.zarr` names it)."""

@@ -172,7 +172,11 @@ class ZarrPayload:
 
 @dataclass(frozen=True, slots=True)
 class UnitSpec:
-    """One independent piece of output work: a tar shard, a Parquet file or a Zarr chunk.
+    """One independent piece of output work: a tar shard, a Parquet file, a Zarr chunk, ...
+
+    ``payload`` is what the format's rechunker planned for it (`TarPayload`,
+    `ParquetPayload`, `ZarrPayload`, or a new format's own value); only that
+    rechunker reads it.
 
     ``size`` is exact for tar shards and ``None`` where only the writer knows
     it. ``digest`` changes whenever anything that decides the unit's bytes
@@ -186,7 +190,7 @@ class UnitSpec:
     samples: int
     objects: int
     input_bytes: int
-    payload: TarPayload | ParquetPayload | ZarrPayload = field(repr=False)
+    payload: Any = field(repr=False)
 
     def summary(self) -> dict[str, Any]:
         return {

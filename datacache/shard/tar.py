@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.counting.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.errors import DatacacheError, OriginChangedError
-from datacache.shard.job import PackIO, ShardJob, put_bytes
-from datacache.shard.plan import ShardOptions, TarMemberPlan, TarPayload, UnitSpec, tar_header
+from datacache.shard.job import Endpoint, PackIO, ShardJob, put_bytes
+from datacache.shard.plan import (
+    ShardOptions,
+    ShardPlan,
+    TarMemberPlan,
+    TarPayload,
+    UnitSpec,
+    plan_tar,
+    tar_header,
+)
+from datacache.shard.rechunk import Rechunker
+from datacache.tiers import ObjectInfo, Tier
 
-__all__ = ["pack_tar"]
+__all__ = ["FILES", "FilesRechunker", "pack_tar"]
 
 _FLUSH = 1 << 20
 _STREAM_OVER = 8 << 20
@@ -130,3 +140,24 @@ async def pack_tar(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]
         )
     await put_bytes(io.dest, spec.key + INDEX_SUFFIX, index_to_json(payload.spans, shard_size=written))
     return written, checksum_of(hasher)
+
+
+class FilesRechunker(Rechunker):
+    """Every object of the source, grouped into samples, packed into WebDataset tar shards."""
+
+    async def plan(
+        self, source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions, shown: str
+    ) -> ShardPlan:
+        return plan_tar(infos, options, source=shown)
+
+    async def pack(self, spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
+        return await pack_tar(spec, job, io)
+
+    async def kept(self, spec: UnitSpec, dest: Tier, size: int) -> None:
+        # A shard kept from a run killed between the shard and its index: the index is rebuilt from the plan.
+        if isinstance(spec.payload, TarPayload) and await dest.stat(spec.key + INDEX_SUFFIX) is None:
+            await put_bytes(dest, spec.key + INDEX_SUFFIX, index_to_json(spec.payload.spans, shard_size=size))
+
+
+FILES = FilesRechunker()
+"""The ``files`` format's rechunker (`datacache.formats.files` names it)."""
