@@ -23,7 +23,6 @@ LONG_FUNCTIONS = {
     "datacache/manifest/listing.py::take_manifest",
     "datacache/shard/__init__.py::shard_dataset",
     "datacache/shard/columnar.py::plan_zarr",
-    "datacache/shard/tar.py::_tar_chunks",
     "datacache/staging/transfer.py::Transfer.copy",
     "loaders/dataset.py::CachedIterableDataset.__init__",
 }
