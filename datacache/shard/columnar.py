@@ -241,31 +241,34 @@ def _zarr_store(endpoint: Endpoint, *, read_only: bool) -> Any:
     )
 
 
-def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions) -> ShardPlan:
-    """Plan a copy of the Zarr array at ``source`` with chunks of about ``chunk_size`` along axis 0.
-
-    The output's ``zarr.json`` (same shape, dtype, fill value, attributes and,
-    for a Zarr v3 source, codecs) is in ``extra["zarr_json"]``; each unit is
-    one output chunk. Raises `ConfigError` when the source is not one array.
-    """
+def _source_array(source: Endpoint) -> Any:
+    """The Zarr array at the root of ``source``; `ConfigError` unless it is one with rows along axis 0."""
     import zarr
-    from zarr.storage import MemoryStore
 
     try:
         array = zarr.open_array(store=_zarr_store(source, read_only=True), mode="r")
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ConfigError(f"{source.url}: not a Zarr array at its root ({exc})") from None
-    shape = tuple(int(n) for n in array.shape)
-    if not shape or shape[0] == 0:
+    if not array.shape or array.shape[0] == 0:
         raise ConfigError(
             f"{source.url}: a Zarr array to re-chunk needs at least one row along axis 0"
         )
-    row_bytes = max(1, math.prod(shape[1:]) * array.dtype.itemsize)
-    source_rows = int(array.chunks[0])
+    return array
+
+
+def _rows_per_chunk(row_bytes: int, source_rows: int, length: int, options: ShardOptions) -> int:
+    """Rows of an output chunk: about ``chunk_size`` bytes, whole source chunks when more than one."""
     rows = max(1, options.chunk_size // row_bytes)
     if rows >= source_rows:
         rows = rows // source_rows * source_rows  # whole source chunks per output chunk
-    rows = min(rows, shape[0])
+    return min(rows, length)
+
+
+def _output_array(array: Any, shape: tuple[int, ...], rows: int) -> tuple[Any, str]:
+    """The output array's metadata (``zarr.json``), made in memory: the source's but for its chunks."""
+    import zarr
+    from zarr.storage import MemoryStore
+
     kwargs: dict[str, Any] = {}
     if array.metadata.zarr_format == 3:
         kwargs = {
@@ -284,10 +287,24 @@ def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptio
         attributes=dict(array.attrs),
         **kwargs,
     )
-    metadata = memory[ZARR_METADATA].to_bytes().decode()
+    return output, memory[ZARR_METADATA].to_bytes().decode()
+
+
+def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions) -> ShardPlan:
+    """Plan a copy of the Zarr array at ``source`` with chunks of about ``chunk_size`` along axis 0.
+
+    The output's ``zarr.json`` (same shape, dtype, fill value, attributes and,
+    for a Zarr v3 source, codecs) is in ``extra["zarr_json"]``; each unit is
+    one output chunk. Raises `ConfigError` when the source is not one array.
+    """
+    array = _source_array(source)
+    shape = tuple(int(n) for n in array.shape)
+    row_bytes = max(1, math.prod(shape[1:]) * array.dtype.itemsize)
+    source_rows = int(array.chunks[0])
+    rows = _rows_per_chunk(row_bytes, source_rows, shape[0], options)
+    output, metadata = _output_array(array, shape, rows)
     listing = digest_of(sorted([info.key, info.size, info.version] for info in infos))
     units: list[UnitSpec] = []
-    source_chunk_bytes = source_rows * row_bytes
     for index, start in enumerate(range(0, shape[0], rows)):
         stop = min(start + rows, shape[0])
         key = output.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))
@@ -313,7 +330,7 @@ def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptio
         extra={
             "zarr_json": metadata,
             "rows_per_chunk": rows,
-            "source_chunk_bytes": source_chunk_bytes,
+            "source_chunk_bytes": source_rows * row_bytes,
         },
     )
 
