@@ -21,7 +21,6 @@ LONG_FUNCTIONS = {
     "datacache/catalog/store.py::Catalog.reserve",
     "datacache/catalog/store.py::Catalog.reserve.write",
     "datacache/manifest/listing.py::take_manifest",
-    "datacache/shard/__init__.py::shard_dataset",
     "datacache/staging/transfer.py::Transfer.copy",
     "loaders/dataset.py::CachedIterableDataset.__init__",
 }
