@@ -189,12 +189,18 @@ def _write_parquet(spec: UnitSpec, payload: ParquetPayload, source: Endpoint, ta
 
 
 async def _file_chunks(path: str) -> AsyncIterator[bytes]:
-    with open(path, "rb") as handle:
-        while True:
-            chunk = await asyncio.to_thread(handle.read, _READ_CHUNK)
-            if not chunk:
-                return
+    """The bytes of the local spool file, read in a thread: a slow disk must not stall the event loop."""
+    handle = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(handle.read, _READ_CHUNK):
             yield chunk
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        Path(path).unlink()
 
 
 async def pack_parquet(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
@@ -222,8 +228,7 @@ async def pack_parquet(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, 
         await io.dest.put(spec.key, hashed())
         return size, checksum_of(hasher)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            Path(spool).unlink()
+        await asyncio.to_thread(_remove, spool)
 
 
 # -- Zarr ---------------------------------------------------------------------------------
