@@ -23,10 +23,16 @@ bytes still verify (size and checksum), and packs the rest: the result is
 byte for byte that of an uninterrupted run. The units can be packed in this
 process, or as tasks on a Dask or Ray cluster (``engine``).
 
+How a source is planned and packed is its format's `Rechunker`
+(`datacache.shard.rechunk`), named by the format (`SampleFormat.rechunker`):
+tar shards for ``files``, re-chunked files for ``parquet``, chunks for
+``zarr``; a format adds one without editing this package.
+
 The package's modules point one way: `plan` (pure planning) <- `job` (the
-values a worker receives) <- `tar` and `columnar` (the packers, independent
-of each other) <- `ensure` (keep or pack one unit) <- `engines` (where units
-run) <- this module (one run, end to end).
+values a worker receives) <- `rechunk` (the protocol, found by format name)
+<- `tar` and `columnar` (the built-in rechunkers, independent of each other)
+<- `ensure` (keep or pack one unit) <- `engines` (where units run) <- this
+module (one run, end to end).
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ A format that ``datacache shard`` can re-chunk names its rechunker in its
 (``"module:OBJECT"``), the way the format registry names formats: the format
 module carries a name, never an import of this package, so
 `datacache.formats` stays below `datacache.shard`. The object is imported on
-first use; it plans a run (`Rechunker.plan`), packs one planned unit
-(`Rechunker.pack`, on whichever engine runs it) and may add metadata files at
-the output root (`Rechunker.root_files`).
+first use (importing is cached by Python), in the process that plans and
+in each one that packs: a Dask or Ray worker in another process finds a
+third-party format through its entry point, not a ``register_format`` call
+made in the driver. It plans a run (`Rechunker.plan`), packs one planned unit
+(`Rechunker.pack`) and may add metadata files at the output root
+(`Rechunker.root_files`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,6 @@ __all__ = ["FALLBACK", "Rechunker", "rechunker_for", "source_formats"]
 
 FALLBACK = "files"
 """What ``datacache shard`` makes of a source whose detected format has no rechunker: every object packed."""
-
-_loaded: dict[str, Rechunker] = {}
-
 
 class Rechunker:
     """How ``datacache shard`` reads one source format and writes its units. Subclass it.
@@ -57,9 +57,6 @@ class Rechunker:
 
 def rechunker_for(name: str) -> Rechunker:
     """The rechunker of the format ``name``; `ConfigError` when that format cannot be re-chunked."""
-    found = _loaded.get(name)
-    if found is not None:
-        return found
     target = get_format(name).rechunker
     if target is None:
         raise ConfigError(f"--format {name!r}: datacache shard cannot re-chunk it")
@@ -68,7 +65,6 @@ def rechunker_for(name: str) -> Rechunker:
         rechunker: Rechunker = getattr(importlib.import_module(module), attribute or "RECHUNKER")
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"format {name!r}: cannot load its rechunker {target} ({exc})") from None
-    _loaded[name] = rechunker
     return rechunker
 
 
