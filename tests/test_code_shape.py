@@ -19,10 +19,6 @@ MAX_MODULE_LINES = 500
 # "path::Qualified.name": functions over MAX_FUNCTION_LINES today. Only shrinks.
 LONG_FUNCTIONS = {
     "datacache/manifest/listing.py::take_manifest",
-    "datacache/shard/__init__.py::shard_dataset",
-    "datacache/shard/columnar.py::plan_zarr",
-    "datacache/shard/plan.py::plan_tar",
-    "datacache/shard/tar.py::_tar_chunks",
     "datacache/staging/transfer.py::Transfer.copy",
     "loaders/dataset.py::CachedIterableDataset.__init__",
 }

@@ -561,3 +561,96 @@ def test_round_trip_through_the_loader(tmp_path: Path, settings: Any) -> None:
         assert key not in seen
         seen[key] = {name: bytes(value) for name, value in sample.items() if not name.startswith("__")}
     assert seen == expected_samples(files)
+
+
+LINES_FORMAT = '''
+from datacache.formats.files import FilesFormat
+
+
+class Lines(FilesFormat):
+    name = "lines"
+    suffixes = (".lines",)
+    priority = 50
+    rechunker = "linesfmt.shard:RECHUNKER"
+
+    def detect(self, keys):
+        return any(key.endswith(".lines") for key in keys)
+
+
+FORMAT = Lines()
+'''
+
+LINES_RECHUNKER = '''
+from datacache.checksum import checksum_of, new_hasher
+from datacache.shard import Rechunker, ShardPlan, UnitSpec, digest_of, put_bytes
+
+
+class LinesRechunker(Rechunker):
+    """Concatenates .lines files, in key order, into files of about --shard-size; a line is a sample."""
+
+    async def plan(self, source, infos, options, shown):
+        tier = source.open(writable=False)
+        try:
+            files = [(info, (await tier.get(info.key)).count(b"\\n")) for info in sorted(infos, key=lambda i: i.key)]
+        finally:
+            await tier.close()
+        groups, size = [[]], 0
+        for info, lines in files:
+            if groups[-1] and size + info.size > options.shard_size:
+                groups.append([])
+                size = 0
+            groups[-1].append((info, lines))
+            size += info.size
+        units = []
+        for number, group in enumerate(groups):
+            key = f"{options.prefix}-{number:06d}.lines"
+            units.append(UnitSpec(
+                key=key, kind="lines", digest=digest_of([key, [[i.key, i.size, i.version] for i, _ in group]]),
+                size=sum(i.size for i, _ in group), samples=sum(n for _, n in group), objects=len(group),
+                input_bytes=sum(i.size for i, _ in group), payload=tuple(i.key for i, _ in group),
+            ))
+        return ShardPlan(kind="lines", source=shown, options=options, units=tuple(units),
+                         objects=len(files), input_bytes=sum(i.size for i, _ in files))
+
+    async def pack(self, spec, job, io):
+        data = b"".join([await io.source.get(key) for key in spec.payload])
+        io.on_object(len(spec.payload), len(data))
+        await put_bytes(io.dest, spec.key, data)
+        hasher = new_hasher()
+        hasher.update(data)
+        return len(data), checksum_of(hasher)
+
+    def root_files(self, plan):
+        return {"lines.json": b'{"version": 1}'}
+
+
+RECHUNKER = LinesRechunker()
+'''
+
+
+def test_an_installed_format_adds_rechunking_without_editing_datacache(tmp_path: Path) -> None:
+    """A package's format names its rechunker; `datacache shard` detects, plans, packs and lists it."""
+    package = tmp_path / "site"
+    (package / "linesfmt").mkdir(parents=True)
+    (package / "linesfmt" / "__init__.py").write_text(LINES_FORMAT)
+    (package / "linesfmt" / "shard.py").write_text(LINES_RECHUNKER)
+    info = package / "linesfmt-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: linesfmt\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[datacache.formats]\nlines = linesfmt:FORMAT\n")
+    lines = {f"part-{n}.lines": b"".join(b"%d\n" % i for i in range(10 * n, 10 * n + 10)) for n in range(5)}
+    write_tree(tmp_path / "src", lines)
+    path = os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "datacache.cli"]
+    helped = subprocess.run([*command, "shard", "--help"], env=env, capture_output=True, text=True, check=True)
+    assert "{auto,files,lines,parquet,zarr}" in helped.stdout
+    subprocess.run([*command, "shard", str(tmp_path / "src"), str(tmp_path / "dst"), "--shard-size", "70B", "-q"],
+                   env=env, capture_output=True, text=True, check=True)
+    manifest = json.loads((tmp_path / "dst" / MANIFEST_NAME).read_text())  # this process has no "lines" format
+    assert manifest["format"] == "lines"
+    shards = manifest["shards"]
+    assert [shard["key"] for shard in shards] == ["lines.json", *(f"shard-00000{n}.lines" for n in range(3))]
+    assert [shard["samples"] for shard in shards] == [0, 20, 20, 10]
+    packed = b"".join((tmp_path / "dst" / shard["key"]).read_bytes() for shard in shards[1:])
+    assert packed == b"".join(b"%d\n" % i for i in range(50))

@@ -19,7 +19,7 @@ from datacache.config import Settings, resolve_dataset
 from datacache.counting.cluster import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.errors import ConfigError
 from datacache.formats import get_format
-from datacache.shard import SOURCE_FORMATS
+from datacache.shard import source_formats
 from datacache.sizes import format_bytes, format_rate
 from datacache.staging import Stager
 from datacache.tiers import redact_url
@@ -161,7 +161,7 @@ def add_parsers(commands: Commands) -> None:
                        help="where shards are packed: this process, a Dask or a Ray cluster (default local)")
     shard.add_argument("--scheduler", metavar="ADDRESS",
                        help="the cluster: tcp://host:8786 (dask) or ray://host:10001 (ray); local when omitted")
-    shard.add_argument("--format", choices=SOURCE_FORMATS, default="auto",
+    shard.add_argument("--format", choices=("auto", *source_formats()), default="auto",
                        help="what SRC holds: small files (to tar shards), Parquet or a Zarr array (to re-chunk)")
     shard.add_argument("--chunk-size", metavar="SIZE", default="32MB",
                        help="Parquet row group / Zarr chunk target, uncompressed (default 32MB)")

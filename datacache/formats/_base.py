@@ -179,6 +179,9 @@ class SampleFormat:
     """Whether a reader's `UnitReader.index` is kept per node and handed to the next `open_reader`."""
     indexed: ClassVar[bool] = False
     """Whether ``datacache index`` counts its samples ahead of time (tar: counting means scanning)."""
+    rechunker: ClassVar[str | None] = None
+    """Where ``datacache shard`` finds how to re-chunk it: the import string (``"module:OBJECT"``) of a
+    `datacache.shard.Rechunker`; a name, not an import, so formats stay below the shard package."""
 
     def detect(self, keys: Collection[str]) -> bool:
         """Whether a listing of ``keys`` holds this format's shards."""

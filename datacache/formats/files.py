@@ -40,6 +40,7 @@ class FilesFormat(SampleFormat):
     """A tree of small files: what a listing is when no other format claims it."""
 
     name = "files"
+    rechunker = "datacache.shard.tar:FILES"
     priority = 1000
     batch = "fields"
 

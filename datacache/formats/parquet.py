@@ -96,6 +96,7 @@ class ParquetFormat(SampleFormat):
     """Parquet files, read by row group; batch mode gives Arrow record batches."""
 
     name = "parquet"
+    rechunker = "datacache.shard.columnar:PARQUET"
     suffixes = (".parquet",)
     shard_names = (".pq",)
     priority = 20

@@ -190,6 +190,7 @@ class ZarrFormat(SampleFormat):
     """A Zarr store (v2 or v3) read by rows of chunks; batch mode stacks rows into tensors."""
 
     name = "zarr"
+    rechunker = "datacache.shard.columnar:ZARR"
     priority = 0
     batch = "arrays"
 

@@ -23,10 +23,16 @@ bytes still verify (size and checksum), and packs the rest: the result is
 byte for byte that of an uninterrupted run. The units can be packed in this
 process, or as tasks on a Dask or Ray cluster (``engine``).
 
+How a source is planned and packed is its format's `Rechunker`
+(`datacache.shard.rechunk`), named by the format (`SampleFormat.rechunker`):
+tar shards for ``files``, re-chunked files for ``parquet``, chunks for
+``zarr``; a format adds one without editing this package.
+
 The package's modules point one way: `plan` (pure planning) <- `job` (the
-values a worker receives) <- `tar` and `columnar` (the packers, independent
-of each other) <- `ensure` (keep or pack one unit) <- `engines` (where units
-run) <- this module (one run, end to end).
+values a worker receives) <- `rechunk` (the protocol, found by format name)
+<- `tar` and `columnar` (the built-in rechunkers, independent of each other)
+<- `ensure` (keep or pack one unit) <- `engines` (where units run) <- this
+module (one run, end to end).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,17 +52,18 @@ from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
-from datacache.shard import columnar
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
-from datacache.shard.job import Endpoint, ShardJob, UnitResult, put_bytes
+from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, put_bytes
 from datacache.shard.plan import (
     DONE_PREFIX,
     PLAN_NAME,
     ShardOptions,
     ShardPlan,
     UnitSpec,
+    digest_of,
     plan_tar,
 )
+from datacache.shard.rechunk import FALLBACK, Rechunker, rechunker_for, source_formats
 from datacache.tiers import ObjectInfo, Tier, redact_url
 from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
 
@@ -65,15 +72,22 @@ __all__ = [
     "PLAN_NAME",
     "SOURCE_FORMATS",
     "Endpoint",
+    "PackIO",
+    "Rechunker",
+    "ShardJob",
     "ShardOptions",
     "ShardPlan",
     "ShardReport",
     "UnitSpec",
     "detect_source_format",
+    "digest_of",
     "list_source",
     "plan_source",
     "plan_tar",
+    "put_bytes",
+    "rechunker_for",
     "shard_dataset",
+    "source_formats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -164,52 +178,28 @@ async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> lis
 
 def detect_source_format(infos: list[ObjectInfo]) -> str:
     """What ``datacache shard`` makes of a source: the one detector's format where it can re-chunk it
-    (``parquet``, ``zarr``), else ``files`` (every object packed into tar shards)."""
+    (its `SampleFormat.rechunker`), else ``files`` (every object packed into tar shards)."""
     detected = detect_format_name(info.key for info in infos)
-    return detected if detected in _PLANNERS else "files"
+    return detected if get_format(detected).rechunker is not None else FALLBACK
 
 
-async def _plan_files(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    return plan_tar(infos, options, source=shown)
-
-
-async def _plan_parquet(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    parquet = get_format("parquet").shard_keys(infos)
-    if not parquet:
-        raise ConfigError(f"--format parquet: no .parquet files at {shown}")
-    if len(parquet) < len(infos):
-        logger.warning(
-            "%s holds %d .parquet files and %d others; re-chunking the .parquet files only "
-            "(--format files packs every file into tar shards)",
-            shown,
-            len(parquet),
-            len(infos) - len(parquet),
-        )
-    return await asyncio.to_thread(columnar.plan_parquet, source, parquet, options)
-
-
-async def _plan_zarr(source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, shown: str) -> ShardPlan:
-    return await asyncio.to_thread(columnar.plan_zarr, source, infos, options)
-
-
-_PLANNERS: dict[str, Callable[[Endpoint, list[ObjectInfo], ShardOptions, str], Awaitable[ShardPlan]]] = {
-    "files": _plan_files,
-    "parquet": _plan_parquet,
-    "zarr": _plan_zarr,
-}
-"""The formats of `datacache.formats` that ``datacache shard`` reads (each packer is picked in `ensure`)."""
-SOURCE_FORMATS = ("auto", *_PLANNERS)
+def __getattr__(name: str) -> object:
+    # The choices are the registered formats that name a rechunker, known once the formats are imported.
+    if name == "SOURCE_FORMATS":
+        return ("auto", *source_formats())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 async def plan_source(
     source: Endpoint, infos: list[ObjectInfo], options: ShardOptions, source_format: str = "auto"
 ) -> ShardPlan:
     """Plan the run for ``infos``, listed at ``source``, as ``source_format`` (or detected)."""
-    if source_format not in SOURCE_FORMATS:
-        raise ConfigError(f"--format {source_format!r}: choose from {', '.join(SOURCE_FORMATS)}")
+    choices = ("auto", *source_formats())
+    if source_format not in choices:
+        raise ConfigError(f"--format {source_format!r}: choose from {', '.join(choices)}")
     chosen = detect_source_format(infos) if source_format == "auto" else source_format
     shown = redact_url(source.url)
-    plan = await _PLANNERS[chosen](source, infos, options, shown)
+    plan = await rechunker_for(chosen).plan(source, infos, options, shown)
     if not plan.units:
         raise ShardNotFoundError(
             f"nothing to pack at {shown}: none of its {len(infos)} objects has a file extension "
@@ -224,8 +214,8 @@ async def plan_source(
     return plan
 
 
-async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
-    """Write the plan (and Zarr metadata); return the units recorded by an earlier run."""
+async def _earlier_run(dest: Tier) -> tuple[set[str], bool, bool]:
+    """What an earlier run left at ``dest``: its unit records, and whether a plan and a manifest are there."""
     recorded: set[str] = set()
     existing_plan = False
     existing_manifest = False
@@ -236,26 +226,35 @@ async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
             existing_plan = True
         elif info.key == MANIFEST_NAME:
             existing_manifest = True
-    if existing_plan:
-        try:
-            previous = json.loads(await dest.get(PLAN_NAME)).get("digest")
-        except (ValueError, AttributeError, ShardNotFoundError):
-            previous = None
-        if previous == plan.digest:
-            logger.info(
-                "resuming: %d of %d units have a record",
-                len(recorded & {u.key for u in plan.units}),
-                len(plan.units),
-            )
-        else:
-            logger.warning(
-                "the plan at %s changed (other inputs or options): changed units are packed again",
-                dest.url,
-            )
-            if existing_manifest:
-                await dest.delete(MANIFEST_NAME)
-    elif existing_manifest:
-        # An output written by some other means: its manifest is replaced at the end.
+    return recorded, existing_plan, existing_manifest
+
+
+async def _same_plan(dest: Tier, plan: ShardPlan) -> bool:
+    """Whether the plan an earlier run wrote at ``dest`` is ``plan``."""
+    try:
+        previous = json.loads(await dest.get(PLAN_NAME)).get("digest")
+    except (ValueError, AttributeError, ShardNotFoundError):
+        previous = None
+    return bool(previous == plan.digest)
+
+
+async def _prepare_output(dest: Tier, plan: ShardPlan, root_files: Mapping[str, bytes]) -> set[str]:
+    """Write the plan (and the rechunker's root files); return the units recorded by an earlier run."""
+    recorded, existing_plan, existing_manifest = await _earlier_run(dest)
+    same = existing_plan and await _same_plan(dest, plan)
+    if same:
+        logger.info(
+            "resuming: %d of %d units have a record",
+            len(recorded & {u.key for u in plan.units}),
+            len(plan.units),
+        )
+    elif existing_plan:
+        logger.warning(
+            "the plan at %s changed (other inputs or options): changed units are packed again",
+            dest.url,
+        )
+    if existing_manifest and not same:
+        # A manifest of another plan, or written by other means: the one written at the end replaces it.
         await dest.delete(MANIFEST_NAME)
     if dest.has_local_paths:
         # Temporary files of a run that was killed; a live writer's file is locked and kept.
@@ -264,8 +263,8 @@ async def _prepare_output(dest: Tier, plan: ShardPlan) -> set[str]:
         if removed:
             logger.info("removed %d temporary files left by an interrupted run", len(removed))
     await put_bytes(dest, PLAN_NAME, plan.to_json())
-    if plan.kind == "zarr":
-        await put_bytes(dest, "zarr.json", str(plan.extra["zarr_json"]).encode())
+    for key, data in root_files.items():
+        await put_bytes(dest, key, data)
     return recorded
 
 
@@ -276,13 +275,14 @@ def _local_root(url: str) -> Path:
     return Path(str(root))
 
 
-def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResult]) -> Manifest:
+def _build_manifest(
+    dest: Endpoint, plan: ShardPlan, root_files: Mapping[str, bytes], results: dict[str, UnitResult]
+) -> Manifest:
     shards: list[Shard] = []
-    if plan.kind == "zarr":
-        metadata = str(plan.extra["zarr_json"]).encode()
+    for key, data in root_files.items():
         hasher = new_hasher()
-        hasher.update(metadata)
-        shards.append(Shard("zarr.json", len(metadata), checksum=checksum_of(hasher), samples=0))
+        hasher.update(data)
+        shards.append(Shard(key, len(data), checksum=checksum_of(hasher), samples=0))
     for unit in plan.units:
         result = results[unit.key]
         shards.append(
@@ -306,6 +306,132 @@ def _build_manifest(dest: Endpoint, plan: ShardPlan, results: dict[str, UnitResu
         created=0.0,
         extra=extra,
     )
+
+
+async def _list_and_plan(
+    source: Endpoint, dest: Endpoint, options: ShardOptions, source_format: str
+) -> tuple[ShardPlan, Mapping[str, bytes], str]:
+    """List ``source`` once and plan the run: the plan, its root files and the format it reads as."""
+    source_tier = source.open(writable=False)
+    try:
+        infos = await list_source(source_tier, exclude_prefix=_inside(dest.url, source.url))
+    finally:
+        await source_tier.close()
+    chosen = detect_source_format(infos) if source_format == "auto" else source_format
+    plan = await plan_source(source, infos, options, chosen)
+    logger.info(
+        "plan %s: %d objects (%d bytes) -> %d units, %d samples",
+        plan.digest[:12],
+        plan.objects,
+        plan.input_bytes,
+        len(plan.units),
+        plan.samples,
+    )
+    return plan, rechunker_for(chosen).root_files(plan), chosen
+
+
+class _Results:
+    """The finished units of a run, and what the progress display is told as they finish."""
+
+    def __init__(self, display: Progress | None, *, live: bool) -> None:
+        self.display = display
+        self.live = live  # units packed in this process report each object as it is read
+        self.results: dict[str, UnitResult] = {}
+
+    def on_object(self, objects: int, nbytes: int) -> None:
+        if self.display is not None:
+            self.display.moved(nbytes)
+            self.display.item_done(nbytes, transferred=nbytes, items=objects)
+
+    def on_result(self, result: UnitResult) -> None:
+        self.results[result.key] = result
+        display = self.display
+        if display is None:
+            return
+        if not result.written:
+            display.item_done(result.input_bytes, transferred=0, items=result.objects)
+        elif not self.live:
+            display.moved(result.input_bytes)
+            display.item_done(
+                result.input_bytes, transferred=result.input_bytes, items=result.objects
+            )
+
+    async def ticker(self) -> None:
+        while self.display is not None:
+            await asyncio.sleep(1.0)
+            self.display.tick()
+
+
+async def _run_units(
+    units: list[tuple[UnitSpec, bool]], job: ShardJob, results: _Results, *, engine: str, scheduler: str | None
+) -> None:
+    """Pack ``units`` on ``engine``, ticking the progress display meanwhile."""
+    ticking = asyncio.create_task(results.ticker())
+    try:
+        if engine == "local":
+            await run_local(units, job, on_result=results.on_result, on_object=results.on_object)
+        else:
+            loop = asyncio.get_running_loop()
+
+            def threadsafe(result: UnitResult) -> None:
+                loop.call_soon_threadsafe(results.on_result, result)
+
+            runner = run_dask if engine == "dask" else run_ray
+            await asyncio.to_thread(runner, units, job, scheduler=scheduler, on_result=threadsafe)
+            await asyncio.sleep(0)  # let the last callbacks run
+    finally:
+        ticking.cancel()
+        await asyncio.gather(ticking, return_exceptions=True)
+        if results.display is not None:
+            results.display.close()
+
+
+async def _write_manifest(
+    dest: Endpoint, plan: ShardPlan, root_files: Mapping[str, bytes], results: dict[str, UnitResult]
+) -> None:
+    missing = [unit.key for unit in plan.units if unit.key not in results]
+    if missing:
+        raise DatacacheError(
+            f"{len(missing)} of {len(plan.units)} shards were not packed (first: {missing[0]})"
+        )
+    manifest = _build_manifest(dest, plan, root_files, results)
+    dest_tier = dest.open(writable=True)
+    try:
+        await put_bytes(dest_tier, MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
+    finally:
+        await dest_tier.close()
+
+
+def _report(
+    source: Endpoint, dest: Endpoint, plan: ShardPlan, ordered: tuple[UnitResult, ...], seconds: float
+) -> ShardReport:
+    """What the run did, logged in one line."""
+    report = ShardReport(
+        source=redact_url(source.url),
+        dest=redact_url(dest.url),
+        kind=plan.kind,
+        units=len(plan.units),
+        written=sum(1 for r in ordered if r.written),
+        kept=sum(1 for r in ordered if not r.written),
+        objects=plan.objects,
+        input_bytes=plan.input_bytes,
+        output_bytes=sum(r.size for r in ordered),
+        samples=plan.samples,
+        skipped=len(plan.skipped),
+        seconds=seconds,
+        plan_digest=plan.digest,
+        results=ordered,
+    )
+    logger.info(
+        "sharded %s -> %s: %d units (%d written, %d kept) in %.1fs",
+        report.source,
+        report.dest,
+        report.units,
+        report.written,
+        report.kept,
+        report.seconds,
+    )
+    return report
 
 
 async def shard_dataset(
@@ -350,109 +476,16 @@ async def shard_dataset(
     if redact_url(source.url).rstrip("/") == redact_url(dest.url).rstrip("/"):
         raise ConfigError("SRC and DST are the same place; write the shards somewhere else")
     started = time.monotonic()
-    source_tier = source.open(writable=False)
-    try:
-        infos = await list_source(source_tier, exclude_prefix=_inside(dest.url, source.url))
-    finally:
-        await source_tier.close()
-    plan = await plan_source(source, infos, options, source_format)
-    logger.info(
-        "plan %s: %d objects (%d bytes) -> %d units, %d samples",
-        plan.digest[:12],
-        plan.objects,
-        plan.input_bytes,
-        len(plan.units),
-        plan.samples,
-    )
+    plan, root_files, chosen = await _list_and_plan(source, dest, options, source_format)
     dest_tier = dest.open(writable=True)
     try:
-        recorded = await _prepare_output(dest_tier, plan)
+        recorded = await _prepare_output(dest_tier, plan, root_files)
     finally:
         await dest_tier.close()
-
-    display = progress(plan) if progress is not None else None
-    results: dict[str, UnitResult] = {}
-    live = engine == "local"
-
-    def on_object(objects: int, nbytes: int) -> None:
-        if display is not None:
-            display.moved(nbytes)
-            display.item_done(nbytes, transferred=nbytes, items=objects)
-
-    def on_result(result: UnitResult) -> None:
-        results[result.key] = result
-        if display is None:
-            return
-        if not result.written:
-            display.item_done(result.input_bytes, transferred=0, items=result.objects)
-        elif not live:
-            display.moved(result.input_bytes)
-            display.item_done(
-                result.input_bytes, transferred=result.input_bytes, items=result.objects
-            )
-
-    units: list[tuple[UnitSpec, bool]] = [(unit, unit.key in recorded) for unit in plan.units]
-    job = ShardJob(source=source, dest=dest, options=options)
-
-    async def ticker() -> None:
-        while display is not None:
-            await asyncio.sleep(1.0)
-            display.tick()
-
-    ticking = asyncio.create_task(ticker())
-    try:
-        if engine == "local":
-            await run_local(units, job, on_result=on_result, on_object=on_object)
-        else:
-            loop = asyncio.get_running_loop()
-
-            def threadsafe(result: UnitResult) -> None:
-                loop.call_soon_threadsafe(on_result, result)
-
-            runner = run_dask if engine == "dask" else run_ray
-            await asyncio.to_thread(runner, units, job, scheduler=scheduler, on_result=threadsafe)
-            await asyncio.sleep(0)  # let the last callbacks run
-    finally:
-        ticking.cancel()
-        await asyncio.gather(ticking, return_exceptions=True)
-        if display is not None:
-            display.close()
-
-    missing = [unit.key for unit in plan.units if unit.key not in results]
-    if missing:
-        raise DatacacheError(
-            f"{len(missing)} of {len(plan.units)} shards were not packed (first: {missing[0]})"
-        )
-    manifest = _build_manifest(dest, plan, results)
-    dest_tier = dest.open(writable=True)
-    try:
-        await put_bytes(dest_tier, MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1).encode())
-    finally:
-        await dest_tier.close()
-    ordered = tuple(results[unit.key] for unit in plan.units)
-    report = ShardReport(
-        source=redact_url(source.url),
-        dest=redact_url(dest.url),
-        kind=plan.kind,
-        units=len(plan.units),
-        written=sum(1 for r in ordered if r.written),
-        kept=sum(1 for r in ordered if not r.written),
-        objects=plan.objects,
-        input_bytes=plan.input_bytes,
-        output_bytes=sum(r.size for r in ordered),
-        samples=plan.samples,
-        skipped=len(plan.skipped),
-        seconds=time.monotonic() - started,
-        plan_digest=plan.digest,
-        results=ordered,
-    )
-    logger.info(
-        "sharded %s -> %s: %d units (%d written, %d kept) in %.1fs",
-        report.source,
-        report.dest,
-        report.units,
-        report.written,
-        report.kept,
-        report.seconds,
-    )
-    return report
+    results = _Results(progress(plan) if progress is not None else None, live=engine == "local")
+    units = [(unit, unit.key in recorded) for unit in plan.units]
+    job = ShardJob(source=source, dest=dest, options=options, source_format=chosen)
+    await _run_units(units, job, results, engine=engine, scheduler=scheduler)
+    await _write_manifest(dest, plan, root_files, results.results)
+    ordered = tuple(results.results[unit.key] for unit in plan.units)
+    return _report(source, dest, plan, ordered, time.monotonic() - started)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.errors import ConfigError, ShardNotFoundError, ShardReadError
+from datacache.formats import get_format
 from datacache.shard.job import Endpoint, PackIO, ShardJob
 from datacache.shard.plan import (
     ParquetPayload,
@@ -32,10 +34,15 @@ from datacache.shard.plan import (
     ZarrPayload,
     digest_of,
 )
+from datacache.shard.rechunk import Rechunker
 from datacache.tiers import ObjectInfo
 
 __all__ = [
+    "PARQUET",
+    "ZARR",
     "ZARR_METADATA",
+    "ParquetRechunker",
+    "ZarrRechunker",
     "pack_parquet",
     "pack_zarr",
     "plan_parquet",
@@ -45,6 +52,8 @@ __all__ = [
 
 ZARR_METADATA = "zarr.json"
 _READ_CHUNK = 8 << 20
+
+logger = logging.getLogger("datacache.shard")
 
 
 def _filesystem(endpoint: Endpoint) -> tuple[Any, str]:
@@ -180,12 +189,18 @@ def _write_parquet(spec: UnitSpec, payload: ParquetPayload, source: Endpoint, ta
 
 
 async def _file_chunks(path: str) -> AsyncIterator[bytes]:
-    with open(path, "rb") as handle:
-        while True:
-            chunk = await asyncio.to_thread(handle.read, _READ_CHUNK)
-            if not chunk:
-                return
+    """The bytes of the local spool file, read in a thread: a slow disk must not stall the event loop."""
+    handle = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(handle.read, _READ_CHUNK):
             yield chunk
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        Path(path).unlink()
 
 
 async def pack_parquet(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
@@ -213,8 +228,7 @@ async def pack_parquet(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, 
         await io.dest.put(spec.key, hashed())
         return size, checksum_of(hasher)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            Path(spool).unlink()
+        await asyncio.to_thread(_remove, spool)
 
 
 # -- Zarr ---------------------------------------------------------------------------------
@@ -232,31 +246,34 @@ def _zarr_store(endpoint: Endpoint, *, read_only: bool) -> Any:
     )
 
 
-def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions) -> ShardPlan:
-    """Plan a copy of the Zarr array at ``source`` with chunks of about ``chunk_size`` along axis 0.
-
-    The output's ``zarr.json`` (same shape, dtype, fill value, attributes and,
-    for a Zarr v3 source, codecs) is in ``extra["zarr_json"]``; each unit is
-    one output chunk. Raises `ConfigError` when the source is not one array.
-    """
+def _source_array(source: Endpoint) -> Any:
+    """The Zarr array at the root of ``source``; `ConfigError` unless it is one with rows along axis 0."""
     import zarr
-    from zarr.storage import MemoryStore
 
     try:
         array = zarr.open_array(store=_zarr_store(source, read_only=True), mode="r")
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ConfigError(f"{source.url}: not a Zarr array at its root ({exc})") from None
-    shape = tuple(int(n) for n in array.shape)
-    if not shape or shape[0] == 0:
+    if not array.shape or array.shape[0] == 0:
         raise ConfigError(
             f"{source.url}: a Zarr array to re-chunk needs at least one row along axis 0"
         )
-    row_bytes = max(1, math.prod(shape[1:]) * array.dtype.itemsize)
-    source_rows = int(array.chunks[0])
+    return array
+
+
+def _rows_per_chunk(row_bytes: int, source_rows: int, length: int, options: ShardOptions) -> int:
+    """Rows of an output chunk: about ``chunk_size`` bytes, whole source chunks when more than one."""
     rows = max(1, options.chunk_size // row_bytes)
     if rows >= source_rows:
         rows = rows // source_rows * source_rows  # whole source chunks per output chunk
-    rows = min(rows, shape[0])
+    return min(rows, length)
+
+
+def _output_array(array: Any, shape: tuple[int, ...], rows: int) -> tuple[Any, str]:
+    """The output array's metadata (``zarr.json``), made in memory: the source's but for its chunks."""
+    import zarr
+    from zarr.storage import MemoryStore
+
     kwargs: dict[str, Any] = {}
     if array.metadata.zarr_format == 3:
         kwargs = {
@@ -275,10 +292,24 @@ def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptio
         attributes=dict(array.attrs),
         **kwargs,
     )
-    metadata = memory[ZARR_METADATA].to_bytes().decode()
+    return output, memory[ZARR_METADATA].to_bytes().decode()
+
+
+def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions) -> ShardPlan:
+    """Plan a copy of the Zarr array at ``source`` with chunks of about ``chunk_size`` along axis 0.
+
+    The output's ``zarr.json`` (same shape, dtype, fill value, attributes and,
+    for a Zarr v3 source, codecs) is in ``extra["zarr_json"]``; each unit is
+    one output chunk. Raises `ConfigError` when the source is not one array.
+    """
+    array = _source_array(source)
+    shape = tuple(int(n) for n in array.shape)
+    row_bytes = max(1, math.prod(shape[1:]) * array.dtype.itemsize)
+    source_rows = int(array.chunks[0])
+    rows = _rows_per_chunk(row_bytes, source_rows, shape[0], options)
+    output, metadata = _output_array(array, shape, rows)
     listing = digest_of(sorted([info.key, info.size, info.version] for info in infos))
     units: list[UnitSpec] = []
-    source_chunk_bytes = source_rows * row_bytes
     for index, start in enumerate(range(0, shape[0], rows)):
         stop = min(start + rows, shape[0])
         key = output.metadata.encode_chunk_key((index,) + (0,) * (len(shape) - 1))
@@ -304,7 +335,7 @@ def plan_zarr(source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptio
         extra={
             "zarr_json": metadata,
             "rows_per_chunk": rows,
-            "source_chunk_bytes": source_chunk_bytes,
+            "source_chunk_bytes": source_rows * row_bytes,
         },
     )
 
@@ -332,3 +363,50 @@ async def pack_zarr(spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str
     hasher = new_hasher()
     hasher.update(data)
     return len(data), checksum_of(hasher)
+
+
+# -- The rechunkers the formats name ------------------------------------------------------
+
+
+class ParquetRechunker(Rechunker):
+    """The ``.parquet`` files of the source re-chunked into files of whole, coalesced row groups."""
+
+    async def plan(
+        self, source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions, shown: str
+    ) -> ShardPlan:
+        parquet = get_format("parquet").shard_keys(infos)
+        if not parquet:
+            raise ConfigError(f"--format parquet: no .parquet files at {shown}")
+        if len(parquet) < len(infos):
+            logger.warning(
+                "%s holds %d .parquet files and %d others; re-chunking the .parquet files only "
+                "(--format files packs every file into tar shards)",
+                shown,
+                len(parquet),
+                len(infos) - len(parquet),
+            )
+        return await asyncio.to_thread(plan_parquet, source, parquet, options)
+
+    async def pack(self, spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
+        return await pack_parquet(spec, job, io)
+
+
+class ZarrRechunker(Rechunker):
+    """The Zarr array at the source's root copied with chunks of about ``--chunk-size`` along axis 0."""
+
+    async def plan(
+        self, source: Endpoint, infos: Sequence[ObjectInfo], options: ShardOptions, shown: str
+    ) -> ShardPlan:
+        return await asyncio.to_thread(plan_zarr, source, infos, options)
+
+    async def pack(self, spec: UnitSpec, job: ShardJob, io: PackIO) -> tuple[int, str]:
+        return await pack_zarr(spec, job, io)
+
+    def root_files(self, plan: ShardPlan) -> Mapping[str, bytes]:
+        return {ZARR_METADATA: str(plan.extra["zarr_json"]).encode()}
+
+
+PARQUET = ParquetRechunker()
+"""The ``parquet`` format's rechunker (`datacache.formats.parquet` names it)."""
+ZARR = ZarrRechunker()
+"""The ``zarr`` format's rechunker (`datacache.formats.zarr` names it)."""

@@ -3,8 +3,8 @@
 Once a unit and its index are stored, a small record (size, checksum, plan
 digest) is written under ``.datacache-shard-done/``: the commit point a rerun
 trusts, after re-reading the unit and checking its checksum. The packers
-(`datacache.shard.tar`, `datacache.shard.columnar`) know nothing of records
-or of each other; this module picks one by the unit's kind.
+know nothing of records or of each other; this module finds the run's one
+through its source format (`datacache.shard.rechunk.rechunker_for`).
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 
 from datacache.checksum import checksum_of, new_hasher
-from datacache.counting.tarindex import INDEX_SUFFIX, index_to_json
 from datacache.errors import ShardNotFoundError
-from datacache.shard import columnar
 from datacache.shard.job import ObjectCallback, PackIO, ShardJob, UnitResult, put_bytes, record_key
-from datacache.shard.plan import TarPayload, UnitSpec
-from datacache.shard.tar import pack_tar
+from datacache.shard.plan import UnitSpec
+from datacache.shard.rechunk import Rechunker, rechunker_for
 from datacache.tiers import Tier
 
 __all__ = ["ensure_unit", "run_unit_sync"]
@@ -37,7 +34,7 @@ async def _hash_object(tier: Tier, key: str) -> tuple[int, str]:
     return size, checksum_of(hasher)
 
 
-async def _kept(spec: UnitSpec, dest: Tier) -> UnitResult | None:
+async def _kept(spec: UnitSpec, dest: Tier, rechunker: Rechunker) -> UnitResult | None:
     """Return the unit as recorded if its record matches the plan and its bytes verify."""
     try:
         raw = await dest.get(record_key(spec.key))
@@ -66,30 +63,10 @@ async def _kept(spec: UnitSpec, dest: Tier) -> UnitResult | None:
             checksum,
         )
         return None
-    if isinstance(spec.payload, TarPayload) and await dest.stat(spec.key + INDEX_SUFFIX) is None:
-        await put_bytes(
-            dest, spec.key + INDEX_SUFFIX, index_to_json(spec.payload.spans, shard_size=size)
-        )
+    await rechunker.kept(spec, dest, size)
     return UnitResult(
         spec.key, size, checksum, spec.samples, spec.objects, spec.input_bytes, written=False
     )
-
-
-Packer = Callable[[UnitSpec, ShardJob, PackIO], Awaitable[tuple[int, str]]]
-
-
-_PACKERS: dict[str, Packer] = {
-    "tar": pack_tar,
-    "parquet": columnar.pack_parquet,
-    "zarr": columnar.pack_zarr,
-}
-
-
-def _packer(kind: str) -> Packer:
-    try:
-        return _PACKERS[kind]
-    except KeyError:
-        raise ValueError(f"unknown unit kind {kind!r}") from None
 
 
 async def ensure_unit(
@@ -109,12 +86,13 @@ async def ensure_unit(
     size and checksum; anything else is packed again (atomically replacing
     what was there).
     """
+    rechunker = rechunker_for(job.source_format)
     if has_record:
-        kept = await _kept(spec, dest)
+        kept = await _kept(spec, dest, rechunker)
         if kept is not None:
             return kept
     io = PackIO(source, dest, limiter or asyncio.Semaphore(job.options.concurrency), on_object or _ignore)
-    size, checksum = await _packer(spec.kind)(spec, job, io)
+    size, checksum = await rechunker.pack(spec, job, io)
     record = {
         "key": spec.key,
         "digest": spec.digest,

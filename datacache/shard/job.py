@@ -58,6 +58,8 @@ class ShardJob:
     source: Endpoint
     dest: Endpoint
     options: ShardOptions
+    source_format: str = "files"
+    """The format the run reads as: its rechunker packs each unit (looked up again in each worker)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,7 +172,11 @@ class ZarrPayload:
 
 @dataclass(frozen=True, slots=True)
 class UnitSpec:
-    """One independent piece of output work: a tar shard, a Parquet file or a Zarr chunk.
+    """One independent piece of output work: a tar shard, a Parquet file, a Zarr chunk, ...
+
+    ``payload`` is what the format's rechunker planned for it (`TarPayload`,
+    `ParquetPayload`, `ZarrPayload`, or a new format's own value); only that
+    rechunker reads it.
 
     ``size`` is exact for tar shards and ``None`` where only the writer knows
     it. ``digest`` changes whenever anything that decides the unit's bytes
@@ -186,7 +190,7 @@ class UnitSpec:
     samples: int
     objects: int
     input_bytes: int
-    payload: TarPayload | ParquetPayload | ZarrPayload = field(repr=False)
+    payload: Any = field(repr=False)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -313,23 +317,10 @@ def _split(path: str, group_by: re.Pattern[str] | None) -> tuple[str, str] | Non
     return key, extension
 
 
-def plan_tar(infos: Iterable[ObjectInfo], options: ShardOptions, *, source: str = "") -> ShardPlan:
-    """Group input objects into samples and samples into tar shards of about ``shard_size``.
-
-    Pure: the result depends only on the listing (keys, sizes, versions) and
-    ``options``, not on the listing's order. Objects without an extension
-    (by the webdataset rule) are skipped and reported in ``skipped``.
-
-    Raises
-    ------
-    InvalidKeyError
-        A key with ``..``, ``.`` or empty segments, or otherwise unsafe.
-    ConfigError
-        ``--group-by`` or ``--label`` that does not match a path, or a field
-        that occurs twice in one sample.
-    """
-    group_by = re.compile(options.group_by) if options.group_by else None
-    label = re.compile(options.label) if options.label else None
+def _group_samples(
+    infos: Iterable[ObjectInfo], group_by: re.Pattern[str] | None
+) -> tuple[dict[str, _Sample], list[str]]:
+    """The samples the objects form, by key, and the objects without an extension (skipped)."""
     samples: dict[str, _Sample] = {}
     skipped: list[str] = []
     for info in sorted(infos, key=lambda i: i.key):
@@ -346,80 +337,120 @@ def plan_tar(infos: Iterable[ObjectInfo], options: ShardOptions, *, source: str 
                 f"sample {key!r} has two files for field {field_name!r} (one is {path!r})"
             )
         sample.files.append((field_name, extension, info))
+    return samples, skipped
 
+
+def _labels(samples: dict[str, _Sample], label: str | None) -> dict[str, str]:
+    """Each sample's class name, found by ``--label`` in the path of its first file."""
+    if label is None:
+        return {}
+    pattern = re.compile(label)
     labels: dict[str, str] = {}
-    if label is not None:
-        for key, sample in samples.items():
-            if any(name == _LABEL_FIELD for name, _, _ in sample.files):
-                raise ConfigError(f"--label: sample {key!r} already has a {_LABEL_FIELD!r} field")
-            first = sample.files[0][2].key
-            found = label.search(first)
-            if found is None or found.group(1) is None:
-                raise ConfigError(f"--label {options.label!r} does not match {first!r}")
-            labels[key] = found.group(1)
-    classes = tuple(sorted(set(labels.values())))
-    class_index = {name: str(index).encode() for index, name in enumerate(classes)}
+    for key, sample in samples.items():
+        if any(name == _LABEL_FIELD for name, _, _ in sample.files):
+            raise ConfigError(f"--label: sample {key!r} already has a {_LABEL_FIELD!r} field")
+        first = sample.files[0][2].key
+        found = pattern.search(first)
+        if found is None or found.group(1) is None:
+            raise ConfigError(f"--label {label!r} does not match {first!r}")
+        labels[key] = found.group(1)
+    return labels
 
-    units: list[UnitSpec] = []
-    members: list[TarMemberPlan] = []
-    spans: list[SampleSpan] = []
-    offset = 0
-    objects = 0
-    input_bytes = 0
 
-    def cut() -> None:
-        nonlocal members, spans, offset, objects, input_bytes
-        key = f"{options.prefix}-{len(units):06d}.tar"
-        size = offset + _END_OF_ARCHIVE
-        digest = digest_of(["tar", key, [member.describe() for member in members]])
-        units.append(
+class _TarUnits:
+    """Tar shards filled sample by sample, each cut before the sample that would pass ``shard_size``."""
+
+    def __init__(self, options: ShardOptions) -> None:
+        self.options = options
+        self.units: list[UnitSpec] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.members: list[TarMemberPlan] = []
+        self.spans: list[SampleSpan] = []
+        self.offset = 0
+        self.objects = 0
+        self.input_bytes = 0
+
+    def add(self, key: str, planned: list[TarMemberPlan]) -> None:
+        """Append one sample's members, cutting the shard first if they would not fit."""
+        sample_bytes = sum(len(tar_header(m.name, m.size)) + _padded(m.size) for m in planned)
+        if self.members and self.offset + sample_bytes + _END_OF_ARCHIVE > self.options.shard_size:
+            self.cut()
+        fields: list[tuple[str, int, int]] = []
+        for member in planned:
+            self.offset += len(tar_header(member.name, member.size))
+            fields.append((member.name[len(key) + 1 :].lower(), self.offset, member.size))
+            self.offset += _padded(member.size)
+            if member.source is not None:
+                self.objects += 1
+                self.input_bytes += member.size
+        self.members.extend(planned)
+        self.spans.append(SampleSpan(key, tuple(fields)))
+
+    def cut(self) -> None:
+        """Close the shard being filled (if it holds anything) as the next unit."""
+        if not self.members:
+            return
+        key = f"{self.options.prefix}-{len(self.units):06d}.tar"
+        self.units.append(
             UnitSpec(
                 key=key,
                 kind="tar",
-                digest=digest,
-                size=size,
-                samples=len(spans),
-                objects=objects,
-                input_bytes=input_bytes,
-                payload=TarPayload(tuple(members), tuple(spans)),
+                digest=digest_of(["tar", key, [member.describe() for member in self.members]]),
+                size=self.offset + _END_OF_ARCHIVE,
+                samples=len(self.spans),
+                objects=self.objects,
+                input_bytes=self.input_bytes,
+                payload=TarPayload(tuple(self.members), tuple(self.spans)),
             )
         )
-        members, spans, offset, objects, input_bytes = [], [], 0, 0, 0
+        self._start()
 
+
+def _members(sample: _Sample, label: bytes | None) -> list[TarMemberPlan]:
+    """A sample's tar members: its files by field name, then its class index (``cls``) if labelled."""
+    planned = [
+        TarMemberPlan(f"{sample.key}.{extension}", info.size, info.key, info.version)
+        for _, extension, info in sorted(sample.files, key=lambda f: (f[0], f[1]))
+    ]
+    if label is not None:
+        planned.append(TarMemberPlan(f"{sample.key}.{_LABEL_FIELD}", len(label), inline=label))
+    return planned
+
+
+def plan_tar(infos: Iterable[ObjectInfo], options: ShardOptions, *, source: str = "") -> ShardPlan:
+    """Group input objects into samples and samples into tar shards of about ``shard_size``.
+
+    Pure: the result depends only on the listing (keys, sizes, versions) and
+    ``options``, not on the listing's order. Objects without an extension
+    (by the webdataset rule) are skipped and reported in ``skipped``.
+
+    Raises
+    ------
+    InvalidKeyError
+        A key with ``..``, ``.`` or empty segments, or otherwise unsafe.
+    ConfigError
+        ``--group-by`` or ``--label`` that does not match a path, or a field
+        that occurs twice in one sample.
+    """
+    samples, skipped = _group_samples(infos, re.compile(options.group_by) if options.group_by else None)
+    labels = _labels(samples, options.label)
+    classes = tuple(sorted(set(labels.values())))
+    class_index = {name: str(index).encode() for index, name in enumerate(classes)}
+    shards = _TarUnits(options)
     for key in sorted(samples):
-        sample = samples[key]
-        planned: list[TarMemberPlan] = []
-        for _, extension, info in sorted(sample.files, key=lambda f: (f[0], f[1])):
-            planned.append(TarMemberPlan(f"{key}.{extension}", info.size, info.key, info.version))
-        if key in labels:
-            content = class_index[labels[key]]
-            planned.append(TarMemberPlan(f"{key}.{_LABEL_FIELD}", len(content), inline=content))
-        sample_bytes = sum(len(tar_header(m.name, m.size)) + _padded(m.size) for m in planned)
-        if members and offset + sample_bytes + _END_OF_ARCHIVE > options.shard_size:
-            cut()
-        fields: list[tuple[str, int, int]] = []
-        for member in planned:
-            offset += len(tar_header(member.name, member.size))
-            field_name = member.name[len(key) + 1 :].lower()
-            fields.append((field_name, offset, member.size))
-            offset += _padded(member.size)
-            if member.source is not None:
-                objects += 1
-                input_bytes += member.size
-        members.extend(planned)
-        spans.append(SampleSpan(key, tuple(fields)))
-    if members:
-        cut()
-
-    total_objects = sum(unit.objects for unit in units)
-    total_bytes = sum(unit.input_bytes for unit in units)
+        label = class_index[labels[key]] if key in labels else None
+        shards.add(key, _members(samples[key], label))
+    shards.cut()
+    units = shards.units
     return ShardPlan(
         kind="tar",
         source=source,
         options=options,
         units=tuple(units),
-        objects=total_objects,
-        input_bytes=total_bytes,
+        objects=sum(unit.objects for unit in units),
+        input_bytes=sum(unit.input_bytes for unit in units),
         skipped=tuple(skipped),
         classes=classes,
     )
