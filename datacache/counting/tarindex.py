@@ -207,14 +207,20 @@ def _scan(view: memoryview, where: str) -> list[TarMember]:
         pax = {}
         if typeflag in _REGULAR:
             members.append(TarMember(name, data_start, size))
-    if not ended and position < total:
+    if not ended:
+        _check_unended(position, total, where)
+    return members
+
+
+def _check_unended(position: int, total: int, where: str) -> None:
+    """Refuse a buffer with no end-of-archive block whose members do not end exactly at its end."""
+    if position < total:
         raise ShardReadError(f"{where}: truncated tar: {total - position} stray bytes at the end")
-    if not ended and position > total:
+    if position > total:
         # Cut inside the last member's padding: a member (and any sample after it) is missing.
         raise ShardReadError(f"{where}: truncated tar: it ends inside a member's padding ({total} bytes)")
-    if not ended and position == 0 and total:
+    if position == 0 and total:
         raise ShardReadError(f"{where}: not a tar file")
-    return members
 
 
 class TarScanner:
