@@ -31,7 +31,6 @@ LONG_FUNCTIONS = {
 LONG_MODULES = {
     "datacache/catalog/store.py",
     "datacache/staging/stager.py",
-    "loaders/unit_readers.py",
 }
 
 
