@@ -95,40 +95,59 @@ class BatchBuilder:
                 # forces a switch (5 ms) would make the training loop wait that long.
                 time.sleep(0)  # sleep-ok: yields the GIL, not a wait
             reader = self._units.reader_at(position)
-            if reader is None:
+            if reader is None or not self._gather(position, reader, raw, array_rows, decoded):
                 skipped += 1
-                continue
-            local = int(self._epoch.local[position])
-            tally = self._tally
-            if self._decoding.raw and reader.packable:
-                fields = reader.fields(local)
-                raw.append(fields)
-                if tally is not None:
-                    tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
-            elif self._decoding.raw and self._batch == "arrays":
-                array_rows.append((reader, local))
-                if tally is not None:
-                    tally(position, sample_bytes(reader.sample(local)))
-            else:
-                read = reader.sample(local)
-                nbytes = sample_bytes(read) if tally is not None else 0
-                sample = self.decode(read, reader)
-                if sample is SKIPPED:
-                    skipped += 1
-                else:
-                    decoded.append(sample)
-                    if tally is not None:
-                        tally(position, nbytes)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
+        return self._pack(begin // size, raw, array_rows, decoded)
+
+    def _gather(
+        self,
+        position: int,
+        reader: UnitReader,
+        raw: list[list[tuple[str, memoryview]]],
+        array_rows: list[tuple[UnitReader, int]],
+        decoded: list[Any],
+    ) -> bool:
+        """Put the sample at ``position`` in the list its batch path takes; False if it was skipped."""
+        local = int(self._epoch.local[position])
+        tally = self._tally
+        if self._decoding.raw and reader.packable:
+            fields = reader.fields(local)
+            raw.append(fields)
+            if tally is not None:
+                tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
+        elif self._decoding.raw and self._batch == "arrays":
+            array_rows.append((reader, local))
+            if tally is not None:
+                tally(position, sample_bytes(reader.sample(local)))
+        else:
+            read = reader.sample(local)
+            nbytes = sample_bytes(read) if tally is not None else 0
+            sample = self.decode(read, reader)
+            if sample is SKIPPED:
+                return False
+            decoded.append(sample)
+            if tally is not None:
+                tally(position, nbytes)
+        return True
+
+    def _pack(
+        self,
+        slot: int,
+        raw: list[list[tuple[str, memoryview]]],
+        array_rows: list[tuple[UnitReader, int]],
+        decoded: list[Any],
+    ) -> Built | None:
+        """The batch of what `_gather` collected: packed raw fields, stacked arrays, or collated samples."""
         if raw:
             with self._lock:
                 if self._ring is None:
                     slots = LOOKAHEAD + 2 if self._threads else 4
                     self._ring = BufferRing(slots, shared=not self._in_consumer)
-            batch = pack_fields(raw, self._ring, slot=begin // size)
-            del raw  # the views pin the mapped shards; drop them before any is unmapped
+            batch = pack_fields(raw, self._ring, slot=slot)
+            raw.clear()  # the views pin the mapped shards; drop them before any is unmapped
             nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
             return batch, nbytes, len(batch["__key__"])
         if array_rows:
