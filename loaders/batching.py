@@ -14,13 +14,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
@@ -32,6 +30,9 @@ from datacache.loaders.stats import Counter
 from datacache._logging import FirstFew
 from datacache.errors import SampleDecodeError
 from datacache.formats import get_format
+
+if TYPE_CHECKING:
+    from datacache.loaders.planning import Opening
 
 __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
 
@@ -46,7 +47,11 @@ SKIPPED = object()
 
 
 class BatchBuilder:
-    """Reads, decodes and packs the samples of one reader's positions."""
+    """Reads, decodes and packs the samples of one reader's positions.
+
+    ``opening`` is what the reader's units share with it (`planning.Opening`): its stats row, the
+    row's lock, whether bad samples are skipped, whether it runs in the consumer.
+    """
 
     def __init__(
         self,
@@ -55,24 +60,21 @@ class BatchBuilder:
         *,
         decode: Decoder,
         transform: Callable[[Any], Any] | None = None,
-        row: npt.NDArray[np.float64],
-        lock: threading.Lock,
+        opening: Opening,
         threads: int,
-        in_consumer: bool,
-        skip_bad: bool,
         tally: Callable[[int, int], None] | None = None,
     ) -> None:
         self._units = units
         self._tally = tally
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
-        self._skip_bad = skip_bad
+        self._skip_bad = opening.skip_bad
         self._skips = FirstFew("skipped samples", "stats().skipped_samples")
         self._epoch = epoch
         self._decoding = SampleDecoding(decode, transform, "")
-        self._row = row
-        self._lock = lock
+        self._row = opening.row
+        self._lock = opening.lock
         self._threads = threads
-        self._in_consumer = in_consumer
+        self._in_consumer = opening.in_consumer
         runtime = units.runtime
         self._batch = get_format(runtime.handle.manifest.format.value).batch
         self._ring: BufferRing | None = None
