@@ -38,7 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from datacache.loaders.epoch import auto_window, initial_prefetch, node_unit_sequences, plan_epoch
-from datacache.loaders.order import Layout
+from datacache.loaders.order import Dealing, Layout
 
 from datacache.catalog import ReaderRow
 from datacache.eviction import Candidate
@@ -88,12 +88,11 @@ def _plans(cell: Cell, epoch: int) -> tuple[list[_Reader], dict[str, tuple[int, 
     """Every reader's opens and closes in epoch ``epoch``, and the node's future (this epoch and the next)."""
     counts = [cell.samples_per_shard] * cell.shards
     window = auto_window(sum(counts), len(counts))
+    dealing = Dealing(cell.seed, shuffle=True, drop_last=False)
     readers = []
     for rank, worker in itertools.product(range(cell.ranks), range(cell.workers)):
         layout = Layout(cell.ranks, rank, cell.workers, worker)
-        plan = plan_epoch(
-            counts, seed=cell.seed, epoch=epoch, shuffle=True, window=window, cursors=(), layout=layout, drop_last=False
-        )
+        plan = plan_epoch(counts, dealing=dealing, epoch=epoch, window=window, cursors=(), layout=layout)
         sequence = tuple(plan.unit_sequence)
         index = {u: i for i, u in enumerate(sequence)}
         # Opens that fall on one tick happen in the plan's order (as a reader opens ahead), closes too.
@@ -102,13 +101,11 @@ def _plans(cell: Cell, epoch: int) -> tuple[list[_Reader], dict[str, tuple[int, 
         readers.append(_Reader(f"{rank}.{worker}", events, sequence, index))
     future = node_unit_sequences(
         counts,
-        seed=cell.seed,
+        dealing=dealing,
         epoch=epoch,
-        shuffle=True,
         window=window,
         cursors=(),
         layout=Layout(cell.ranks, 0, cell.workers, 0),
-        drop_last=False,
     )
     return readers, future
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
@@ -32,6 +30,9 @@ from datacache.loaders.stats import Counter
 from datacache._logging import FirstFew
 from datacache.errors import SampleDecodeError
 from datacache.formats import get_format
+
+if TYPE_CHECKING:
+    from datacache.loaders.planning import Opening
 
 __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
 
@@ -46,7 +47,11 @@ SKIPPED = object()
 
 
 class BatchBuilder:
-    """Reads, decodes and packs the samples of one reader's positions."""
+    """Reads, decodes and packs the samples of one reader's positions.
+
+    ``opening`` is what the reader's units share with it (`planning.Opening`): its stats row, the
+    row's lock, whether bad samples are skipped, whether it runs in the consumer.
+    """
 
     def __init__(
         self,
@@ -55,24 +60,21 @@ class BatchBuilder:
         *,
         decode: Decoder,
         transform: Callable[[Any], Any] | None = None,
-        row: npt.NDArray[np.float64],
-        lock: threading.Lock,
+        opening: Opening,
         threads: int,
-        in_consumer: bool,
-        skip_bad: bool,
         tally: Callable[[int, int], None] | None = None,
     ) -> None:
         self._units = units
         self._tally = tally
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
-        self._skip_bad = skip_bad
+        self._skip_bad = opening.skip_bad
         self._skips = FirstFew("skipped samples", "stats().skipped_samples")
         self._epoch = epoch
         self._decoding = SampleDecoding(decode, transform, "")
-        self._row = row
-        self._lock = lock
+        self._row = opening.row
+        self._lock = opening.lock
         self._threads = threads
-        self._in_consumer = in_consumer
+        self._in_consumer = opening.in_consumer
         runtime = units.runtime
         self._batch = get_format(runtime.handle.manifest.format.value).batch
         self._ring: BufferRing | None = None
@@ -95,40 +97,59 @@ class BatchBuilder:
                 # forces a switch (5 ms) would make the training loop wait that long.
                 time.sleep(0)  # sleep-ok: yields the GIL, not a wait
             reader = self._units.reader_at(position)
-            if reader is None:
+            if reader is None or not self._gather(position, reader, raw, array_rows, decoded):
                 skipped += 1
-                continue
-            local = int(self._epoch.local[position])
-            tally = self._tally
-            if self._decoding.raw and reader.packable:
-                fields = reader.fields(local)
-                raw.append(fields)
-                if tally is not None:
-                    tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
-            elif self._decoding.raw and self._batch == "arrays":
-                array_rows.append((reader, local))
-                if tally is not None:
-                    tally(position, sample_bytes(reader.sample(local)))
-            else:
-                read = reader.sample(local)
-                nbytes = sample_bytes(read) if tally is not None else 0
-                sample = self.decode(read, reader)
-                if sample is SKIPPED:
-                    skipped += 1
-                else:
-                    decoded.append(sample)
-                    if tally is not None:
-                        tally(position, nbytes)
         if skipped:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
+        return self._pack(begin // size, raw, array_rows, decoded)
+
+    def _gather(
+        self,
+        position: int,
+        reader: UnitReader,
+        raw: list[list[tuple[str, memoryview]]],
+        array_rows: list[tuple[UnitReader, int]],
+        decoded: list[Any],
+    ) -> bool:
+        """Put the sample at ``position`` in the list its batch path takes; False if it was skipped."""
+        local = int(self._epoch.local[position])
+        tally = self._tally
+        if self._decoding.raw and reader.packable:
+            fields = reader.fields(local)
+            raw.append(fields)
+            if tally is not None:
+                tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
+        elif self._decoding.raw and self._batch == "arrays":
+            array_rows.append((reader, local))
+            if tally is not None:
+                tally(position, sample_bytes(reader.sample(local)))
+        else:
+            read = reader.sample(local)
+            nbytes = sample_bytes(read) if tally is not None else 0
+            sample = self.decode(read, reader)
+            if sample is SKIPPED:
+                return False
+            decoded.append(sample)
+            if tally is not None:
+                tally(position, nbytes)
+        return True
+
+    def _pack(
+        self,
+        slot: int,
+        raw: list[list[tuple[str, memoryview]]],
+        array_rows: list[tuple[UnitReader, int]],
+        decoded: list[Any],
+    ) -> Built | None:
+        """The batch of what `_gather` collected: packed raw fields, stacked arrays, or collated samples."""
         if raw:
             with self._lock:
                 if self._ring is None:
                     slots = LOOKAHEAD + 2 if self._threads else 4
                     self._ring = BufferRing(slots, shared=not self._in_consumer)
-            batch = pack_fields(raw, self._ring, slot=begin // size)
-            del raw  # the views pin the mapped shards; drop them before any is unmapped
+            batch = pack_fields(raw, self._ring, slot=slot)
+            raw.clear()  # the views pin the mapped shards; drop them before any is unmapped
             nbytes = sum(v.nbytes for k, v in batch.items() if k != "__key__")
             return batch, nbytes, len(batch["__key__"])
         if array_rows:

@@ -6,7 +6,7 @@ process, and each worker opens the dataset anew every epoch. For a
 `CachedIterableDataset` whose samples are raw bytes (no decoder, no
 transform) the workers do nothing a thread could not: reading a cached shard
 is a memory copy. This DataLoader then reads in the training process, as the
-``num_workers`` workers would each read (`_dataset_verbs.as_workers`),
+``num_workers`` workers would each read (`CachedIterableDataset.as_workers`),
 groups each one's samples into batches and takes the batches in turn, as
 torch's DataLoader does. The batches are exactly torch's: the same samples,
 grouping, order and types (``default_collate``'s dicts of lists of ``bytes``),
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.utils.data
-from datacache.loaders._dataset_verbs import as_workers, done_as_workers
 from datacache.loaders.dataset import CachedIterableDataset
 from torch.utils.data import default_collate
 from torch.utils.data._utils import pin_memory as _pinning
@@ -87,7 +86,7 @@ class _TakenInTurn(Iterator[Any]):
         if not isinstance(dataset, CachedIterableDataset) or loader.batch_size is None:  # pragma: no cover
             raise TypeError("in-process reading needs a CachedIterableDataset and a batch_size")
         self._dataset = dataset
-        self._streams: list[Iterator[Any] | None] = list(as_workers(dataset, loader.num_workers))
+        self._streams: list[Iterator[Any] | None] = list(dataset.as_workers(loader.num_workers))
         self._batch_size = loader.batch_size
         self._drop_last = loader.drop_last
         self._next = 0
@@ -109,7 +108,7 @@ class _TakenInTurn(Iterator[Any]):
             self._next = worker + 1
             batch = default_collate(samples)
             return batch if self._pin_device is None else pin_batch(batch, self._pin_device)
-        done_as_workers(self._dataset)
+        self._dataset.done_as_workers()
         raise StopIteration
 
 

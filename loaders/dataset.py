@@ -11,52 +11,33 @@ shard before serving a sample from it, and records what it delivered.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import multiprocessing.util
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from datacache.loaders.datasetplans import DatasetPlanner, open_dataset
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
 from datacache.loaders.iterator import EpochIterator
-from datacache.loaders.mix.plan import MixPlanner
-from datacache.loaders.mix.sources import open_handle, open_mix
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
+from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
 from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given, SourceSpec, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from torch.utils.data import IterableDataset, get_worker_info
 
-from datacache._sync import LoopThread, before_thread_pools_stop
-from datacache.access import ShardAccess, open_access
-from datacache.config import Settings, load_settings
+from datacache.config import Settings
 from datacache.errors import ConfigError
 from datacache.sizes import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
 logger = logging.getLogger(__name__)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ConfigError("RANK and WORLD_SIZE must be integers") from None
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world}")
-    return rank, world
 
 
 def _check_options(
@@ -191,10 +172,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._planner: Planner | None = None
         self._main_iterator: EpochIterator | None = None
         if any(_names_shards(spec) for spec in self._sources):
-            # Shards named one by one (a brace pattern, a list) or by a glob must be in the listing:
-            # a pattern that names none is refused here, in one line, rather than at the first
-            # iter() inside a DataLoader worker's traceback. It opens this process's runtime, which
-            # len() or iter() would open first anyway, and keeps it (pickling drops it).
+            # Shards named one by one (a pattern, a list, a glob) must be listed: refused here, in one line, not
+            # in a DataLoader worker's traceback. Opens the runtime len() or iter() would (pickling drops it).
             self._prepare()
 
     # -- pickling: configuration only --------------------------------------------------------
@@ -206,7 +185,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         state["_main_iterator"] = None
         # Captured here, in the process that hands the dataset to spawned workers,
         # where torch.distributed is initialised.
-        state["_layout_hint"] = _rank_and_world()
+        state["_layout_hint"] = rank_and_world()
         return state
 
     def map(self, function: Callable[[Any], Any]) -> CachedIterableDataset:
@@ -230,51 +209,16 @@ class CachedIterableDataset(IterableDataset[Any]):
         runtime = self._runtime
         if runtime is not None and runtime.pid == os.getpid():
             return runtime
-        settings = self.config if self.config is not None else load_settings()
-        loop = LoopThread(name="datacache-loader")
-        in_worker = get_worker_info() is not None
-        access: ShardAccess | None = None
-        try:
-            access = loop.run(open_access(settings, reconcile=not in_worker))
-            if self._mixed:
-                runtime = open_mix(
-                    loop,
-                    access,
-                    settings,
-                    self._sources,
-                    epoch_size=self.epoch_size,
-                    replacement=self.replacement,
-                    shuffle_buffer=self.shuffle_buffer,
-                )
-                planner: Planner = MixPlanner(runtime)
-            else:
-                handle = loop.run(open_handle(access, self._sources[0]))
-                runtime = open_dataset(loop, access, settings, handle, shuffle_buffer=self.shuffle_buffer)
-                planner = DatasetPlanner(runtime, self.shuffle_buffer)
-        except BaseException:
-            if access is not None:
-                # Stop its transfers cleanly (no temporary file left open) and close its sessions.
-                with contextlib.suppress(Exception):
-                    loop.run(access.close(), timeout=30)
-            loop.close()
-            raise
-        return self._keep(runtime, planner)
-
-    def _keep(self, runtime: Runtime, planner: Planner) -> Runtime:
+        runtime, self._planner = open_runtime(
+            self.config,
+            self._sources,
+            mixed=self._mixed,
+            epoch_size=self.epoch_size,
+            replacement=self.replacement,
+            shuffle_buffer=self.shuffle_buffer,
+        )
         self._runtime = runtime
-        self._planner = planner
-        # Runs at exit in the main process and in DataLoader workers alike (they
-        # leave through multiprocessing, which skips plain atexit handlers).
-        multiprocessing.util.Finalize(runtime, runtime.close, exitpriority=100)
-        if get_worker_info() is not None:
-            # Before anything that could wait on the dead parent (that close, and multiprocessing
-            # joining the worker's queue thread, -5); what it leaves, reconcile repairs.
-            multiprocessing.util.Finalize(None, _leave_if_orphaned, args=(os.getppid(),), exitpriority=101)
-        # In the main process, atexit handlers run after the thread pools stopped taking work:
-        # the copies still being made durable (fsync, rename) could then only be cancelled, and
-        # read from the origin again next time. The interpreter's hook that runs before the pools
-        # stop lets `close` finish them (bounded, `JobQueue.close`); `close` runs once either way.
-        before_thread_pools_stop(runtime.close)
+        keep_until_exit(runtime)
         return runtime
 
     def close(self) -> None:
@@ -287,7 +231,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if get_worker_info() is not None and self._layout_hint is not None and not distributed:
             return self._layout_hint
-        return _rank_and_world()
+        return rank_and_world()
 
     # -- the epoch ------------------------------------------------------------------------
 
@@ -314,8 +258,12 @@ class CachedIterableDataset(IterableDataset[Any]):
     def _dealing(self) -> Dealing:
         return Dealing(self.seed, self.shuffle, self.drop_last)
 
-    def _complete(self) -> Runtime:
-        """The runtime, every sample count known."""
+    def with_all_counts(self) -> Runtime:
+        """This process's runtime once every shard's sample count is known (waits for them).
+
+        Random access (`MapStyleDataset`) needs it: a global index names a sample only when
+        every count before it is exact.
+        """
         self._plans().complete()
         return self._prepare()
 
@@ -356,11 +304,12 @@ class CachedIterableDataset(IterableDataset[Any]):
     def _cursors_for(self, epoch: int) -> tuple[Cursor, ...]:
         return self._cursors if (self._resume_epoch is None or self._resume_epoch == epoch) else ()
 
-    def _as_workers(self, num_workers: int) -> list[EpochIterator]:
+    def as_workers(self, num_workers: int) -> list[EpochIterator]:
         """This epoch as ``num_workers`` DataLoader workers would each read it, read in this process.
 
         Iterator ``i`` yields exactly the samples, in the same order, that worker ``i`` of a
         DataLoader with ``num_workers`` workers would (`dataloader.DataLoader` batches them).
+        The readers keep released shards open for each other; call `done_as_workers` after.
         """
         if self.resample:
             raise ConfigError("a resample=True stream is read by DataLoader worker processes, not as workers here")
@@ -368,6 +317,14 @@ class CachedIterableDataset(IterableDataset[Any]):
         runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
         cursors = self._cursors_for(self._epoch)
         return [self._reader(self._layout(num_workers, worker), self._epoch, cursors) for worker in range(num_workers)]
+
+    def done_as_workers(self) -> None:
+        """Close the shards the readers of `as_workers` kept open for each other."""
+        runtime = self._runtime
+        if runtime is not None:
+            runtime.units.keep = 0
+            for reader in runtime.units.close_idle():
+                reader.close()
 
     def _endless(self, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
         """Epoch after epoch from ``epoch`` on (``resample=True``); the main process's epoch follows."""
@@ -385,14 +342,6 @@ class CachedIterableDataset(IterableDataset[Any]):
             epoch, cursors = epoch + 1, ()
 
     # -- resume ---------------------------------------------------------------------------
-
-    def _done_as_workers(self) -> None:
-        """Close the units `_as_workers` readers kept open for each other."""
-        runtime = self._runtime
-        if runtime is not None:
-            runtime.units.keep = 0
-            for reader in runtime.units.close_idle():
-                reader.close()
 
     def state_dict(self, samples_consumed: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
         """A few integers that resume this epoch exactly, on any number of ranks and workers.
@@ -472,7 +421,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         state, epoch, cursors = read_state(state)
         ours: dict[str, object] = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
         if state.get("shuffle_buffer") is not None:
-            ours["shuffle_buffer"] = self._complete().window
+            ours["shuffle_buffer"] = self.with_all_counts().window
         fields = self._plans().state_fields()
         if "mix" in state or fields:
             ours["mix"] = fields.get("mix")
@@ -541,14 +490,3 @@ def _names_shards(spec: SourceSpec) -> bool:
         return True
     return isinstance(spec.dataset, str) and any(char in spec.dataset.rstrip("/").rsplit("/", 1)[-1] for char in "*?[")
 
-
-def _leave_if_orphaned(parent: int) -> None:
-    """End a DataLoader worker whose training process is gone, now.
-
-    torch's worker leaves its loop when its parent dies, but then multiprocessing waits,
-    at exit, for its queue's thread to finish sending a batch into a pipe nobody reads:
-    with batches larger than the pipe holds, it waited forever (holding the parent's
-    stdout and its leases; a killed training run left two such workers each time).
-    """
-    if os.getppid() != parent:
-        os._exit(0)

@@ -205,25 +205,9 @@ def indexed_plan(
         order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
         cursors = cursors[1:]
     reads = plan_epoch(
-        counts,
-        seed=seed,
-        epoch=epoch,
-        shuffle=shuffle,
-        window=window,
-        cursors=cursors,
-        layout=layout,
-        drop_last=drop_last,
-        order=order,
+        counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
     )
     units = node_unit_sequences(
-        counts,
-        seed=seed,
-        epoch=epoch,
-        shuffle=shuffle,
-        window=window,
-        cursors=cursors,
-        layout=layout,
-        drop_last=drop_last,
-        order=order,
+        counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
     )
     return IndexedPlan(runtime, reads, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))

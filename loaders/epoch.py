@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout, reader_name
+from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
 
@@ -150,35 +150,33 @@ def epoch_sequence(
 def plan_epoch(
     counts: Sequence[int] | IntArray,
     *,
-    seed: int,
+    dealing: Dealing,
     epoch: int,
-    shuffle: bool,
     window: int,
     cursors: tuple[Cursor, ...],
     layout: Layout,
-    drop_last: bool,
     order: IntArray | Order | None = None,
 ) -> LazyEpochPlan:
     """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
 
     ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
     """
+    seed, shuffle = dealing.seed, dealing.shuffle
     sequence = epoch_sequence(
         counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order
     )
-    return LazyEpochPlan(sequence, np.asarray(counts, dtype=np.int64), block=window, layout=layout, drop_last=drop_last)
+    counts = np.asarray(counts, dtype=np.int64)
+    return LazyEpochPlan(sequence, counts, block=window, layout=layout, drop_last=dealing.drop_last)
 
 
 def node_unit_sequences(
     counts: Sequence[int] | IntArray,
     *,
-    seed: int,
+    dealing: Dealing,
     epoch: int,
-    shuffle: bool,
     window: int,
     cursors: tuple[Cursor, ...],
     layout: Layout,
-    drop_last: bool,
     order: IntArray | Order | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
@@ -188,6 +186,7 @@ def node_unit_sequences(
     ``order`` replaces this epoch's global order, as in `plan_epoch`. A rank's workers share
     its sequence (each reads a part of every block of its rank): O(shards), not O(samples).
     """
+    seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
     now = _node_epoch(
         epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order),
         window,

@@ -78,17 +78,15 @@ class EpochIterator:
         self._lock = threading.Lock()
         threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
         skip_bad = dataset.on_error == "skip"
-        self._units = plan.open_units(Opening(self.controller, self._row, self._lock, skip_bad, self._in_consumer))
+        opening = Opening(self.controller, self._row, self._lock, skip_bad, self._in_consumer)
+        self._units = plan.open_units(opening)
         self._builder = BatchBuilder(
             self._units,
             self._plan,
             decode=dataset.decode,
             transform=dataset.transform,
-            row=self._row,
-            lock=self._lock,
+            opening=opening,
             threads=threads,
-            in_consumer=self._in_consumer,
-            skip_bad=skip_bad,
             tally=self._tally.note,
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).

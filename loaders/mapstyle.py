@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders._dataset_verbs import with_all_counts
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import EpochPlan
@@ -121,7 +120,7 @@ class CachedMapDataset(Dataset[Any]):
         if opened is not None and opened.pid == os.getpid():
             return opened
         source = self._source
-        runtime = with_all_counts(source)  # every sample count known: indexes must be exact
+        runtime = source.with_all_counts()  # every sample count known: indexes must be exact
         plan = runtime.plan
         if plan.unreadable:
             key = min(plan.unreadable)

@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 __all__ = [
     "Cursor",
+    "Dealing",
     "Layout",
     "consumed_spots",
     "produced_from_consumed",
@@ -42,6 +43,15 @@ __all__ = [
 ]
 
 IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class Dealing:
+    """How a dataset deals its epochs: the same on every rank and worker."""
+
+    seed: int
+    shuffle: bool
+    drop_last: bool
 
 
 @dataclass(frozen=True, slots=True)

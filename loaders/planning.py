@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Dealing, Layout
 from datacache.loaders.runtime import NodeFuture, Units
 
 if TYPE_CHECKING:
@@ -31,15 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["ONE_SOURCE", "Dealing", "Opening", "Plan", "Planner", "SourceTally"]
 
 FloatArray = npt.NDArray[np.float64]
-
-
-@dataclass(frozen=True, slots=True)
-class Dealing:
-    """How a dataset deals its epochs: the same on every rank and worker."""
-
-    seed: int
-    shuffle: bool
-    drop_last: bool
 
 
 @dataclass(frozen=True, slots=True)

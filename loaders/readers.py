@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
-from datacache.counting.tarindex import SampleSpan, SpanTable
+from datacache.counting.spantable import SpanTable
+from datacache.counting.tarindex import SampleSpan
 from datacache.errors import ShardReadError
 from datacache.formats import get_format
 from datacache.formats._base import COUNT_SOURCES, Unit, UnitPlan, UnitReader, sample_of

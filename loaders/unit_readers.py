@@ -10,7 +10,6 @@ served from it, and drops a bad copy so that the next try reads the next tier.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -22,17 +21,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.locate import close_buffers, load_verified, locate_keys, stage_missing
 from datacache.loaders.nextepoch import NextEpochStaging
 from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader, hash_buffer, map_file
+from datacache.loaders.readers import UnitReader
 from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url
 
-from datacache.access import ShardAccess
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
 from datacache.formats import get_format
-from datacache.staging import DatasetHandle, Location, ReaderProgress, Stager
+from datacache.staging import Location, ReaderProgress
 
 __all__ = ["HOLD_AHEAD", "UnitReaders"]
 
@@ -405,7 +404,7 @@ class UnitReaders:
             try:
                 read_started = time.perf_counter()
                 for location in locations:
-                    buffers[location.shard.key] = self._load(location, where)
+                    buffers[location.shard.key] = load_verified(runtime, location, where)
                 read_seconds = time.perf_counter() - read_started
                 index_key = None
                 identity = (locations[0].checksum or locations[0].shard.version) if len(locations) == 1 else None
@@ -417,7 +416,7 @@ class UnitReaders:
                     runtime.spans.put(index_key, reader.index)
             except BaseException as exc:
                 # Unmap what was mapped before the failure now, not when the traceback is dropped.
-                _close_buffers(buffers)
+                close_buffers(buffers)
                 if isinstance(exc, ChecksumMismatchError):
                     self._row[Counter.CORRUPT] += 1
                     for location in locations:
@@ -446,10 +445,10 @@ class UnitReaders:
         if leased is not None and not again:
             return leased, "local"
         if self._future is None:
-            located = runtime.loop.run(_locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
+            located = runtime.loop.run(locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
         else:
             located = self._note_progress(unit)
-        return runtime.loop.run(_stage_missing(runtime.access, runtime.handle, located))
+        return runtime.loop.run(stage_missing(runtime.access, runtime.handle, located))
 
     def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
         row = self._row
@@ -463,61 +462,3 @@ class UnitReaders:
             size = sum(loc.shard.size for loc in locations)
             self.staged_bytes += size
             self.staging_seconds += waited + read_seconds
-
-    def _load(self, location: Location, where: str) -> Any:
-        runtime = self.runtime
-        if location.buffer is not None:
-            return location.buffer  # verified by this process's stager as it arrived
-        if location.path is None:
-            return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
-        buffer = map_file(location.path)
-        problem = None
-        if len(buffer) != location.shard.size:
-            problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
-        elif (
-            # Others can write the shared tier's directories: a copy there is checked whatever the setting.
-            (runtime.settings.verify_on_read or location.tier == "shared")
-            and location.checksum is not None
-            and hash_buffer(buffer) != location.checksum
-        ):
-            problem = f"the copy on the {location.tier} tier does not match its checksum"
-        if problem is not None:
-            if hasattr(buffer, "close"):
-                buffer.close()
-            raise ChecksumMismatchError(f"{where}: {problem}")
-        return buffer
-
-
-def _close_buffers(buffers: dict[str, Any]) -> None:
-    for buffer in buffers.values():
-        if hasattr(buffer, "close"):
-            with contextlib.suppress(BufferError):
-                buffer.close()
-    buffers.clear()
-
-
-async def _locate_keys(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> list[Location]:
-    return list(await asyncio.gather(*(access.locate(handle, key) for key in keys)))
-
-
-async def _stage_missing(
-    access: ShardAccess, handle: DatasetHandle, located: list[Location]
-) -> tuple[list[Location], str]:
-    """Where each located shard can be read: local, else shared (its local copy goes on), else staged now.
-
-    Also returns the slowest tier the unit was found on when asked for:
-    ``"origin"`` means the reader had to wait for a transfer.
-    """
-
-    async def one(location: Location) -> Location:
-        if location.tier in ("local", "shared"):
-            return location
-        if isinstance(access, Stager):
-            # In-process: take the bytes as soon as they are verified, not after the fsync.
-            return await access.ensure(handle, location.shard.key, early=True)
-        return await access.ensure(handle, location.shard.key)
-
-    locations = list(await asyncio.gather(*(one(location) for location in located)))
-    found = {location.tier for location in located}
-    tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
-    return locations, tier

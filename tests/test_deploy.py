@@ -109,8 +109,8 @@ def _evaluate(expression: str, context: dict[str, Any]) -> Any:
     return value
 
 
-def render(template: str, context: dict[str, Any]) -> str:
-    """Render the Helm template subset the chart uses (valid Helm, checked here without helm)."""
+def _pieces(template: str) -> list[tuple[str, str]]:
+    """The template as ("text", ...) and ("action", ...) pieces, with ``{{-`` and ``-}}`` trimming applied."""
     pieces: list[tuple[str, str]] = []
     position, trim_next = 0, False
     for match in _ACTION.finditer(template):
@@ -123,13 +123,18 @@ def render(template: str, context: dict[str, Any]) -> str:
         trim_next, position = bool(match.group(3)), match.end()
     tail = template[position:]
     pieces.append(("text", tail.lstrip() if trim_next else tail))
+    return pieces
+
+
+def render(template: str, context: dict[str, Any]) -> str:
+    """Render the Helm template subset the chart uses (valid Helm, checked here without helm)."""
     out: list[str] = []
     stack: list[tuple[bool, bool]] = []  # (parent active, this branch taken)
 
     def active() -> bool:
         return all(parent and taken for parent, taken in stack)
 
-    for kind, value in pieces:
+    for kind, value in _pieces(template):
         if kind == "text":
             if active():
                 out.append(value)

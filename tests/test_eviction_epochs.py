@@ -20,7 +20,7 @@ import pytest
 from datacache.loaders import CachedIterableDataset
 from datacache.loaders.coldorder import rank_units
 from datacache.loaders.epoch import plan_epoch
-from datacache.loaders.order import Layout
+from datacache.loaders.order import Dealing, Layout
 from test_loader import write_wds
 
 from datacache.catalog import Catalog, ReaderRow, ShardState
@@ -53,13 +53,11 @@ def _units(seed: int, epoch: int) -> tuple[int, ...]:
     """The one reader's shards in order (a window of one shard: read one shard after another)."""
     plan = plan_epoch(
         [PER_SHARD] * SHARDS,
-        seed=seed,
+        dealing=Dealing(seed, True, False),
         epoch=epoch,
-        shuffle=True,
         window=PER_SHARD,
         cursors=(),
         layout=Layout(1, 0, 1, 0, 1),
-        drop_last=False,
     )
     return plan.unit_sequence
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from _daemon import start_daemon
 from datacache.loaders import CachedIterableDataset
 from datacache.loaders.epoch import node_unit_sequences, plan_epoch
-from datacache.loaders.order import Layout, reader_name
+from datacache.loaders.order import Dealing, Layout, reader_name
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
@@ -115,7 +115,7 @@ def test_belady_with_the_node_future_serves_locally_at_least_as_much_as_nothrash
 
 def test_the_node_future_is_every_readers_plan_and_the_same_from_every_reader() -> None:
     counts = [12] * 10 + [5]
-    common = {"seed": 3, "epoch": 2, "shuffle": True, "window": 8, "cursors": (), "drop_last": False}
+    common = {"dealing": Dealing(3, True, False), "epoch": 2, "window": 8, "cursors": ()}
     futures = [
         node_unit_sequences(counts, layout=Layout(2, rank, 2, worker, 4), **common)  # type: ignore[arg-type]
         for rank in range(2)

@@ -20,7 +20,8 @@ from datacache.tiers import validate_key
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from datacache.counting.tarindex import SpanTable, group_samples, index_from_json, index_to_json, scan_tar
+from datacache.counting.spantable import SpanTable
+from datacache.counting.tarindex import group_samples, index_from_json, index_to_json, scan_tar
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest import Manifest, Shard, ShardFormat
 

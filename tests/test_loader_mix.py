@@ -365,7 +365,7 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
     three: dict[str, list[str]], tmp_path: Path, settings: Settings
 ) -> None:
     """Eviction and prefetch see, per source, every reader's shards of it: this epoch's rest, then the next's."""
-    runtime = mix(tmp_path, settings)._complete()
+    runtime = mix(tmp_path, settings).with_all_counts()
     common: dict[str, Any] = {"seed": 11, "epoch": 1, "shuffle": True, "drop_last": False, "cursors": ()}
     layouts = [Layout(2, rank, 2, worker, 4) for rank in range(2) for worker in range(2)]
     futures = {layout: mix_futures(runtime, layout, **common) for layout in layouts}

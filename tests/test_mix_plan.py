@@ -15,7 +15,7 @@ import pytest
 from datacache.loaders.epoch import plan_epoch
 from datacache.loaders.mix.counts import apportion, source_seed
 from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Dealing, Layout
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.sequence import Deal, WindowedOrder, exclusive_sum
 from hypothesis import given, settings
@@ -122,7 +122,7 @@ def test_every_position_once_and_equal_lengths_for_any_layout(
         rank_total = 0
         for worker in range(readers):
             layout = Layout(world, rank, readers, worker, chunk)
-            common = {"seed": seed, "epoch": 2, "shuffle": True, "window": window, "drop_last": drop_last}
+            common = {"dealing": Dealing(seed, True, drop_last), "epoch": 2, "window": window}
             plan = plan_epoch(flat, cursors=(), layout=layout, order=order, **common)  # type: ignore[arg-type]
             ids = _ids(plan, flat)
             padded += plan.padded
@@ -163,7 +163,7 @@ def test_resume_onto_another_layout_reads_the_rest_exactly(
     units, counts = mix
     flat = np.concatenate(units)
     order = _order(units, counts, replacement=replacement)
-    common = {"seed": 7, "epoch": 2, "shuffle": True, "window": window, "drop_last": False, "order": order}
+    common = {"dealing": Dealing(7, True, False), "epoch": 2, "window": window, "order": order}
     consumed: list[int] = []
     cursors: tuple[Cursor, ...] = ()
     layouts = [before, after] if not twice else [before, after, before]
@@ -228,7 +228,7 @@ def test_a_mix_of_ten_billion_samples_plans_in_what_its_shards_cost(world: int) 
     try:
         order = _order(units, counts, seed=1, epoch=0, windows=[16384] * 3)
         layout = Layout(world, world - 1 if world == 1 else 3, 4, 3, 64)
-        common = {"seed": 1, "epoch": 0, "shuffle": True, "window": 16384, "drop_last": False, "order": order}
+        common = {"dealing": Dealing(1, True, False), "epoch": 0, "window": 16384, "order": order}
         plan = plan_epoch(flat, cursors=(), layout=layout, **common)  # type: ignore[arg-type]
         first = [plan.unit_of[i] for i in range(100)]
         sequence = plan.unit_sequence

@@ -36,56 +36,62 @@ class Site:
         return f"http://127.0.0.1:{self.port}/{path}"
 
 
-def _handler(site: Site) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _SiteHandler(BaseHTTPRequestHandler):
+    """Serves `site`: a page of links at /ds/, its files (ranged reads if it allows), HEAD too."""
 
-        def log_message(self, format: str, *args: Any) -> None:
+    site: Site
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if self.site.lengths:
+            self.send_header("Content-Length", str(len(body)))
+        else:
+            self.send_header("Connection", "close")  # the body ends when the connection does
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        if not self.site.lengths:
+            self.close_connection = True
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/ds", "/ds/") and not self.site.listing:
+            self._send(404, b"no listing here", {})
             return
+        if path in ("/ds", "/ds/"):
+            links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in self.site.files)
+            self._send(200, f"<html><body>\n{links}</body></html>".encode(), {"Content-Type": "text/html"})
+            return
+        name = path.removeprefix("/ds/")
+        if name not in self.site.files:
+            self._send(404, b"not found", {})
+            return
+        if self.command == "GET":
+            self.site.gets[name] = self.site.gets.get(name, 0) + 1
+        self._send_file(self.site.files[name])
 
-        def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            if site.lengths:
-                self.send_header("Content-Length", str(len(body)))
-            else:
-                self.send_header("Connection", "close")  # the body ends when the connection does
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-            if not site.lengths:
-                self.close_connection = True
+    def _send_file(self, data: bytes) -> None:
+        span = self.headers.get("Range")
+        if self.site.ranges and span and span.startswith("bytes="):
+            first, _, last = span.removeprefix("bytes=").partition("-")
+            start, end = int(first or 0), min(int(last) + 1 if last else len(data), len(data))
+            headers = {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}", "Accept-Ranges": "bytes"}
+            self._send(206, data[start:end], headers)
+            return
+        self._send(200, data, {"Accept-Ranges": "bytes"} if self.site.ranges else {})
 
-        def do_HEAD(self) -> None:
-            self.do_GET()
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path in ("/ds", "/ds/") and not site.listing:
-                self._send(404, b"no listing here", {})
-                return
-            if path in ("/ds", "/ds/"):
-                links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in site.files)
-                self._send(200, f"<html><body>\n{links}</body></html>".encode(), {"Content-Type": "text/html"})
-                return
-            name = path.removeprefix("/ds/")
-            if name not in site.files:
-                self._send(404, b"not found", {})
-                return
-            if self.command == "GET":
-                site.gets[name] = site.gets.get(name, 0) + 1
-            data = site.files[name]
-            span = self.headers.get("Range")
-            if site.ranges and span and span.startswith("bytes="):
-                first, _, last = span.removeprefix("bytes=").partition("-")
-                start, end = int(first or 0), min(int(last) + 1 if last else len(data), len(data))
-                headers = {"Content-Range": f"bytes {start}-{end - 1}/{len(data)}", "Accept-Ranges": "bytes"}
-                self._send(206, data[start:end], headers)
-                return
-            self._send(200, data, {"Accept-Ranges": "bytes"} if site.ranges else {})
-
-    return Handler
+def _handler(site: Site) -> type[BaseHTTPRequestHandler]:
+    return type("Handler", (_SiteHandler,), {"site": site})
 
 
 @pytest.fixture

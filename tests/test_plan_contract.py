@@ -68,13 +68,11 @@ class TestMixedPlan(PlanTests):
         )
         reads = plan_epoch(
             counts,
-            seed=dealing.seed,
+            dealing=dealing,
             epoch=epoch,
-            shuffle=dealing.shuffle,
             window=auto_window(int(counts.sum()), len(counts)),
             cursors=cursors,
             layout=layout,
-            drop_last=dealing.drop_last,
             order=order,
         )
         return MixedPlan(None, reads)

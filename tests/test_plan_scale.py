@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders.epoch import node_unit_sequences, plan_epoch
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order import Cursor, Dealing, Layout
 from datacache.loaders.permute import permute, unpermute
 from datacache.loaders.sequence import WindowedOrder, exclusive_sum
 from hypothesis import given, settings
@@ -82,7 +82,7 @@ def test_every_sample_once_and_equal_lengths_for_any_layout(
         for worker in range(readers):
             layout = Layout(world, rank, readers, worker, chunk)
             plan = plan_epoch(
-                counts, seed=seed, epoch=3, shuffle=True, window=window, cursors=(), layout=layout, drop_last=drop_last
+                counts, dealing=Dealing(seed, True, drop_last), epoch=3, window=window, cursors=(), layout=layout
             )
             ids = _ids(plan, counts)
             padded += plan.padded
@@ -119,7 +119,7 @@ def test_resume_on_another_layout_reads_the_rest_exactly(
     twice: bool,
 ) -> None:
     total = int(counts.sum())
-    common = {"seed": 5, "epoch": 1, "shuffle": True, "window": window, "drop_last": False}
+    common = {"dealing": Dealing(5, True, False), "epoch": 1, "window": window}
     consumed: list[int] = []
     cursors: tuple[Cursor, ...] = ()
     layouts = [before, after] if not twice else [before, after, before]
@@ -160,7 +160,7 @@ def test_a_plan_of_ten_billion_samples_costs_what_its_shards_cost(world: int) ->
     tracemalloc.start()
     try:
         layout = Layout(world, world - 1, 4, 3, 64)
-        common = {"seed": 1, "epoch": 0, "shuffle": True, "window": 16384, "drop_last": False}
+        common = {"dealing": Dealing(1, True, False), "epoch": 0, "window": 16384}
         plan = plan_epoch(counts, cursors=(), layout=layout, **common)  # type: ignore[arg-type]
         first = [plan.unit_of[i] for i in range(100)]
         resumed = plan_epoch(

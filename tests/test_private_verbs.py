@@ -1,4 +1,4 @@
-"""The wrappers around private names of the standard library, torch and the dataset (one place each).
+"""The wrappers around private names of the standard library and torch (one place each).
 
 Each wraps a name its owner does not publish; these tests fail here, with the name, when an
 upgrade moves it, instead of in a user's training run.
@@ -11,9 +11,7 @@ import sys
 import textwrap
 
 import torch
-from datacache.loaders import _dataset_verbs
 from datacache.loaders.dataloader import pin_batch
-from datacache.loaders.dataset import CachedIterableDataset
 
 
 def test_a_hook_registered_before_the_thread_pools_stop_may_still_use_one() -> None:
@@ -47,7 +45,3 @@ def test_pin_batch_is_torchs_pinning_of_a_batch() -> None:
         pinned = pin_batch({"x": torch.zeros(4)}, torch.accelerator.current_accelerator().type)
         assert pinned["x"].is_pinned()
 
-
-def test_the_dataset_still_has_what_the_verbs_call() -> None:
-    for name in _dataset_verbs.CALLED:
-        assert callable(getattr(CachedIterableDataset, name, None)), f"CachedIterableDataset.{name} is gone"

@@ -9,6 +9,7 @@ another version: it raises `OriginChangedError` instead.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from datacache.errors import OriginChangedError
@@ -77,6 +78,19 @@ def version_of(protocol: str, info: Any) -> str | None:
         return str(generation) if generation else None
     etag = info.get("ETag") or info.get("etag")
     return str(etag).strip('"') if etag else None
+
+
+def content_version(protocol: str, info: Any) -> str | None:
+    """`version_of`, else the modification time and size (a local file, an http server without ETags)."""
+    version = version_of(protocol, info)
+    if version:
+        return version
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+    if isinstance(mtime, datetime):
+        mtime = mtime.timestamp()
+    if mtime is None:
+        return None
+    return f"{int(float(mtime) * 1e9)}:{int(info.get('size') or 0)}"
 
 
 def metadata_of(protocol: str, info: Any) -> dict[str, str]:

@@ -57,6 +57,28 @@ def _check_length(received: int, response: Mapping[str, Any]) -> None:
         raise ConnectionResetError(f"short body: {received} of {expected} bytes")
 
 
+def _check_announced(length: Any, room: int) -> None:
+    """Refuse a response whose announced ``ContentLength`` is more than the ``room`` left in the buffer."""
+    if length is not None and int(length) > room:
+        raise BufferError(f"the body holds {length} bytes, more than the {room} expected")
+
+
+def _check_ended(readinto: Callable[[memoryview], int], length: Any, room: int) -> None:
+    """Refuse a body of no announced length that still has bytes once ``room`` bytes filled the buffer."""
+    if length is None and readinto(memoryview(bytearray(1))):
+        raise BufferError(f"the body holds more than the {room} bytes expected")
+
+
+def _release_when_read(body: Any) -> None:
+    """Return a body's connection to urllib3's pool once it was read to the end around urllib3.
+
+    urllib3 does so itself once its response has been read to the end through it.
+    """
+    raw = body._raw_stream
+    if raw._fp.isclosed():
+        raw.release_conn()
+
+
 def read_object(client: Any, request: Mapping[str, Any]) -> bytes:
     """One blocking GetObject, its whole body read (run it in a pool thread)."""
     response = client.get_object(**request)
@@ -259,8 +281,7 @@ class ThreadedGetInto:
         body = response["Body"]
         try:
             length = response.get("ContentLength")
-            if length is not None and start + int(length) > size:
-                raise BufferError(f"the body holds {length} bytes, more than the {size - start} expected")
+            _check_announced(length, size - start)
             readinto, checksum, direct = _direct_reader(body)
             while offset < size:
                 if self._abandoned.is_set():
@@ -283,14 +304,9 @@ class ThreadedGetInto:
                 if filled < stop:
                     break  # the end of the body
             else:
-                if length is None and readinto(memoryview(bytearray(1))):
-                    raise BufferError(f"the body holds more than the {size - start} bytes expected")
+                _check_ended(readinto, length, size - start)
             if direct:
-                # urllib3 returns a connection to its pool once its response has been read
-                # to the end through it; read around it, the same is done here.
-                raw = body._raw_stream
-                if raw._fp.isclosed():
-                    raw.release_conn()
+                _release_when_read(body)
         finally:
             body.close()
         _check_length(offset - start, response)

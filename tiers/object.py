@@ -13,10 +13,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from typing import Any, TypeVar
 
-from datacache.tiers._backends import close_filesystem, filesystem_class, metadata_of, pinned_cat, version_of
+from datacache.tiers._backends import close_filesystem, content_version, filesystem_class, metadata_of, pinned_cat
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url, resolves_inside
 from datacache.tiers._filesystems import CONFINE_REDIRECTS, backend_options, one_try
@@ -225,17 +224,6 @@ class ObjectTier(Tier):
             self._counters["errors"] += 1
             raise
 
-    def _version(self, info: Mapping[str, Any]) -> str | None:
-        version = version_of(self._protocol, info)
-        if version:
-            return version
-        mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
-        if isinstance(mtime, datetime):
-            mtime = mtime.timestamp()
-        if mtime is None:
-            return None
-        return f"{int(float(mtime) * 1e9)}:{int(info.get('size') or 0)}"
-
     def _info_to_object(self, key: str, info: Mapping[str, Any]) -> ObjectInfo:
         size = info.get("size", info.get("Size"))
         if size is None:  # never taken as 0: an empty shard would be "cached" and pass verification
@@ -243,9 +231,8 @@ class ObjectTier(Tier):
                 f"{self.url}/{key}: the size of this object cannot be known (the server sends no "
                 "Content-Length); datacache needs each shard's size"
             )
-        return ObjectInfo(
-            key=key, size=int(size), version=self._version(info), metadata=metadata_of(self._protocol, info)
-        )
+        protocol = self._protocol
+        return ObjectInfo(key, int(size), content_version(protocol, info), metadata=metadata_of(protocol, info))
 
     # -- the protocol ---------------------------------------------------------------------
 
@@ -391,39 +378,44 @@ class ObjectTier(Tier):
         async for region in reads.read_into(buffer, version, hasher):
             yield region
 
+    async def _find_all(self, fs: Any, base: str) -> Any:
+        """fsspec's detailed listing under ``base``: empty for a missing prefix, an error for a missing bucket."""
+        # fsspec's generic walk (http's listing pages) drops a folder it could not list, an
+        # unreachable server included, as if empty: keep what is not "not found", and raise it.
+        failed: list[OSError] = []
+        walk = {"on_error": failed.append} if self._protocol in ("http", "https") else {}
+        try:
+            found = await fs._find(base, detail=True, **walk)
+        except FileNotFoundError as exc:
+            if error_code(exc) == "NoSuchBucket":
+                raise  # a missing bucket is an error; a missing prefix is just empty
+            return {}
+        unreachable = [err for err in failed if not isinstance(err, FileNotFoundError)]
+        if unreachable:
+            raise unreachable[0]
+        return found
+
+    async def _http_itself(self, fs: Any, base: str) -> ObjectInfo | None:
+        """The one object an http(s) URL names, or None when it is a page of links (or nothing)."""
+        # One HEAD, not the whole file fetched to look for links in it. Named by its URL less the scheme,
+        # as object stores name it, for the manifest's one-object case (`datacache.manifest.listing`).
+        try:
+            itself = await self._call(self.url, lambda: fs._info(base))
+        except FileNotFoundError:
+            return None
+        if itself is None or itself.get("mimetype") in ("text/html", "application/xhtml+xml"):
+            return None
+        return self._info_to_object(base.split("://", 1)[1], itself)
+
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         fs = await self._filesystem()
         base = self._root
-
-        async def find() -> Any:
-            # fsspec's generic walk (http's listing pages) drops a folder it could not list, an
-            # unreachable server included, as if empty: keep what is not "not found", and raise it.
-            failed: list[OSError] = []
-            walk = {"on_error": failed.append} if self._protocol in ("http", "https") else {}
-            try:
-                found = await fs._find(base, detail=True, **walk)
-            except FileNotFoundError as exc:
-                if error_code(exc) == "NoSuchBucket":
-                    raise  # a missing bucket is an error; a missing prefix is just empty
-                return {}
-            unreachable = [err for err in failed if not isinstance(err, FileNotFoundError)]
-            if unreachable:
-                raise unreachable[0]
-            return found
-
-        if self._protocol in ("http", "https"):
-            # A URL that names one object (not a page of links) is that object: one HEAD, instead
-            # of fetching the whole file to look for links in it. It is named by its URL less the
-            # scheme, as object stores name it, for the manifest's one-object case
-            # (`datacache.manifest.listing`).
-            try:
-                itself = await self._call(self.url, lambda: fs._info(base))
-            except FileNotFoundError:
-                itself = None
-            if itself is not None and itself.get("mimetype") not in ("text/html", "application/xhtml+xml"):
-                yield self._info_to_object(base.split("://", 1)[1], itself)
+        if self._protocol in ("http", "https"):  # a URL naming one object, not a page of links, lists it alone
+            itself = await self._http_itself(fs, base)
+            if itself is not None:
+                yield itself
                 return
-        found = await self._call(self.url, find)
+        found = await self._call(self.url, lambda: self._find_all(fs, base))
         local = self._protocol in ("file", "local")
         for path in sorted(found):
             details = found[path]

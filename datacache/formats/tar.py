@@ -15,7 +15,8 @@ from typing import Any
 
 from datacache.counting.cluster import ClusterIndex
 from datacache.counting.sidecars import KnownCount
-from datacache.counting.tarindex import SampleSpan, SpanTable, group_samples, scan_tar
+from datacache.counting.spantable import SpanTable
+from datacache.counting.tarindex import SampleSpan, group_samples, scan_tar
 from datacache.errors import ShardReadError
 from datacache.formats._base import (
     COUNT_SOURCES,

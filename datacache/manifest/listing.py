@@ -135,6 +135,65 @@ def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, i
         )
 
 
+def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
+    """The error for an origin that lists no object, with a hint when the URL is a glob."""
+    glob = _glob_hint(dataset.url)
+    if glob is not None:
+        return ShardNotFoundError(f"dataset {dataset.name}: {glob}")
+    return ShardNotFoundError(
+        f"dataset {dataset.name}: no objects under {origin.url} "
+        "(the prefix or directory is empty or does not exist)"
+    )
+
+
+async def _from_written_manifest(dataset: DatasetConfig, origin: Tier, by_key: dict[str, ObjectInfo]) -> Manifest:
+    """The manifest ``datacache shard`` wrote at the origin, each shard checked against the listing."""
+    raw = await origin.get(MANIFEST_NAME)
+    try:
+        document = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{origin.url}/{MANIFEST_NAME}: not valid JSON ({exc})") from None
+    written = Manifest.from_json(document, f"{origin.url}/{MANIFEST_NAME}")
+    shards = []
+    for shard in written.shards:
+        found = by_key.get(shard.key)
+        if found is None or found.size != shard.size:
+            raise ShardNotFoundError(
+                f"dataset {dataset.name}: {MANIFEST_NAME} names {shard.key!r} "
+                f"({shard.size} bytes) but the origin {'lacks it' if found is None else f'has {found.size} bytes'}"
+            )
+        shards.append(Shard(shard.key, shard.size, found.version, shard.checksum, shard.samples))
+    return Manifest(
+        dataset=dataset.id, url=dataset.url, format=written.format, shards=tuple(shards), extra=written.extra
+    )
+
+
+def _from_listing(
+    dataset: DatasetConfig, origin: Tier, infos: list[ObjectInfo], by_key: dict[str, ObjectInfo]
+) -> Manifest:
+    """The manifest of the listed files of the dataset's format (configured, or else detected)."""
+    fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
+    kind = get_format(fmt.value)
+    chosen = kind.shard_keys(infos)
+    if not dataset.format:
+        _say_what_is_left_out(dataset, origin.url, kind, infos)
+    if not chosen:
+        raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
+    for info in chosen:
+        # Object stores allow keys such as "a/../../x" or "a//b"; none may become a path.
+        try:
+            validate_key(info.key)
+        except InvalidKeyError as exc:
+            raise InvalidKeyError(f"dataset {dataset.name}: refusing to cache {origin.url}: object {exc}") from None
+    return Manifest(
+        dataset=dataset.id,
+        url=dataset.url,
+        format=fmt,
+        shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
+        extra=kind.manifest_extra(infos),
+    )
+
+
 async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | None = None) -> Manifest:
     """List ``origin`` once and return the dataset's manifest.
 
@@ -152,54 +211,12 @@ async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | 
         if whole is not None:
             return whole
     if not infos:
-        glob = _glob_hint(dataset.url)
-        if glob is not None:
-            raise ShardNotFoundError(f"dataset {dataset.name}: {glob}")
-        raise ShardNotFoundError(
-            f"dataset {dataset.name}: no objects under {origin.url} "
-            "(the prefix or directory is empty or does not exist)"
-        )
+        raise _nothing_listed(dataset, origin)
     by_key = {info.key: info for info in infos}
     if MANIFEST_NAME in by_key:
-        raw = await origin.get(MANIFEST_NAME)
-        try:
-            document = json.loads(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{origin.url}/{MANIFEST_NAME}: not valid JSON ({exc})") from None
-        written = Manifest.from_json(document, f"{origin.url}/{MANIFEST_NAME}")
-        shards = []
-        for shard in written.shards:
-            found = by_key.get(shard.key)
-            if found is None or found.size != shard.size:
-                raise ShardNotFoundError(
-                    f"dataset {dataset.name}: {MANIFEST_NAME} names {shard.key!r} "
-                    f"({shard.size} bytes) but the origin {'lacks it' if found is None else f'has {found.size} bytes'}"
-                )
-            shards.append(Shard(shard.key, shard.size, found.version, shard.checksum, shard.samples))
-        manifest = Manifest(
-            dataset=dataset.id, url=dataset.url, format=written.format, shards=tuple(shards), extra=written.extra
-        )
+        manifest = await _from_written_manifest(dataset, origin, by_key)
     else:
-        fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
-        kind = get_format(fmt.value)
-        chosen = kind.shard_keys(infos)
-        if not dataset.format:
-            _say_what_is_left_out(dataset, origin.url, kind, infos)
-        if not chosen:
-            raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
-        for info in chosen:
-            # Object stores allow keys such as "a/../../x" or "a//b"; none may become a path.
-            try:
-                validate_key(info.key)
-            except InvalidKeyError as exc:
-                raise InvalidKeyError(f"dataset {dataset.name}: refusing to cache {origin.url}: object {exc}") from None
-        manifest = Manifest(
-            dataset=dataset.id,
-            url=dataset.url,
-            format=fmt,
-            shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
-            extra=kind.manifest_extra(infos),
-        )
+        manifest = _from_listing(dataset, origin, infos, by_key)
     logger.info(
         "listed %s: %d shards, %d bytes, format %s, in %.2fs",
         origin.url,

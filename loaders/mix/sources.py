@@ -22,7 +22,7 @@ from datacache.loaders.datasetplans import DatasetPlanner
 from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch
 from datacache.loaders.mix.counts import source_counts
 from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.order import Cursor, Layout, reader_name
+from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
 from datacache.loaders.plan import complete, load_or_build_plan
 from datacache.loaders.readers import SpanCache, UnitPlan
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
@@ -178,13 +178,11 @@ def mix_plan(
     mix = runtime.mixed()
     return plan_epoch(
         runtime.plan.counts,
-        seed=seed,
+        dealing=Dealing(seed, shuffle, drop_last),
         epoch=epoch,
-        shuffle=shuffle,
         window=runtime.window,
         cursors=cursors,
         layout=layout,
-        drop_last=drop_last,
         order=mix.order(seed=seed, epoch=epoch, shuffle=shuffle),
     )
 
