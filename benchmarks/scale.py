@@ -131,7 +131,8 @@ def measure(work: Path, *, quick: bool) -> dict[str, Any]:
             points.append({"samples": rows, "rank": rank, "world": world, **result})
             print(f"scale: {rows:>13,} samples, rank {rank} of {world}: {result}", flush=True)
     mix = measure_mix(work, quick=quick)
-    return {"files": FILES, "when": started, "points": points, "mix": mix, **_beside(work, env, quick=quick)}
+    result = {"files": FILES, "when": started, "points": points, "mix": mix, **_beside(work, env, quick=quick)}
+    return {**result, "finished": {"at": _when()["at"], "loads": os.getloadavg()}}
 
 
 def _beside(work: Path, env: dict[str, str], *, quick: bool, only: str | None = None) -> dict[str, Any]:
@@ -206,6 +207,15 @@ def _measured(part: dict[str, Any]) -> str:
     return f"Measured {when['at']}, machine load {when['load']:.1f} at the start (2 cores: above 2, others share them)."
 
 
+def _finished(result: dict[str, Any]) -> list[str]:
+    """When the whole run ended, and the load averages then (1, 5, 15 minutes: the 15 spans most of a run)."""
+    end = result.get("finished")
+    if not end:
+        return []
+    loads = ", ".join(f"{load:.1f}" for load in end["loads"])
+    return [f"Every section below is this one run, ended {end['at']}; load averages then (1, 5, 15 min): {loads}."]
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [
         "# Scale in samples",
@@ -217,6 +227,7 @@ def render(result: dict[str, Any]) -> str:
         "1e8 no first sample in 400 s, 1e9 refused.",
         "",
         _measured(result),
+        *_finished(result),
         "",
         *_HEADER,
         *(_row(point) for point in result["points"]),
