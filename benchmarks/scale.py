@@ -10,14 +10,15 @@ read once an epoch) is measured the same way at 1e6 samples and at the largest s
 and rank 3 of 8. A plan that costs what the shards cost keeps all of them flat in the number of
 samples: the target is the largest size within 1.5x the time and +100 MB of 1e6.
 
-Beside it, ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards (seconds, per shard, and per shard
-beyond the bytes: `benchmarks._warm_scale`), and the
-anchors' time to the first sample on the 1e8 set where they are installed (WebDataset's and
-LitData's need their own formats, so they are not run here: see RESULTS-scale.md's notes).
+Beside it: a plan for 1e6 shards from a synthetic manifest (peak RSS per rank and the time to the
+first planned sample: `benchmarks._plan_scale`), WebDataset's time to the first sample beside
+datacache's on the same tar shards (`benchmarks._wds_scale`), and ``datacache warm`` of 1e3 / 1e4 /
+1e5 tiny shards (seconds, per shard, and per shard beyond the bytes: `benchmarks._warm_scale`).
 
-Run alone: ``python -m benchmarks.scale [--quick] [--only mix]``; writes ``benchmarks/RESULTS-scale.md``
-and ``benchmarks/results-scale.json`` (``--only mix`` measures the mix again and keeps the other parts
-of the last run's results). ``make bench`` runs it after the throughput benchmark.
+Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|wds]``; writes
+``benchmarks/RESULTS-scale.md`` and ``benchmarks/results-scale.json`` (``--only`` measures that part
+again and keeps the other parts of the last run's results). ``make bench`` runs it after the
+throughput benchmark.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _warm_scale
+from benchmarks import _plan_scale, _warm_scale, _wds_scale
 from benchmarks._common import REPO, WORK, clean_env
 
 FILES = 100
@@ -129,8 +130,22 @@ def measure(work: Path, *, quick: bool) -> dict[str, Any]:
             result = _point([str(data)], work / "cache", layout, timeout)
             points.append({"samples": rows, "rank": rank, "world": world, **result})
             print(f"scale: {rows:>13,} samples, rank {rank} of {world}: {result}", flush=True)
-    warms = _warm_scale.measure(work, env, quick=quick)
-    return {"files": FILES, "when": started, "points": points, "mix": measure_mix(work, quick=quick), "warm": warms}
+    mix = measure_mix(work, quick=quick)
+    result = {"files": FILES, "when": started, "points": points, "mix": mix, **_beside(work, env, quick=quick)}
+    return {**result, "finished": {"at": _when()["at"], "loads": os.getloadavg()}}
+
+
+def _beside(work: Path, env: dict[str, str], *, quick: bool, only: str | None = None) -> dict[str, Any]:
+    """The parts measured beside the Parquet points (all, or ``only`` one): each with its start and load."""
+    parts = {
+        "plan": lambda: {"when": _when(), "points": _plan_scale.measure(env)},
+        "wds": lambda: {
+            "when": _when(),
+            **_wds_scale.measure(work, env, lambda urls: _point(urls, work / "cache", env, 300.0)),
+        },
+        "warm": lambda: _warm_scale.measure(work, env, quick=quick),
+    }
+    return {name: measure_part() for name, measure_part in parts.items() if only in (None, name)}
 
 
 def measure_mix(work: Path, *, quick: bool) -> dict[str, Any]:
@@ -192,6 +207,15 @@ def _measured(part: dict[str, Any]) -> str:
     return f"Measured {when['at']}, machine load {when['load']:.1f} at the start (2 cores: above 2, others share them)."
 
 
+def _finished(result: dict[str, Any]) -> list[str]:
+    """When the whole run ended, and the load averages then (1, 5, 15 minutes: the 15 spans most of a run)."""
+    end = result.get("finished")
+    if not end:
+        return []
+    loads = ", ".join(f"{load:.1f}" for load in end["loads"])
+    return [f"Every section below is this one run, ended {end['at']}; load averages then (1, 5, 15 min): {loads}."]
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [
         "# Scale in samples",
@@ -203,6 +227,7 @@ def render(result: dict[str, Any]) -> str:
         "1e8 no first sample in 400 s, 1e9 refused.",
         "",
         _measured(result),
+        *_finished(result),
         "",
         *_HEADER,
         *(_row(point) for point in result["points"]),
@@ -229,6 +254,17 @@ def render(result: dict[str, Any]) -> str:
             "",
             *_growth(mix["points"]),
         ]
+    if "plan" in result:
+        lines += [
+            "",
+            "## A plan for 1e6 shards",
+            "",
+            _measured(result["plan"]),
+            *_plan_scale.render(result["plan"]["points"]),
+        ]
+    if "wds" in result:
+        lines += ["", "## WebDataset beside datacache: time to the first sample", "", _measured(result["wds"])]
+        lines += _wds_scale.render(result["wds"])
     lines += ["", "## `datacache warm` of tiny shards", *_warm_scale.render(result["warm"])]
     lines += [
         "",
@@ -242,7 +278,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="up to 1e8 samples and 1e4 shards")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
-    parser.add_argument("--only", choices=["mix", "warm"], help="measure only this part; keep the other results")
+    parser.add_argument(
+        "--only", choices=["mix", "warm", "plan", "wds"], help="measure only this part; keep the other results"
+    )
     args = parser.parse_args()
     work = WORK / "scale"
     suffix = "-quick" if args.quick else ""
@@ -251,7 +289,7 @@ def main() -> None:
         if args.only == "mix":
             result["mix"] = measure_mix(work, quick=args.quick)
         else:
-            result["warm"] = _warm_scale.measure(work, clean_env(), quick=args.quick)
+            result.update(_beside(work, clean_env(), quick=args.quick, only=args.only))
     else:
         result = measure(work, quick=args.quick)
     (args.out / f"results-scale{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
