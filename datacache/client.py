@@ -30,11 +30,11 @@ from datacache._protocol import (
     config_to_wire,
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import DaemonUnavailableError, DatacacheError
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest, reading_url
 from datacache.staging import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, FutureOrder, Location, ReaderProgress
 from datacache.staging.reading import read_verified
-from datacache.tiers import ByteRange, Tier, open_origin
+from datacache.tiers import ByteRange, Tier, open_origin, redact_url
 
 __all__ = ["DaemonClient"]
 
@@ -213,10 +213,7 @@ class DaemonClient:
         if snapshot is not None:
             body["snapshot"] = snapshot
         reply = await self._call("POST", f"{API}/open", body)
-        if reply.get("dataset_id") != config.id:
-            raise DatacacheError(
-                f"daemon: opened dataset {reply.get('dataset_id')!r}, not {config.id!r}"
-            )
+        _same_dataset(config, reply.get("dataset_id"))
         return reply
 
     async def _wire(self, config: DatasetConfig) -> dict[str, Any]:
@@ -481,8 +478,26 @@ class DaemonClient:
         try:
             async with session.post(f"{BASE}{API}/warm", json=body) as response:
                 async for event in streamed_events(response, f"{API}/warm"):
+                    if event.get("event") == "start":
+                        _same_dataset(config, event.get("dataset"))  # before a byte is counted as ours
                     yield event
         except DatacacheError:
             raise  # the daemon's own answer (a missing bucket, say), not a lost connection
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise self._unavailable(exc) from exc
+
+
+def _same_dataset(config: DatasetConfig, named: object) -> None:
+    """Refuse the daemon's answer about another dataset: the daemon and this process see another origin.
+
+    A dataset's id includes the endpoint its origin is reached at, and a client sends the daemon
+    its storage options, not its environment: a different ``AWS_ENDPOINT_URL`` on each side is
+    two datasets, and serving one for the other would be the wrong bytes.
+    """
+    if named != config.id:
+        raise ConfigError(
+            f"the daemon names {redact_url(config.url)} dataset {named!r}, this process names it {config.id!r}: "
+            "they reach a different origin (most often a different endpoint: AWS_ENDPOINT_URL or "
+            "FSSPEC_S3_ENDPOINT_URL set on one side only); give the daemon and its clients the same "
+            "endpoint, or set endpoint_url in the dataset's storage_options"
+        )

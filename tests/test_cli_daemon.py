@@ -10,8 +10,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from _daemon import catalog_rows, make_shards, start_daemon
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
 
 from datacache.client import DaemonClient
 from datacache.config import load_settings
@@ -52,6 +56,26 @@ def test_warm_and_evict_through_the_daemon(tmp_path: Path, cache_env: dict[str, 
         assert evicted.returncode == 0, evicted.stderr
         assert "evicted 5 shards" in evicted.stdout and "(daemon)" in evicted.stdout
         assert catalog_rows(local) == []
+    finally:
+        daemon.stop()
+
+
+def test_a_client_that_reaches_another_endpoint_than_the_daemon_is_told_so(
+    tmp_path: Path, cache_env: dict[str, str], s3: S3Bucket
+) -> None:
+    """A new user's warm through the daemon said "24/24 resident" of the daemon's endpoint's dataset."""
+    s3.put("ds/shard-0000.tar", b"x" * 1000)
+    daemon = start_daemon({**cache_env, **s3.server.env()}, tmp_path / "local")
+    try:
+        elsewhere = {**daemon.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+        done = run(elsewhere, "warm", s3.url("ds"))
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "reach a different origin" in done.stderr and "AWS_ENDPOINT_URL" in done.stderr, done.stderr
+        # What the daemon may have staged before the client hung up is its own dataset's, under its own id.
+        assert all(f"dataset {row[0]!r}," in done.stderr for row in catalog_rows(tmp_path / "local"))
+        same = run(daemon.env, "warm", s3.url("ds"))
+        assert same.returncode == 0, same.stderr
     finally:
         daemon.stop()
 

@@ -178,9 +178,7 @@ async def _warm_through(
         ):
             kind = event.get("event")
             if kind == "start":
-                # A daemon of the release before says only "shards" and "bytes" for the totals.
-                shards = event.get("shards_total", event.get("shards", 0))
-                total = event.get("bytes_total", event.get("bytes", 0))
+                shards, total = event.get("shards_total", 0), event.get("bytes_total", 0)
                 progress = _warm_display(args, f"warm {dataset.name} (daemon)", int(shards), int(total))
             elif kind == "progress" and progress is not None:
                 progress.advance_to(
