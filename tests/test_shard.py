@@ -420,6 +420,13 @@ def test_cli_shard_json_and_errors(tmp_path: Path, cache_env: dict[str, str],
     assert "not a valid regular expression" in capsys.readouterr().err
     assert main(["shard", str(tmp_path / "nothing"), str(tmp_path / "y")]) == 1
     assert "nothing to shard" in capsys.readouterr().err
+    # A new user wrote the shards into their source (`shard raw raw/out`): the next run took them for input.
+    monkeypatch.chdir(tmp_path)
+    assert main(["shard", "src", "src/out"]) == 2
+    assert re.search(r"DST \S*src/out is inside SRC \S*src; write the shards outside it", capsys.readouterr().err)
+    assert not (tmp_path / "src" / "out").exists()
+    assert main(["shard", "src", f"file://{tmp_path}/src/"]) == 2
+    assert "the same place" in capsys.readouterr().err
 
 
 # -- Parquet and Zarr ---------------------------------------------------------------------
