@@ -488,12 +488,7 @@ class DaemonClient:
 
 
 def _same_dataset(config: DatasetConfig, named: object) -> None:
-    """Refuse the daemon's answer about another dataset: the daemon and this process see another origin.
-
-    A dataset's id includes the endpoint its origin is reached at, and a client sends the daemon
-    its storage options, not its environment: a different ``AWS_ENDPOINT_URL`` on each side is
-    two datasets, and serving one for the other would be the wrong bytes.
-    """
+    # An id includes the origin's endpoint, and the daemon gets options, not the environment.
     if named != config.id:
         raise ConfigError(
             f"the daemon names {redact_url(config.url)} dataset {named!r}, this process names it {config.id!r}: "

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
-from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, put_bytes
+from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, check_places, put_bytes
 from datacache.shard.plan import (
     DONE_PREFIX,
     PLAN_NAME,
@@ -435,22 +434,6 @@ def _report(
     return report
 
 
-def _place(url: str) -> str:
-    """``url`` as one spelling of its place: a local path made absolute, no trailing slash."""
-    if "://" not in url or url.startswith("file://"):
-        return os.path.abspath(url.removeprefix("file://"))
-    return redact_url(url).rstrip("/")
-
-
-def _check_places(source: str, dest: str) -> None:
-    src, dst = _place(source), _place(dest)
-    if src == dst:
-        raise ConfigError("SRC and DST are the same place; write the shards somewhere else")
-    if dst.startswith(src + "/"):
-        # The next run (or the next dataset over SRC) would take the shards for input.
-        raise ConfigError(f"DST {redact_url(dest)} is inside SRC {redact_url(source)}; write the shards outside it")
-
-
 async def shard_dataset(
     source: Endpoint,
     dest: Endpoint,
@@ -490,7 +473,7 @@ async def shard_dataset(
     """
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: choose from {', '.join(ENGINES)}")
-    _check_places(source.url, dest.url)
+    check_places(source.url, dest.url)
     started = time.monotonic()
     plan, root_files, chosen = await _list_and_plan(source, dest, options, source_format)
     dest_tier = dest.open(writable=True)
