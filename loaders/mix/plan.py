@@ -1,4 +1,4 @@
-"""A mixed epoch behind the `planning.Plan` interface: a thin wrapper of `mixed` and `mix.readers`.
+"""A mixed epoch behind the `planning.Plan` interface: a thin wrapper of `mix.sources` and `mix.readers`.
 
 The mix's own modules plan it (`mix.sources.mix_plan`) and open its units by source
 (`mix.readers.MixedUnitReaders`); this module only adapts them to what
