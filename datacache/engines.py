@@ -36,9 +36,14 @@ def map_dask(
     if scheduler:
         client = distributed.Client(scheduler)
     else:
-        cluster = distributed.LocalCluster(
-            processes=False, n_workers=1, threads_per_worker=workers, dashboard_address=None
-        )
+        # No statistical profiler on the local cluster: nobody sees its dashboard, it samples every
+        # thread's frame each 10 ms, and on CPython 3.11 sys._current_frames holding the thread-list
+        # lock through a Python gc callback deadlocked a packing thread starting its pool (a hung suite).
+        # Its HTTP server (metrics) on a free port: the default 8787 taken by another run made this one fail.
+        with importlib.import_module("dask").config.set({"distributed.worker.profile.enabled": False}):
+            cluster = distributed.LocalCluster(
+                processes=False, n_workers=1, threads_per_worker=workers, dashboard_address=":0"
+            )
         client = distributed.Client(cluster)
     try:
         futures = [client.submit(function, *call, key=name, pure=False) for call, name in zip(calls, names)]

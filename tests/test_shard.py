@@ -381,6 +381,23 @@ def test_dask_engine_in_local_mode(tmp_path: Path) -> None:
     assert again.kept == local.units
 
 
+def _worker_callbacks() -> list[str]:
+    from distributed import get_worker
+
+    return list(get_worker().periodic_callbacks)
+
+
+def test_the_local_dask_cluster_runs_no_profiler() -> None:
+    """Its sampler (sys._current_frames every 10 ms) hung a fresh clone's suite on CPython 3.11."""
+    pytest.importorskip("dask.distributed")
+    from datacache.engines import map_dask
+
+    found: list[list[str]] = []
+    map_dask(_worker_callbacks, [()], names=["callbacks"], scheduler=None, workers=1, on_result=found.append)
+    assert found and "heartbeat" in found[0], found
+    assert not [name for name in found[0] if "profile" in name], found[0]
+
+
 # -- the command --------------------------------------------------------------------------
 
 
