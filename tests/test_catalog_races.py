@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import os
 import socket
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -123,3 +125,34 @@ def test_an_evicting_row_is_not_reserved_again(settings: Settings) -> None:
             await catalog.close()
 
     assert asyncio.run(main()) == [("x.tar", ShardState.EVICTING), ("y.tar", ShardState.STAGING)]
+
+
+def test_a_forked_child_never_closes_the_connection_it_inherited(tmp_path: Path) -> None:
+    """SQLite: a connection carried across fork() must not be used, closing included, in the child.
+
+    Closing it in the child rolls back what the parent may have been writing at the fork, in the
+    WAL index both share: a DataLoader worker forked mid-write left the catalog locked for another
+    worker ("database is locked" after the 60 s busy timeout).
+    """
+    catalog = Catalog(tmp_path / "catalog.db")
+    asyncio.run(catalog.record_dataset("d", url="file:///d", policy="auto", pinned=False))
+    inherited = id(catalog._connection)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            asyncio.run(catalog.record_dataset("e", url="file:///e", policy="auto", pinned=False))
+            own = catalog._connection
+            # type(), not isinstance(): some of what gc holds warns when asked for its __class__.
+            objects = gc.get_objects()
+            alive = [o for o in objects if id(o) == inherited and type(o) is sqlite3.Connection and o is not own]
+            ok = bool(alive) and alive[0].total_changes >= 0  # raises if it was closed
+            os.write(write, b"1" if ok else b"0")
+        except BaseException as exc:
+            os.write(write, repr(exc).encode()[:200])
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 256)
+    os.waitpid(child, 0)
+    assert answer == b"1", f"the child closed its parent's connection: {answer!r}"

@@ -2,36 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import sqlite3
-import stat as stat_module
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from datacache.catalog.database import CatalogDatabase
 from datacache.catalog.room import Claim, Room, reserve_in
 from datacache.catalog.rows import (
     COLUMNS,
-    SQLITE_FULL,
     CatalogEntry,
     DatasetRecord,
     ReaderRow,
     Reservation,
     ShardState,
     entry_from_row,
-    initialise,
     leased_shards,
     owner_alive,
 )
-from datacache.errors import TierFullError
 from datacache.eviction import Candidate
-from datacache.tiers.local import make_local_file
 
 __all__ = ["Catalog", "CatalogWrites"]
 
@@ -64,114 +57,21 @@ class CatalogWrites:
     touches: int
 
 
+class Catalog(CatalogDatabase):
+    """The SQLite catalog of one local tier: its transactions, run where `CatalogDatabase` runs them.
 
-def private_database(path: Path) -> None:
-    """Make the catalog 0600 whatever the umask, before SQLite opens it; tighten one this user left looser.
-
-    SQLite creates its ``-wal`` and ``-shm`` files with the database file's mode, so
-    a database made 0600 here keeps its side files 0600 too; side files an older
-    version left looser are tightened as well. The catalog names every dataset's
-    URL, keys and checksums: nobody else's to read.
+    The object holds only its path when pickled.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-    for side in ("-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            st = os.stat(f"{path}{side}", follow_symlinks=False)
-            if stat_module.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
-                os.chmod(f"{path}{side}", 0o600)  # a regular file of this user's, just checked
-
-class Catalog:
-    """The SQLite catalog of one local tier.
-
-    Every query runs on one private thread that owns the connection, so the
-    event loop never blocks on the database and the connection never crosses
-    threads. The object holds only its path when pickled.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._path = Path(path)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._connection: sqlite3.Connection | None = None
-        self._pid = os.getpid()
-        self._reset_counts()
 
     def _reset_counts(self) -> None:
-        # Accesses not yet written (last_access by shard), oldest first; and what was written.
+        super()._reset_counts()
+        # Accesses not yet written (last_access by shard), oldest first; and how many were written.
         self._touches: dict[tuple[str, str], float] = {}
-        self._writes = 0
-        self._longest_write = 0.0
         self._touched = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_path": self._path, "_executor": None, "_connection": None, "_pid": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._reset_counts()
 
     def writes(self) -> CatalogWrites:
         """Write transactions this process made so far, the longest one's duration, and the shard reads it saw."""
         return CatalogWrites(self._writes, self._longest_write, self._touched)
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    # -- plumbing -------------------------------------------------------------------------
-
-    def _connect(self) -> sqlite3.Connection:
-        if self._connection is None:
-            make_local_file(self._path)  # private (with its -wal and -shm), whatever the umask
-            private_database(self._path)  # side files an older version left looser: tightened
-            connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            connection.execute("PRAGMA busy_timeout=60000")
-            initialise(connection)
-            self._connection = connection
-        return self._connection
-
-    async def _write(self, function: Callable[[sqlite3.Connection], T]) -> T:
-        """`_run` for a write, counted and timed (its wait for the database's write lock included)."""
-        started = time.monotonic()
-        try:
-            return await self._run(function)
-        finally:
-            self._writes += 1
-            self._longest_write = max(self._longest_write, time.monotonic() - started)
-
-    async def _run(self, function: Callable[[sqlite3.Connection], T]) -> T:
-        if self._executor is None or self._pid != os.getpid():
-            # A forked child must not reuse its parent's thread or connection, nor its counts.
-            if self._pid != os.getpid():
-                self._reset_counts()
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datacache-catalog")
-            self._connection = None
-            self._pid = os.getpid()
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, lambda: function(self._connect()))
-        except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
-                # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk.
-                raise TierFullError(f"the catalog {self._path} cannot grow: no space left on its device") from exc
-            raise
-
-    def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``function`` with a connection, outside any event loop (CLI reports)."""
-        make_local_file(self._path)
-        private_database(self._path)
-        connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
-        try:
-            connection.execute("PRAGMA busy_timeout=60000")
-            initialise(connection)
-            return function(connection)
-        finally:
-            connection.close()
 
     async def close(self) -> None:
         if self._executor is not None and self._pid == os.getpid():
@@ -203,17 +103,6 @@ class Catalog:
             self._executor.shutdown(wait=False)
         self._executor = None
         self._connection = None
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _transaction(connection: sqlite3.Connection) -> Any:
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            yield connection
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
-        connection.execute("COMMIT")
 
     # -- datasets -------------------------------------------------------------------------
 
