@@ -136,7 +136,10 @@ class CatalogDatabase:
         connection.execute("BEGIN IMMEDIATE")
         try:
             yield connection
+            connection.execute("COMMIT")
         except BaseException:
-            connection.execute("ROLLBACK")
+            # A COMMIT that failed too (a full disk) leaves the transaction, and the node's write
+            # lock, held by this connection until it is rolled back.
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
             raise
-        connection.execute("COMMIT")
