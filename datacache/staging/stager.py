@@ -29,10 +29,8 @@ from datacache.errors import (
     DatacacheError,
     InvalidKeyError,
     StagerClosedError,
-    TierFullError,
 )
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
-from datacache.sizes import format_bytes
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
 from datacache.staging.batch import WarmBatches, stage_batch
@@ -60,7 +58,7 @@ from datacache.staging.types import (
     StagingEvent,
     WarmReport,
 )
-from datacache.staging.warm import Submit, WarmProgress, WarmSteps, run_warm
+from datacache.staging.warm import Submit, WarmProgress, WarmSteps, bypass_reason, check_fits, run_warm
 from datacache.tiers import ByteRange, LocalTier, SharedTier, Tier, redact_url
 from datacache.tiers.local import PRIVATE, LocalModes
 
@@ -490,7 +488,7 @@ class Stager:
         """
         await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
-        self._check_fits(handle, chosen, tier)
+        check_fits(handle, chosen, tier, self._capacity(tier))
 
         async def admit(shard: Shard, priority: float) -> Location:
             return await self.ensure(handle, shard.key, tier=tier, priority=priority)
@@ -507,24 +505,15 @@ class Stager:
                 submit=submit or (batches.submit if tier == LOCAL else admit),
                 residents=lambda shards: self._residents(handle, shards, tier),
                 verify=check if verify else None,
-                why_not_kept=lambda: self._bypass_reason(tier),
+                why_not_kept=lambda: bypass_reason(tier, self._capacity(tier)),
             )
             return await run_warm(
                 handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
             )
 
-    def _check_fits(self, handle: DatasetHandle, chosen: Sequence[Shard], tier: str) -> None:
+    def _capacity(self, tier: str) -> int | None:
         target = self.local if tier == LOCAL else self.shared
-        capacity = target.capacity if target is not None else None
-        too_big = [shard for shard in chosen if capacity is not None and shard.size > capacity]
-        if too_big and capacity is not None:
-            # Nothing could ever succeed for these: say so once, before moving a byte.
-            largest = max(too_big, key=lambda shard: shard.size)
-            raise TierFullError(
-                f"dataset {handle.id}: the {tier} tier's capacity ({format_bytes(capacity)}) is smaller than "
-                f"{len(too_big)} of the requested shards "
-                f"(the largest, {largest.key!r}, is {format_bytes(largest.size)})"
-            )
+        return target.capacity if target is not None else None
 
     async def _residents(self, handle: DatasetHandle, shards: Sequence[Shard], tier: str) -> set[str]:
         if tier == LOCAL:
@@ -536,13 +525,6 @@ class Stager:
             if info is not None and shared_copy_matches(info, handle.id, shard, self._trusted):
                 found.add(shard.key)
         return found
-
-    def _bypass_reason(self, tier: str) -> str:
-        tier_object = self.local if tier == LOCAL else self.shared
-        capacity = tier_object.capacity if tier_object is not None else None
-        if capacity is not None:
-            return f"the {tier} tier (capacity {format_bytes(capacity)}) holds less than the warm-up asked for"
-        return f"the {tier} tier's device holds less than the warm-up asked for"
 
     async def verify_resident(self, handle: DatasetHandle, shard: Shard, *, tier: str = LOCAL) -> bool:
         """Re-hash a resident copy; drop it if wrong. Return whether it was resident and right."""

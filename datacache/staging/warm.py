@@ -15,11 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from datacache._rate import TokenBucket
+from datacache.errors import TierFullError
 from datacache.manifest import Shard
+from datacache.sizes import format_bytes
 from datacache.staging.events import Events
 from datacache.staging.types import PRIORITY_PREFETCH, DatasetHandle, Location, StagingEvent, WarmReport
 
-__all__ = ["Submit", "WarmProgress", "WarmSteps", "run_warm"]
+__all__ = ["Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "run_warm"]
 
 Submit = Callable[[Shard, float], Awaitable[Location]]
 """Start (or join) one shard's transfer at a priority; resolve to where the shard is."""
@@ -182,3 +184,22 @@ async def _stage(
         if isinstance(outcome, asyncio.CancelledError):
             raise outcome
     return list(outcomes)
+
+
+def check_fits(handle: DatasetHandle, chosen: Sequence[Shard], tier: str, capacity: int | None) -> None:
+    """Refuse, before a byte moves, shards that no capacity could ever hold."""
+    too_big = [shard for shard in chosen if capacity is not None and shard.size > capacity]
+    if too_big and capacity is not None:
+        largest = max(too_big, key=lambda shard: shard.size)
+        raise TierFullError(
+            f"dataset {handle.id}: the {tier} tier's capacity ({format_bytes(capacity)}) is smaller than "
+            f"{len(too_big)} of the requested shards "
+            f"(the largest, {largest.key!r}, is {format_bytes(largest.size)})"
+        )
+
+
+def bypass_reason(tier: str, capacity: int | None) -> str:
+    """Why a warmed shard was not kept on ``tier``."""
+    if capacity is not None:
+        return f"the {tier} tier (capacity {format_bytes(capacity)}) holds less than the warm-up asked for"
+    return f"the {tier} tier's device holds less than the warm-up asked for"
