@@ -18,14 +18,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from datacache.formats._rows import PythonRows
+
 __all__ = ["BATCH_ROWS", "ParquetRows"]
 
 BATCH_ROWS = 1024
 """Rows decoded (and turned into Python objects) together."""
 _ARROW_CACHE_BYTES = 64 << 20
 """Decoded Arrow batches kept for re-use, at most."""
-_PYTHON_BATCHES = 4
-"""Batches of Python rows kept (a shuffle window draws from a few at a time)."""
 
 
 class ParquetRows:
@@ -44,7 +44,7 @@ class ParquetRows:
         self._starts = [sum(counts[:group]) for group in range(len(counts))]
         self._arrow: OrderedDict[tuple[int, int], pa.RecordBatch] = OrderedDict()
         self._arrow_bytes = 0
-        self._python: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
+        self._python = PythonRows()
         self._stream: Iterator[pa.RecordBatch] | None = None
         self._position = (-1, 0)  # (row group, index of the batch the stream yields next)
         # Where each batch of each row group starts (Arrow decides the batch lengths).
@@ -69,15 +69,7 @@ class ParquetRows:
         offset = index - self._starts[group]
         starts = self._batch_starts[group]
         batch = bisect.bisect_right(starts, offset) - 1
-        key = (group, batch)
-        rows = self._python.get(key)
-        if rows is None:
-            rows = self._batch(group, batch).to_pylist()
-            self._python[key] = rows
-            while len(self._python) > _PYTHON_BATCHES:
-                self._python.popitem(last=False)
-        else:
-            self._python.move_to_end(key)
+        rows = self._python.get((group, batch), lambda: self._batch(group, batch).to_pylist())
         at = offset - starts[batch]
         if at >= len(rows):  # damaged data that decodes differently the second time
             raise ValueError(f"row group {group} batch {batch} decodes to {len(rows)} rows, fewer than at open")

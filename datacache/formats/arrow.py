@@ -10,9 +10,6 @@ the manifest already gives its count. The stream format (no footer) is refused.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import mmap
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,13 +23,12 @@ from datacache.formats._base import (
     UnitReader,
     count_each_shard,
 )
+from datacache.formats._rows import PythonRows, RowsReader
 
 __all__ = ["FORMAT", "ArrowFormat", "ArrowReader", "ArrowRows"]
 
 BATCH_ROWS = 1024
 """Rows turned into Python objects together."""
-_PYTHON_BATCHES = 4
-"""Slices of Python rows kept (a shuffle window draws from a few at a time)."""
 MAX_ROWS_PER_BYTE = 1024
 """A null column takes no bytes per row: a count beyond this many rows per stored byte is not believed."""
 
@@ -55,7 +51,7 @@ class ArrowRows:
         for batch in self._batches:
             self._starts.append(self._starts[-1] + batch.num_rows)
         self.num_rows = self._starts[-1]
-        self._python: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
+        self._python = PythonRows()
 
     def row(self, index: int) -> dict[str, Any]:
         """Row ``index`` of the file, as a dict of column values."""
@@ -63,15 +59,8 @@ class ArrowRows:
             raise IndexError(index)
         batch = bisect.bisect_right(self._starts, index) - 1
         offset = index - self._starts[batch]
-        key = (batch, offset // BATCH_ROWS)
-        rows = self._python.get(key)
-        if rows is None:
-            rows = self._batches[batch].slice(key[1] * BATCH_ROWS, BATCH_ROWS).to_pylist()
-            self._python[key] = rows
-            while len(self._python) > _PYTHON_BATCHES:
-                self._python.popitem(last=False)
-        else:
-            self._python.move_to_end(key)
+        first = offset // BATCH_ROWS * BATCH_ROWS
+        rows = self._python.get((batch, first), lambda: self._batches[batch].slice(first, BATCH_ROWS).to_pylist())
         row: dict[str, Any] = rows[offset % BATCH_ROWS]
         return row
 
@@ -90,33 +79,11 @@ def _open(buffer: Any, where: str) -> ArrowRows:
         raise ShardReadError(f"{where}: not an Arrow IPC file, or a damaged one ({exc})") from None
 
 
-class ArrowReader(UnitReader):
+class ArrowReader(RowsReader):
     """An Arrow IPC file: one sample per row, as a dict of column values."""
 
     def __init__(self, unit: Unit, where: str, buffer: Buffer) -> None:
-        super().__init__(unit, where)
-        self._rows = _open(buffer, where)
-        if self._rows.num_rows != unit.count:
-            self._rows.close()
-            raise ShardReadError(f"{where}: holds {self._rows.num_rows} rows, it was counted {unit.count}")
-        self._buffer = buffer
-        self._stem = unit.keys[0].removesuffix(".arrow")
-
-    @property
-    def packable(self) -> bool:
-        return False
-
-    def sample(self, index: int) -> dict[str, Any]:
-        row = self._rows.row(index)
-        row.setdefault("__key__", f"{self._stem}/{index}")  # cached with its slice: set once
-        return row
-
-    def close(self) -> None:
-        self._rows.close()
-        if isinstance(self._buffer, mmap.mmap):
-            # Arrow frees its buffers lazily: a mapping still viewed is released with the last view.
-            with contextlib.suppress(BufferError):
-                self._buffer.close()
+        super().__init__(unit, where, buffer, _open(buffer, where), suffix=".arrow", damaged="damaged Arrow data")
 
 
 class ArrowFormat(SampleFormat):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,52 +15,26 @@ from datacache.formats._base import (
     UnitReader,
     count_each_shard,
 )
+from datacache.formats._rows import RowsReader
 from datacache.manifest import PARQUET_MAX_ROWS_PER_BYTE
 from datacache.tiers import ByteRange
 
 __all__ = ["FORMAT", "ParquetFormat", "ParquetReader", "parquet_rows"]
 
 
-class ParquetReader(UnitReader):
+class ParquetReader(RowsReader):
     """A Parquet file: one sample per row, as a dict of column values, decoded a batch at a time."""
 
     def __init__(self, unit: Unit, where: str, buffer: Buffer) -> None:
-        super().__init__(unit, where)
         import pyarrow as pa
 
         from datacache.formats._parquet_rows import ParquetRows
 
         try:
-            self._rows = ParquetRows(buffer)
+            rows = ParquetRows(buffer)
         except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a column name that is not UTF-8
             raise ShardReadError(f"{where}: corrupt Parquet file ({exc})") from None
-        if self._rows.num_rows != unit.count:
-            self._rows.close()
-            raise ShardReadError(f"{where}: holds {self._rows.num_rows} rows, its footer said {unit.count}")
-        self._buffer = buffer
-        self._stem = unit.keys[0].removesuffix(".parquet")
-
-    @property
-    def packable(self) -> bool:
-        return False
-
-    def sample(self, index: int) -> dict[str, Any]:
-        import pyarrow as pa
-
-        try:
-            row = self._rows.row(index)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise ShardReadError(f"{self.where}: corrupt Parquet data at row {index} ({exc})") from None
-        row.setdefault("__key__", f"{self._stem}/{index}")  # cached with its batch: set once
-        return row
-
-    def close(self) -> None:
-        self._rows.close()
-        if isinstance(self._buffer, mmap.mmap):
-            # Arrow may still hold a view of the mapping (it frees its buffers lazily): then the
-            # mapping is released with the last view instead of now.
-            with contextlib.suppress(BufferError):
-                self._buffer.close()
+        super().__init__(unit, where, buffer, rows, suffix=".parquet", damaged="corrupt Parquet data")
 
 
 async def parquet_rows(context: PlanContext, key: str, size: int) -> int:
