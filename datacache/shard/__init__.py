@@ -473,7 +473,7 @@ async def shard_dataset(
     """
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: choose from {', '.join(ENGINES)}")
-    check_places(source.url, dest.url)
+    check_places(source, dest)
     started = time.monotonic()
     plan, root_files, chosen = await _list_and_plan(source, dest, options, source_format)
     dest_tier = dest.open(writable=True)

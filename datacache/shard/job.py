@@ -8,12 +8,12 @@ process and event loop.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from datacache.errors import ConfigError
+from datacache.identity import canonical_origin
 from datacache.shard.plan import DONE_PREFIX, ShardOptions
 from datacache.tiers import Tier, open_origin, redact_url
 
@@ -92,18 +92,14 @@ async def put_bytes(tier: Tier, key: str, data: bytes) -> None:
     await tier.put(key, body())
 
 
-def _place(url: str) -> str:
-    """``url`` as one spelling of its place: a local path made absolute, no trailing slash."""
-    if "://" not in url or url.startswith("file://"):
-        return os.path.abspath(url.removeprefix("file://"))
-    return redact_url(url).rstrip("/")
-
-
-def check_places(source: str, dest: str) -> None:
-    """Refuse a DST that is SRC, or inside it."""
-    src, dst = _place(source), _place(dest)
+def check_places(source: Endpoint, dest: Endpoint) -> None:
+    """Refuse a DST that is SRC, or inside it (the places as a dataset's identity names them)."""
+    src = canonical_origin(source.url, source.storage_options)
+    dst = canonical_origin(dest.url, dest.storage_options)
     if src == dst:
         raise ConfigError("SRC and DST are the same place; write the shards somewhere else")
     if dst.startswith(src + "/"):
         # The next run (or the next dataset over SRC) would take the shards for input.
-        raise ConfigError(f"DST {redact_url(dest)} is inside SRC {redact_url(source)}; write the shards outside it")
+        raise ConfigError(
+            f"DST {redact_url(dest.url)} is inside SRC {redact_url(source.url)}; write the shards outside it"
+        )
