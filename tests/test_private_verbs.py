@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from datacache.loaders.dataloader import pin_batch
 
@@ -45,3 +46,15 @@ def test_pin_batch_is_torchs_pinning_of_a_batch() -> None:
         pinned = pin_batch({"x": torch.zeros(4)}, torch.accelerator.current_accelerator().type)
         assert pinned["x"].is_pinned()
 
+
+
+def test_gcsfs_request_without_its_retry_decorator_is_still_reachable() -> None:
+    # tiers/_gcs.py calls gcsfs's request undecorated (its own retries off, the tier's policy on).
+    core = pytest.importorskip("gcsfs.core")
+    from datacache.tiers._gcs import OneTryGCSFileSystem
+    from gcsfs.retry import is_retriable
+
+    request = core.GCSFileSystem._request
+    assert callable(getattr(request, "__wrapped__", None)), "gcsfs.core.GCSFileSystem._request lost __wrapped__"
+    assert callable(is_retriable)
+    assert issubclass(OneTryGCSFileSystem, core.GCSFileSystem)
