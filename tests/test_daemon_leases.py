@@ -86,11 +86,16 @@ def test_leases_belong_to_the_calling_process_and_end_with_it(
             progress("r2", "shard-0002.tar", "shard-0003.tar"),
             shard("shard-0004.tar"),
             progress("r3", "shard-0002.tar", "shard-0003.tar", "shard-0004.tar"),
+            progress("r3", "shard-0002.tar", "shard-0003.tar", "shard-0004.tar"),
         )
-        assert [status for status, _ in second] == [200] * 6, second
+        assert [status for status, _ in second] == [200] * 7, second
         assert second[4][1]["tier"] == "local", second[4][1]  # 0 or 1 evicted: their reader is gone
         # r2 already holds alice's share (half the tier): r3 gets none of its three.
         assert second[5][1]["holding"] == 0, second[5][1]
+        assert second[6][1]["holding"] == 0, second[6][1]
+        # Said once per dataset and uid, in a size a person reads (a new user's log had it on every note).
+        said = [line for line in daemon.log_text().splitlines() if "more than one uid may lease" in line]
+        assert len(said) == 1 and "(20.00 kB, half the local tier)" in said[0], said
         # bob, another allowed uid, reports progress under alice's reader name: her leases stay hers.
         before = [row for row in _leases(daemon.local_dir) if row[1] == "r2"]
         third = calls_as(users["bob"], daemon, opened, progress("r2"))

@@ -38,6 +38,15 @@ class LeaseBook:
 
     limit: int
     held: dict[tuple[str, str, str], tuple[int, str, int]] = field(default_factory=dict)
+    told: set[tuple[int, str]] = field(default_factory=set)
+    """(uid, dataset) whose readers were told they passed the bound: told once, not per note."""
+
+    def first_refusal(self, uid: int, dataset: str) -> bool:
+        """Whether this is the first time ``uid``'s readers of ``dataset`` asked for more than the bound."""
+        if (uid, dataset) in self.told:
+            return False
+        self.told.add((uid, dataset))
+        return True
 
     def admit(self, uid: int, owner: str, dataset: str, reader: str, sizes: Sequence[tuple[str, int]]) -> list[str]:
         """The keys of ``sizes`` (in order) that ``uid`` may lease now; the rest would pass its bound."""

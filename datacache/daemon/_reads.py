@@ -15,6 +15,7 @@ from datacache.daemon import _http as http
 from datacache.daemon._base import DaemonBase
 from datacache.daemon._leases import owner_of
 from datacache.errors import DatacacheError
+from datacache.sizes import format_bytes
 from datacache.staging import LOCAL, PRIORITY_PREFETCH, PRIORITY_URGENT, FutureOrder, Location, ReaderProgress
 from datacache.tiers import validate_key
 
@@ -132,14 +133,13 @@ class ReadVerbs(DaemonBase):
         # lives, and one uid holds at most its share of the tier.
         owner = owner_of(peer.pid)
         held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
-        if len(held) < len(sizes):
+        if len(held) < len(sizes) and self.leases.first_refusal(peer.uid, handle.id):
             logger.warning(
-                "uid %d may lease at most %d bytes of the local tier: %d of %d shards of %s not leased",
-                peer.uid,
-                self.leases.limit,
-                len(sizes) - len(held),
-                len(sizes),
+                "dataset %s: uid %d's readers hold more than one uid may lease (%s, half the local tier): "
+                "the shards past it are read as usual but may be evicted while held; said once per dataset",
                 handle.id,
+                peer.uid,
+                format_bytes(self.leases.limit),
             )
         progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
         wanted = http.keys(data, "locate") if "locate" in data else []
