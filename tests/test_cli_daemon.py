@@ -249,6 +249,13 @@ def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_cap
         daemon.stop()
 
 
+def _shared_in_top(env: dict[str, str]) -> tuple[int, int]:
+    shown = run(env, "top", "--once", "--json")
+    assert shown.returncode == 0, shown.stderr
+    [tier] = [t for t in json.loads(shown.stdout)["tiers"] if t["tier"] == "shared"]
+    return tier["used_bytes"], tier["shards"]
+
+
 def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
     tmp_path: Path, cache_env: dict[str, str]
 ) -> None:
@@ -259,11 +266,14 @@ def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
     daemon = start_daemon(cache_env, tmp_path / "local", "--shared-dir", str(shared))
     try:
         assert "DATACACHE_SHARED_DIR" not in daemon.env  # the user's side names no shared tier
+        assert _shared_in_top(daemon.env) == (0, 0)  # the daemon walks its (empty) shared tier here
         result = run(daemon.env, "warm", str(origin), "--tier", "shared", "--json")
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         assert summary["complete"] and summary["tier"] == "shared" and summary["shards_resident"] == 3
         assert len([p for p in shared.rglob("shard-*.tar") if p.is_file()]) == 3
+        # Within the minute between walks, top counts what the daemon itself just stored there.
+        assert _shared_in_top(daemon.env) == (150_000, 3)
     finally:
         daemon.stop()
     # A daemon without a shared tier says so once, not once per shard.

@@ -65,7 +65,7 @@ class StatusBoard:
         self.client_ttl = client_ttl
         self.names_per_uid = names_per_uid
         self.clients: dict[str, ClientReport] = {}  # in the order they last reported
-        self._shared_usage: tuple[float, Any] | None = None
+        self._shared_usage: tuple[float, Any, tuple[int, int]] | None = None
 
     def report(self, name: str, report: ClientReport) -> None:
         """Record a reader's report (``/v1/report``); each uid keeps at most its newest names."""
@@ -124,10 +124,18 @@ class StatusBoard:
         ]
         if stager.shared is not None:
             now = time.monotonic()
+            change = stager.activity.held_change(SHARED)
             if self._shared_usage is None or now - self._shared_usage[0] > 60:
-                # Walking a distributed filesystem is slow: once a minute at most.
-                self._shared_usage = (now, await stager.shared.usage())
-            shared = self._shared_usage[1]
+                # Walking a distributed filesystem is slow: once a minute at most. What this daemon
+                # stored or evicted there since is added at once (a new user's top showed it empty
+                # while the daemon filled it); other nodes' writes show with the next walk.
+                self._shared_usage = (now, await stager.shared.usage(), change)
+            _, walked, then = self._shared_usage
+            shared = dataclasses.replace(
+                walked,
+                used_bytes=max(0, walked.used_bytes + change[0] - then[0]),
+                object_count=max(0, walked.object_count + change[1] - then[1]),
+            )
             tiers.append(
                 {
                     "tier": SHARED,

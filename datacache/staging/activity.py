@@ -47,6 +47,8 @@ class TierActivity:
         self.evictions: dict[str, int] = {LOCAL: 0, SHARED: 0}
         self.evicted_bytes: dict[str, int] = {LOCAL: 0, SHARED: 0}
         self.declines: dict[str, int] = {LOCAL: 0, SHARED: 0}
+        self.stored: dict[str, int] = {LOCAL: 0, SHARED: 0}
+        self.stored_bytes: dict[str, int] = {LOCAL: 0, SHARED: 0}
         self.transfers: dict[tuple[str, str, str], Transfer] = {}
 
     def __call__(self, event: StagingEvent) -> None:
@@ -63,12 +65,22 @@ class TierActivity:
                 transfer.bytes += event.size
         elif kind in ("staged", "failed"):
             self.transfers.pop(ident, None)
+            if kind == "staged":
+                self.stored[tier] = self.stored.get(tier, 0) + 1
+                self.stored_bytes[tier] = self.stored_bytes.get(tier, 0) + event.size
         elif kind == "evicted":
             self.evictions[tier] = self.evictions.get(tier, 0) + 1
             self.evicted_bytes[tier] = self.evicted_bytes.get(tier, 0) + event.size
         elif kind == "bypass":
             self.transfers.pop(ident, None)
             self.declines[tier] = self.declines.get(tier, 0) + 1
+
+    def held_change(self, tier: str) -> tuple[int, int]:
+        """Bytes and shards this process added to ``tier``, less what it evicted there, so far."""
+        return (
+            self.stored_bytes.get(tier, 0) - self.evicted_bytes.get(tier, 0),
+            self.stored.get(tier, 0) - self.evictions.get(tier, 0),
+        )
 
     def counters(self) -> dict[str, dict[str, int]]:
         """The cumulative counters, per tier."""
