@@ -1,8 +1,16 @@
 """The catalog's SQLite connection: one private thread per process, and SQLite's rules for it.
 
 Every query runs on one thread that owns the connection, so the event loop never blocks on
-the database and the connection never crosses threads; a forked child opens its own and never
-touches (nor closes) the one it inherited; write transactions are ``BEGIN IMMEDIATE``.
+the database and the connection never crosses threads; no connection is open across a fork
+(below); write transactions are ``BEGIN IMMEDIATE``.
+
+SQLite's rule for fork() is that no connection may be carried across it, and the reason is not
+only the connection: SQLite keeps each file's lock state per process, so a child forked while its
+parent's connection was inside a write transaction believes that transaction's locks are still
+held in its own process, and every connection it opens waits on them until the busy timeout
+("database is locked" after 60 s in a DataLoader worker, issue 24's item 12). So a fork waits
+for the query in progress, every connection is closed before the fork, and each process reopens
+its own on its next query.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import contextlib
 import os
 import sqlite3
 import stat as stat_module
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,8 +36,29 @@ __all__ = ["CatalogDatabase", "private_database"]
 
 T = TypeVar("T")
 
-_INHERITED: list[sqlite3.Connection] = []
-"""Connections a forked child inherited: kept, never closed, until the child exits (SQLite's fork rule)."""
+_GATE = threading.Lock()
+"""Held from just before a fork to just after it: no query starts meanwhile."""
+_LIVE: weakref.WeakSet[CatalogDatabase] = weakref.WeakSet()
+_HELD: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    _GATE.acquire()
+    for database in list(_LIVE):
+        database._busy.acquire()  # the query in progress, if any, ends first
+        _HELD.append(database._busy)
+        database._close_for_fork()
+
+
+def _after_fork() -> None:
+    # In the child too: its copies of these locks are held, by a thread that no longer exists.
+    for lock in _HELD:
+        lock.release()
+    _HELD.clear()
+    _GATE.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 def private_database(path: Path) -> None:
@@ -60,6 +91,8 @@ class CatalogDatabase:
         self._connection: sqlite3.Connection | None = None
         self._pid = os.getpid()
         self._reset_counts()
+        self._busy = threading.Lock()
+        _LIVE.add(self)
 
     def _reset_counts(self) -> None:
         self._writes = 0
@@ -71,12 +104,35 @@ class CatalogDatabase:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_counts()
+        self._busy = threading.Lock()
+        _LIVE.add(self)
 
     @property
     def path(self) -> Path:
         return self._path
 
     # -- plumbing -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _querying(self) -> Any:
+        """Held while a query runs, so that a fork waits for it (see the module's note)."""
+        with _GATE:
+            self._busy.acquire()
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _close_for_fork(self) -> None:
+        # Idle (its lock is held by the fork): closing from the forking thread is safe.
+        if self._connection is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._connection.close()
+            self._connection = None
+
+    def _call(self, function: Callable[[sqlite3.Connection], T]) -> T:
+        with self._querying():
+            return function(self._connect())
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
@@ -99,19 +155,15 @@ class CatalogDatabase:
 
     async def _run(self, function: Callable[[sqlite3.Connection], T]) -> T:
         if self._executor is None or self._pid != os.getpid():
-            # A forked child must not reuse its parent's thread or connection, nor its counts.
+            # A forked child must not reuse its parent's thread, nor its counts (it has no connection).
             if self._pid != os.getpid():
                 self._reset_counts()
-                if self._connection is not None:
-                    # Never closed here: closing a connection carried across fork() rolls back, in the
-                    # WAL index the parent shares, whatever the parent was writing at the fork.
-                    _INHERITED.append(self._connection)
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datacache-catalog")
             self._connection = None
             self._pid = os.getpid()
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, lambda: function(self._connect()))
+            return await loop.run_in_executor(self._executor, self._call, function)
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
                 # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk.
@@ -120,15 +172,16 @@ class CatalogDatabase:
 
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""
-        make_local_file(self._path)
-        private_database(self._path)
-        connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
-        try:
-            connection.execute("PRAGMA busy_timeout=60000")
-            initialise(connection)
-            return function(connection)
-        finally:
-            connection.close()
+        with self._querying():
+            make_local_file(self._path)
+            private_database(self._path)
+            connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None)
+            try:
+                connection.execute("PRAGMA busy_timeout=60000")
+                initialise(connection)
+                return function(connection)
+            finally:
+                connection.close()
 
     @staticmethod
     @contextlib.contextmanager
