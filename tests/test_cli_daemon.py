@@ -203,6 +203,25 @@ def test_status_does_not_hang_on_a_socket_that_never_answers(tmp_path: Path, cac
     assert "none answers" in line, line
 
 
+def test_status_shows_the_daemons_settings_when_one_answers(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A new user's status said "unbounded" local capacity while the daemon it found ran with 1 GB."""
+    daemon = start_daemon(cache_env, tmp_path / "local", "--local-capacity", "1GB")
+    try:
+        assert "DATACACHE_LOCAL_CAPACITY" not in daemon.env  # this process's own settings: unbounded
+        as_json = run(daemon.env, "status", "--json")
+        text = run(daemon.env, "status")
+    finally:
+        daemon.stop()
+    assert as_json.returncode == 0 and text.returncode == 0, as_json.stderr + text.stderr
+    document = json.loads(as_json.stdout)
+    assert document["tiers_from"] == "daemon", document
+    [local] = [tier for tier in document["tiers"] if tier["tier"] == "local"]
+    assert local["capacity_bytes"] == 1_000_000_000, local
+    assert "unbounded" not in text.stdout, text.stdout
+    assert f"tiers as the daemon (pid {daemon.process.pid}) runs them:" in text.stdout, text.stdout
+    assert "of 1.00 GB" in text.stdout, text.stdout
+
+
 def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
     tmp_path: Path, cache_env: dict[str, str]
 ) -> None:

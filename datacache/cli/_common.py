@@ -112,6 +112,23 @@ async def daemon_answer(settings: Settings) -> dict[str, Any]:
     }
 
 
+async def daemon_tiers(settings: Settings) -> list[dict[str, Any]] | None:
+    """The daemon's tiers as it runs them (paths, usage, capacities), or None if it did not say.
+
+    Bounded as `daemon_answer` is.
+    """
+    client = DaemonClient(settings, connect_timeout=_PROBE_SECONDS, request_timeout=_PROBE_SECONDS)
+    try:
+        document = await client.status()
+    except DatacacheError as exc:
+        logger.info("the daemon's status: %s; showing this process's settings", one_line(exc))
+        return None
+    finally:
+        await client.close()
+    tiers = document.get("tiers")
+    return tiers if isinstance(tiers, list) and tiers else None
+
+
 _PROBE_SECONDS = 2.0
 
 
