@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pwd
 import socket
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from _daemon import catalog_rows, make_shards, start_daemon
 
 if TYPE_CHECKING:
@@ -310,3 +312,37 @@ def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
     assert alone.returncode == 2
     [line] = alone.stderr.strip().splitlines()
     assert "--tier shared needs a shared tier" in line and "datacache serve" in line
+
+
+def test_a_listing_that_mixes_formats_is_told_to_the_client_through_the_daemon(
+    tmp_path: Path, cache_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tar shards with a Parquet file beside them: the warning reached only the daemon's log."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 2, 1000)
+    (origin / "meta.parquet").write_bytes(b"PAR1" + bytes(8) + b"PAR1")  # listed, never read
+    daemon = start_daemon(cache_env, tmp_path / "local")
+
+    async def open_twice() -> None:
+        client = DaemonClient(load_settings(daemon.env))
+        try:
+            await client.open(str(origin))
+            await client.open(str(origin))
+        finally:
+            await client.close()
+
+    try:
+        # A run of its own (a process group, as a shell starts a command): this test's process is another.
+        done = subprocess.run(
+            [sys.executable, "-m", "datacache.cli", "warm", str(origin)],
+            env=daemon.env, capture_output=True, text=True, timeout=120, check=False, start_new_session=True,
+        )
+        with caplog.at_level(logging.WARNING, logger="datacache"):
+            asyncio.run(open_twice())
+    finally:
+        daemon.stop()
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "reading the tar shards only" in line]
+    assert len(said) == 1 and "holds 2 .tar and 1 .parquet files" in said[0], done.stderr
+    opened = [r.getMessage() for r in caplog.records if "reading the tar shards only" in r.getMessage()]
+    assert len(opened) == 1 and 'set format = "parquet"' in opened[0], opened
