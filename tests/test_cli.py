@@ -510,6 +510,19 @@ def test_usage_errors(env: dict[str, str], tmp_path: Path, args: list[str], mess
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("spec", ["2:x", "1:2:3:4x", "a:b"])
+def test_a_shards_spec_that_is_no_range_explains_the_start_stop_form(
+    env: dict[str, str], tmp_path: Path, spec: str
+) -> None:
+    """`--shards 2:x` said only "no shard '2:x' in its manifest"."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 10))
+    result = run_cli(["warm", str(origin), "--shards", spec], env)
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert f"--shards {spec!r}" in line and "START:STOP[:STEP]" in line and "e.g. 0:100" in line, line
+    assert_nothing_written(tmp_path)
+
+
 def test_shared_tier_required_for_tier_shared(env: dict[str, str], tmp_path: Path) -> None:
     origin = fill_dir(tmp_path / "origin", make_shards(1, 10))
     no_shared = {k: v for k, v in env.items() if k != "DATACACHE_SHARED_DIR"}
