@@ -7,6 +7,7 @@ carries an error is raised as the exception the daemon named (`datacache._protoc
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -16,11 +17,17 @@ from typing import Any
 
 import aiohttp
 
+from datacache._logging import FirstTime
 from datacache._protocol import exception_from_wire
 from datacache.errors import DaemonUnavailableError, DatacacheError
-from datacache.tiers import ByteRange
+from datacache.tiers import ByteRange, redact_url
 
-__all__ = ["BASE", "VerifiedUnixConnector", "decode_reply", "read_file", "streamed_events"]
+__all__ = ["BASE", "VerifiedUnixConnector", "decode_reply", "read_file", "say_notices", "streamed_events"]
+
+logger = logging.getLogger("datacache.client")
+
+_NOTICES_SAID = FirstTime()
+"""What the daemon's listings warned of that this process (and its run) has said."""
 
 BASE = "http://datacache"  # the host is ignored on a Unix socket
 _PEERCRED = struct.Struct("3i")
@@ -105,3 +112,12 @@ def read_file(path: Path, byte_range: ByteRange | None) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def say_notices(notices: object, run_dir: Path) -> None:
+    """Say what the daemon warned of when it listed a dataset (its log is not the user's), once per run."""
+    if not isinstance(notices, list):
+        return
+    for notice in notices:
+        text = redact_url(str(notice))
+        logger.log(_NOTICES_SAID.level(text, run_dir=run_dir), "%s", text)

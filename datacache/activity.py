@@ -185,7 +185,8 @@ def _read_json(path: Path) -> Any:
 def read_report_files(local_dir: Path, *, now: float | None = None) -> list[dict[str, Any]]:
     """Every report file this user may read (root: all), of live processes, fresher than `REPORT_TTL`.
 
-    Another user's folder is mode 0700: reading it fails, and it is skipped, not an error.
+    Another user's folder is mode 0700: reading it fails, and it is skipped, not an error. The file
+    of a process of this host that has ended is removed (`datacache top` reads them all).
     """
     root = local_dir / CLIENTS_DIR
     now = time.time() if now is None else now
@@ -203,7 +204,13 @@ def read_report_files(local_dir: Path, *, now: float | None = None) -> list[dict
             document = _read_json(path)  # None: unreadable (another user's), or replaced under us
             if not isinstance(document, dict) or not isinstance(document.get("written"), int | float):
                 continue
-            if now - float(document["written"]) > REPORT_TTL or not _alive(document.get("pid"), document.get("host")):
+            if not _alive(document.get("pid"), document.get("host")):
+                # Its process ended (the last epoch's DataLoader workers, a killed run): the file would stay
+                # until a new reader of this uid starts. Removed here where the folder is ours (root: any).
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            if now - float(document["written"]) > REPORT_TTL:
                 continue
             document["uid"] = int(folder.name)
             found.append(document)

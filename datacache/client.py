@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from datacache._client_http import BASE, VerifiedUnixConnector, decode_reply, read_file, streamed_events
+from datacache._client_http import BASE, VerifiedUnixConnector, decode_reply, read_file, say_notices, streamed_events
 from datacache._protocol import (
     API,
     UnknownDatasetError,
@@ -31,7 +31,7 @@ from datacache._protocol import (
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
-from datacache.manifest import Manifest, reading_url
+from datacache.manifest import Manifest, listing_notices, reading_url
 from datacache.staging import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, FutureOrder, Location, ReaderProgress
 from datacache.staging.reading import read_verified
 from datacache.tiers import ByteRange, Tier, open_origin, redact_url
@@ -224,19 +224,9 @@ class DaemonClient:
         return config_to_wire(config, credentials=same_user)
 
     async def _manifest(self, reply: dict[str, Any]) -> Manifest:
-        dataset, snapshot, path = (
-            reply.get("dataset_id"),
-            reply.get("snapshot"),
-            reply.get("manifest_path"),
-        )
-        if (
-            not isinstance(dataset, str)
-            or not isinstance(snapshot, str)
-            or not isinstance(path, str)
-        ):
-            raise DatacacheError(
-                "daemon: the open reply lacks dataset_id, snapshot or manifest_path"
-            )
+        dataset, snapshot, path = reply.get("dataset_id"), reply.get("snapshot"), reply.get("manifest_path")
+        if not isinstance(dataset, str) or not isinstance(snapshot, str) or not isinstance(path, str):
+            raise DatacacheError("daemon: the open reply lacks dataset_id, snapshot or manifest_path")
         cached = self._manifests.get((dataset, snapshot))
         if cached is not None:
             return cached
@@ -258,6 +248,7 @@ class DaemonClient:
                 f"the manifest {path} holds snapshot {manifest.snapshot}, not {snapshot}"
             )
         self._manifests[(dataset, snapshot)] = manifest
+        say_notices(listing_notices(manifest), self.settings.local_dir / "notices")
         return manifest
 
     def _location(self, handle: DatasetHandle, reply: dict[str, Any]) -> Location:
@@ -480,6 +471,7 @@ class DaemonClient:
                 async for event in streamed_events(response, f"{API}/warm"):
                     if event.get("event") == "start":
                         _same_dataset(config, event.get("dataset"))  # before a byte is counted as ours
+                        say_notices(event.get("notices"), self.settings.local_dir / "notices")
                     yield event
         except DatacacheError:
             raise  # the daemon's own answer (a missing bucket, say), not a lost connection

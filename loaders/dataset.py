@@ -24,6 +24,7 @@ from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
+from datacache.loaders.precheck import check_sources
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
 from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
@@ -145,6 +146,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             prefetch=prefetch,
         )
         self._sources = resolve_sources(dataset, weights)
+        check_sources([spec for spec in self._sources if not _names_shards(spec)], config)  # no listing
         self._mixed = _reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
         self.weights = tuple(weights) if weights is not None else None
         self.epoch_size = epoch_size

@@ -111,6 +111,18 @@ def test_warm_bigger_than_the_local_tier_says_the_sizes_in_one_line(tmp_path: Pa
     assert len(document["failures"]) == 27, document
 
 
+def test_warm_over_capacity_says_only_its_summary(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A WARNING "shard ... is read from the origin tier" came first: a warm reads nothing, it stages."""
+    origin = fill_dir(tmp_path / "origin", make_shards(5, 300_000))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}
+    result = run_cli(["warm", str(origin), "--local-capacity", "700kB"], env)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "datacache: dataset 1.50 MB > local capacity 700.00 kB: 2 of 5 shards kept (-v lists the others)",
+        "datacache: error: warm incomplete: 3 of 5 shards are not resident on the local tier",
+    ], result.stderr
+
+
 def test_warm_still_shows_a_shard_that_failed_for_another_reason(tmp_path: Path, cache_env: dict[str, str]) -> None:
     """Only "not kept: no room" goes under -v; a shard that failed is an error the user sees."""
     shards = make_shards(4, 30_000)

@@ -510,6 +510,45 @@ def test_usage_errors(env: dict[str, str], tmp_path: Path, args: list[str], mess
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("spec", ["2:x", "1:2:3:4x", "a:b"])
+def test_a_shards_spec_that_is_no_range_explains_the_start_stop_form(
+    env: dict[str, str], tmp_path: Path, spec: str
+) -> None:
+    """`--shards 2:x` said only "no shard '2:x' in its manifest"."""
+    origin = fill_dir(tmp_path / "origin", make_shards(3, 10))
+    result = run_cli(["warm", str(origin), "--shards", spec], env)
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert f"--shards {spec!r}" in line and "START:STOP[:STEP]" in line and "e.g. 0:100" in line, line
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "suggestion"),
+    [
+        (["warm", "/x", "--local-capacty", "1GB"], "; did you mean --local-capacity?"),
+        (["wram", "/x"], "; did you mean warm?"),
+        (["status", "--jsn"], "; did you mean --json?"),
+        (["serve", "--socet=/x"], "; did you mean --socket?"),
+        (["top", "--once", "--intervl", "2"], "; did you mean --interval?"),
+        (["warm", "/x", "--tier", "locl"], "; did you mean local?"),
+        (["ls", "--jsn", "--local-dri", "/x"], "; did you mean --json or --local-dir?"),
+    ],
+)
+def test_a_mistyped_option_or_verb_gets_a_suggestion(
+    env: dict[str, str], tmp_path: Path, args: list[str], suggestion: str
+) -> None:
+    result = run_cli(args, env)
+    assert result.returncode == 2
+    assert one_error_line(result).endswith(f"{suggestion} (see 'datacache --help')"), result.stderr
+    assert_nothing_written(tmp_path)
+
+
+def test_an_unknown_option_like_no_other_gets_no_suggestion(env: dict[str, str]) -> None:
+    line = one_error_line(run_cli(["status", "--zzzzzz"], env))
+    assert line == "datacache: error: unrecognized arguments: --zzzzzz (see 'datacache --help')", line
+
+
 def test_shared_tier_required_for_tier_shared(env: dict[str, str], tmp_path: Path) -> None:
     origin = fill_dir(tmp_path / "origin", make_shards(1, 10))
     no_shared = {k: v for k, v in env.items() if k != "DATACACHE_SHARED_DIR"}

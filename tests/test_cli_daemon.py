@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pwd
 import socket
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from _daemon import catalog_rows, make_shards, start_daemon
 
 if TYPE_CHECKING:
@@ -203,6 +205,25 @@ def test_status_does_not_hang_on_a_socket_that_never_answers(tmp_path: Path, cac
     assert "none answers" in line, line
 
 
+def test_status_shows_the_daemons_settings_when_one_answers(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """A new user's status said "unbounded" local capacity while the daemon it found ran with 1 GB."""
+    daemon = start_daemon(cache_env, tmp_path / "local", "--local-capacity", "1GB")
+    try:
+        assert "DATACACHE_LOCAL_CAPACITY" not in daemon.env  # this process's own settings: unbounded
+        as_json = run(daemon.env, "status", "--json")
+        text = run(daemon.env, "status")
+    finally:
+        daemon.stop()
+    assert as_json.returncode == 0 and text.returncode == 0, as_json.stderr + text.stderr
+    document = json.loads(as_json.stdout)
+    assert document["tiers_from"] == "daemon", document
+    [local] = [tier for tier in document["tiers"] if tier["tier"] == "local"]
+    assert local["capacity_bytes"] == 1_000_000_000, local
+    assert "unbounded" not in text.stdout, text.stdout
+    assert f"tiers as the daemon (pid {daemon.process.pid}) runs them:" in text.stdout, text.stdout
+    assert "of 1.00 GB" in text.stdout, text.stdout
+
+
 def test_the_daemons_warm_lines_say_totals_and_progress_in_the_clis_words(
     tmp_path: Path, cache_env: dict[str, str]
 ) -> None:
@@ -291,3 +312,37 @@ def test_warm_tier_shared_asks_the_daemon_which_writes_the_shared_tier(
     assert alone.returncode == 2
     [line] = alone.stderr.strip().splitlines()
     assert "--tier shared needs a shared tier" in line and "datacache serve" in line
+
+
+def test_a_listing_that_mixes_formats_is_told_to_the_client_through_the_daemon(
+    tmp_path: Path, cache_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tar shards with a Parquet file beside them: the warning reached only the daemon's log."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 2, 1000)
+    (origin / "meta.parquet").write_bytes(b"PAR1" + bytes(8) + b"PAR1")  # listed, never read
+    daemon = start_daemon(cache_env, tmp_path / "local")
+
+    async def open_twice() -> None:
+        client = DaemonClient(load_settings(daemon.env))
+        try:
+            await client.open(str(origin))
+            await client.open(str(origin))
+        finally:
+            await client.close()
+
+    try:
+        # A run of its own (a process group, as a shell starts a command): this test's process is another.
+        done = subprocess.run(
+            [sys.executable, "-m", "datacache.cli", "warm", str(origin)],
+            env=daemon.env, capture_output=True, text=True, timeout=120, check=False, start_new_session=True,
+        )
+        with caplog.at_level(logging.WARNING, logger="datacache"):
+            asyncio.run(open_twice())
+    finally:
+        daemon.stop()
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "reading the tar shards only" in line]
+    assert len(said) == 1 and "holds 2 .tar and 1 .parquet files" in said[0], done.stderr
+    opened = [r.getMessage() for r in caplog.records if "reading the tar shards only" in r.getMessage()]
+    assert len(opened) == 1 and 'set format = "parquet"' in opened[0], opened

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -268,6 +269,33 @@ def test_a_second_daemon_is_refused_and_a_stale_socket_replaced(tmp_path: Path, 
         finally:
             restarted.kill()
     finally:
+        first.kill()
+
+
+def test_a_daemon_that_cannot_start_says_only_why(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """It logged "stopping: finishing running transfers" first, of a daemon that never ran."""
+    first = start_daemon(cache_env, tmp_path / "cache")
+    port = socket.socket()
+    try:
+        port.bind(("127.0.0.1", 0))
+        port.listen(1)
+        taken = f"127.0.0.1:{port.getsockname()[1]}"
+        refused = {
+            "another datacache daemon": start_daemon(
+                cache_env, tmp_path / "cache", socket_path=tmp_path / "other.sock", wait=False
+            ),
+            "answers on": start_daemon(cache_env, tmp_path / "cache2", socket_path=first.socket, wait=False),
+            "cannot listen for metrics": start_daemon(
+                cache_env, tmp_path / "cache3", "--metrics-address", taken, wait=False
+            ),
+        }
+        for reason, daemon in refused.items():
+            assert daemon.process.wait(timeout=60) == 1
+            lines = [line for line in daemon.log_text().splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("datacache: error: ") and reason in lines[0], lines
+        assert first.ready()
+    finally:
+        port.close()
         first.kill()
 
 

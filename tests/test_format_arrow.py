@@ -1,4 +1,4 @@
-"""Arrow IPC files (``.arrow``, the file format): every row of every record batch is a sample.
+"""Arrow IPC files (``.arrow``, the file and the stream format): every row of every record batch is a sample.
 
 The proof that a format is one module: `datacache.formats.arrow` and these
 tests, and one line in the registry's list.
@@ -101,12 +101,51 @@ def test_read_exactly_once_from_s3_in_batches(s3: S3Bucket, settings: Settings, 
     assert sorted(i for batch in collected for i in batch.column("id").to_pylist()) == list(range(120))
 
 
-def test_a_stream_file_is_refused_in_one_line(tmp_path: Path, settings: Settings) -> None:
-    table = pa.Table.from_pylist(table_rows(0, 5))
+def arrow_stream(rows: list[dict[str, Any]], batch_rows: int = 16) -> bytes:
+    """An Arrow IPC stream of ``rows`` (what Hugging Face `datasets` writes: `pa.ipc.new_stream`)."""
+    table = pa.Table.from_pylist(rows)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    (tmp_path / "s.arrow").write_bytes(bytes(sink.getvalue()))
-    with pytest.raises(Exception, match=r"s\.arrow.*not an Arrow IPC file") as caught:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
+    return bytes(sink.getvalue())
+
+
+class TestArrowStreamFormat(FormatTests):
+    """The contract over stream files (no footer: counted from the batches), one file beside them."""
+
+    format_name = "arrow"
+
+    def write_dataset(self, directory: Path) -> dict[str, int]:
+        (directory / "data-00000-of-00002.arrow").write_bytes(arrow_stream(table_rows(0, 40), batch_rows=7))
+        (directory / "data-00001-of-00002.arrow").write_bytes(arrow_stream(table_rows(40, 45)))
+        (directory / "empty.arrow").write_bytes(_empty_stream())
+        (directory / "file.arrow").write_bytes(arrow_file(table_rows(45, 50)))
+        return {"data-00000-of-00002.arrow": 40, "data-00001-of-00002.arrow": 5, "empty.arrow": 0, "file.arrow": 5}
+
+
+def _empty_stream() -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema([("id", pa.int64())])):
+        pass
+    return bytes(sink.getvalue())
+
+
+def test_a_stream_file_is_read_exactly_once(tmp_path: Path, settings: Settings) -> None:
+    """Hugging Face `datasets` writes its cache files with `pa.ipc.new_stream`: they were refused."""
+    for part in range(3):
+        (tmp_path / f"data-{part:05d}-of-00003.arrow").write_bytes(arrow_stream(table_rows(part * 30, part * 30 + 30)))
+    dataset = CachedIterableDataset(str(tmp_path), config=settings, seed=5)
+    assert len(dataset) == 90
+    rows = list(dataset)
+    assert sorted(row["id"] for row in rows) == list(range(90))
+    batches = list(CachedIterableDataset(str(tmp_path), config=settings, batch_size=32))
+    assert sorted(i for batch in batches for i in batch.column("id").to_pylist()) == list(range(90))
+
+
+def test_a_truncated_stream_is_refused_in_one_line(tmp_path: Path, settings: Settings) -> None:
+    data = arrow_stream(table_rows(0, 50), batch_rows=10)
+    (tmp_path / "s.arrow").write_bytes(data[: len(data) - 8])  # whole batches, no end-of-stream marker
+    with pytest.raises(Exception, match=r"s\.arrow.*Arrow IPC stream.*end-of-stream marker") as caught:
         list(CachedIterableDataset(str(tmp_path), config=settings))
     assert "\n" not in str(caught.value)

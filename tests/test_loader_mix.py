@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import webdataset as wds
@@ -17,7 +17,10 @@ from datacache.loaders.order import Layout
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings
-from datacache.errors import ConfigError, ShardNotFoundError
+from datacache.errors import ConfigError, ShardNotFoundError, UnsupportedURLError
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket
 
 BATCH = 4
 
@@ -228,6 +231,29 @@ def test_a_pattern_naming_nothing_is_refused_by_name_when_the_dataset_is_made(
         CachedIterableDataset(f"{tmp_path / 'a'}/part-*.tar", config=settings)
     with pytest.raises(ShardNotFoundError, match="matches no shard"):
         CachedIterableDataset([f"{tmp_path / 'a'}/shard-0001.tar", f"{tmp_path / 'b'}/part-9.tar"], config=settings)
+
+
+def test_a_missing_path_or_an_uppercase_scheme_is_refused_when_the_dataset_is_made(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings, s3: S3Bucket
+) -> None:
+    """A wrong path or `S3://` failed only at the first sample; cheap checks, no listing, at construction."""
+    missing = tmp_path / "no-such-dir"
+    with pytest.raises(ShardNotFoundError, match=f"^{missing}: no such file or directory") as caught:
+        CachedIterableDataset(str(missing), config=settings)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ShardNotFoundError, match="no such file or directory"):
+        CachedIterableDataset(f"file://{missing}/", config=settings)
+    with pytest.raises(ShardNotFoundError, match="no such file or directory"):
+        CachedIterableDataset([str(tmp_path / "a"), Source(str(missing), repeat=1)], config=settings)
+    # The CLI's rule, the same words (tiers.check_scheme_case): `datacache warm S3://...` says this too.
+    with pytest.raises(UnsupportedURLError, match=r"write the scheme in lower case \(s3://\)") as upper:
+        CachedIterableDataset(s3.url("ds").replace("s3://", "S3://"), config=settings)
+    assert "\n" not in str(upper.value)
+    # A bucket prefix is not listed to be made (that waits for len() or iter()): no request at all.
+    s3.server.reset_counts()
+    CachedIterableDataset(s3.url("ds"), config=settings)
+    assert s3.server.request_counts() == {}
+    CachedIterableDataset(str(tmp_path / "a"), config=settings)  # an existing directory is fine
 
 
 @pytest.mark.parametrize(

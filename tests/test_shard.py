@@ -26,6 +26,7 @@ from datacache.counting.tarindex import INDEX_SUFFIX, group_samples, index_from_
 from datacache.errors import ConfigError, InvalidKeyError
 from datacache.manifest import MANIFEST_NAME, Manifest
 from datacache.shard import (
+    DONE_PREFIX,
     PLAN_NAME,
     Endpoint,
     ShardOptions,
@@ -228,6 +229,26 @@ def test_rerun_keeps_verified_shards_and_repacks_a_corrupt_one(tmp_path: Path) -
     repaired = shard_local(tmp_path / "src", tmp_path / "dst", shard_size=6_000)
     assert (repaired.written, repaired.kept) == (1, first.units - 1)
     assert output_files(tmp_path / "dst") == before
+
+
+def test_a_rerun_over_a_changed_source_removes_only_the_shards_it_no_longer_writes(tmp_path: Path) -> None:
+    """The earlier run's extra shards stayed in DST beside the new manifest: a reader listing DST saw them."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    files = image_tree(per_class=20)
+    write_tree(src, files)
+    first = shard_local(src, dst, shard_size=6_000)
+    (dst / "notes.txt").write_text("the user's own")
+    (dst / "shard-000099.tar").write_bytes(b"not written by datacache shard")
+    for key in sorted(files)[len(files) // 3 :]:  # two thirds of the source go away
+        (src / key).unlink()
+    second = shard_local(src, dst, shard_size=6_000)
+    assert second.units < first.units
+    units = {shard.key for shard in check_manifest(dst).shards}
+    assert {p.name for p in dst.glob("*.tar")} == units | {"shard-000099.tar"}
+    assert {p.name for p in dst.glob("*" + INDEX_SUFFIX)} == {key + INDEX_SUFFIX for key in units}
+    assert {p.name for p in (dst / DONE_PREFIX).iterdir()} == {f"{key}.json" for key in units}
+    assert (dst / "notes.txt").read_text() == "the user's own"
+    assert second.samples == len(files) // 3 // 2  # the samples (a .jpg and a .json each) left
 
 
 def test_output_is_deterministic(tmp_path: Path) -> None:

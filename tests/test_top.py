@@ -15,6 +15,7 @@ import os
 import pty
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -510,3 +511,29 @@ def test_report_files_are_read_safely_and_written_only_into_a_private_folder(tmp
         with pytest.raises(PermissionError):
             write_report_file(other, "x", document)
         assert list(folder.iterdir()) == []
+
+
+def test_top_removes_the_report_files_of_readers_whose_process_ended(tmp_path: Path, cache_env: dict[str, str]) -> None:
+    """They stayed under LOCAL_DIR/clients/<uid>/ after their process ended (only hidden from top)."""
+    from datacache.activity import report_file, write_report_file
+
+    local = tmp_path / "local"
+    writer = (
+        "import os, socket, sys, time\n"
+        "from datacache.activity import write_report_file\n"
+        "write_report_file(__import__('pathlib').Path(sys.argv[1]), 'ended', {'version': 1, "
+        "'host': socket.gethostname(), 'pid': os.getpid(), 'written': time.time(), 'client': 'ended', "
+        "'reader': {'rank': 0, 'worker': 0}})\n"
+    )
+    live = {"version": 1, "host": socket.gethostname(), "pid": os.getpid(), "written": time.time(), "client": "live",
+            "reader": {"rank": 1, "worker": 0}}
+    write_report_file(local, "live", live)
+    elsewhere = {**live, "host": "another-node", "pid": 1, "client": "elsewhere"}  # its age, not its pid, tells
+    write_report_file(local, "elsewhere", elsewhere)
+    # The last reader to start, which then ended: no later reader's first report pruned its file.
+    subprocess.run([sys.executable, "-c", writer, str(local)], check=True, timeout=60, cwd=REPO)
+    assert report_file(local, "ended").exists()
+    frame = _frame({**cache_env, "DATACACHE_LOCAL_DIR": str(local)})
+    assert sorted(c["client"] for c in frame["clients"]) == ["elsewhere", "live"]
+    assert not report_file(local, "ended").exists()
+    assert report_file(local, "live").exists() and report_file(local, "elsewhere").exists()

@@ -38,6 +38,7 @@ __all__ = [
     "Tier",
     "TierStats",
     "TierUsage",
+    "check_scheme_case",
     "device_free",
     "known_schemes",
     "open_origin",
@@ -79,6 +80,21 @@ def split_scheme(url: str) -> tuple[str, str]:
     return "file", url
 
 
+def check_scheme_case(url: str) -> None:
+    """Refuse a URL whose scheme is not written in lower case (``S3://``), naming the one to write.
+
+    fsspec looks a protocol up as written ("Protocol not known: S3"), and one dataset must not
+    have two identities by the case of its scheme. No I/O: the loader checks this when a dataset is made.
+    """
+    scheme, _ = split_scheme(url)
+    written = url.split("://", 1)[0] if "://" in url else scheme
+    if written != scheme:
+        raise UnsupportedURLError(
+            f"URL {redact_url(url)!r}: write the scheme in lower case ({scheme}://); "
+            f"fsspec knows no protocol {written!r}"
+        )
+
+
 def known_schemes() -> list[str]:
     """Every scheme `open_origin` accepts without fsspec's generic fallback."""
     schemes = set(_REGISTRY)
@@ -108,14 +124,7 @@ def open_origin(
     scheme, rest = split_scheme(url)
     if not rest.strip("/"):
         raise ConfigError(f"URL {redact_url(url)!r} names no bucket or path")
-    written = url.split("://", 1)[0] if "://" in url else scheme
-    if written != scheme:
-        # fsspec looks a protocol up as written ("Protocol not known: S3"), and one dataset must not
-        # have two identities by the case of its scheme: say what to write instead.
-        raise UnsupportedURLError(
-            f"URL {redact_url(url)!r}: write the scheme in lower case ({scheme}://); "
-            f"fsspec knows no protocol {written!r}"
-        )
+    check_scheme_case(url)
     if scheme in _NO_USERINFO and split_userinfo(url)[0] is not None:
         raise ConfigError(
             f"{scheme}:// URLs cannot carry credentials ({redact_url(url)!r}): use the backend's usual "

@@ -13,6 +13,7 @@ from datacache.cli._common import (
     add_settings_flags,
     daemon_answer,
     daemon_client,
+    daemon_tiers,
     settings_from,
 )
 from datacache.config import Settings, resolve_dataset
@@ -93,12 +94,18 @@ def _print_ls_table(rows: list[dict[str, Any]]) -> None:
 
 async def _status(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    async with Stager(settings, reconcile=False) as stager:
-        tiers = await _tier_usage(stager, settings)
     daemon = await daemon_answer(settings)
+    # A daemon that answers owns the node's cache: its tiers and capacities are the ones in force,
+    # not this process's settings (a new user's status said "unbounded" beside a 1 GB daemon).
+    tiers = await daemon_tiers(settings) if daemon["answers"] else None
+    tiers_from = "daemon" if tiers is not None else "this process"
+    if tiers is None:
+        async with Stager(settings, reconcile=False) as stager:
+            tiers = await _tier_usage(stager, settings)
     document = {
         "version": __version__,
         "config": str(settings.config_path) if settings.config_path else None,
+        "tiers_from": tiers_from,
         "tiers": tiers,
         "daemon": daemon,
     }
@@ -106,6 +113,8 @@ async def _status(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return 0
     sys.stdout.write(f"datacache {__version__}; config: {document['config'] or 'none (defaults)'}\n")
+    if tiers_from == "daemon":
+        sys.stdout.write(f"tiers as the daemon (pid {daemon['pid']}) runs them:\n")
     for tier in tiers:
         capacity = tier["capacity_bytes"]
         limit = format_bytes(capacity) if capacity else "unbounded"

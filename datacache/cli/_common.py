@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import pwd
 import re
@@ -28,9 +29,39 @@ class Parser(argparse.ArgumentParser):
         # the size parser, which names the flag and the value, instead of "expected one argument".
         self._negative_number_matcher = re.compile(r"^-\d")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # Kept to tell, if the line is refused, which verb's options a mistyped one was meant to be.
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> Any:  # one line, exit status 2
         # Arguments are echoed in usage errors: a URL among them may carry credentials.
-        self.exit(2, f"datacache: error: {redact_url(message)} (see 'datacache --help')\n")
+        hint = self._did_you_mean(message)
+        self.exit(2, f"datacache: error: {redact_url(message)}{hint} (see 'datacache --help')\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """``"; did you mean --local-capacity?"`` for a mistyped option, verb or choice; else ``""``."""
+        chosen = re.search(r"invalid choice: '([^']*)'", message)
+        if chosen is not None:
+            choices = [str(c) for action in self._actions if action.choices for c in action.choices]
+            typed = [chosen.group(1)]
+        elif message.startswith("unrecognized arguments: "):
+            choices = self._option_strings()
+            typed = [arg.split("=", 1)[0] for arg in message.split(": ", 1)[1].split() if arg.startswith("--")]
+        else:
+            return ""
+        guesses = [close[0] for word in typed if (close := difflib.get_close_matches(word, choices, n=1))]
+        return f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+
+    def _option_strings(self) -> list[str]:
+        """This parser's long options and those of the verb the command line named."""
+        options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        for action in self._actions:
+            if isinstance(action.choices, dict):  # the verbs: name -> parser
+                verb = next((arg for arg in getattr(self, "_given", []) if arg in action.choices), None)
+                if isinstance(verb_parser := action.choices.get(verb), Parser):
+                    options += verb_parser._option_strings()
+        return options
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +141,23 @@ async def daemon_answer(settings: Settings) -> dict[str, Any]:
         "user": _user_name(uid),
         "version": health.get("version"),
     }
+
+
+async def daemon_tiers(settings: Settings) -> list[dict[str, Any]] | None:
+    """The daemon's tiers as it runs them (paths, usage, capacities), or None if it did not say.
+
+    Bounded as `daemon_answer` is.
+    """
+    client = DaemonClient(settings, connect_timeout=_PROBE_SECONDS, request_timeout=_PROBE_SECONDS)
+    try:
+        document = await client.status()
+    except DatacacheError as exc:
+        logger.info("the daemon's status: %s; showing this process's settings", one_line(exc))
+        return None
+    finally:
+        await client.close()
+    tiers = document.get("tiers")
+    return tiers if isinstance(tiers, list) and tiers else None
 
 
 _PROBE_SECONDS = 2.0

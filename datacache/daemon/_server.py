@@ -120,6 +120,11 @@ class Daemon(ReadVerbs):
         if not lifecycle.begin_drain():
             return
         self.metrics.ready.set(0)
+        if self.stager is None:
+            # It never served (the node lock, the socket or the port was taken): nothing ran, nothing
+            # to drain or say; the error says why it could not start.
+            await lifecycle.release()
+            return
         started = time.monotonic()
         logger.info(
             "stopping: finishing running transfers (up to %.0fs)",

@@ -18,7 +18,7 @@ from datacache._protocol import error_for, warm_progress_to_wire, warm_report_to
 from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.errors import DatacacheError
-from datacache.manifest import Shard
+from datacache.manifest import Shard, listing_notices
 from datacache.staging import DatasetHandle, Location, Stager, WarmProgress
 from datacache.tiers import redact_url
 
@@ -54,7 +54,14 @@ class WarmRun:
         lines = _Lines(response)
         total = sum(shard.size for shard in shards)
         await lines.send(
-            {"event": "start", "dataset": handle.id, "tier": tier, "shards_total": len(shards), "bytes_total": total}
+            {
+                "event": "start",
+                "dataset": handle.id,
+                "tier": tier,
+                "shards_total": len(shards),
+                "bytes_total": total,
+                "notices": listing_notices(handle.manifest),  # the client says them too, not only our log
+            }
         )
         run = self.stager.warm(
             handle, shards, tier=tier, verify=verify, bandwidth=bandwidth, progress=lines.progress, submit=self.submit

@@ -1,10 +1,14 @@
-"""Arrow IPC files (``.arrow``, the random-access file format): every row of every record batch is a sample.
+"""Arrow IPC files (``.arrow``, the file or the stream format): every row of every record batch is a sample.
 
 Read in place: a record batch of a mapped file is a view of its bytes, so only
 the rows a reader turns into Python objects cost memory (`BATCH_ROWS` at a
 time, a few batches kept). Counting opens each file once through the cache
 (an IPC footer does not hold the row counts; the batches' headers do), unless
-the manifest already gives its count. The stream format (no footer) is refused.
+the manifest already gives its count. The stream format (what Hugging Face
+`datasets` writes, ``pa.ipc.new_stream``) has no footer: its batches are found
+by reading their messages in order, once, when the file is opened; a stream
+must end with its end-of-stream marker (one cut at a batch's end would
+otherwise read as a shorter table).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ MAX_ROWS_PER_BYTE = 1024
 
 
 class ArrowRows:
-    """Random access to the rows of one Arrow IPC file, with bounded memory.
+    """Random access to the rows of one Arrow IPC file or stream, with bounded memory.
 
     Opening validates every record batch (damage shows at open, not mid-epoch).
     Raises ``pa.ArrowException`` or ``OSError`` for a damaged file.
@@ -43,8 +47,7 @@ class ArrowRows:
     def __init__(self, source: Any) -> None:
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.BufferReader(source))
-        self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        self._batches = _record_batches(pa.py_buffer(source))
         for batch in self._batches:
             batch.validate(full=True)
         self._starts = [0]
@@ -70,24 +73,49 @@ class ArrowRows:
         self._python.clear()
 
 
+_FILE_MAGIC = b"ARROW1"
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+"""The marker `pa.ipc.new_stream` writes when it is closed: a continuation and a zero length."""
+
+
+class _TruncatedStream(ValueError):
+    pass
+
+
+def _record_batches(buffer: Any) -> list[Any]:
+    """The record batches of an IPC file (by its footer) or an IPC stream (message after message)."""
+    import pyarrow as pa
+
+    if buffer[: len(_FILE_MAGIC)].to_pybytes() == _FILE_MAGIC:
+        reader = pa.ipc.open_file(buffer)
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    if buffer.size < len(_END_OF_STREAM) or buffer[-len(_END_OF_STREAM) :].to_pybytes() != _END_OF_STREAM:
+        raise _TruncatedStream("no end-of-stream marker")
+    return list(pa.ipc.open_stream(buffer))
+
+
 def _open(buffer: Any, where: str) -> ArrowRows:
     import pyarrow as pa
 
     try:
         return ArrowRows(buffer)
+    except _TruncatedStream:
+        raise ShardReadError(
+            f"{where}: an Arrow IPC stream without its end-of-stream marker: truncated, or not Arrow data"
+        ) from None
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise ShardReadError(f"{where}: not an Arrow IPC file, or a damaged one ({exc})") from None
+        raise ShardReadError(f"{where}: not an Arrow IPC file or stream, or a damaged one ({exc})") from None
 
 
 class ArrowReader(RowsReader):
-    """An Arrow IPC file: one sample per row, as a dict of column values."""
+    """An Arrow IPC file or stream: one sample per row, as a dict of column values."""
 
     def __init__(self, unit: Unit, where: str, buffer: Buffer) -> None:
         super().__init__(unit, where, buffer, _open(buffer, where), suffix=".arrow", damaged="damaged Arrow data")
 
 
 class ArrowFormat(SampleFormat):
-    """Arrow IPC files, read in place; batch mode gives Arrow record batches, as for Parquet."""
+    """Arrow IPC files and streams, read in place; batch mode gives Arrow record batches, as for Parquet."""
 
     name = "arrow"
     suffixes = (".arrow",)

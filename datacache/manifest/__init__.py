@@ -11,9 +11,11 @@ checksums and sample counts, which is used as is.
 from __future__ import annotations
 
 from datacache.manifest.listing import (
+    LISTING_NOTICES,
     OBJECT_KEY,
     SIDECAR_CANDIDATES,
     detect_format,
+    listing_notices,
     object_url,
     reading_url,
     take_manifest,
@@ -34,6 +36,7 @@ from datacache.manifest.store import (
 )
 
 __all__ = [
+    "LISTING_NOTICES",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
     "OBJECT_KEY",
@@ -46,6 +49,7 @@ __all__ = [
     "ShardFormat",
     "default_trusted_uids",
     "detect_format",
+    "listing_notices",
     "max_samples",
     "object_url",
     "reading_url",

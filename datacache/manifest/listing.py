@@ -16,9 +16,11 @@ from datacache.manifest.wids import wids_manifest
 from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
 
 __all__ = [
+    "LISTING_NOTICES",
     "OBJECT_KEY",
     "SIDECAR_CANDIDATES",
     "detect_format",
+    "listing_notices",
     "object_url",
     "reading_url",
     "take_manifest",
@@ -43,6 +45,9 @@ SIDECAR_CANDIDATES = "sidecar_candidates"
 once (a listing costs about a second per thousand objects on some stores).
 """
 
+
+LISTING_NOTICES = "listing_notices"
+"""In a manifest's ``extra``: what the listing that took it warned of (`listing_notices`)."""
 
 OBJECT_KEY = "object"
 """In a manifest's ``extra``: the dataset's URL names this one object, read as a key of the URL's parent."""
@@ -112,27 +117,29 @@ def _glob_hint(url: str) -> str | None:
     )
 
 
-def _say_what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, infos: list[ObjectInfo]) -> None:
-    """Warn when a prefix holds the files of other formats too and only the detected one's are read.
+def _what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, infos: list[ObjectInfo]) -> list[str]:
+    """What to say when a prefix holds the files of other formats too and only the detected one's are read.
 
     Not refused: img2dataset, for one, writes a ``.parquet`` of metadata beside each ``.tar``.
     """
     keys = [info.key for info in infos]
-    for other in available_formats():
-        if other is fmt or not other.suffixes or not other.detect(keys):
-            continue
-        logger.warning(
-            "dataset %s: %s holds %d %s and %d %s files; reading the %s shards only "
-            '(set format = "%s" for the dataset in the config file to read the others)',
-            dataset.name,
-            redact_url(url),
-            len(fmt.shard_keys(infos)),
-            "/".join(fmt.suffixes) or "other",
-            len(other.shard_keys(infos)),
-            "/".join(other.suffixes),
-            fmt.name,
-            other.name,
-        )
+    return [
+        f"dataset {dataset.name}: {redact_url(url)} holds {len(fmt.shard_keys(infos))} "
+        f"{'/'.join(fmt.suffixes) or 'other'} and {len(other.shard_keys(infos))} {'/'.join(other.suffixes)} "
+        f'files; reading the {fmt.name} shards only (set format = "{other.name}" for the dataset in the '
+        "config file to read the others)"
+        for other in available_formats()
+        if other is not fmt and other.suffixes and other.detect(keys)
+    ]
+
+
+def listing_notices(manifest: Manifest) -> list[str]:
+    """What the listing that took ``manifest`` warned of (files of other formats left out).
+
+    Kept in the manifest, so that a daemon's clients are told too, not only the daemon's log.
+    """
+    notices = manifest.extra.get(LISTING_NOTICES)
+    return [str(notice) for notice in notices] if isinstance(notices, list) else []
 
 
 def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
@@ -175,8 +182,9 @@ def _from_listing(
     fmt = ShardFormat(dataset.format) if dataset.format else detect_format(by_key)
     kind = get_format(fmt.value)
     chosen = kind.shard_keys(infos)
-    if not dataset.format:
-        _say_what_is_left_out(dataset, origin.url, kind, infos)
+    notices = [] if dataset.format else _what_is_left_out(dataset, origin.url, kind, infos)
+    for notice in notices:
+        logger.warning("%s", notice)
     if not chosen:
         raise ShardNotFoundError(f"dataset {dataset.name}: no {fmt.value} files at {origin.url}")
     for info in chosen:
@@ -190,7 +198,7 @@ def _from_listing(
         url=dataset.url,
         format=fmt,
         shards=tuple(Shard(info.key, info.size, info.version) for info in chosen),
-        extra=kind.manifest_extra(infos),
+        extra=kind.manifest_extra(infos) | ({LISTING_NOTICES: notices} if notices else {}),
     )
 
 

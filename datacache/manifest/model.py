@@ -33,6 +33,12 @@ MANIFEST_NAME = "datacache-manifest.json"
 
 _FORMAT_VERSION = 1
 
+_SHARDS_FORMS = (
+    "expected START:STOP[:STEP] with integer indexes (e.g. 0:100, 100:, ::8), "
+    "N (one index), or shard keys (a.tar,b.tar)"
+)
+"""What a ``--shards`` spec may be, said when one is none of them."""
+
 
 class FormatName(StrEnum):
     """A format's name in the registry (`datacache.formats`): every registered name is a member.
@@ -211,7 +217,7 @@ class Manifest:
         if ":" in spec and all(part.strip().lstrip("-").isdigit() or not part.strip() for part in spec.split(":")):
             parts = [int(p) if p.strip() else None for p in spec.split(":")]
             if len(parts) > 3:
-                raise ConfigError(f"--shards {spec!r}: expected START:STOP[:STEP]")
+                raise ConfigError(f"--shards {spec!r}: {_SHARDS_FORMS}")
             return list(self.shards[slice(*parts)])
         selected = []
         for key in (k.strip() for k in spec.split(",")):
@@ -221,6 +227,9 @@ class Manifest:
 
     def _shard_or_index(self, key: str, spec: str) -> Shard:
         """The shard named ``key``; a bare number that names no shard is an index (``--shards 3``)."""
+        if ":" in key and key not in self._by_key:
+            # Not a key of the dataset: most likely a range with a typo (`2:x`), so say what a range is.
+            raise ConfigError(f"--shards {spec!r}: {key!r} is no shard key of the dataset; {_SHARDS_FORMS}")
         if key in self._by_key or not key.lstrip("-").isdigit():
             return self.shard(key)
         index = int(key)

@@ -53,6 +53,7 @@ from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
 from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
+from datacache.shard.ensure import remove_stale_units
 from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, check_places, put_bytes
 from datacache.shard.plan import (
     DONE_PREFIX,
@@ -486,5 +487,6 @@ async def shard_dataset(
     job = ShardJob(source=source, dest=dest, options=options, source_format=chosen)
     await _run_units(units, job, results, engine=engine, scheduler=scheduler)
     await _write_manifest(dest, plan, root_files, results.results)
+    await remove_stale_units(dest, recorded - {unit.key for unit in plan.units})  # after: no reader lists them
     ordered = tuple(results.results[unit.key] for unit in plan.units)
     return _report(source, dest, plan, ordered, time.monotonic() - started)

@@ -14,13 +14,14 @@ import json
 import logging
 
 from datacache.checksum import checksum_of, new_hasher
+from datacache.counting.tarindex import INDEX_SUFFIX
 from datacache.errors import ShardNotFoundError
-from datacache.shard.job import ObjectCallback, PackIO, ShardJob, UnitResult, put_bytes, record_key
+from datacache.shard.job import Endpoint, ObjectCallback, PackIO, ShardJob, UnitResult, put_bytes, record_key
 from datacache.shard.plan import UnitSpec
 from datacache.shard.rechunk import Rechunker, rechunker_for
 from datacache.tiers import Tier
 
-__all__ = ["ensure_unit", "run_unit_sync"]
+__all__ = ["ensure_unit", "remove_stale_units", "run_unit_sync"]
 
 logger = logging.getLogger("datacache.shard")
 
@@ -124,3 +125,32 @@ async def _run_alone(spec: UnitSpec, has_record: bool, job: ShardJob) -> UnitRes
 def run_unit_sync(spec: UnitSpec, has_record: bool, job: ShardJob) -> UnitResult:
     """Ensure one unit from synchronous code (a Dask or Ray task), on an event loop of its own."""
     return asyncio.run(_run_alone(spec, has_record, job))
+
+
+async def remove_stale_units(dest: Endpoint, keys: set[str]) -> int:
+    """Delete what an earlier run wrote for units this run did not: each one's file, index and record.
+
+    Called once the new manifest is written (it names none of them), so a reader that lists the
+    output sees this run's shards only. Only units a record names are touched, never another file;
+    a unit whose size is not the recorded one was written by someone else since, and is kept.
+    """
+    removed = 0
+    tier = dest.open(writable=True)
+    try:
+        for key in sorted(keys):
+            try:
+                record = json.loads(await tier.get(record_key(key)))
+            except (ShardNotFoundError, ValueError):
+                continue
+            info = await tier.stat(key)
+            if info is not None and (not isinstance(record, dict) or info.size != record.get("size")):
+                logger.warning("%s: not the shard an earlier run recorded; kept", key)
+                continue
+            for name in (key, key + INDEX_SUFFIX, record_key(key)):  # the record last: it names the rest
+                await tier.delete(name)
+            removed += 1
+    finally:
+        await tier.close()
+    if removed:
+        logger.info("removed %d shards of an earlier run that this run's manifest does not name", removed)
+    return removed

@@ -27,7 +27,7 @@ from datacache.staging.events import Events
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, known_checksum
 from datacache.staging.transfer import Transfer
-from datacache.staging.types import LOCAL, ORIGIN, SHARED, DatasetHandle, Location, StagingEvent
+from datacache.staging.types import LOCAL, ORIGIN, SHARED, WANTED_NOW, DatasetHandle, Location, StagingEvent
 from datacache.tiers import LocalTier, Tier, device_free
 
 __all__ = ["LocalStager", "reserve_for"]
@@ -185,6 +185,11 @@ class LocalStager:
         self.events.count("bypassed")
         self.events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
         location = await self.next_tier_location(handle, shard)
+        if not WANTED_NOW.get()():
+            # A warm-up or a prefetch: nobody reads the shard now (a warm says what was not kept in its
+            # summary; a reader that comes to the shard says it then).
+            logger.debug("dataset %s: shard %r not kept on the local tier: %s", handle.id, shard.key, reason)
+            return location
         # A cache smaller than the dataset is the expected case: news once per dataset and run.
         level = _BYPASS_SAID.level(handle.id, run_dir=self.settings.local_dir / "notices")
         tier = location.tier
