@@ -16,7 +16,7 @@ payload byte. The rows' order alternates between rounds. A ``--variant`` runs
 the same rows with settings in the environment (``DATACACHE_CONCURRENCY=4``);
 a ``--baseline`` runs them with another tree first on ``PYTHONPATH`` (a
 ``make layout``-style tree of an older commit), so before and after share a run.
-With ``--profile``, py-spy records each job (``--subprocesses --threads --idle``,
+With ``--profile``, py-spy records each job on CPU (``--subprocesses --threads``,
 collapsed stacks) into DIR. The table goes into RESULTS.md between
 ``<!-- cold-path -->`` marks.
 """
@@ -46,6 +46,15 @@ def _log(message: str) -> None:
     print(f"[cold-path {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _cpu(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (``pid`` None) or of process ``pid``."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _variants(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
     """(name, extra environment) per variant; ``now`` is this tree with its defaults."""
     found: list[tuple[str, dict[str, str]]] = [("now", {})]
@@ -72,7 +81,7 @@ def _job(
     if profile is not None:
         spy = Path(sys.executable).with_name("py-spy")
         output = profile / f"{row}-{name}-{int(time.time())}.txt"
-        prefix = [str(spy), "record", "--format", "raw", "--rate", "97", "--threads", "--idle", "--subprocesses",
+        prefix = [str(spy), "record", "--format", "raw", "--rate", "97", "--threads", "--subprocesses",
                   "--nonblocking", "-o", str(output), "--"]  # fmt: skip
     result = run_job(sys.executable, spec, env, timeout=900, prefix=prefix)
     shutil.rmtree(cache, ignore_errors=True)
@@ -101,14 +110,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         _data.upload_all(endpoint, sizes, root, with_anchors=False)
         loads = [os.getloadavg()]
+        gb = sum(p.stat().st_size for p in shards) / 1e9
         for number in range(args.rounds):
+            cpu, served = _cpu(), _cpu(server.pid)
             runs["get"].append(_limits.get_ceiling(endpoint, keys)["mb_per_s"])
+            runs.setdefault("get/cpu", []).append((_cpu() - cpu) / gb)
+            runs.setdefault("get/server", []).append((_cpu(server.pid) - served) / gb)
             durable = _limits.durable_write_rate(work / "durable", [p.stat().st_size for p in shards])
             runs["durable"].append(durable["mb_per_s"])
             _log(f"round {number + 1}: GET {runs['get'][-1]:.0f} MB/s, durable write {runs['durable'][-1]:.0f} MB/s")
             order = [(row, name, env) for name, env in variants for row in rows]
             for row, name, env in order if number % 2 == 0 else order[::-1]:
+                served = _cpu(server.pid)
                 epoch = _job(endpoint, work, row, name, env, sizes.samples, args.profile)
+                runs.setdefault(f"{row}/{name}/server", []).append((_cpu(server.pid) - served) / gb)
                 runs.setdefault(f"{row}/{name}", []).append(epoch["mb_per_s"])
                 runs.setdefault(f"{row}/{name}/cpu", []).append(epoch["extra"]["cpu_s_per_gb"])
                 runs.setdefault(f"{row}/{name}/first", []).append(epoch["first_batch_seconds"])
@@ -136,10 +151,13 @@ def table(measured: dict[str, Any]) -> str:
         f"{max(load[0] for load in loads):.1f} at most, {loads[-1][0]:.1f} at the end, on {os.cpu_count()} cores",
         "",
         f"S3 GET ceiling, 8 threads: {get:,.0f} MB/s (rounds {', '.join(f'{v:.0f}' for v in runs['get'])}); "
-        f"durable write, 4 threads: {durable:,.0f} MB/s (rounds {', '.join(f'{v:.0f}' for v in runs['durable'])})",
+        f"durable write, 4 threads: {durable:,.0f} MB/s (rounds {', '.join(f'{v:.0f}' for v in runs['durable'])}); "
+        f"CPU s per GB of the GET ceiling: client {statistics.median(runs['get/cpu']):.2f}, "
+        f"S3 server {statistics.median(runs['get/server']):.2f}",
         "",
-        "| row | variant | cold MB/s | / min(GET, durable) | CPU s per GB | first batch s | rounds, MB/s |",
-        "|---|---|---|---|---|---|---|",
+        "| row | variant | cold MB/s | / min(GET, durable) | CPU s per GB (loader) | CPU s per GB (S3 server) "
+        "| first batch s | rounds, MB/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in measured["rows"]:
         label = ROWS[row][1]
@@ -147,8 +165,9 @@ def table(measured: dict[str, Any]) -> str:
             rates = runs[f"{row}/{name}"]
             rate = statistics.median(rates)
             cpu, first = statistics.median(runs[f"{row}/{name}/cpu"]), statistics.median(runs[f"{row}/{name}/first"])
+            served = statistics.median(runs[f"{row}/{name}/server"])
             lines.append(
-                f"| {label} | {name} | {rate:,.0f} | {rate / bound:.2f}x | {cpu:.2f} | {first:.2f} | "
+                f"| {label} | {name} | {rate:,.0f} | {rate / bound:.2f}x | {cpu:.2f} | {served:.2f} | {first:.2f} | "
                 f"{', '.join(f'{v:.0f}' for v in rates)} |"
             )
     return "\n".join(lines)
