@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _data, _limits
-from benchmarks._common import NUM_WORKERS, WORK, Sizes, clean_env, s3_env
+from benchmarks._common import NUM_WORKERS, REPO, WORK, Sizes, clean_env, s3_env
 
 MARK = "<!-- cold-path -->"
 ROWS = {
@@ -63,7 +63,8 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
         found.append((name, dict(item.split("=", 1) for item in assignments.split(",") if item)))
     for text in args.baseline or []:
         name, _, path = text.partition(":")
-        found.append((name, {"PYTHONPATH": str(Path(path).resolve())}))
+        # Before the repository's own folder, which ``-m`` would otherwise put first (PYTHONSAFEPATH).
+        found.append((name, {"PYTHONPATH": f"{Path(path).resolve()}:{REPO}", "PYTHONSAFEPATH": "1"}))
     return found
 
 
