@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,13 @@ def tree_memory(pid: int) -> tuple[float, float]:
     return rss / 1024, pss / 1024
 
 
-def run_job(python: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run one `benchmarks._job`, sampling its process tree's memory; return its result."""
+def run_job(
+    python: str, spec: dict[str, Any], env: dict[str, str], timeout: float, prefix: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Run one `benchmarks._job` (after ``prefix``: a profiler's command), sampling its process tree's
+    memory; return its result."""
     process = subprocess.Popen(
-        [python, "-m", "benchmarks._job", json.dumps(spec)],
+        [*prefix, python, "-m", "benchmarks._job", json.dumps(spec)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

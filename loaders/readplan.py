@@ -190,10 +190,17 @@ class LazyEpochPlan(Segmented):
 
     def releases_after(self, position: int) -> tuple[int, ...]:
         """Units no position after ``position`` reads: closed once it is read."""
+        return self._releases.get(position, ())
+
+    @functools.cached_property
+    def _releases(self) -> dict[int, tuple[int, ...]]:
+        """Release position -> the units closed there: one entry per unit (asked once per sample, a
+        dict lookup, not two binary searches through numpy: ~12% of a cold epoch's batch building)."""
         _, _, _, units, at = self._units
-        lo = np.searchsorted(at, position, side="left")
-        hi = np.searchsorted(at, position, side="right")
-        return tuple(units[lo:hi].tolist())
+        releases: dict[int, list[int]] = {}
+        for unit, position in zip(units.tolist(), at.tolist(), strict=True):
+            releases.setdefault(position, []).append(unit)
+        return {position: tuple(closed) for position, closed in releases.items()}
 
     def units_from(self, produced: int) -> tuple[int, ...]:
         """`unit_sequence` less the units no position from ``produced`` on reads."""

@@ -345,6 +345,10 @@ class UnitReaders:
             return
         start = max(self._prefetched_until, self._next_index + 1)
         keys, later = self._keys_ahead(start, until)
+        # The units this one's first use jumped over (the same shuffle window: their first samples
+        # come within a few), first: else each is asked for only when its first sample comes up.
+        passed = sequence[self._prefetched_until : self._next_index]
+        keys = [k for u in passed if u != unit and u not in self.readers for k in self._plan.units[u].keys] + keys
         self._prefetched_until = until
         runtime = self.runtime
         if not self._future_told:

@@ -88,9 +88,15 @@ def test_every_sample_once_and_equal_lengths_for_any_layout(
             padded += plan.padded
             seen.extend(ids[: len(ids) - plan.padded] if plan.padded else ids)
             rank_total += len(ids)
+            released: list[int] = []
             for position in range(len(plan)):
                 unit = plan.unit_of[position]
                 assert plan.first_use[unit] <= position <= plan.last_use[unit]
+                for closed in plan.releases_after(position):
+                    assert plan.last_use[closed] == position, "a unit is closed after its last use, not before"
+                    released.append(closed)
+            assert len(released) == len(set(released)), "a unit is closed once"
+            assert {int(u) for u in plan.unit_of} <= set(released), "every unit read is closed"
         per_rank.append(rank_total)
     assert len(set(per_rank)) == 1, "every rank reads as many samples"
     if drop_last:

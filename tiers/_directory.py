@@ -284,6 +284,7 @@ class DirectoryTier(Tier):
         *,
         version: str | None = None,
         hasher: Hasher | None = None,
+        checked: bool = False,
     ) -> AsyncIterator[memoryview]:
         """The file read with ``preadv`` straight into ``buffer``, and hashed, in a thread: region by region."""
         self._counters["requests"] += 1

@@ -61,7 +61,7 @@ class S3Object:
                 transfer.abandon()
 
     async def read_into(
-        self, buffer: memoryview, version: str | None, hasher: Hasher | None
+        self, buffer: memoryview, version: str | None, hasher: Hasher | None, *, checked: bool = False
     ) -> AsyncIterator[memoryview]:
         """The whole object read into ``buffer``, region by region (see `ObjectTier.read_into`)."""
         loop = asyncio.get_running_loop()
@@ -69,7 +69,9 @@ class S3Object:
         self.counters["requests"] += 1
         while True:
             request = get_request(self.bucket, self.key, offset, None, version)
-            transfer = ThreadedGetInto(self.client, request, buffer, offset=offset, hasher=hasher, loop=loop)
+            transfer = ThreadedGetInto(
+                self.client, request, buffer, offset=offset, hasher=hasher, loop=loop, crc=not checked
+            )
             transfer.start(self.pool)
             try:
                 async for region in transfer.regions():

@@ -236,7 +236,9 @@ class ThreadedGetInto:
     The thread fills ``buffer`` from ``offset`` in regions of ``step`` bytes, updates
     ``hasher`` with each region, and hands the region's end to the event loop:
     the loop never touches the bytes, and nothing is allocated per chunk. A body
-    larger than the room left in ``buffer`` raises `BufferError`.
+    larger than the room left in ``buffer`` raises `BufferError`. Without ``crc``,
+    botocore's CRC32 of the body (sent by S3 for objects stored with one) is not
+    computed: the caller checks the bytes against a checksum of its own.
     """
 
     def __init__(
@@ -249,6 +251,7 @@ class ThreadedGetInto:
         hasher: Hasher | None,
         loop: asyncio.AbstractEventLoop,
         step: int = 4 << 20,
+        crc: bool = True,
     ) -> None:
         self._client = client
         self._request = dict(request)
@@ -257,6 +260,7 @@ class ThreadedGetInto:
         self._hasher = hasher
         self._loop = loop
         self._step = step
+        self._crc = crc
         self._queue: asyncio.Queue[int | _Failure | None] = asyncio.Queue()  # None: the end
         self._abandoned = threading.Event()
 
@@ -283,6 +287,7 @@ class ThreadedGetInto:
             length = response.get("ContentLength")
             _check_announced(length, size - start)
             readinto, checksum, direct = _direct_reader(body)
+            checksum = checksum if self._crc else None
             while offset < size:
                 if self._abandoned.is_set():
                     return

@@ -190,6 +190,7 @@ class Tier(abc.ABC):
         *,
         version: str | None = None,
         hasher: Hasher | None = None,
+        checked: bool = False,
     ) -> AsyncIterator[memoryview]:
         """Read the whole object into the start of ``buffer``; yield each region of it as it is filled.
 
@@ -199,7 +200,9 @@ class Tier(abc.ABC):
         computed there, off the event loop). An object larger than ``buffer`` raises
         `BufferError` (what fitted has been yielded). Tiers that can read straight into
         memory (files with ``preadv``, S3 bodies with ``readinto``) override this: one
-        copy per byte, no allocation per chunk.
+        copy per byte, no allocation per chunk. ``checked`` says the caller checks the
+        whole object against a checksum it already knows (with ``hasher``): a tier may
+        then skip a transport checksum of its own (S3's CRC32 of a body, ~0.5 CPU s per GB).
         """
         size = len(buffer)
         offset = 0

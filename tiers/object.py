@@ -363,19 +363,22 @@ class ObjectTier(Tier):
         *,
         version: str | None = None,
         hasher: Hasher | None = None,
+        checked: bool = False,
     ) -> AsyncIterator[memoryview]:
         """On S3: one GET whose body a pool thread reads straight into ``buffer`` and hashes there.
 
         The event loop only learns where each filled region ends. A connection cut
         mid-body is resumed from the last region handed over (a ranged GET, still
         conditional on ``version``), under the tier's retry policy, as `stream` does.
+        With ``checked``, the body's CRC32 (when S3 sends one) is not computed: the
+        caller's checksum of the whole object, known beforehand, is the stronger check.
         """
         if not self.is_s3:
-            async for region in super().read_into(key, buffer, version=version, hasher=hasher):
+            async for region in super().read_into(key, buffer, version=version, hasher=hasher, checked=checked):
                 yield region
             return
         reads = await self._s3_object(key)
-        async for region in reads.read_into(buffer, version, hasher):
+        async for region in reads.read_into(buffer, version, hasher, checked=checked):
             yield region
 
     async def _find_all(self, fs: Any, base: str) -> Any:

@@ -83,7 +83,9 @@ class Transfer:
         kept = self._buffers.take(shard.size) if whole else None
         # The other way: chunks, hashed here.
         chunks = (
-            source.read_into(source_key, memoryview(kept)[: shard.size], version=version, hasher=hasher)
+            source.read_into(
+                source_key, memoryview(kept)[: shard.size], version=version, hasher=hasher, checked=expected is not None
+            )
             if kept is not None
             else self._parts(source, source_key, shard.size, version, wanted_now)
         )
