@@ -161,7 +161,7 @@ class LocalStager:
                     return await self.transfer_in(handle, shard, on_verified)
                 except TierFullError as exc:
                     if attempt == 2:
-                        return await self.bypass(handle, shard, str(exc))
+                        return await self.bypass(handle, shard, str(exc), refused=True)
             raise AssertionError("unreachable")  # pragma: no cover
 
     async def _reserve(self, handle: DatasetHandle, shard: Shard, wanted_now: bool) -> Reservation:
@@ -180,11 +180,19 @@ class LocalStager:
             choose=self._residency.chooser(handle, readers, wanted_now=wanted_now),
         )
 
-    async def bypass(self, handle: DatasetHandle, shard: Shard, reason: str) -> Location:
-        """Read ``shard`` from the next tier, saying why the local tier could not take it."""
+    async def bypass(self, handle: DatasetHandle, shard: Shard, reason: str, *, refused: bool = False) -> Location:
+        """Read ``shard`` from the next tier, saying why the local tier could not take it.
+
+        ``refused``: the device failed the write (a file-size limit, a quota): said at once, warm or not,
+        since it is no lack of room the warm's summary would explain.
+        """
         self.events.count("bypassed")
         self.events.emit(StagingEvent("bypass", handle.id, shard.key, LOCAL, error=reason))
         location = await self.next_tier_location(handle, shard)
+        if refused:
+            tier = location.tier
+            logger.warning("dataset %s: shard %r read from the %s tier: %s", handle.id, shard.key, tier, reason)
+            return location
         if not WANTED_NOW.get()():
             # A warm-up or a prefetch: nobody reads the shard now (a warm says what was not kept in its
             # summary; a reader that comes to the shard says it then).
