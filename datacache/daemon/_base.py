@@ -6,6 +6,7 @@ both build on this, so that the parts are made in one place.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from datacache.config import Settings
 from datacache.daemon import _http as http
-from datacache.daemon._leases import LeaseBook, lease_limit
+from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
 from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._options import DaemonOptions
 from datacache.daemon._policy import OriginPolicy, own_endpoints
@@ -60,6 +61,8 @@ class DaemonBase:
         )
         self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
         self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
+        self.lease_lock = asyncio.Lock()
+        """Held while leases are admitted or cut and written: the catalog gets them in the book's order."""
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
 
     @property
@@ -73,6 +76,19 @@ class DaemonBase:
     def _stats(self) -> Any:
         return self.stager.stats() if self.stager is not None else None
 
+
+    async def _arrive(self, peer: http.Peer) -> None:
+        """``peer`` asks for room on the tier: if another uid already uses it, cut what that uid holds past its share.
+
+        Call with `lease_lock` held.
+        """
+        if peer.pid <= 0:
+            return  # no process to tie the presence to (the verbs that lease refuse such a peer)
+        for lease in self.leases.arrive(peer.uid, owner_of(peer.pid)):
+            await self._stager().catalog.note_reader(
+                lease.dataset, lease.reader, owner=lease.owner, epoch=lease.epoch, position=lease.position,
+                holding=[key for key, _ in lease.keys],
+            )
 
     @staticmethod
     def _peer(request: web.Request) -> http.Peer:

@@ -13,7 +13,7 @@ from aiohttp import web
 from datacache._protocol import location_to_wire
 from datacache.daemon import _http as http
 from datacache.daemon._base import DaemonBase
-from datacache.daemon._leases import owner_of
+from datacache.daemon._leases import Lease, owner_of
 from datacache.errors import DatacacheError
 from datacache.sizes import format_bytes
 from datacache.staging import LOCAL, PRIORITY_PREFETCH, PRIORITY_URGENT, FutureOrder, Location, ReaderProgress
@@ -54,10 +54,13 @@ class ReadVerbs(DaemonBase):
 
     async def _ensure(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         tier = http.tier(data)
+        async with self.lease_lock:
+            await self._arrive(peer)
         priority = http.number(data, "priority", PRIORITY_URGENT)
         if priority < PRIORITY_PREFETCH:
             # A reader waits on this shard: straight to the stager, whose queue puts it first.
@@ -81,11 +84,14 @@ class ReadVerbs(DaemonBase):
 
     async def _prefetch(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         keys = http.keys(data)
         for key in keys:
             self.registry.shard(handle, key)
         tier = http.tier(data)
+        async with self.lease_lock:
+            await self._arrive(peer)
         priority = max(http.number(data, "priority", PRIORITY_PREFETCH), PRIORITY_PREFETCH)
         scheduler = self._scheduler()
         for position, key in enumerate(keys):
@@ -129,23 +135,29 @@ class ReadVerbs(DaemonBase):
             if key not in handle.manifest:
                 raise http.BadRequest(f"reader progress holds {key!r}, which is not a shard of {handle.id}")
             sizes.append((key, handle.manifest.shard(key).size))
+        wanted = http.keys(data, "locate") if "locate" in data else []
+        for key in wanted:
+            self.registry.shard(handle, key)
         # The lease is the calling process's (the kernel's word, not the client's), held only while it
-        # lives, and one uid holds at most its share of the tier.
+        # lives, and while other uids use the tier one uid holds at most its share of it.
         owner = owner_of(peer.pid)
-        held = self.leases.admit(peer.uid, owner, handle.id, progress.reader, sizes)
+        async with self.lease_lock:
+            await self._arrive(peer)
+            lease = Lease(handle.id, progress.reader, owner, peer.uid, progress.epoch, progress.position)
+            held = self.leases.admit(lease, sizes)
+            progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
+            await self._stager().note_progress(handle, progress)
+        # Leased before located (so a reader maps them later without asking again); located outside the lock.
+        located = [await self._stager().locate(handle, key) for key in wanted]
         if len(held) < len(sizes) and self.leases.first_refusal(peer.uid, handle.id):
             logger.warning(
-                "dataset %s: uid %d's readers hold more than one uid may lease (%s, half the local tier): "
-                "the shards past it are read as usual but may be evicted while held; said once per dataset",
+                "dataset %s: uid %d's readers hold more than one uid may lease while other uids use the tier "
+                "(%s, half the local tier): the shards past it are read as usual but may be evicted while held; "
+                "said once per dataset",
                 handle.id,
                 peer.uid,
                 format_bytes(self.leases.limit),
             )
-        progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
-        wanted = http.keys(data, "locate") if "locate" in data else []
-        for key in wanted:
-            self.registry.shard(handle, key)
-        located = await self._stager().note_progress(handle, progress, locate=wanted)
         reply: dict[str, Any] = {"holding": len(progress.holding)}
         if wanted:
             reply["locations"] = [location_to_wire(location) for location in located]

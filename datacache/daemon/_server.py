@@ -342,6 +342,9 @@ class Daemon(ReadVerbs):
         shards = handle.manifest.select(spec)
         if not shards:
             raise ConfigError(f"shards {spec!r} select no shard of {handle.id}")
+        if tier == LOCAL:
+            async with self.lease_lock:
+                await self._arrive(peer)  # room on the local tier for another uid's warm: others keep their share
         warm = WarmRun(self._stager(), self._scheduler(), handle, tier)
         pace = float(bandwidth) if bandwidth is not None else None
         return await warm.stream(request, shards, self.lifecycle, verify=bool(data.get("verify")), bandwidth=pace)
