@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from datacache.tiers._dirfd import Place, UnsafeFileError
-from datacache.tiers._files import _CleanedUnderfoot, _create_exclusive, partial_name
+from datacache.tiers._files import create_temporary
 
 __all__ = ["BatchItem", "write_batch"]
 
@@ -106,23 +106,13 @@ def _write_temporaries(
     for index, item in enumerate(items):
         try:
             dir_fd = batch.directory(item.data)
-            temporary, fd = _create(dir_fd, item.data.name, file_mode)
+            temporary, fd = create_temporary(dir_fd, item.data.name, file_mode)
             batch.files[index] = (dir_fd, temporary, fd)
             view = memoryview(item.body)
             while view:
                 view = view[os.write(fd, view) :]
         except (OSError, UnsafeFileError) as exc:
             errors[index] = exc
-
-
-def _create(dir_fd: int, name: str, file_mode: int | None) -> tuple[str, int]:
-    for _ in range(3):
-        temporary = partial_name(name)
-        try:
-            return temporary, _create_exclusive(dir_fd, temporary, file_mode)
-        except _CleanedUnderfoot:
-            continue
-    raise OSError(f"could not create a temporary file beside {name}")
 
 
 def _fsync_all(fds: Sequence[int]) -> None:
@@ -161,7 +151,7 @@ def _publish(
 
 def _write_meta(batch: _Open, item: BatchItem, file_mode: int | None) -> None:
     dir_fd = batch.directory(item.meta)
-    temporary, fd = _create(dir_fd, item.meta.name, file_mode)
+    temporary, fd = create_temporary(dir_fd, item.meta.name, file_mode)
     try:
         os.write(fd, json.dumps(dict(item.metadata), sort_keys=True).encode())
     finally:

@@ -22,7 +22,13 @@ from typing import TypeVar
 
 from datacache.tiers._batch import BatchItem, write_batch
 from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
-from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_partials, remove_if_abandoned
+from datacache.tiers._files import (
+    PARTIAL_NAME,
+    atomic_write,
+    remove_abandoned_partials,
+    remove_if_abandoned,
+    write_small,
+)
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 
 from datacache.errors import InvalidKeyError, OriginChangedError, ShardNotFoundError
@@ -178,6 +184,12 @@ class DirectoryTier(Tier):
             raise OriginChangedError.since_manifest(f"{self._root}/{key}", "file")
         return fd
 
+    def _describe_sync(self, key: str, metadata: bytes | None) -> ObjectInfo | None:
+        """Write ``key``'s metadata file (if any), then stat it: what `put` does once the data is in place."""
+        if metadata is not None:
+            write_small(self._meta_place(key), metadata, self.file_mode)
+        return self._stat_sync(key)
+
     def _read_sync(self, key: str, span: ByteRange, version: str | None) -> bytes:
         fd = self._open_checked(key, version)
         try:
@@ -318,19 +330,13 @@ class DirectoryTier(Tier):
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         self._counters["bytes_written"] += size
-        if metadata:
-            # After the data: a crash between the two leaves data without (or with
-            # older) metadata, which fails verification and is re-staged.
-            encoded = json.dumps(dict(metadata), sort_keys=True).encode()
-
-            async def one_chunk() -> AsyncIterator[bytes]:
-                yield encoded
-
-            try:
-                await atomic_write(self._meta_place(key), one_chunk(), durable=False, file_mode=self.file_mode)
-            except UnsafeFileError as exc:
-                raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
-        info = await asyncio.to_thread(self._stat_sync, key)
+        # After the data, in one thread job with the stat: a crash between the two leaves data
+        # without (or with older) metadata, which fails verification and is re-staged.
+        encoded = json.dumps(dict(metadata), sort_keys=True).encode() if metadata else None
+        try:
+            info = await asyncio.to_thread(self._describe_sync, key, encoded)
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         if info is None:
             raise ShardNotFoundError(f"{self._root}/{key}: vanished right after it was written")
         return info

@@ -20,6 +20,7 @@ from datacache.tiers._dirfd import READ_FLAGS, DirHandle, Place, UnsafeFileError
 __all__ = [
     "PARTIAL_NAME",
     "atomic_write",
+    "create_temporary",
     "device_free",
     "partial_name",
     "redact_url",
@@ -27,6 +28,7 @@ __all__ = [
     "remove_if_abandoned",
     "resolves_inside",
     "split_userinfo",
+    "write_small",
 ]
 
 PARTIAL_NAME = re.compile(r"^\..*\.[0-9a-f]{32}\.partial$")
@@ -307,15 +309,79 @@ async def _write_in(
                     written = await out.write(view)
                     view = view[written:]
                     size += written
-            if durable:
-                await asyncio.to_thread(os.fsync, raw.fileno())
-        finally:
+        except BaseException:
             await _close(raw)
-        await directory.run(lambda fd: os.replace(temporary, name, src_dir_fd=fd, dst_dir_fd=fd))
-        if durable:
-            await directory.run(os.fsync)
+            raise
+        await _publish(directory, raw, temporary, name, durable)
     except BaseException:
         with contextlib.suppress(OSError):
             directory.do(lambda fd: os.unlink(temporary, dir_fd=fd))
         raise
     return size
+
+
+async def _publish(directory: DirHandle, raw: Any, temporary: str, name: str, durable: bool) -> None:
+    """fsync ``raw``, close it, rename it to ``name``, fsync the directory: in that order, in one thread job.
+
+    One job instead of four: a thread round trip costs the event loop and the kernel more
+    than these calls themselves on a small shard. A writer cancelled meanwhile waits for
+    the job to end, so the file is closed, and either whole in place or left to be removed.
+    """
+
+    def publish(dir_fd: int) -> None:
+        try:
+            if durable:
+                os.fsync(raw.fileno())
+        finally:
+            raw.close()
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        if durable:
+            os.fsync(dir_fd)
+
+    job = asyncio.ensure_future(directory.run(publish))
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # retrieved: the cancellation is what the caller sees
+        raise
+
+
+def create_temporary(dir_fd: int, name: str, file_mode: int | None) -> tuple[str, int]:
+    """Create and lock a new temporary file for ``name`` in ``dir_fd``; its name and descriptor."""
+    for _ in range(3):
+        temporary = partial_name(name)
+        try:
+            return temporary, _create_exclusive(dir_fd, temporary, file_mode)
+        except _CleanedUnderfoot:
+            continue
+    raise OSError(f"could not create a temporary file beside {name}")
+
+
+def write_small(place: Place, data: bytes, file_mode: int | None) -> None:
+    """Write ``data`` to ``place`` atomically, not durably (blocking: run it in a thread).
+
+    A metadata file: created beside its target, written, renamed over it; removed on error.
+    """
+    dir_fd = place.open_parent(create=True)
+    try:
+        temporary, fd = create_temporary(dir_fd, place.name, file_mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=dir_fd)
+            raise
+        os.close(fd)
+        try:
+            os.replace(temporary, place.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
