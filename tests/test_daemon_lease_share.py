@@ -15,14 +15,17 @@ from __future__ import annotations
 import collections
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from _daemon import start_daemon, unix_request
-from conftest import S3Bucket
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
 from datacache.config import load_settings
+
+if TYPE_CHECKING:
+    from conftest import S3Bucket  # the fixture's type; tests/faults has a conftest of that name too
 
 
 def _upload(s3: S3Bucket, directory: Path) -> str:
