@@ -338,7 +338,17 @@ async def _publish(directory: DirHandle, raw: Any, temporary: str, name: str, du
         if durable:
             os.fsync(dir_fd)
 
-    job = asyncio.ensure_future(directory.run(publish))
+    def in_thread() -> None:
+        try:
+            directory.do(publish)
+        finally:
+            if not raw.closed:  # the directory was closed before the job ran: the file is still ours
+                raw.close()
+
+    # An executor job, not a task: a task is cancelled when its loop shuts down, and its thread
+    # job with it if it has not started, which left the file open (a ResourceWarning in a full
+    # run). A job the executor holds runs: the loop's shutdown waits for it.
+    job = asyncio.get_running_loop().run_in_executor(None, in_thread)
     try:
         await asyncio.shield(job)
     except asyncio.CancelledError:

@@ -27,7 +27,7 @@ from datacache.staging.events import Events
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, known_checksum
 from datacache.staging.transfer import Transfer
-from datacache.staging.types import LOCAL, ORIGIN, SHARED, WANTED_NOW, DatasetHandle, Location, StagingEvent
+from datacache.staging.types import LOCAL, ORIGIN, SHARED, WANTED_NOW, WARMING, DatasetHandle, Location, StagingEvent
 from datacache.tiers import LocalTier, Tier, device_free
 
 __all__ = ["LocalStager", "reserve_for"]
@@ -193,9 +193,9 @@ class LocalStager:
             tier = location.tier
             logger.warning("dataset %s: shard %r read from the %s tier: %s", handle.id, shard.key, tier, reason)
             return location
-        if not WANTED_NOW.get()():
-            # A warm-up or a prefetch: nobody reads the shard now (a warm says what was not kept in its
-            # summary; a reader that comes to the shard says it then).
+        if WARMING.get() and not WANTED_NOW.get()():
+            # A warm-up: nobody reads the shard now, and the warm says what was not kept in its summary.
+            # (A training run's prefetch still says it: its reader may take the location it returns.)
             logger.debug("dataset %s: shard %r not kept on the local tier: %s", handle.id, shard.key, reason)
             return location
         # A cache smaller than the dataset is the expected case: news once per dataset and run.

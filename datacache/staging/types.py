@@ -22,6 +22,7 @@ __all__ = [
     "SHARED",
     "TIERS",
     "WANTED_NOW",
+    "WARMING",
     "DatasetHandle",
     "FutureOrder",
     "Job",
@@ -47,6 +48,10 @@ WANTED_NOW: ContextVar[Callable[[], bool]] = ContextVar("datacache_wanted_now", 
 """Whether a reader is blocked on the transfer this task runs, asked at each chunk (a reader may
 join a prefetch in flight). Set by the job queue in each job's task; under a bandwidth limit a
 transfer wanted now takes the whole rate until its bytes are in (`Transfer`)."""
+
+WARMING: ContextVar[bool] = ContextVar("datacache_warming", default=False)
+"""Whether this task stages for a warm-up (`datacache warm`), which says what it did not keep in its
+own summary: the per-shard notices a reading run gets are not said again (`LocalStager.bypass`)."""
 
 LOCAL, SHARED, ORIGIN = "local", "shared", "origin"
 TIERS = (LOCAL, SHARED)

@@ -19,7 +19,7 @@ from datacache.errors import TierFullError
 from datacache.manifest import Shard
 from datacache.sizes import format_bytes
 from datacache.staging.events import Events
-from datacache.staging.types import PRIORITY_PREFETCH, DatasetHandle, Location, StagingEvent, WarmReport
+from datacache.staging.types import PRIORITY_PREFETCH, WARMING, DatasetHandle, Location, StagingEvent, WarmReport
 
 __all__ = ["Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "run_warm"]
 
@@ -172,7 +172,11 @@ async def _stage(
         for index, shard in enumerate(shards):
             if bucket is not None:
                 await bucket.take(shard.size)
-            future = asyncio.ensure_future(submit(shard, PRIORITY_PREFETCH + index * 1e-6))
+            warming = WARMING.set(True)  # copied into the task made here, and only there
+            try:
+                future = asyncio.ensure_future(submit(shard, PRIORITY_PREFETCH + index * 1e-6))
+            finally:
+                WARMING.reset(warming)
             future.add_done_callback(lambda _, shard=shard: finished(shard))  # type: ignore[misc]
             tasks.append(future)
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
