@@ -196,4 +196,7 @@ def test_a_warm_epoch_asks_the_stager_for_each_shard_about_once(tmp_path: Path) 
     asked = stager.stats().hits["local"] - before
     dataset.close()
     # Each shard opened once, and each asked for once more as the next epoch's prefetch.
-    assert asked <= 2 * SHARDS, f"{asked} local hits for {SHARDS} shards in one warm epoch"
+    # The shards of the first shuffle window are asked for at its start too (a cold reader waits on
+    # them: `UnitReaders` asks for those its first unit jumped over): at most once more each, so
+    # under 3 per shard; asking again at each release, the bug this guards against, was ~5.
+    assert asked <= 3 * SHARDS, f"{asked} local hits for {SHARDS} shards in one warm epoch"
