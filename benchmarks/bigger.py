@@ -208,7 +208,9 @@ def _node_daemons(run: Path, settings: dict[str, Any]) -> list[Any]:
     from benchmarks.daemon_mode import start_daemon
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("DATACACHE_")}
-    env.update({f"DATACACHE_{name.upper()}": str(value) for name, value in settings.items()})
+    # A size in the environment needs its unit, as a user's would.
+    for name, value in settings.items():
+        env[f"DATACACHE_{name.upper()}"] = f"{value}B" if name.endswith("_capacity") else str(value)
     env["PYTHONPATH"] = str(REPO)
     daemons: list[Any] = []
     try:

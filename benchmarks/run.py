@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -606,6 +607,28 @@ class Bench:
         self.results["training"] = out
 
 
+_MARK = re.compile(r"^<!-- [a-z0-9-]+ -->$", re.MULTILINE)
+
+
+def marked_blocks(path: Path) -> dict[str, str]:
+    """Every ``<!-- name -->`` ... ``<!-- name -->`` block of ``path``, marks included, by mark."""
+    text = path.read_text() if path.exists() else ""
+    blocks: dict[str, str] = {}
+    for mark in dict.fromkeys(m.group(0) for m in _MARK.finditer(text)):
+        if text.count(mark) >= 2:
+            _, _, rest = text.partition(mark)
+            blocks[mark] = mark + rest.partition(mark)[0] + mark + "\n"
+    return blocks
+
+
+def restore_blocks(blocks: dict[str, str], path: Path) -> None:
+    """Append each block whose mark ``path`` no longer holds (the report was rewritten without it)."""
+    text = path.read_text()
+    missing = [block for mark, block in blocks.items() if mark not in text]
+    if missing:
+        path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(missing))
+
+
 def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
@@ -630,16 +653,21 @@ def main() -> None:
     report = args.out / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
     kept = bigger.saved_table(report)  # write_report rewrites the file; the scenario's table stays
     kept_sweep = eviction_sweep.saved_table(report)
+    others = marked_blocks(report)  # and so do the tables the separately run benchmarks put there
     if args.report_only:
         saved = args.out / ("results-quick.json" if args.quick else "results.json")
         written = write_report(json.loads(saved.read_text()), args.out)
         bigger.write_table(kept, report)
         eviction_sweep.write_table(kept_sweep, report)
+        restore_blocks(others, report)
         log(f"rewrote {', '.join(_shown(p) for p in written)} from {saved.name}")
         return
 
     results = Bench(args).run()
     written = write_report(results, args.out)
+    bigger.write_table(kept, report)
+    eviction_sweep.write_table(kept_sweep, report)
+    restore_blocks(others, report)
     log(f"done in {results['seconds']:.0f}s; wrote {', '.join(_shown(p) for p in written)}")
     for mode in bigger.MODES:
         log(f"the bigger-than-the-cache scenario (benchmarks/bigger.py --mode {mode})")
