@@ -10,6 +10,7 @@ of the node shares one cache and one transfer per shard.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -326,10 +327,31 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
     if socket_path.exists():
         client = DaemonClient(settings)
         try:
-            await client.health()
+            health = await client.health()
         except DaemonUnavailableError as exc:
             await client.close()
             logger.info("%s; using an in-process stager", exc)
         else:
-            return FailoverAccess(client, settings)
+            return FailoverAccess(client, fallback_settings(settings, health))
     return Stager(settings, reconcile=reconcile)
+
+
+def fallback_settings(settings: Settings, health: dict[str, Any]) -> Settings:
+    """``settings`` for a fallback stager that writes the daemon's local tier: within the daemon's capacity.
+
+    A reader's own settings often say no capacity (the daemon's configuration does); its
+    fallback would fill the tier past the daemon's limit while the daemon is away.
+    """
+    local = health.get("local")
+    if not isinstance(local, dict):
+        return settings  # a daemon of an older version
+    capacity = local.get("capacity_bytes")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        return settings
+    try:
+        same = os.path.samefile(str(local.get("path")), settings.local_dir)
+    except (OSError, TypeError, ValueError):
+        same = False
+    if not same or (settings.local_capacity is not None and settings.local_capacity <= capacity):
+        return settings
+    return settings.with_overrides(local_capacity=capacity)

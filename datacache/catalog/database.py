@@ -153,6 +153,15 @@ class CatalogDatabase:
             self._writes += 1
             self._longest_write = max(self._longest_write, time.monotonic() - started)
 
+    async def _write_transaction(self, function: Callable[[sqlite3.Connection], T]) -> T:
+        """`_write` of ``function`` inside one ``BEGIN IMMEDIATE`` transaction."""
+
+        def run(c: sqlite3.Connection) -> T:
+            with self._transaction(c):
+                return function(c)
+
+        return await self._write(run)
+
     async def _run(self, function: Callable[[sqlite3.Connection], T]) -> T:
         if self._executor is None or self._pid != os.getpid():
             # A forked child must not reuse its parent's thread, nor its counts (it has no connection).

@@ -26,7 +26,7 @@ from datacache.catalog.rows import (
 from datacache.eviction import Candidate
 from datacache.sizes import format_bytes
 
-__all__ = ["Claim", "Room", "reserve_in"]
+__all__ = ["Claim", "Room", "reserve_in", "trim_in"]
 
 Chooser = Callable[[Candidate, list[Candidate], int], list[Candidate] | None]
 
@@ -74,6 +74,33 @@ class _Residents:
 
     def take(self, chosen: Sequence[Candidate]) -> list[CatalogEntry]:
         return [self.entries.pop((v.dataset, v.key)) for v in chosen]
+
+    def oldest_first(self) -> list[CatalogEntry]:
+        """Those of datasets not pinned, least recently used first."""
+        return sorted((e for e in self.entries.values() if e.dataset not in self._pinned), key=lambda e: e.last_access)
+
+
+def trim_in(c: sqlite3.Connection, capacity: int, owner: str) -> list[CatalogEntry]:
+    """Mark ``EVICTING`` the least recently used shards eviction may take until what is held fits ``capacity``.
+
+    For a tier found over its capacity (a process that ran with another capacity, or none, filled
+    it; the operator lowered it): no reservation brings it back until one needs room. Pinned
+    datasets and shards a live reader holds stay, as in `reserve_in`. The caller holds the
+    transaction, deletes the victims' files and then records them evicted.
+    """
+    totals = state_totals(c)
+    excess = totals[ShardState.RESIDENT.value][0] + totals[ShardState.STAGING.value][0] - capacity
+    victims: list[CatalogEntry] = []
+    for entry in _Residents(c).oldest_first() if excess > 0 else ():
+        if excess <= 0:
+            break
+        victims.append(entry)
+        excess -= entry.size
+    c.executemany(
+        "UPDATE shards SET state=?, owner=? WHERE dataset=? AND key=?",
+        [(ShardState.EVICTING.value, owner, v.dataset, v.key) for v in victims],
+    )
+    return victims
 
 
 def reserve_in(c: sqlite3.Connection, dataset: str, claims: Sequence[Claim], room: Room) -> list[Reservation]:

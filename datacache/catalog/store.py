@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from datacache.catalog.database import CatalogDatabase
-from datacache.catalog.room import Claim, Room, reserve_in
+from datacache.catalog.room import Claim, Room, reserve_in, trim_in
 from datacache.catalog.rows import (
     COLUMNS,
     CatalogEntry,
@@ -293,6 +293,10 @@ class Catalog(CatalogDatabase):
             for shard, when in reads.items():
                 self._touches.setdefault(shard, when)
             raise
+
+    async def trim(self, capacity: int, owner: str) -> list[CatalogEntry]:
+        """Mark ``EVICTING`` what must leave for the tier to fit ``capacity`` (delete them, then `evicted`)."""
+        return await self._write_transaction(lambda c: trim_in(c, capacity, owner))
 
     async def commit_many(self, dataset: str, staged: Sequence[tuple[str, int, str | None, str]]) -> None:
         """`commit` for each ``(key, size, version, checksum)``, in one transaction: their files are in place."""

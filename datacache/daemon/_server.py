@@ -153,7 +153,7 @@ class Daemon(ReadVerbs):
             middlewares=[http.middleware(self.peers, self.metrics, self.lifecycle.unavailable)],
         )
         app[http.BODY_LIMITS] = http.BodyLimits(BodyBudget(self.options.body_memory), self.options.request_timeout)
-        app.router.add_get("/healthz", self._healthz, name="healthz")
+        app.router.add_get("/healthz", self._socket_healthz, name="healthz")
         app.router.add_get("/readyz", self._readyz, name="readyz")
         app.router.add_get("/metrics", self._metrics, name="metrics")
         app.router.add_get(f"{API}/status", self._status, name="status")
@@ -186,6 +186,12 @@ class Daemon(ReadVerbs):
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "pid": os.getpid(), "version": __version__})
+
+    async def _socket_healthz(self, request: web.Request) -> web.Response:
+        # Its clients' fallback stagers write this local tier while the daemon is away: they take
+        # its capacity from here (the metrics port, open to the network, does not say it).
+        local = {"path": str(self.settings.local_dir), "capacity_bytes": self.settings.local_capacity}
+        return web.json_response({"status": "ok", "pid": os.getpid(), "version": __version__, "local": local})
 
     async def _readyz(self, request: web.Request) -> web.Response:
         if self.lifecycle.ready:

@@ -285,6 +285,34 @@ class LocalStager:
         self.events.count("evictions", len(victims))
         self.events.count("evicted_bytes", sum(v.size for v in victims))
 
+    async def trim(self) -> int:
+        """Evict down to the tier's capacity (least recently used first); return the shards evicted.
+
+        A tier is found over it when a process that ran with another capacity, or none, filled it
+        (a reader's fallback while the daemon was down), or when the operator lowered it.
+        """
+        capacity = self.tier.capacity
+        if capacity is None:
+            return 0
+        used, _ = await self.catalog.usage()
+        if used <= capacity:
+            return 0
+        await self.catalog.drop_dead_leases()  # a killed reader's holdings keep nothing
+        victims = await self.catalog.trim(capacity, self.owner)
+        await self.delete_victims(victims)
+        freed = sum(v.size for v in victims)
+        left = "" if used - freed <= capacity else "; the rest is pinned or held by live readers"
+        logger.warning(
+            "the local tier %s held %s, over its capacity of %s: evicted %d shard(s), %s%s",
+            self.settings.local_dir,
+            format_bytes(used),
+            format_bytes(capacity),
+            len(victims),
+            format_bytes(freed),
+            left,
+        )
+        return len(victims)
+
 
 def _sizes(tier: LocalTier, keys: Sequence[str]) -> list[tuple[Path, int]]:
     """Each file's path and size, -1 for one that is not there (blocking: one thread job for many)."""

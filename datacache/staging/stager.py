@@ -575,9 +575,11 @@ class Stager:
         return await self._reconcile(parts)
 
     async def _reconcile(self, parts: _Parts) -> dict[str, int]:
-        return await recovery.reconcile(
+        counts = await recovery.reconcile(
             self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
         )
+        counts["over_capacity_evicted"] = await parts.local.trim()
+        return counts
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
