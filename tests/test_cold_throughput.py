@@ -239,3 +239,38 @@ def test_a_local_put_of_a_shard_in_one_chunk_takes_five_thread_jobs(tmp_path: Pa
     meta = json.loads((tmp_path / "local" / "meta" / "ds" / "shard.json").read_text())
     assert meta == {"dataset": "ds", "size": str(len(body))}
     assert not [p for p in (tmp_path / "local").rglob("*.partial")]
+
+
+def test_a_shard_within_the_keep_limit_lands_in_its_file_and_is_never_written_again(
+    tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transfer reads such a shard straight into its new file's pages (a shared map of the
+    temporary file): no buffer of its own, no write(2) copying it into the page cache a second
+    time. A shard above the keep limit still goes through `put`, in chunks."""
+    from datacache.tiers import LocalTier
+
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    small, large = os.urandom(300_000), os.urandom(3_000_000)
+    (origin / "small.tar").write_bytes(small)
+    (origin / "large.tar").write_bytes(large)
+    puts: list[str] = []
+    real_put = LocalTier.put
+
+    async def put(self: LocalTier, key: str, chunks: Any, **kwargs: Any) -> Any:
+        puts.append(key.rsplit("/", 1)[-1])
+        return await real_put(self, key, chunks, **kwargs)
+
+    monkeypatch.setattr(LocalTier, "put", put)
+    overrides = {"local_dir": str(tmp_path / "local"), "memory_budget": "8MB", "concurrency": "4"}
+    settings = load_settings(cache_env, overrides=overrides)  # keep limit: 2 MB
+
+    async def stage() -> list[bytes]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            found = [await stager.ensure(handle, key) for key in ("small.tar", "large.tar")]
+            return [Path(str(location.path)).read_bytes() for location in found]
+
+    assert asyncio.run(stage()) == [small, large]
+    assert puts == ["large.tar"], "only the shard above the keep limit was put"
+    assert not list((tmp_path / "local").rglob("*.partial"))

@@ -42,6 +42,7 @@ from datacache.tiers.testing import (
     keys_of,
     put,
 )
+from datacache.tiers.testing_land import LandingTests
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -141,7 +142,7 @@ class DirectoryTierTests(KeepsMetadataTests):
         assert self.temp_files(tier) == []
 
 
-class TestLocalTier(DirectoryTierTests):
+class TestLocalTier(LandingTests, DirectoryTierTests):
     def make_tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
         return LocalTier(tmp_path / "local", capacity=1 << 30)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from datacache.tiers._directory import DirectoryTier
 from datacache.tiers._files import device_free, redact_url, split_userinfo
+from datacache.tiers._landing import Landing
 from datacache.tiers._retry import RetryPolicy, translate_error
 from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
 from datacache.tiers.local import LocalTier
@@ -29,6 +30,7 @@ __all__ = [
     "ByteRange",
     "DirectoryTier",
     "Hasher",
+    "Landing",
     "LocalTier",
     "MemoryTier",
     "ObjectInfo",

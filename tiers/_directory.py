@@ -329,6 +329,10 @@ class DirectoryTier(Tier):
             size = await atomic_write(target, chunks, durable=self._durable, file_mode=self.file_mode)
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
+        return await self._published(key, size, metadata)
+
+    async def _published(self, key: str, size: int, metadata: Mapping[str, str] | None) -> ObjectInfo:
+        """What `put` does once the data is in place: its metadata written, the file described."""
         self._counters["bytes_written"] += size
         # After the data, in one thread job with the stat: a crash between the two leaves data
         # without (or with older) metadata, which fails verification and is re-staged.

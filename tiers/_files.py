@@ -127,9 +127,10 @@ class _CleanedUnderfoot(FileExistsError):
     """A cleaner removed a new temporary file between its creation and its lock."""
 
 
-def _create_exclusive(dir_fd: int, name: str, mode: int | None) -> int:
+def _create_exclusive(dir_fd: int, name: str, mode: int | None, *, readable: bool = False) -> int:
+    access = os.O_RDWR if readable else os.O_WRONLY
     fd = os.open(
-        name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if mode is not None else 0o644,
+        name, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if mode is not None else 0o644,
         dir_fd=dir_fd,
     )
     try:
@@ -201,7 +202,7 @@ async def _open_exclusive(directory: DirHandle, name: str, mode: int | None) -> 
         raise
 
 
-async def _close(raw: Any) -> None:
+async def close_file(raw: Any) -> None:
     """Close ``raw`` in a thread, even if the caller is cancelled meanwhile.
 
     Cancelling an awaited executor job that has not started yet cancels the job
@@ -310,9 +311,9 @@ async def _write_in(
                     view = view[written:]
                     size += written
         except BaseException:
-            await _close(raw)
+            await close_file(raw)
             raise
-        await _publish(directory, raw, temporary, name, durable)
+        await publish_file(directory, raw, temporary, name, durable)
     except BaseException:
         with contextlib.suppress(OSError):
             directory.do(lambda fd: os.unlink(temporary, dir_fd=fd))
@@ -320,7 +321,7 @@ async def _write_in(
     return size
 
 
-async def _publish(directory: DirHandle, raw: Any, temporary: str, name: str, durable: bool) -> None:
+async def publish_file(directory: DirHandle, raw: Any, temporary: str, name: str, durable: bool) -> None:
     """fsync ``raw``, close it, rename it to ``name``, fsync the directory: in that order, in one thread job.
 
     One job instead of four: a thread round trip costs the event loop and the kernel more
@@ -358,12 +359,15 @@ async def _publish(directory: DirHandle, raw: Any, temporary: str, name: str, du
         raise
 
 
-def create_temporary(dir_fd: int, name: str, file_mode: int | None) -> tuple[str, int]:
-    """Create and lock a new temporary file for ``name`` in ``dir_fd``; its name and descriptor."""
+def create_temporary(dir_fd: int, name: str, file_mode: int | None, *, readable: bool = False) -> tuple[str, int]:
+    """Create and lock a new temporary file for ``name`` in ``dir_fd``; its name and descriptor.
+
+    ``readable``: opened for reading too (a shared map of it needs both).
+    """
     for _ in range(3):
         temporary = partial_name(name)
         try:
-            return temporary, _create_exclusive(dir_fd, temporary, file_mode)
+            return temporary, _create_exclusive(dir_fd, temporary, file_mode, readable=readable)
         except _CleanedUnderfoot:
             continue
     raise OSError(f"could not create a temporary file beside {name}")

@@ -12,11 +12,14 @@ import abc
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from datacache.tiers._files import PARTIAL_NAME
 
 from datacache.errors import InvalidKeyError, ShardNotFoundError
+
+if TYPE_CHECKING:
+    from datacache.tiers._landing import Landing
 
 __all__ = [
     "ByteRange",
@@ -235,6 +238,21 @@ class Tier(abc.ABC):
         ``metadata`` is read once ``chunks`` is exhausted, so a writer may
         complete it while streaming (the checksum of what it wrote).
         """
+
+    async def land(self, key: str, size: int) -> Landing | None:
+        """Memory that is ``key``'s new file of ``size`` bytes, to copy them into once; None: use `put`.
+
+        Tiers whose files can be mapped (the node's local disk) return a `Landing`: its
+        ``buffer`` is written, then `put_landed` makes it visible as `put` would, or
+        ``abandon`` removes it. Others return None.
+        """
+        return None
+
+    async def put_landed(
+        self, key: str, landing: Landing, *, metadata: Mapping[str, str] | None = None
+    ) -> ObjectInfo:
+        """Make a filled `Landing` of ``key`` visible, whole and atomically, as `put` does."""
+        raise NotImplementedError(f"{type(self).__name__} does not land objects")
 
     @abc.abstractmethod
     async def delete(self, key: str) -> bool:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.tiers._directory import DirectoryTier
+from datacache.tiers._dirfd import UnsafeFileError
+from datacache.tiers._landing import Landing, open_landing
+from datacache.tiers.base import ObjectInfo
+
+from datacache.errors import InvalidKeyError
 
 __all__ = ["GROUP_READABLE", "PRIVATE", "LocalModes", "LocalTier", "make_local_dirs", "make_local_file"]
 
@@ -101,3 +107,19 @@ class LocalTier(DirectoryTier):
         super().__init__(root, capacity=capacity, durable=durable)
         self.dir_mode = modes.dir
         self.file_mode = modes.file
+
+    async def land(self, key: str, size: int) -> Landing | None:
+        """``key``'s temporary file of ``size`` bytes, allocated and mapped for writing (see `Landing`)."""
+        if size <= 0:
+            return None
+        self._counters["requests"] += 1
+        try:
+            return await open_landing(self._data_place(key), size, durable=self._durable, file_mode=self.file_mode)
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
+
+    async def put_landed(
+        self, key: str, landing: Landing, *, metadata: Mapping[str, str] | None = None
+    ) -> ObjectInfo:
+        await landing.publish()
+        return await self._published(key, len(landing.buffer), metadata)

@@ -22,7 +22,7 @@ from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
 from datacache.staging.types import ORIGIN, WANTED_NOW, DatasetHandle, StagingEvent
-from datacache.tiers import ByteRange, ObjectInfo, ObjectTier, Tier
+from datacache.tiers import ByteRange, Hasher, Landing, ObjectInfo, ObjectTier, Tier
 
 __all__ = ["Transfer"]
 
@@ -76,12 +76,8 @@ class Transfer:
         wanted_now, this = WANTED_NOW.get(), object()
         if throttle is not None and wanted_now():
             self._want(this)  # from its first request on: the others hold back their next parts
-        # A shard that fits the keep limit lands once, in one buffer of its size, read straight
-        # into by the source (in a thread, which hashes it there too), and is written and
-        # served from that same memory: no chunk allocated, no join, no hashing on the loop.
-        whole = shard.size <= self.keep_limit and (shard.size <= self._part_size or source.kind != "object")
-        kept = self._buffers.take(shard.size) if whole else None
-        # The other way: chunks, hashed here.
+        landing, kept = await self._whole(shard, source, destination, destination_key)
+        # Without memory of its own: chunks, hashed here.
         chunks = (
             source.read_into(
                 source_key, memoryview(kept)[: shard.size], version=version, hasher=hasher, checked=expected is not None
@@ -109,32 +105,39 @@ class Transfer:
             except BufferError:
                 received = shard.size + 1  # the object holds more than the manifest says
             self._unwant(this)  # its bytes are in: the others may move again while it is checked and written
-            if received != shard.size:
-                got = f"more than {shard.size}" if received > shard.size else str(received)
-                raise ChecksumMismatchError(
-                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name}: got {got} bytes, "
-                    f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
-                )
-            if expected is not None and checksum_of(hasher) != expected:
-                events.count("checksum_failures")
-                raise ChecksumMismatchError(
-                    f"dataset {handle.id}: shard {shard.key!r} from the {source_name} does not match its checksum"
-                )
             # Tiers read metadata once the chunks are exhausted (see Tier.put).
-            metadata["checksum"] = checksum_of(hasher)
+            metadata["checksum"] = _checked(handle, shard, source_name, received, hasher, expected, events)
             if kept is not None and on_verified is not None:
                 on_verified(memoryview(kept)[: shard.size].toreadonly(), metadata["checksum"])
 
         # What the copy is: a reader trusts it only with all of this bound together (and a trusted writer).
         metadata = {"dataset": handle.id, "key": shard.key, "version": str(shard.version), "size": str(shard.size)}
         try:
-            info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
+            if landing is not None:
+                info = await _landed(destination, destination_key, landing, verified_chunks(), metadata)
+            else:
+                info = await destination.put(destination_key, verified_chunks(), metadata=metadata)
         finally:
             self._unwant(this)
         checksum = checksum_of(hasher)
         if source_name == ORIGIN and shard.checksum is None:
             logger.debug("dataset %s: learned checksum of %r: %s", handle.id, shard.key, checksum)
         return info, checksum
+
+    async def _whole(
+        self, shard: Shard, source: Tier, destination: Tier, destination_key: str
+    ) -> tuple[Landing | None, mmap.mmap | bytearray | None]:
+        """The memory a shard is read into whole: its new file mapped, or a reused buffer; (None, None): none.
+
+        A shard that fits the keep limit lands once, in memory of its size, read straight into by
+        the source (in a thread, which hashes it there too), and is written and served from that
+        same memory: no chunk allocated, no join, no hashing on the loop. Where the destination
+        maps its new file, that memory is the file's pages, and no write copies the bytes again.
+        """
+        if shard.size > self.keep_limit or (shard.size > self._part_size and source.kind == "object"):
+            return None, None
+        landing = await destination.land(destination_key, shard.size)
+        return landing, landing.buffer if landing is not None else self._buffers.take(shard.size)
 
     async def fetch(
         self, handle: DatasetHandle, shard: Shard, source: Tier, source_key: str, expected: str | None, source_name: str
@@ -298,6 +301,48 @@ class Transfer:
                 with contextlib.suppress(BaseException):
                     await task
 
+
+
+def _checked(
+    handle: DatasetHandle,
+    shard: Shard,
+    source: str,
+    received: int,
+    hasher: Hasher,
+    expected: str | None,
+    events: Events,
+) -> str:
+    """The checksum of a shard's bytes, once they are as many as the manifest says and match what it expects."""
+    if received != shard.size:
+        got = f"more than {shard.size}" if received > shard.size else str(received)
+        raise ChecksumMismatchError(
+            f"dataset {handle.id}: shard {shard.key!r} from the {source}: got {got} bytes, "
+            f"the manifest says {shard.size} (the object changed or the transfer was cut short)"
+        )
+    checksum = checksum_of(hasher)
+    if expected is not None and checksum != expected:
+        events.count("checksum_failures")
+        raise ChecksumMismatchError(
+            f"dataset {handle.id}: shard {shard.key!r} from the {source} does not match its checksum"
+        )
+    return checksum
+
+
+async def _landed(
+    destination: Tier,
+    key: str,
+    landing: Landing,
+    chunks: AsyncIterator[bytes | memoryview],
+    metadata: dict[str, str],
+) -> ObjectInfo:
+    """Put a landed shard in place once every region of it arrived and the whole was checked."""
+    try:
+        async for _ in chunks:
+            pass  # each region is in the file's pages already; the iteration counts and checks them
+    except BaseException:
+        await landing.abandon()
+        raise
+    return await destination.put_landed(key, landing, metadata=metadata)
 
 
 class _Buffers:
