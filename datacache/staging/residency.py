@@ -43,6 +43,21 @@ class _Uses:
             for position, key in enumerate(keys):
                 index.setdefault(key, []).append(position)
             self.positions[reader] = index
+        sequences: dict[tuple[str, ...], int] = {}
+        self.sequence = {reader: sequences.setdefault(keys, len(sequences)) for reader, keys in order.readers.items()}
+        """Reader -> which sequence it reads: the workers of one rank share their rank's."""
+        self.this_epoch = {reader: _surely_this_epoch(index) for reader, index in self.positions.items()}
+        """Reader -> how many of its first reads are surely of the order's epoch (not the next one's)."""
+
+
+def _surely_this_epoch(index: Mapping[str, Sequence[int]]) -> int:
+    """The reads before the returned position are of the order's epoch, not of the one after it.
+
+    An order is an epoch's reads, then perhaps the next epoch's, and an epoch reads a shard at
+    most once: a shard read twice is read first in this epoch, and so is every read before that
+    one. With no shard read twice nothing is sure (0).
+    """
+    return max((reads[0] + 1 for reads in index.values() if len(reads) > 1), default=0)
 
 
 def next_uses(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int]) -> dict[str, int]:
@@ -92,7 +107,7 @@ class Residency:
 
         ``wanted_now``: a reader is blocked on the incoming shard (not a prefetch). That read
         is served as the bytes arrive whatever is chosen here, so Belady weighs the shard by
-        the read after it.
+        the read after it, judged from the waiting reader's place (`_waited_for`).
 
         ``readers`` are this node's readers as the catalog knows them: one whose last
         report is of the order's epoch is where it said; one last seen in another epoch
@@ -119,14 +134,9 @@ class Residency:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
             uses_now = next_use
             if wanted_now and uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
-                # A reader waits for the incoming shard: that read is served as it arrives (or
-                # from the next tier), whatever is decided here. A copy is worth room only for
-                # the read after it. Counting this one made every shard read on demand look the
-                # most urgent, so each evicted one read again sooner (few samples per shard:
-                # below LRU and no-thrash). Not for a prefetch at a reader's position: a reader
-                # past its epoch's end stands where the next epoch's first shard is read.
-                later = _next_use_of(uses.positions, where, incoming.key)
-                uses_now = {**next_use, incoming.key: later} if later is not None else _without(next_use, incoming.key)
+                # Not for a prefetch at a reader's position: a reader past its epoch's end
+                # stands where the next epoch's first shard is read.
+                uses_now = _waited_for(uses, where, next_use, incoming.key)
             victims = choose_victims(incoming, residents, need, policy=policy, next_use=uses_now)
             if uses_now is not None and _audit.isEnabledFor(logging.DEBUG):
                 _audit.debug("%s", _audited(incoming, residents, victims, uses_now, where))
@@ -135,14 +145,62 @@ class Residency:
         return choose
 
 
-def _next_use_of(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int], key: str) -> int | None:
-    """Steps until ``key`` is read after the readers' current positions (reads at them excluded); None: never."""
-    found: int | None = None
+def _waited_for(uses: _Uses, where: Mapping[str, int], next_use: Mapping[str, int], key: str) -> dict[str, int]:
+    """``next_use`` as it stands for ``key``, a shard a reader waits for (its position reads it now).
+
+    The read under way is served as the bytes arrive (or from the next tier) whatever is
+    decided: a copy is worth room only for the reads after it. Counting this one made every
+    shard read on demand look the most urgent, so each evicted one read again sooner (one
+    reader, few samples per shard: below LRU and no-thrash).
+
+    Those reads are judged from the waiting reader's place, not by steps from every reader's
+    report: a reader opens a shuffle window's shards at once (all of an epoch's when its rank
+    reads a few samples of every shard) and reports the last one's position, so reports run
+    ahead of reads by up to a window, and steps compare badly across readers. Hence:
+
+    - its rank's other workers share its sequence and take batches in turn: one whose report
+      is behind reads the shard when it gets where the waiting one is, which is now (counted
+      from its report, Belady declined at a window's start the shard three readers opened
+      next, for one the waiting reader reads early in the next epoch: 20 samples per shard,
+      2 ranks of 2 workers, below LRU);
+    - what the waiting reader itself still reads this epoch it opens while it holds the copy
+      coming in, which gains it nothing: evicting one of those only moves its own miss later
+      (20 samples per shard, 4 ranks of 2 workers each opening all 48 shards at once: another
+      rank's early read of the incoming shard made that look worth it, below no-thrash).
+    """
+    waiting = {r: p for r, p in where.items() if _reads_at(uses.positions[r].get(key, ()), p)}
+    lead: dict[int, int] = {}
+    for reader, position in waiting.items():
+        lead[uses.sequence[reader]] = max(position, lead.get(uses.sequence[reader], position))
+    later: int | None = None
     for reader, position in where.items():
-        positions = uses.get(reader, {}).get(key, ())
-        at = bisect.bisect_right(positions, position)
-        if at < len(positions) and (found is None or positions[at] - position < found):
-            found = positions[at] - position
+        positions = uses.positions[reader].get(key, ())
+        # A waiting reader's read at its position is the one under way; a rank-mate counts from the lead.
+        at = (bisect.bisect_right if reader in waiting else bisect.bisect_left)(positions, position)
+        if at < len(positions):
+            steps = max(0, positions[at] - max(position, lead.get(uses.sequence[reader], position)))
+            later = steps if later is None else min(later, steps)
+    found = {**next_use, **dict.fromkeys(_read_this_epoch(uses, waiting), 0)}
+    if later is None:
+        return _without(found, key)
+    found[key] = later
+    return found
+
+
+def _reads_at(positions: Sequence[int], position: int) -> bool:
+    at = bisect.bisect_left(positions, position)
+    return at < len(positions) and positions[at] == position
+
+
+def _read_this_epoch(uses: _Uses, waiting: Mapping[str, int]) -> set[str]:
+    """The shards the waiting readers read after their positions, in the order's epoch (surely)."""
+    found: set[str] = set()
+    for reader, position in waiting.items():
+        end = uses.this_epoch[reader]
+        for key, positions in uses.positions[reader].items():
+            at = bisect.bisect_right(positions, position)
+            if at < len(positions) and positions[at] < end:
+                found.add(key)
     return found
 
 
