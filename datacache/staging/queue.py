@@ -119,6 +119,11 @@ class JobQueue:
             del self._jobs[ident]
         if job.early is not None and not job.early.done():
             job.early.cancel()  # never verified early (failed, or bypassed): its waiters take ``future``
+        # Its bytes in memory were for the readers that asked before the copy was durable: one that
+        # asks now takes ``future``. A job outlives its staging in whatever still holds it (a reader's
+        # coroutine, a traceback), and its early bytes are the landed file's own pages: the file
+        # would stay mapped (and its blocks held after an eviction) for as long.
+        job.early = None
 
     async def _next_job(self) -> Job:
         while True:
