@@ -546,7 +546,26 @@ def test_a_mistyped_option_or_verb_gets_a_suggestion(
 
 def test_an_unknown_option_like_no_other_gets_no_suggestion(env: dict[str, str]) -> None:
     line = one_error_line(run_cli(["status", "--zzzzzz"], env))
-    assert line == "datacache: error: unrecognized arguments: --zzzzzz (see 'datacache --help')", line
+    assert line == "datacache: error: unrecognized option --zzzzzz (see 'datacache --help')", line
+
+
+def test_a_mistyped_option_is_said_alone_not_with_its_value_and_what_follows(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`warm URL --local-capasity 1GB x` said "unrecognized arguments: --local-capasity 1GB x; did you mean
+    --local-capacity?": the guess, after a list of words two of which were no mistake of their own."""
+    result = run_cli(["warm", str(tmp_path), "--local-capasity", "1GB", "x"], env)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "datacache: error: unrecognized option --local-capasity; did you mean --local-capacity? "
+        "(see 'datacache --help')"
+    ]
+    extra = run_cli(["warm", str(tmp_path), "x"], env)  # no option mistyped: the words left over
+    assert (extra.returncode, one_error_line(extra)) == (
+        2, "datacache: error: unrecognized argument: x (see 'datacache --help')"
+    )
+    assert "unrecognized option -z " in one_error_line(run_cli(["status", "-z", "-5"], env))
+    assert_nothing_written(tmp_path)
 
 
 def test_shared_tier_required_for_tier_shared(env: dict[str, str], tmp_path: Path) -> None:
