@@ -15,10 +15,10 @@ import os
 from collections.abc import Iterable
 
 from datacache.loaders.sources import SourceSpec
-from datacache.tiers import check_scheme_case, redact_url, split_scheme
+from datacache.tiers import check_scheme_case
 
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
-from datacache.errors import ShardNotFoundError
+from datacache.manifest import missing_local_path
 
 __all__ = ["check_sources"]
 
@@ -37,18 +37,11 @@ def check_sources(specs: Iterable[SourceSpec], config: Settings | None) -> None:
             dataset = resolve_dataset(dataset, config if config is not None else load_settings())
         url = dataset.url if isinstance(dataset, DatasetConfig) else dataset
         check_scheme_case(url)
-        path = _local_path(url)
-        if path is not None and not os.path.exists(path):
-            raise ShardNotFoundError(f"{redact_url(url)}: no such file or directory")
+        missing = missing_local_path(url)  # the words `datacache warm` says it in
+        if missing is not None:
+            raise missing
 
 
 def _is_path(text: str) -> bool:
     return text.startswith(("/", ".", "~"))
 
-
-def _local_path(url: str) -> str | None:
-    """The local path ``url`` names (a plain path or ``file://``), None for other schemes."""
-    scheme, rest = split_scheme(url)
-    if scheme != "file":
-        return None
-    return os.path.expanduser(rest)

@@ -354,6 +354,24 @@ def test_nonexistent_local_directory(env: dict[str, str], tmp_path: Path) -> Non
     assert_nothing_written(tmp_path)
 
 
+def test_a_missing_local_path_is_said_in_the_same_words_by_the_cli_and_python(
+    env: dict[str, str], tmp_path: Path, settings: Settings
+) -> None:
+    """`datacache warm` said "dataset nowhere-...: no objects under PATH (the prefix or directory is empty or does not
+    exist)", `datacache shard` "nothing to shard at PATH (missing ...?)", CachedIterableDataset "PATH: no such file
+    or directory": three wordings of one mistake."""
+    missing = tmp_path / "nowhere"
+    for given in (str(missing), f"file://{missing}"):
+        with pytest.raises(ShardNotFoundError) as caught:
+            CachedIterableDataset(given, config=settings)
+        assert str(caught.value) == f"{given}: no such file or directory"
+        for args in (["warm", given], ["shard", given, str(tmp_path / "out")]):
+            result = run_cli(args, env)
+            assert (result.returncode, result.stderr.splitlines()) == (1, [f"datacache: error: {caught.value}"])
+    assert not (tmp_path / "out").exists()
+    assert_nothing_written(tmp_path)
+
+
 def test_missing_credentials(s3: S3Bucket, env: dict[str, str], tmp_path: Path) -> None:
     s3.put("ds/a.tar", b"x")
     no_credentials = {**env, "AWS_ENDPOINT_URL": s3.server.endpoint}

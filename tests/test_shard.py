@@ -494,6 +494,9 @@ def test_cli_shard_json_and_errors(tmp_path: Path, cache_env: dict[str, str],
     assert main(["shard", str(tmp_path / "src"), str(tmp_path / "x"), "--group-by", "("]) == 2
     assert "not a valid regular expression" in capsys.readouterr().err
     assert main(["shard", str(tmp_path / "nothing"), str(tmp_path / "y")]) == 1
+    assert f"{tmp_path / 'nothing'}: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["shard", str(tmp_path / "empty"), str(tmp_path / "y")]) == 1
     assert "nothing to shard" in capsys.readouterr().err
     # A new user wrote the shards into their source (`shard raw raw/out`): the next run took them for input.
     monkeypatch.chdir(tmp_path)

@@ -50,7 +50,7 @@ from datacache.checksum import checksum_of, new_hasher
 from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
-from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat, missing_local_path
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
 from datacache.shard.ensure import remove_stale_units
 from datacache.shard.job import Endpoint, PackIO, ShardJob, ShardReport, UnitResult, check_places, put_bytes
@@ -117,7 +117,7 @@ async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> lis
             continue
         infos.append(info)
     if not infos:
-        raise ShardNotFoundError(
+        raise missing_local_path(source.url) or ShardNotFoundError(
             f"nothing to shard at {source.url} (missing bucket, prefix or directory?)"
         )
     return infos
