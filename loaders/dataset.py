@@ -57,6 +57,11 @@ def _check_options(
         raise ConfigError(f"prefetch must not be negative, got {prefetch}")
 
 
+def _rate_of(target_bandwidth: str | float | None) -> float | None:
+    """``target_bandwidth`` in bytes/s; a size without ``/s`` (``"1GB"``) or a word (``"fast"``) is refused."""
+    return None if target_bandwidth is None else parse_bandwidth(target_bandwidth, what="target_bandwidth")
+
+
 def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
     """Whether the epochs are a mix's (`mix`): several sources, a drawn epoch, or a source repeated or chosen."""
     return len(sources) > 1 or drawn or any(spec.mode != ("repeat", 1.0) for spec in sources)
@@ -80,7 +85,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         16384). Larger mixes more; smaller keeps each window on fewer shards, so that the first batch
         of a cold epoch waits for fewer of them.
     target_bandwidth
-        Per-rank bytes per second to deliver (a number or ``"1GB/s"``); prefetch widens to meet it.
+        Per-rank bytes per second to deliver: a number, or a size per second (``"1GB/s"``; a size
+        without ``/s`` is refused); prefetch widens to meet it.
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
@@ -157,7 +163,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.shuffle_buffer = shuffle_buffer
-        self.target_bandwidth = parse_bandwidth(target_bandwidth) if target_bandwidth is not None else None
+        self.target_bandwidth = _rate_of(target_bandwidth)
         self.prefetch = prefetch
         self.decode = decode
         self.drop_last = drop_last
