@@ -24,7 +24,7 @@ from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
-from datacache.loaders.precheck import check_sources
+from datacache.loaders.precheck import check_keywords, check_sources, target_rate
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
 from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
@@ -34,7 +34,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache.config import Settings
 from datacache.errors import ConfigError
-from datacache.sizes import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
@@ -55,11 +54,6 @@ def _check_options(
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if prefetch is not None and prefetch < 0:
         raise ConfigError(f"prefetch must not be negative, got {prefetch}")
-
-
-def _rate_of(target_bandwidth: str | float | None) -> float | None:
-    """``target_bandwidth`` in bytes/s; a size without ``/s`` (``"1GB"``) or a word (``"fast"``) is refused."""
-    return None if target_bandwidth is None else parse_bandwidth(target_bandwidth, what="target_bandwidth")
 
 
 def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
@@ -123,6 +117,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         Iterate endlessly: epoch after epoch from the one set, with no end (``len()`` is undefined).
     """
 
+    @check_keywords("CachedIterableDataset")
     def __init__(
         self,
         dataset: Given,
@@ -163,7 +158,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.shuffle_buffer = shuffle_buffer
-        self.target_bandwidth = _rate_of(target_bandwidth)
+        self.target_bandwidth = target_rate(target_bandwidth)
         self.prefetch = prefetch
         self.decode = decode
         self.drop_last = drop_last
