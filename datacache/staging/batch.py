@@ -87,6 +87,9 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
     For a warm of some of a dataset's shards, asked for by name or range: the user's choice of
     which of its shards the tier holds. Returns the shards and bytes evicted.
     """
+    wanted = {shard.key for shard in shards}
+    if all(shard.key in wanted for shard in handle.manifest.shards):
+        return 0, 0  # the whole dataset: none of its shards was left out
     catalog = local.catalog
     used, _ = await catalog.usage()
     room: list[int] = []  # what is free of the capacity, and of the device
@@ -94,8 +97,8 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
         room.append(local.tier.capacity - used)
     if (device := device_free(local.settings.local_dir)) is not None:
         room.append(device - reserve_for(local.settings.local_dir))
-    if not room:
-        return 0, 0
+    if not room or sum(shard.size for shard in shards) <= min(room):
+        return 0, 0  # fits as it is: no need to read the catalog's every row
     pinned = {record.id for record in await catalog.datasets() if record.pinned}
     if handle.config.pinned:
         pinned.add(handle.id)
