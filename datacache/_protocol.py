@@ -207,6 +207,8 @@ def warm_report_to_wire(report: WarmReport, url: str) -> dict[str, Any]:
         "bytes_requested": report.bytes_requested,
         "bytes_resident": report.bytes_resident,
         "bytes_transferred": report.bytes_transferred,
+        "shards_displaced": report.shards_displaced,
+        "bytes_displaced": report.bytes_displaced,
         "seconds": round(report.seconds, 3),
         "rate_bytes_per_s": round(report.rate, 1),
         "failures": [{"shard": key, "error": redact_url(error)} for key, error in report.failures],
@@ -229,6 +231,8 @@ def warm_report_from_wire(document: Mapping[str, Any]) -> WarmReport:
             seconds=float(document["seconds"]),
             failures=failures,
             bytes_resident=int(document["bytes_resident"]),
+            shards_displaced=int(document.get("shards_displaced", 0)),
+            bytes_displaced=int(document.get("bytes_displaced", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DatacacheError(f"daemon: a malformed warm summary ({type(exc).__name__}: {exc})") from None

@@ -7,7 +7,6 @@ every ``repr`` and message.
 
 from __future__ import annotations
 
-import difflib
 import grp
 import logging
 import math
@@ -21,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from datacache.errors import ConfigError
+from datacache.errors import ConfigError, close_match
 from datacache.eviction import POLICIES
 from datacache.formats import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
@@ -262,8 +261,8 @@ _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
 
 
 def _suggest(word: str, choices: list[str] | set[str]) -> str:
-    close = difflib.get_close_matches(word, sorted(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = close_match(word, sorted(choices))
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -6,6 +6,9 @@ shard, a setting) and never a credential.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "ChecksumMismatchError",
     "ConfigError",
@@ -24,7 +27,18 @@ __all__ = [
     "TierFullError",
     "TransientOriginError",
     "UnsupportedURLError",
+    "close_match",
 ]
+
+
+def close_match(word: str, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` a mistyped ``word`` most likely meant (difflib's ratio, at least 0.6), or None.
+
+    The one "did you mean" of the command line, the config file and the Python API: each says it
+    in its own words, all with the same guess.
+    """
+    found = difflib.get_close_matches(word, list(choices), n=1)
+    return found[0] if found else None
 
 
 class DatacacheError(Exception):

@@ -71,16 +71,25 @@ def parse_size(value: str | int | float, *, what: str = "size", _per: str = "") 
 
 
 def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> float:
-    """Return bytes per second from ``value``: a number, or a string with a unit such as ``"1GB/s"``.
+    """Return bytes per second from ``value``: a number, or a size per second such as ``"1GB/s"``.
 
-    A string needs its unit (``"10"`` is refused rather than read as 10 bytes/s);
-    ``"0"`` (no cap) needs none. A number is bytes per second.
+    A string is a size with its unit and ``/s`` (or ``ps``: ``"200MBps"``); ``"0"`` (no cap)
+    needs neither. A size without ``/s`` (``"1GB"``) is refused, as is a bare ``"10"``: a rate
+    is never guessed. A number is bytes per second. Errors name ``what`` (the flag, setting or
+    parameter) and the value.
     """
     if isinstance(value, str):
         text = value.strip()
-        if text.lower().endswith("/s") or text.lower().endswith("ps"):
-            text = text[:-2]
-        return float(parse_size(text, what=what, _per="/s"))
+        per_second = text.lower().endswith(("/s", "ps"))
+        amount = text[:-2] if per_second else text
+        if amount.startswith("-"):
+            raise ConfigError(f"{what}: must not be negative, got {text!r}")
+        size = _SIZE.match(amount)
+        if size is None:
+            raise ConfigError(f"{what}: expected a rate such as '1GB/s' or '200MB/s', got {value!r}")
+        if size.group(2) and not per_second:
+            raise ConfigError(f"{what}: {text!r} is a size, not a rate; write it per second: '{text}/s'")
+        return float(parse_size(amount, what=what, _per="/s"))
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{what}: expected a rate such as '1GB/s', got {value!r}")
     return float(value)

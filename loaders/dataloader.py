@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils.data
 from datacache.loaders.dataset import CachedIterableDataset
+from datacache.loaders.precheck import check_keywords
 from torch.utils.data import default_collate
 from torch.utils.data._utils import pin_memory as _pinning
 
@@ -52,6 +53,9 @@ def pin_batch(batch: Any, device: str) -> Any:
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """``torch.utils.data.DataLoader``, the same arguments; raw datacache samples are read in-process."""
+
+    # torch's own, but a mistyped keyword (``shufle=True``) is answered with the one it most likely meant.
+    __init__ = check_keywords("DataLoader")(torch.utils.data.DataLoader.__init__)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if in_process_reason(self) is not None:

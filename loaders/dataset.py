@@ -24,7 +24,7 @@ from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
-from datacache.loaders.precheck import check_sources
+from datacache.loaders.precheck import check_keywords, check_sources, target_rate
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
 from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
@@ -34,7 +34,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from datacache.config import Settings
 from datacache.errors import ConfigError
-from datacache.sizes import parse_bandwidth
 
 __all__ = ["CachedIterableDataset"]
 
@@ -80,7 +79,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         16384). Larger mixes more; smaller keeps each window on fewer shards, so that the first batch
         of a cold epoch waits for fewer of them.
     target_bandwidth
-        Per-rank bytes per second to deliver (a number or ``"1GB/s"``); prefetch widens to meet it.
+        Per-rank bytes per second to deliver: a number, or a size per second (``"1GB/s"``; a size
+        without ``/s`` is refused); prefetch widens to meet it.
     prefetch
         Units (shards) to stage ahead per reader; default: derived from the target and measured rates.
     decode
@@ -117,6 +117,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         Iterate endlessly: epoch after epoch from the one set, with no end (``len()`` is undefined).
     """
 
+    @check_keywords("CachedIterableDataset")
     def __init__(
         self,
         dataset: Given,
@@ -157,7 +158,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.shuffle_buffer = shuffle_buffer
-        self.target_bandwidth = parse_bandwidth(target_bandwidth) if target_bandwidth is not None else None
+        self.target_bandwidth = target_rate(target_bandwidth)
         self.prefetch = prefetch
         self.decode = decode
         self.drop_last = drop_last

@@ -20,7 +20,7 @@ from typing import Any
 
 from datacache.loaders.readers import UnitReader
 
-from datacache.errors import ConfigError, SampleDecodeError
+from datacache.errors import ConfigError, SampleDecodeError, close_match
 
 __all__ = [
     "DECODERS",
@@ -156,7 +156,11 @@ class FieldDecoders(Mapping[str, Callable[[Any], Any]]):
 def field_decoders(name: str) -> FieldDecoders:
     """The built-in decoder set ``name`` (see `DECODERS`); a clear error if it is unknown or needs a missing extra."""
     if name not in DECODERS:
-        raise ConfigError(f"unknown decoder {name!r}: use one of {', '.join(map(repr, DECODERS))}, or a callable")
+        close = close_match(name, ["auto", *DECODERS])
+        hint = f" (did you mean {close!r}?)" if close else ""
+        raise ConfigError(
+            f"unknown decoder {name!r}{hint}: use one of {', '.join(map(repr, DECODERS))}, or a callable"
+        )
     pillow = importlib.util.find_spec("PIL") is not None
     if name in _IMAGE_DECODERS and not pillow and not (name == "torch" and _has_torchvision()):
         raise ConfigError(f"decode={name!r} decodes images with Pillow, which is not installed: {_IMAGE_EXTRA}")

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.precheck import check_keywords
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.runtime import Runtime
@@ -83,6 +84,7 @@ class CachedMapDataset(Dataset[Any]):
         reopening (and re-verifying) them.
     """
 
+    @check_keywords("CachedMapDataset")
     def __init__(
         self,
         dataset: str | DatasetConfig,

@@ -1,5 +1,8 @@
 """What a dataset can be refused for when it is made, at no cost: no listing, no connection.
 
+A keyword its constructor (or the DataLoader's) does not take is refused with the one it most
+likely meant (`check_keywords`), as the command line does for a mistyped flag.
+
 A bucket prefix is listed at the first ``len()`` or ``iter()`` (listing a big prefix when a dataset
 is made would cost every construction); shards named one by one are listed when it is made
 (`CachedIterableDataset`). What needs no listing is checked here, so that it fails in one line
@@ -11,16 +14,53 @@ path that does not exist, a bare name that is neither a path nor a configured da
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 
 from datacache.loaders.sources import SourceSpec
-from datacache.tiers import check_scheme_case, redact_url, split_scheme
+from datacache.tiers import check_scheme_case
 
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
-from datacache.errors import ShardNotFoundError
+from datacache.errors import close_match
+from datacache.manifest import missing_local_path
+from datacache.sizes import parse_bandwidth
 
-__all__ = ["check_sources"]
+__all__ = ["check_keywords", "check_sources", "target_rate"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def check_keywords(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A constructor's decorator: refuse a keyword it does not take, with the one it most likely meant.
+
+    ``CachedIterableDataset(url, shufle=True)`` raises ``TypeError: CachedIterableDataset() got an
+    unexpected keyword argument 'shufle'; did you mean 'shuffle'?`` (Python's words, and the guess the
+    command line makes for a mistyped flag: `close_match`). The signature is kept, for type checkers too.
+    """
+
+    def decorate(init: Callable[P, R]) -> Callable[P, R]:
+        parameters = inspect.signature(init).parameters.values()
+        if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+            return init  # takes any keyword: nothing to refuse
+        known = [p.name for p in parameters if p.kind in _NAMED and p.name != "self"]
+
+        @functools.wraps(init)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            for keyword in kwargs:
+                if keyword not in known:
+                    close = close_match(keyword, known)
+                    hint = f"; did you mean {close!r}?" if close else ""
+                    raise TypeError(f"{name}() got an unexpected keyword argument {keyword!r}{hint}")
+            return init(*args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
 def check_sources(specs: Iterable[SourceSpec], config: Settings | None) -> None:
@@ -37,18 +77,16 @@ def check_sources(specs: Iterable[SourceSpec], config: Settings | None) -> None:
             dataset = resolve_dataset(dataset, config if config is not None else load_settings())
         url = dataset.url if isinstance(dataset, DatasetConfig) else dataset
         check_scheme_case(url)
-        path = _local_path(url)
-        if path is not None and not os.path.exists(path):
-            raise ShardNotFoundError(f"{redact_url(url)}: no such file or directory")
+        missing = missing_local_path(url)  # the words `datacache warm` says it in
+        if missing is not None:
+            raise missing
+
+
+def target_rate(target_bandwidth: str | float | None) -> float | None:
+    """``target_bandwidth`` in bytes/s; a size without ``/s`` (``"1GB"``) or a word (``"fast"``) is refused."""
+    return None if target_bandwidth is None else parse_bandwidth(target_bandwidth, what="target_bandwidth")
 
 
 def _is_path(text: str) -> bool:
     return text.startswith(("/", ".", "~"))
 
-
-def _local_path(url: str) -> str | None:
-    """The local path ``url`` names (a plain path or ``file://``), None for other schemes."""
-    scheme, rest = split_scheme(url)
-    if scheme != "file":
-        return None
-    return os.path.expanduser(rest)

@@ -141,3 +141,83 @@ def test_warm_still_shows_a_shard_that_failed_for_another_reason(tmp_path: Path,
     assert re.fullmatch(r"datacache: dataset 100.00 kB > local capacity 70.00 kB: 2 of 4 shards kept .*", said[0])
     assert len(said) == 3 and said[1].startswith("datacache: shard shard-0001.tar: "), said
     assert said[2].startswith("datacache: error: warm incomplete: "), said
+
+
+def _resident(local: Path) -> dict[str, set[str]]:
+    """The shard files of each dataset on the local tier (its directory: the dataset id)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((local / "data").glob("*/*.tar")):
+        found.setdefault(path.parent.name.rsplit("-", 1)[0], set()).add(path.name)
+    return found
+
+
+def test_warm_of_some_shards_makes_room_among_the_datasets_shards_not_asked_for(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """`warm URL --shards 7:10` was refused when the dataset's other shards filled the tier (no-thrash keeps a
+    dataset's shards rather than evict them for more of it): the shards asked for fitted, and were never staged."""
+    a = fill_dir(tmp_path / "a", make_shards(10, 30_000))
+    b = fill_dir(tmp_path / "b", make_shards(2, 30_000, seed=1))
+    local = tmp_path / "local"
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local), "DATACACHE_LOCAL_CAPACITY": "210kB"}  # 7 shards
+    assert run_cli(["warm", str(a), "-q"], env).returncode == 1  # 7 of its 10 kept
+    run_cli(["warm", str(b), "--shards", "0:1", "-q"], env, check=True)  # in place of one of a's
+    assert {name: len(keys) for name, keys in _resident(local).items()} == {"a": 6, "b": 1}
+    result = run_cli(["warm", str(a), "--shards", "7:10"], env)
+    assert result.returncode == 0, result.stderr
+    # 90 kB asked for, none free: b's shard is what eviction takes first anyway; two of a's not asked for make
+    # up the rest (the least recently used), and no more.
+    assert result.stdout.endswith("; made room by evicting 2 other shards of the dataset (60.00 kB)\n"), result.stdout
+    held = _resident(local)
+    assert set(held) == {"a"} and len(held["a"]) == 7
+    assert {"shard-0007.tar", "shard-0008.tar", "shard-0009.tar"} <= held["a"]
+    again = run_cli(["warm", str(a), "--shards", "7:10", "--json"], env, check=True)
+    assert json.loads(again.stdout.splitlines()[-1])["shards_displaced"] == 0  # resident already: nothing to move
+
+
+def test_a_pinned_datasets_shards_are_not_displaced_and_the_error_says_what_frees_room(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """Pinned shards are never evicted, a warm's neither: the refusal says how to free room, and that works."""
+    origin = fill_dir(tmp_path / "c", make_shards(4, 30_000))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[datasets.c]\nurl = "{origin}"\npin = true\n')
+    env = {
+        **cache_env,
+        "DATACACHE_CONFIG": str(config),
+        "DATACACHE_LOCAL_DIR": str(tmp_path / "local"),
+        "DATACACHE_LOCAL_CAPACITY": "90kB",
+    }
+    assert run_cli(["warm", "c", "-q"], env).returncode == 1  # 3 of 4 kept
+    result = run_cli(["warm", "c", "--shards", "3", "-q"], env)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == (
+        "datacache: the requested shards 30.00 kB do not fit in the room left on the local tier (`datacache ls` "
+        "shows what holds it, `datacache evict DATASET` frees it): 0 of 1 shards kept (-v lists the others)"
+    ), result.stderr
+    run_cli(["evict", "c", "--shards", "shard-0000.tar"], env, check=True)
+    assert "3/3 shards resident" in run_cli(["warm", "c", "--shards", "1:4", "-q"], env, check=True).stdout
+
+
+def test_only_what_makes_the_shards_asked_for_fit_is_displaced() -> None:
+    """None when the room and other datasets' shards suffice, or when even all of them would not; never a
+    pinned dataset's, nor a shard a reader holds; else the least recently used, as few as it takes."""
+    from datacache.catalog import CatalogEntry, ShardState
+    from datacache.manifest import Shard
+    from datacache.staging.warm import displaced_for
+
+    def row(dataset: str, key: str, when: float, state: ShardState = ShardState.RESIDENT) -> CatalogEntry:
+        return CatalogEntry(dataset, key, 10, None, "x", state, None, when)
+
+    rows = [row("a", f"{i}", when=float(10 - i)) for i in range(6)] + [row("b", "0", when=0.0)]
+    asked = [Shard("6", 10), Shard("7", 10), Shard("0", 10)]  # "0" is resident already
+    free = {"pinned": set[str](), "leased": set[tuple[str, str]]()}
+    assert displaced_for(asked, "a", rows, free=10, **free) == []  # 10 free and b's 10 make the 20 missing
+    assert [e.key for e in displaced_for(asked, "a", rows, free=0, **free)] == ["5"]  # the oldest of a's
+    assert [e.key for e in displaced_for(asked, "a", rows, free=-5, **free)] == ["5", "4"]
+    assert displaced_for(asked, "a", rows, free=0, pinned={"a"}, leased=set()) == []
+    assert [e.key for e in displaced_for(asked, "a", rows, free=0, pinned=set(), leased={("a", "5")})] == ["4"]
+    assert [e.key for e in displaced_for(asked, "a", rows, free=0, pinned={"b"}, leased=set())] == ["5", "4"]
+    assert displaced_for(asked, "a", rows, free=-50, **free) == []  # all five not asked for would not do
+    staging = [*rows[:-1], row("b", "0", 0.0, ShardState.STAGING)]  # not resident: nothing eviction may take
+    assert [e.key for e in displaced_for(asked, "a", staging, free=0, **free)] == ["5", "4"]

@@ -354,6 +354,24 @@ def test_nonexistent_local_directory(env: dict[str, str], tmp_path: Path) -> Non
     assert_nothing_written(tmp_path)
 
 
+def test_a_missing_local_path_is_said_in_the_same_words_by_the_cli_and_python(
+    env: dict[str, str], tmp_path: Path, settings: Settings
+) -> None:
+    """`datacache warm` said "dataset nowhere-...: no objects under PATH (the prefix or directory is empty or does not
+    exist)", `datacache shard` "nothing to shard at PATH (missing ...?)", CachedIterableDataset "PATH: no such file
+    or directory": three wordings of one mistake."""
+    missing = tmp_path / "nowhere"
+    for given in (str(missing), f"file://{missing}"):
+        with pytest.raises(ShardNotFoundError) as caught:
+            CachedIterableDataset(given, config=settings)
+        assert str(caught.value) == f"{given}: no such file or directory"
+        for args in (["warm", given], ["shard", given, str(tmp_path / "out")]):
+            result = run_cli(args, env)
+            assert (result.returncode, result.stderr.splitlines()) == (1, [f"datacache: error: {caught.value}"])
+    assert not (tmp_path / "out").exists()
+    assert_nothing_written(tmp_path)
+
+
 def test_missing_credentials(s3: S3Bucket, env: dict[str, str], tmp_path: Path) -> None:
     s3.put("ds/a.tar", b"x")
     no_credentials = {**env, "AWS_ENDPOINT_URL": s3.server.endpoint}
@@ -546,7 +564,26 @@ def test_a_mistyped_option_or_verb_gets_a_suggestion(
 
 def test_an_unknown_option_like_no_other_gets_no_suggestion(env: dict[str, str]) -> None:
     line = one_error_line(run_cli(["status", "--zzzzzz"], env))
-    assert line == "datacache: error: unrecognized arguments: --zzzzzz (see 'datacache --help')", line
+    assert line == "datacache: error: unrecognized option --zzzzzz (see 'datacache --help')", line
+
+
+def test_a_mistyped_option_is_said_alone_not_with_its_value_and_what_follows(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """`warm URL --local-capasity 1GB x` said "unrecognized arguments: --local-capasity 1GB x; did you mean
+    --local-capacity?": the guess, after a list of words two of which were no mistake of their own."""
+    result = run_cli(["warm", str(tmp_path), "--local-capasity", "1GB", "x"], env)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "datacache: error: unrecognized option --local-capasity; did you mean --local-capacity? "
+        "(see 'datacache --help')"
+    ]
+    extra = run_cli(["warm", str(tmp_path), "x"], env)  # no option mistyped: the words left over
+    assert (extra.returncode, one_error_line(extra)) == (
+        2, "datacache: error: unrecognized argument: x (see 'datacache --help')"
+    )
+    assert "unrecognized option -z " in one_error_line(run_cli(["status", "-z", "-5"], env))
+    assert_nothing_written(tmp_path)
 
 
 def test_shared_tier_required_for_tier_shared(env: dict[str, str], tmp_path: Path) -> None:

@@ -270,6 +270,30 @@ def test_a_dataset_bigger_than_the_daemons_tier_is_said_in_one_line_with_its_cap
         daemon.stop()
 
 
+def test_a_warm_of_some_shards_through_the_daemon_makes_room_among_the_datasets_others(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """The daemon runs the same warm: `--shards` the dataset's other shards crowd out are staged, and said."""
+    origin = tmp_path / "origin"
+    make_shards(origin, 5, 30_000)
+    local = tmp_path / "local"
+    daemon = start_daemon(cache_env, local, "--local-capacity", "90kB")
+    try:
+        assert run(daemon.env, "warm", str(origin), "-q").returncode == 1  # 3 of 5 kept
+        result = run(daemon.env, "warm", str(origin), "--shards", "3:5", "--json")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (summary["shards_resident"], summary["shards_displaced"], summary["bytes_displaced"]) == (2, 2, 60_000)
+        rows = {row[1] for row in catalog_rows(local) if row[-1] == "resident"}
+        assert len(rows) == 3 and {"shard-0003.tar", "shard-0004.tar"} <= rows, rows
+        gone = sorted({f"shard-{i:04d}.tar" for i in range(3)} - rows)[0]
+        plain = run(daemon.env, "warm", str(origin), "--shards", gone)
+        assert plain.returncode == 0, plain.stderr
+        assert "; made room by evicting 1 other shard of the dataset (30.00 kB)" in plain.stdout, plain.stdout
+    finally:
+        daemon.stop()
+
+
 def _shared_in_top(env: dict[str, str]) -> tuple[int, int]:
     shown = run(env, "top", "--once", "--json")
     assert shown.returncode == 0, shown.stderr

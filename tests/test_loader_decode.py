@@ -193,3 +193,36 @@ def test_skipped_samples_are_logged_a_few_then_counted(
     assert len(lines) == 5 and all("odd" in line for line in lines), lines  # the first few, each with its reason
     counted = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "skipped" in r.getMessage()]
     assert counted and "later ones are counted" in counted[0], counted
+
+
+def test_a_mistyped_decoder_or_keyword_gets_the_guess_the_command_line_makes(
+    origin: Path, settings: Settings
+) -> None:
+    """`decode="pill"` listed the decoders, and `shufle=True` was Python's bare TypeError, where a mistyped flag on
+    the command line is answered with what it most likely meant: one guess (`errors.close_match`), everywhere."""
+    from datacache.loaders import CachedMapDataset, DataLoader
+
+    from datacache.errors import close_match
+
+    assert close_match("pill", ["auto", "basic", "pil", "numpy", "torch"]) == "pil"
+    with pytest.raises(DatacacheError) as decoder:
+        CachedIterableDataset(str(origin), config=settings, decode="pill")
+    assert str(decoder.value) == (
+        "unknown decoder 'pill' (did you mean 'pil'?): use one of 'basic', 'pil', 'numpy', 'torch', or a callable"
+    )
+    cases: list[tuple[Any, dict[str, Any], str]] = [
+        (lambda **kw: CachedIterableDataset(str(origin), config=settings, **kw), {"shufle": True}, "shuffle"),
+        (lambda **kw: CachedMapDataset(str(origin), config=settings, **kw), {"decod": "pil"}, "decode"),
+        (lambda **kw: DataLoader(CachedIterableDataset(str(origin), config=settings), **kw), {"shufle": 1}, "shuffle"),
+        (lambda **kw: DataLoader([1, 2], **kw), {"num_worker": 2}, "num_workers"),
+    ]
+    for make, keywords, meant in cases:
+        with pytest.raises(TypeError) as caught:
+            make(**keywords)
+        [typed] = keywords
+        assert str(caught.value).endswith(f"() got an unexpected keyword argument {typed!r}; did you mean {meant!r}?")
+    with pytest.raises(TypeError, match=r"^DataLoader\(\) got an unexpected keyword argument 'zzzz'$"):
+        DataLoader([1, 2], zzzz=1)
+    # What is spelt right still works, positional or by keyword, as torch's own.
+    assert [b.tolist() for b in DataLoader([1, 2, 3], batch_size=2, shuffle=False)] == [[1, 2], [3]]
+    assert len(list(DataLoader(CachedIterableDataset(str(origin), config=settings), batch_size=10))) == 3

@@ -7,11 +7,13 @@ test checks the arithmetic of pacing exactly, with no timing assertion on a busy
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
-from _helpers import run_cli
+from _helpers import fill_dir, make_shards, run_cli
 
 from datacache._rate import TokenBucket
+from datacache.config import Settings
 from datacache.errors import ConfigError
 from datacache.sizes import parse_bandwidth
 
@@ -80,3 +82,34 @@ def test_warm_with_a_bare_bandwidth_says_what_unit_to_add(cache_env: dict[str, s
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("datacache: error: --bandwidth: '10' has no unit"), lines
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("fast", "target_bandwidth: expected a rate such as '1GB/s' or '200MB/s', got 'fast'"),
+        ("1GB", "target_bandwidth: '1GB' is a size, not a rate; write it per second: '1GB/s'"),
+        ("-1GB/s", "target_bandwidth: must not be negative, got '-1GB/s'"),
+    ],
+)
+def test_a_target_bandwidth_that_is_no_rate_is_refused_in_one_line_naming_it(
+    tmp_path: Path, settings: Settings, given: str, said: str
+) -> None:
+    """`target_bandwidth="fast"` was answered as a size ("bandwidth: expected a size such as '256MB'"), and "1GB",
+    a size, was taken as 1 GB/s without a word."""
+    from datacache.loaders import CachedIterableDataset
+
+    origin = fill_dir(tmp_path / "origin", make_shards(1, 100))
+    with pytest.raises(ConfigError) as caught:
+        CachedIterableDataset(str(origin), config=settings, target_bandwidth=given)
+    assert str(caught.value) == said
+    assert CachedIterableDataset(str(origin), config=settings, target_bandwidth="1GB/s").target_bandwidth == 1e9
+    assert not settings.local_dir.exists() or not any(settings.local_dir.rglob("*.tar"))
+
+
+def test_warm_with_a_size_for_a_bandwidth_says_to_add_per_second(cache_env: dict[str, str], tmp_path: Path) -> None:
+    origin = fill_dir(tmp_path / "origin", make_shards(1, 100))
+    result = run_cli(["warm", str(origin), "--bandwidth", "200MB"], cache_env, timeout=60)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        2, ["datacache: error: --bandwidth: '200MB' is a size, not a rate; write it per second: '200MB/s'"]
+    )

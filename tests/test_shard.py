@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import warnings
 from collections.abc import Coroutine
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from _helpers import run_cli
 from datacache.tiers import ObjectInfo
 
 from datacache.checksum import checksum_of, new_hasher
@@ -207,8 +209,6 @@ def test_round_trip_through_webdataset_and_tarindex(tmp_path: Path) -> None:
     # shards are cut at the target size, never splitting a sample
     assert all(s.size <= 8_000 for s in manifest.shards)
     # fixed tar header fields: no timestamps or owners leak into the shards
-    import tarfile
-
     with tarfile.open(shard_paths(dst)[0]) as archive:
         for member in archive.getmembers():
             assert (member.mtime, member.uid, member.gid, member.uname, member.gname, member.mode) == (
@@ -249,6 +249,43 @@ def test_a_rerun_over_a_changed_source_removes_only_the_shards_it_no_longer_writ
     assert {p.name for p in (dst / DONE_PREFIX).iterdir()} == {f"{key}.json" for key in units}
     assert (dst / "notes.txt").read_text() == "the user's own"
     assert second.samples == len(files) // 3 // 2  # the samples (a .jpg and a .json each) left
+    assert second.removed == first.units - second.units > 0  # the run said nothing of them
+    assert second.to_json()["shards_removed"] == second.removed
+
+
+def test_a_rerun_says_what_it_changed_of_an_earlier_output_and_that_caches_need_a_refresh(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """A rerun removed or rewrote an earlier run's shards silently (README: readers need `warm --refresh`), and
+    said "changed units are packed again" at WARNING beside a summary of "0 written": no unit had changed."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    files = image_tree(per_class=20)
+    write_tree(src, files)
+    shard = ["shard", str(src), str(dst), "--shard-size", "6kB", "-q"]
+    first = run_cli(shard, cache_env, check=True)
+    assert "earlier run" not in first.stdout and "--refresh" not in first.stdout
+    assert run_cli(["warm", str(dst), "-q"], cache_env).returncode == 0  # a cache holds these shards
+    last = load_manifest(dst).shards[-1].key
+    with tarfile.open(dst / last) as tar:
+        gone = {name.rsplit(".", 1)[0] for name in tar.getnames()}
+    for key in files:
+        if key.rsplit(".", 1)[0] in gone:  # the last shard's samples: no other shard changes
+            (src / key).unlink()
+    second = run_cli(shard, cache_env, check=True)
+    assert re.search(r"\(0 written, \d+ kept after verifying; of an earlier run's shards, 1 removed\)", second.stdout)
+    assert "packed again" not in second.stderr, second.stderr  # nothing was
+    hint = f"readers of a cache that holds the earlier shards of {dst}: run `datacache warm --refresh {dst}` first"
+    assert second.stdout.splitlines()[1:] == [hint]
+    assert run_cli(shard, cache_env, check=True).stdout.count("\n") == 1  # nothing changed: no hint
+    third = run_cli([*shard[:-3], "--shard-size", "9kB", "-q"], cache_env, check=True)
+    assert re.search(r"; of an earlier run's shards, \d+ rewritten and \d+ removed\)", third.stdout), third.stdout
+    assert third.stdout.splitlines()[1:] == [hint]
+    # The hint is the fix: the refreshed snapshot reads the new shards, every one resident.
+    command = re.search(r"`datacache (.*)`", hint)
+    assert command is not None
+    refreshed = run_cli(command.group(1).split(), cache_env)
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert f"{len(load_manifest(dst).shards)}/{len(load_manifest(dst).shards)} shards resident" in refreshed.stdout
 
 
 def test_output_is_deterministic(tmp_path: Path) -> None:
@@ -424,7 +461,7 @@ def test_the_local_dask_cluster_runs_no_profiler() -> None:
 
 def test_readme_and_help_agree_on_the_default_engine(cache_env: dict[str, str]) -> None:
     """Issue 12 item 16: the README called dask the default; `shard --help` says local."""
-    from _helpers import REPO, run_cli
+    from _helpers import REPO
 
     helped = run_cli(["shard", "--help"], cache_env, check=True).stdout
     default = re.search(r"^\s+--engine \{[a-z,]+\}.*?\(default (\w+)\)", helped, re.DOTALL | re.MULTILINE)
@@ -457,6 +494,9 @@ def test_cli_shard_json_and_errors(tmp_path: Path, cache_env: dict[str, str],
     assert main(["shard", str(tmp_path / "src"), str(tmp_path / "x"), "--group-by", "("]) == 2
     assert "not a valid regular expression" in capsys.readouterr().err
     assert main(["shard", str(tmp_path / "nothing"), str(tmp_path / "y")]) == 1
+    assert f"{tmp_path / 'nothing'}: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["shard", str(tmp_path / "empty"), str(tmp_path / "y")]) == 1
     assert "nothing to shard" in capsys.readouterr().err
     # A new user wrote the shards into their source (`shard raw raw/out`): the next run took them for input.
     monkeypatch.chdir(tmp_path)

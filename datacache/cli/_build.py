@@ -19,7 +19,7 @@ from datacache.config import Settings, resolve_dataset
 from datacache.counting.cluster import WIDS_INDEX_NAME, index_dataset, node_plan_path
 from datacache.errors import ConfigError
 from datacache.formats import get_format
-from datacache.shard import source_formats
+from datacache.shard import ShardReport, source_formats
 from datacache.sizes import format_bytes, format_rate
 from datacache.staging import Stager
 from datacache.tiers import redact_url
@@ -82,11 +82,24 @@ async def _shard(args: argparse.Namespace) -> int:
     skipped = f"; skipped {report.skipped} objects without an extension" if report.skipped else ""
     out.write(
         f"shard {report.source} -> {report.dest}: {report.units} {report.kind} shards "
-        f"({report.written} written, {report.kept} kept after verifying), {report.samples} samples from "
-        f"{report.objects} objects, {format_bytes(report.output_bytes)}, {report.seconds:.1f}s "
-        f"({report.objects_per_second:.0f} objects/s, {format_rate(report.bytes_per_second)}){skipped}\n"
+        f"({report.written} written, {report.kept} kept after verifying{_earlier_run(report)}), "
+        f"{report.samples} samples from {report.objects} objects, {format_bytes(report.output_bytes)}, "
+        f"{report.seconds:.1f}s ({report.objects_per_second:.0f} objects/s, "
+        f"{format_rate(report.bytes_per_second)}){skipped}\n"
     )
+    if report.changed_earlier_output:
+        # The README's rule: a dataset is read as the snapshot first opened, cached copies included.
+        out.write(
+            f"readers of a cache that holds the earlier shards of {report.dest}: "
+            f"run `datacache warm --refresh {report.dest}` first\n"
+        )
     return 0
+
+
+def _earlier_run(report: ShardReport) -> str:
+    """``; of an earlier run's shards, 2 rewritten and 3 removed``: what this run changed of the output."""
+    changed = [f"{n} {what}" for n, what in ((report.rewritten, "rewritten"), (report.removed, "removed")) if n]
+    return f"; of an earlier run's shards, {' and '.join(changed)}" if changed else ""
 
 
 # -- index ------------------------------------------------------------------------------------

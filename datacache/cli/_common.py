@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import pwd
 import re
@@ -13,10 +12,13 @@ from typing import Any, TypeAlias
 
 from datacache.client import DaemonClient
 from datacache.config import Settings, load_settings
-from datacache.errors import DaemonUnavailableError, DatacacheError
+from datacache.errors import DaemonUnavailableError, DatacacheError, close_match
 from datacache.tiers import redact_url
 
 logger = logging.getLogger(__name__)
+
+_UNRECOGNIZED = "unrecognized arguments: "
+"""How argparse begins its message for words no option or positional took."""
 
 Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
 """The table of subcommands each verb module adds its parsers to."""
@@ -36,22 +38,38 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:  # one line, exit status 2
         # Arguments are echoed in usage errors: a URL among them may carry credentials.
-        hint = self._did_you_mean(message)
-        self.exit(2, f"datacache: error: {redact_url(message)}{hint} (see 'datacache --help')\n")
+        if message.startswith(_UNRECOGNIZED):
+            message = self._unrecognized(message[len(_UNRECOGNIZED) :].split())
+        else:
+            message += self._did_you_mean(message)
+        self.exit(2, f"datacache: error: {redact_url(message)} (see 'datacache --help')\n")
+
+    def _unrecognized(self, words: list[str]) -> str:
+        """``unrecognized option --local-capasity; did you mean --local-capacity?``: the options alone.
+
+        A mistyped option's value (``1GB``), and anything after it, is no error of its own: argparse
+        listed them all (``unrecognized arguments: --local-capasity 1GB x``) after the guess.
+        """
+        options = [
+            word.split("=", 1)[0]
+            for word in words
+            if word.startswith("-") and len(word) > 1 and not self._negative_number_matcher.match(word)
+        ]
+        if not options:
+            return f"unrecognized {'argument' if len(words) == 1 else 'arguments'}: {' '.join(words)}"
+        known = self._option_strings()
+        guesses = [close for word in options if word.startswith("--") and (close := close_match(word, known))]
+        hint = f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+        return f"unrecognized option{'s' if len(options) > 1 else ''} {' '.join(options)}{hint}"
 
     def _did_you_mean(self, message: str) -> str:
-        """``"; did you mean --local-capacity?"`` for a mistyped option, verb or choice; else ``""``."""
+        """``"; did you mean local?"`` for a mistyped verb or choice; else ``""``."""
         chosen = re.search(r"invalid choice: '([^']*)'", message)
-        if chosen is not None:
-            choices = [str(c) for action in self._actions if action.choices for c in action.choices]
-            typed = [chosen.group(1)]
-        elif message.startswith("unrecognized arguments: "):
-            choices = self._option_strings()
-            typed = [arg.split("=", 1)[0] for arg in message.split(": ", 1)[1].split() if arg.startswith("--")]
-        else:
+        if chosen is None:
             return ""
-        guesses = [close[0] for word in typed if (close := difflib.get_close_matches(word, choices, n=1))]
-        return f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+        choices = [str(c) for action in self._actions if action.choices for c in action.choices]
+        close = close_match(chosen.group(1), choices)
+        return f"; did you mean {close}?" if close else ""
 
     def _option_strings(self) -> list[str]:
         """This parser's long options and those of the verb the command line named."""

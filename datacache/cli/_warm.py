@@ -236,9 +236,15 @@ def _print_warm_report(report: WarmReport, url: str, args: argparse.Namespace, c
     held = format_bytes(report.bytes_resident)
     if report.bytes_resident != report.bytes_requested:
         held += f" of {format_bytes(report.bytes_requested)}"
+    displaced = ""
+    if report.shards_displaced:
+        displaced = (
+            f"; made room by evicting {plural(report.shards_displaced, 'other shard')} of the dataset "
+            f"({format_bytes(report.bytes_displaced)})"
+        )
     sys.stdout.write(
         f"warm {url} -> {report.tier}: {report.shards_resident}/{report.shards_requested} shards resident "
-        f"({held}){verified}; {moved}\n"
+        f"({held}){verified}; {moved}{displaced}\n"
     )
     no_room = [failure for failure in report.failures if failure[1].startswith(_NO_ROOM)]
     if no_room:
@@ -263,7 +269,11 @@ def _no_room_line(report: WarmReport, capacity: int | None, *, whole: bool) -> s
     if capacity is not None and report.bytes_requested > capacity:
         what += f" > {report.tier} capacity {format_bytes(capacity)}"
     else:  # the tier's room, not its capacity, ran out: other data, or a full device
-        what += f" {'does' if whole else 'do'} not fit in the room left on the {report.tier} tier"
+        evict = "datacache evict DATASET" + (" --tier shared" if report.tier == SHARED else "")
+        what += (
+            f" {'does' if whole else 'do'} not fit in the room left on the {report.tier} tier "
+            f"(`datacache ls` shows what holds it, `{evict}` frees it)"
+        )
     return f"{what}: {report.shards_resident} of {report.shards_requested} shards kept (-v lists the others)"
 
 

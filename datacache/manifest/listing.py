@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -13,7 +14,7 @@ from datacache.formats import available_formats, detect_format_name, get_format
 from datacache.formats._base import SampleFormat
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.manifest.wids import wids_manifest
-from datacache.tiers import ObjectInfo, Tier, redact_url, validate_key
+from datacache.tiers import ObjectInfo, Tier, redact_url, split_scheme, validate_key
 
 __all__ = [
     "LISTING_NOTICES",
@@ -21,6 +22,7 @@ __all__ = [
     "SIDECAR_CANDIDATES",
     "detect_format",
     "listing_notices",
+    "missing_local_path",
     "object_url",
     "reading_url",
     "take_manifest",
@@ -142,11 +144,26 @@ def listing_notices(manifest: Manifest) -> list[str]:
     return [str(notice) for notice in notices] if isinstance(notices, list) else []
 
 
+def missing_local_path(url: str) -> ShardNotFoundError | None:
+    """The error for a local path (or ``file://`` URL) that does not exist; None for any other URL.
+
+    One wording wherever a dataset or a source is refused for it (``datacache warm``, ``datacache
+    shard``, ``CachedIterableDataset``): ``/data/raw: no such file or directory``.
+    """
+    scheme, rest = split_scheme(url)
+    if scheme != "file" or os.path.exists(os.path.expanduser(rest)):
+        return None
+    return ShardNotFoundError(f"{redact_url(url)}: no such file or directory")
+
+
 def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
     """The error for an origin that lists no object, with a hint when the URL is a glob."""
     glob = _glob_hint(dataset.url)
     if glob is not None:
         return ShardNotFoundError(f"dataset {dataset.name}: {glob}")
+    missing = missing_local_path(dataset.url)
+    if missing is not None:
+        return missing
     return ShardNotFoundError(
         f"dataset {dataset.name}: no objects under {origin.url} "
         "(the prefix or directory is empty or does not exist)"

@@ -42,7 +42,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +50,10 @@ from datacache.checksum import checksum_of, new_hasher
 from datacache.config import dataset_id_for
 from datacache.errors import ConfigError, DatacacheError, ShardNotFoundError
 from datacache.formats import detect_format_name, get_format
-from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat
+from datacache.manifest import MANIFEST_NAME, Manifest, Shard, ShardFormat, missing_local_path
 from datacache.shard.engines import ENGINES, run_dask, run_local, run_ray
 from datacache.shard.ensure import remove_stale_units
-from datacache.shard.job import Endpoint, PackIO, ShardJob, UnitResult, check_places, put_bytes
+from datacache.shard.job import Endpoint, PackIO, ShardJob, ShardReport, UnitResult, check_places, put_bytes
 from datacache.shard.plan import (
     DONE_PREFIX,
     PLAN_NAME,
@@ -96,59 +95,6 @@ logger = logging.getLogger(__name__)
 _OWN_NAMES = (MANIFEST_NAME, PLAN_NAME)
 
 
-@dataclass(frozen=True)
-class ShardReport:
-    """What one `shard_dataset` run did."""
-
-    source: str
-    dest: str
-    kind: str
-    units: int
-    written: int
-    kept: int
-    objects: int
-    input_bytes: int
-    output_bytes: int
-    samples: int
-    skipped: int
-    seconds: float
-    plan_digest: str
-    results: tuple[UnitResult, ...] = field(repr=False, default=())
-
-    @property
-    def objects_per_second(self) -> float:
-        """Input objects read per second of this run (0 when nothing was packed)."""
-        read = sum(r.objects for r in self.results if r.written)
-        return read / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def bytes_per_second(self) -> float:
-        """Input bytes read per second of this run."""
-        read = sum(r.input_bytes for r in self.results if r.written)
-        return read / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "event": "done",
-            "source": self.source,
-            "dest": self.dest,
-            "format": self.kind,
-            "shards": self.units,
-            "shards_written": self.written,
-            "shards_kept": self.kept,
-            "objects": self.objects,
-            "input_bytes": self.input_bytes,
-            "output_bytes": self.output_bytes,
-            "samples": self.samples,
-            "skipped_objects": self.skipped,
-            "seconds": round(self.seconds, 3),
-            "objects_per_s": round(self.objects_per_second, 1),
-            "rate_bytes_per_s": round(self.bytes_per_second, 1),
-            "plan": self.plan_digest,
-            "manifest": MANIFEST_NAME,
-        }
-
-
 def _inside(child: str, parent: str) -> str | None:
     """The prefix of ``child`` relative to ``parent`` when ``child`` lies under it."""
     child, parent = child.rstrip("/"), parent.rstrip("/")
@@ -171,7 +117,7 @@ async def list_source(source: Tier, *, exclude_prefix: str | None = None) -> lis
             continue
         infos.append(info)
     if not infos:
-        raise ShardNotFoundError(
+        raise missing_local_path(source.url) or ShardNotFoundError(
             f"nothing to shard at {source.url} (missing bucket, prefix or directory?)"
         )
     return infos
@@ -250,8 +196,10 @@ async def _prepare_output(dest: Tier, plan: ShardPlan, root_files: Mapping[str, 
             len(plan.units),
         )
     elif existing_plan:
-        logger.warning(
-            "the plan at %s changed (other inputs or options): changed units are packed again",
+        # Not a warning: the summary says how many units were packed again (often none: a unit whose
+        # inputs did not change keeps its digest, and is kept once its bytes verify).
+        logger.info(
+            "the plan at %s changed (other inputs or options): units whose inputs changed are packed again",
             dest.url,
         )
     if existing_manifest and not same:
@@ -404,7 +352,7 @@ async def _write_manifest(
 
 
 def _report(
-    source: Endpoint, dest: Endpoint, plan: ShardPlan, ordered: tuple[UnitResult, ...], seconds: float
+    source: Endpoint, dest: Endpoint, plan: ShardPlan, ordered: tuple[UnitResult, ...], seconds: float, removed: int
 ) -> ShardReport:
     """What the run did, logged in one line."""
     report = ShardReport(
@@ -422,14 +370,17 @@ def _report(
         seconds=seconds,
         plan_digest=plan.digest,
         results=ordered,
+        removed=removed,
     )
     logger.info(
-        "sharded %s -> %s: %d units (%d written, %d kept) in %.1fs",
+        "sharded %s -> %s: %d units (%d written, %d kept; %d rewritten, %d removed) in %.1fs",
         report.source,
         report.dest,
         report.units,
         report.written,
         report.kept,
+        report.rewritten,
+        report.removed,
         report.seconds,
     )
     return report
@@ -487,6 +438,6 @@ async def shard_dataset(
     job = ShardJob(source=source, dest=dest, options=options, source_format=chosen)
     await _run_units(units, job, results, engine=engine, scheduler=scheduler)
     await _write_manifest(dest, plan, root_files, results.results)
-    await remove_stale_units(dest, recorded - {unit.key for unit in plan.units})  # after: no reader lists them
+    removed = await remove_stale_units(dest, recorded - {unit.key for unit in plan.units})  # after: none listed
     ordered = tuple(results.results[unit.key] for unit in plan.units)
-    return _report(source, dest, plan, ordered, time.monotonic() - started)
+    return _report(source, dest, plan, ordered, time.monotonic() - started, removed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 from datacache.checksum import checksum_of, new_hasher
 from datacache.counting.tarindex import INDEX_SUFFIX
@@ -35,17 +36,21 @@ async def _hash_object(tier: Tier, key: str) -> tuple[int, str]:
     return size, checksum_of(hasher)
 
 
-async def _kept(spec: UnitSpec, dest: Tier, rechunker: Rechunker) -> UnitResult | None:
-    """Return the unit as recorded if its record matches the plan and its bytes verify."""
+async def _record_of(spec: UnitSpec, dest: Tier) -> dict[str, Any] | None:
+    """The record an earlier run wrote for ``spec.key``: None when there is none; ``{}`` when unreadable."""
     try:
-        raw = await dest.get(record_key(spec.key))
-        record = json.loads(raw)
+        record = json.loads(await dest.get(record_key(spec.key)))
     except ShardNotFoundError:
         return None
     except ValueError:
         logger.warning("shard %s: unreadable record, packing it again", spec.key)
-        return None
-    if not isinstance(record, dict) or record.get("digest") != spec.digest:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+async def _kept(spec: UnitSpec, dest: Tier, rechunker: Rechunker, record: dict[str, Any]) -> UnitResult | None:
+    """Return the unit as recorded if its record matches the plan and its bytes verify."""
+    if record.get("digest") != spec.digest:
         logger.info("shard %s: planned differently last time, packing it again", spec.key)
         return None
     size, checksum = record.get("size"), record.get("checksum")
@@ -88,10 +93,14 @@ async def ensure_unit(
     what was there).
     """
     rechunker = rechunker_for(job.source_format)
-    if has_record:
-        kept = await _kept(spec, dest, rechunker)
+    replaced = False
+    record = await _record_of(spec, dest) if has_record else None
+    if record is not None:
+        kept = await _kept(spec, dest, rechunker, record)
         if kept is not None:
             return kept
+        # Another plan's unit (or one no record describes) is overwritten: not the same bytes again.
+        replaced = record.get("digest") != spec.digest
     io = PackIO(source, dest, limiter or asyncio.Semaphore(job.options.concurrency), on_object or _ignore)
     size, checksum = await rechunker.pack(spec, job, io)
     record = {
@@ -104,7 +113,7 @@ async def ensure_unit(
     await put_bytes(dest, record_key(spec.key), json.dumps(record, sort_keys=True).encode())
     logger.debug("shard %s: %d bytes, %d samples, %s", spec.key, size, spec.samples, checksum)
     return UnitResult(
-        spec.key, size, checksum, spec.samples, spec.objects, spec.input_bytes, written=True
+        spec.key, size, checksum, spec.samples, spec.objects, spec.input_bytes, written=True, replaced=replaced
     )
 
 

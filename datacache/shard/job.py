@@ -1,4 +1,5 @@
-"""What every unit of a ``datacache shard`` run shares: where it reads and writes, and its result.
+"""What every unit of a ``datacache shard`` run shares: where it reads and writes, and its result;
+and what the whole run did (`ShardReport`).
 
 These values cross process boundaries (Dask and Ray tasks), so they hold
 configuration only; a worker opens its tiers from an `Endpoint` in its own
@@ -14,6 +15,7 @@ from typing import Any
 
 from datacache.errors import ConfigError
 from datacache.identity import canonical_origin
+from datacache.manifest import MANIFEST_NAME
 from datacache.shard.plan import DONE_PREFIX, ShardOptions
 from datacache.tiers import Tier, open_origin, redact_url
 
@@ -22,6 +24,7 @@ __all__ = [
     "ObjectCallback",
     "PackIO",
     "ShardJob",
+    "ShardReport",
     "UnitResult",
     "check_places",
     "put_bytes",
@@ -67,7 +70,11 @@ class ShardJob:
 
 @dataclass(frozen=True, slots=True)
 class UnitResult:
-    """A finished unit: what the manifest records, and whether this run wrote it."""
+    """A finished unit: what the manifest records, whether this run wrote it, and over what.
+
+    ``replaced``: written over a unit an earlier run recorded with another plan digest (other
+    bytes under the same name, which a cache holding the earlier ones must take again).
+    """
 
     key: str
     size: int
@@ -76,6 +83,7 @@ class UnitResult:
     objects: int
     input_bytes: int
     written: bool
+    replaced: bool = False
 
 
 def record_key(unit_key: str) -> str:
@@ -103,3 +111,70 @@ def check_places(source: Endpoint, dest: Endpoint) -> None:
         raise ConfigError(
             f"DST {redact_url(dest.url)} is inside SRC {redact_url(source.url)}; write the shards outside it"
         )
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What one `shard_dataset` run did."""
+
+    source: str
+    dest: str
+    kind: str
+    units: int
+    written: int
+    kept: int
+    objects: int
+    input_bytes: int
+    output_bytes: int
+    samples: int
+    skipped: int
+    seconds: float
+    plan_digest: str
+    results: tuple[UnitResult, ...] = field(repr=False, default=())
+    removed: int = 0
+    """Shards an earlier run wrote that this run's manifest does not name, removed (with their indexes)."""
+
+    @property
+    def rewritten(self) -> int:
+        """Shards written over those of an earlier run of another plan: other bytes under the same names."""
+        return sum(1 for r in self.results if r.replaced)
+
+    @property
+    def changed_earlier_output(self) -> bool:
+        """Whether a cache that holds an earlier run's shards now holds some the output no longer has."""
+        return bool(self.removed or self.rewritten)
+
+    @property
+    def objects_per_second(self) -> float:
+        """Input objects read per second of this run (0 when nothing was packed)."""
+        read = sum(r.objects for r in self.results if r.written)
+        return read / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Input bytes read per second of this run."""
+        read = sum(r.input_bytes for r in self.results if r.written)
+        return read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "done",
+            "source": self.source,
+            "dest": self.dest,
+            "format": self.kind,
+            "shards": self.units,
+            "shards_written": self.written,
+            "shards_kept": self.kept,
+            "shards_rewritten": self.rewritten,
+            "shards_removed": self.removed,
+            "objects": self.objects,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+            "samples": self.samples,
+            "skipped_objects": self.skipped,
+            "seconds": round(self.seconds, 3),
+            "objects_per_s": round(self.objects_per_second, 1),
+            "rate_bytes_per_s": round(self.bytes_per_second, 1),
+            "plan": self.plan_digest,
+            "manifest": MANIFEST_NAME,
+        }

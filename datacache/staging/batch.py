@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -31,10 +32,15 @@ from datacache.catalog import Claim, Reservation
 from datacache.errors import ChecksumMismatchError, OriginPermissionError, ShardNotFoundError, TierFullError
 from datacache.locks import lock_name, release_node_locks, try_node_locks
 from datacache.manifest import Shard
-from datacache.staging.local import LocalStager
+from datacache.sizes import format_bytes
+from datacache.staging.local import LocalStager, reserve_for
 from datacache.staging.types import LOCAL, ORIGIN, DatasetHandle, Location, StagingEvent
+from datacache.staging.warm import displaced_for
+from datacache.tiers import device_free
 
-__all__ = ["BATCH_BYTES", "BATCH_SHARDS", "Outcome", "WarmBatches", "stage_batch"]
+__all__ = ["BATCH_BYTES", "BATCH_SHARDS", "Outcome", "WarmBatches", "make_room_for", "stage_batch"]
+
+logger = logging.getLogger(__name__)
 
 BATCH_SHARDS = 256
 """Shards in one batch: a catalog transaction and a round of fsyncs each (and as many open files)."""
@@ -73,6 +79,41 @@ async def stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequenc
     for shard, outcome in zip(later, await _one_by_one(local, handle, later), strict=True):
         outcomes[shard.key] = outcome
     return [outcomes[shard.key] for shard in shards]
+
+
+async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> tuple[int, int]:
+    """Evict the dataset's resident shards ``shards`` leaves out, when only that makes them fit (`displaced_for`).
+
+    For a warm of some of a dataset's shards, asked for by name or range: the user's choice of
+    which of its shards the tier holds. Returns the shards and bytes evicted.
+    """
+    wanted = {shard.key for shard in shards}
+    if all(shard.key in wanted for shard in handle.manifest.shards):
+        return 0, 0  # the whole dataset: none of its shards was left out
+    catalog = local.catalog
+    used, _ = await catalog.usage()
+    room: list[int] = []  # what is free of the capacity, and of the device
+    if local.tier.capacity is not None:
+        room.append(local.tier.capacity - used)
+    if (device := device_free(local.settings.local_dir)) is not None:
+        room.append(device - reserve_for(local.settings.local_dir))
+    if not room or sum(shard.size for shard in shards) <= min(room):
+        return 0, 0  # fits as it is: no need to read the catalog's every row
+    pinned = {record.id for record in await catalog.datasets() if record.pinned}
+    if handle.config.pinned:
+        pinned.add(handle.id)
+    free = min(room)
+    chosen = displaced_for(shards, handle.id, await catalog.entries(), free=free, pinned=pinned,
+                           leased=await catalog.leased())
+    victims = await catalog.mark_evicting(handle.id, [entry.key for entry in chosen], local.owner) if chosen else []
+    await local.delete_victims(victims)
+    size = sum(victim.size for victim in victims)
+    if victims:
+        logger.info(
+            "dataset %s: evicted %d of its shards not asked for (%s) to make room for those asked for",
+            handle.id, len(victims), format_bytes(size),
+        )
+    return len(victims), size
 
 
 async def _under_locks(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Outcome]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +34,7 @@ from datacache.errors import (
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
-from datacache.staging.batch import WarmBatches, stage_batch
+from datacache.staging.batch import WarmBatches, make_room_for, stage_batch
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
@@ -485,10 +486,15 @@ class Stager:
         ``progress`` hears after each shard. ``submit`` admits each shard's
         transfer (default: this stager's queue; the daemon passes its prefetch gate).
         This is the only warm: the CLI and the daemon adapt it, never re-implement it.
+
+        Some of a dataset's shards (``shards``) that fit the local tier only once the dataset's
+        other shards leave there make them leave, least recently used first (`make_room_for`):
+        the dataset's policy (no-thrash) would keep those and refuse the ones asked for.
         """
-        await self._ready()
+        parts = await self._ready()
         chosen = list(handle.manifest.shards if shards is None else shards)
         check_fits(handle, chosen, tier, self._capacity(tier))
+        displaced = await make_room_for(parts.local, handle, chosen) if tier == LOCAL else (0, 0)
 
         async def admit(shard: Shard, priority: float) -> Location:
             return await self.ensure(handle, shard.key, tier=tier, priority=priority)
@@ -507,9 +513,10 @@ class Stager:
                 verify=check if verify else None,
                 why_not_kept=lambda: bypass_reason(tier, self._capacity(tier)),
             )
-            return await run_warm(
+            report = await run_warm(
                 handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
             )
+        return dataclasses.replace(report, shards_displaced=displaced[0], bytes_displaced=displaced[1])
 
     def _capacity(self, tier: str) -> int | None:
         target = self.local if tier == LOCAL else self.shared

@@ -147,6 +147,9 @@ class WarmReport:
     failures: tuple[tuple[str, str], ...] = ()
     bytes_resident: int = 0
     """Bytes of the requested shards resident at the end (``bytes_requested`` when complete)."""
+    shards_displaced: int = 0
+    """The dataset's shards not asked for that were evicted to make room for those asked for."""
+    bytes_displaced: int = 0
 
     @property
     def complete(self) -> bool:

@@ -15,13 +15,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from datacache._rate import TokenBucket
+from datacache.catalog import CatalogEntry, ShardState
 from datacache.errors import TierFullError
 from datacache.manifest import Shard
 from datacache.sizes import format_bytes
 from datacache.staging.events import Events
 from datacache.staging.types import PRIORITY_PREFETCH, WARMING, DatasetHandle, Location, StagingEvent, WarmReport
 
-__all__ = ["Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "run_warm"]
+__all__ = ["Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"]
 
 Submit = Callable[[Shard, float], Awaitable[Location]]
 """Start (or join) one shard's transfer at a priority; resolve to where the shard is."""
@@ -207,3 +208,42 @@ def bypass_reason(tier: str, capacity: int | None) -> str:
     if capacity is not None:
         return f"the {tier} tier (capacity {format_bytes(capacity)}) holds less than the warm-up asked for"
     return f"the {tier} tier's device holds less than the warm-up asked for"
+
+
+def displaced_for(
+    chosen: Sequence[Shard],
+    dataset: str,
+    entries: Sequence[CatalogEntry],
+    *,
+    free: int,
+    pinned: set[str],
+    leased: set[tuple[str, str]],
+) -> list[CatalogEntry]:
+    """The dataset's resident shards that ``chosen`` leaves out and that must leave for ``chosen`` to fit.
+
+    A warm of some of a dataset's shards (``--shards``) met a tier its other shards filled: no-thrash
+    (and Belady, for shards read later) never evicts a dataset's own shards for more of it, so the
+    shards asked for were refused. None are displaced when ``chosen`` fits in the ``free`` bytes and
+    those eviction may take from other datasets (not pinned, not held by a reader), nor when it would
+    not fit even then; else the least recently used first, only as many as it takes.
+    ``entries``: the tier's catalog rows.
+    """
+    if dataset in pinned:
+        return []
+    wanted = {shard.key for shard in chosen}
+    resident = [e for e in entries if e.state == ShardState.RESIDENT]
+    held = {e.key for e in resident if e.dataset == dataset}
+    missing = sum(shard.size for shard in chosen if shard.key not in held)
+    resident = [e for e in resident if (e.dataset, e.key) not in leased]  # what eviction may take
+    elsewhere = sum(e.size for e in resident if e.dataset != dataset and e.dataset not in pinned)
+    short = missing - free - elsewhere  # free < 0: over capacity, as the reservation counts it too
+    unasked = sorted((e for e in resident if e.dataset == dataset and e.key not in wanted), key=lambda e: e.last_access)
+    if short <= 0 or sum(e.size for e in unasked) < short:
+        return []
+    victims: list[CatalogEntry] = []
+    for entry in unasked:
+        if short <= 0:
+            break
+        victims.append(entry)
+        short -= entry.size
+    return victims
