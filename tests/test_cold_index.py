@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -320,3 +321,32 @@ def test_a_wids_index_is_found_without_listing_the_origin_a_second_time(
     assert not any(key.endswith(".tar") and n > 1 for key, n in requests.items())
     # The manifest's one listing also found the index: a listing per dataset costs ~1 s per 1,000 objects.
     assert requests.get(f"GET /{s3.name}") == 1, requests
+
+
+def test_a_shard_that_failed_to_count_once_is_counted_again_not_kept_uncountable(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """A count that failed (the object read back wrong once) leaves its shard out of its batch's
+    file: the next reader counts it again rather than take the batch as done. A new user's 2-rank
+    run kept a valid shard 'uncountable' for the cluster after one failed count, and the next
+    epoch failed on it."""
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=30, per_shard=10)
+    victim = origin / "train-0001.tar"
+    good, stat = victim.read_bytes(), victim.stat()
+
+    async def build() -> tuple[dict[str, KnownCount], IndexReport]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            return await ClusterIndex(handle.origin, handle.manifest, settings).build()
+
+    # The same bytes' length and mtime (the manifest's version holds), other bytes: a bad read.
+    victim.write_bytes(b"\xff" * len(good))
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    found, report = asyncio.run(build())
+    assert "train-0001.tar" in report.unreadable and "train-0001.tar" not in found
+    victim.write_bytes(good)
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    found, report = asyncio.run(build())
+    assert found["train-0001.tar"].samples == 10, "counted again, and right"
+    assert report.unreadable == {}

@@ -360,16 +360,19 @@ class ClusterIndex:
         path = self._batch_path(number)
         lock_path = path.with_suffix(".lock")
         done = await asyncio.to_thread(self._load_batch, path)
-        if done is not None:
+        if done is not None and _whole(done, batch):
             return _told(done, on_count)
         if not wait and await asyncio.to_thread(self._held_by_another, lock_path.name):
             return None
         lock = self.files.place(lock_path.name)
         async with LeaseLock(lock, lease_seconds=self.settings.lease_seconds).hold():
             done = await asyncio.to_thread(self._load_batch, path)
-            if done is not None:
+            if done is not None and _whole(done, batch):
                 return _told(done, on_count)
-            counted = await self._count_batch(batch, found, report, on_count)
+            # A batch file without some of its shards: their counts failed (a read that came back
+            # wrong once, or a bad shard). Counted again, not taken as done: one failed read must
+            # not make a shard uncountable for the whole cluster; a bad shard fails again, here.
+            counted = await self._count_batch(batch, {**found, **(done or {})}, report, on_count)
             await self._write(path, counted)
             return counted
 
@@ -418,6 +421,10 @@ class ClusterIndex:
             if on_count is not None:
                 on_count(shard.key, samples)
         return counted
+
+
+def _whole(done: Mapping[str, KnownCount], batch: Sequence[Shard]) -> bool:
+    return all(shard.key in done for shard in batch)
 
 
 def _told(
