@@ -115,9 +115,15 @@ class CountBook:
                 location = await access.ensure(self._handle, shard.key, priority=PRIORITY_PREFETCH, early=True)
             if location.buffer is not None:
                 return await asyncio.to_thread(count_tar_bytes, location.buffer, shard, where=where)
-            if location.path is None:  # the tier declined it (full): count from the origin's stream
-                return await count_tar_samples(self._handle.origin, shard, where=where)
-            return await asyncio.to_thread(count_tar_file, location.path, shard, where=where)
+            if location.path is not None:
+                try:
+                    return await asyncio.to_thread(count_tar_file, location.path, shard, where=where)
+                except FileNotFoundError:
+                    # Evicted between the answer and this read (another reader needed the room on a
+                    # small tier): no fault of its bytes, which the origin's stream counts as well.
+                    pass
+            # The tier declined it (full), or it left: count from the origin's stream.
+            return await count_tar_samples(self._handle.origin, shard, where=where)
         except (ChecksumMismatchError, DatacacheError, OSError) as exc:
             # A shard is recorded as uncountable (for every node) only for what its bytes are, never
             # because this process is closing: a run that checkpoints and stops mid-index resumes it.

@@ -350,3 +350,40 @@ def test_a_shard_that_failed_to_count_once_is_counted_again_not_kept_uncountable
     found, report = asyncio.run(build())
     assert found["train-0001.tar"].samples == 10, "counted again, and right"
     assert report.unreadable == {}
+
+
+def test_a_shard_evicted_between_its_location_and_its_count_is_counted_from_the_origin(
+    tmp_path: Path, settings: Settings
+) -> None:
+    """On a small local tier another reader may evict a shard between the answer that it is local
+    and the count's read of it: that is no fault of its bytes. It was recorded as uncountable for
+    the cluster (a new user's 2-rank run at a third of the dataset lost a sample, then failed)."""
+    from datacache.loaders.coldplan import CountBook
+    from datacache.loaders.plan import load_or_build_plan
+
+    from datacache._sync import LoopThread
+
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=30, per_shard=10)
+
+    class EvictedUnderfoot:
+        """The node's stager, with another process's eviction landing right after each answer."""
+
+        def __init__(self, stager: Stager) -> None:
+            self._stager = stager
+
+        async def ensure(self, handle: Any, key: str, **kwargs: Any) -> Any:
+            location = await self._stager.ensure(handle, key, **kwargs)
+            if location.path is not None:
+                os.unlink(location.path)
+            return location
+
+    async def count() -> int:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            await stager.ensure(handle, "train-0001.tar")  # resident: the next answer is its path
+            plan = await load_or_build_plan(stager, handle, settings, wait=False)
+            book = CountBook(plan, handle, settings, LoopThread(), EvictedUnderfoot(stager))  # type: ignore[arg-type]
+            return await book._count_staged(handle.manifest.shard("train-0001.tar"), "here")
+
+    assert asyncio.run(count()) == 10
