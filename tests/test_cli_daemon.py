@@ -279,7 +279,9 @@ def test_a_warm_of_some_shards_through_the_daemon_makes_room_among_the_datasets_
     local = tmp_path / "local"
     daemon = start_daemon(cache_env, local, "--local-capacity", "90kB")
     try:
-        assert run(daemon.env, "warm", str(origin), "-q").returncode == 1  # 3 of 5 kept
+        # The first three fill the tier. (A warm of all five kept 3 of 5, but which three was the daemon's
+        # transfer workers' race to the catalog: on a busy machine shard 3 or 4 could be among them.)
+        assert run(daemon.env, "warm", str(origin), "--shards", "0:3", "-q").returncode == 0
         result = run(daemon.env, "warm", str(origin), "--shards", "3:5", "--json")
         assert result.returncode == 0, result.stderr
         summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -16,6 +16,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from _helpers import DATACACHE, REPO, fill_dir, partial_files, wait_for, with_stager
@@ -25,7 +26,9 @@ from datacache.catalog import Catalog, Claim, Room, ShardState
 from datacache.catalog.rows import SCHEMA
 from datacache.config import load_settings, resolve_dataset
 from datacache.errors import InvalidKeyError
-from datacache.staging import Stager
+from datacache.manifest import Shard
+from datacache.staging import LOCAL, Location, Stager
+from datacache.staging.batch import Outcome, Turn, WarmBatches, stage_batch
 
 TINY = 1_000
 
@@ -230,3 +233,56 @@ def test_put_many_writes_each_file_whole_and_names_the_bad_key(tmp_path: Path) -
     assert tier.path("ds/a.bin").read_bytes() == b"a" * 10
     assert json.loads((tmp_path / "tier" / "meta" / "ds" / "a.bin.json").read_text()) == {"size": "10"}
     assert partial_files(tmp_path) == []
+
+
+def test_a_warm_bigger_than_the_tier_keeps_the_shards_it_was_asked_for_first(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """Batches run three at once; which reached the catalog first was thread scheduling's choice, so on a busy
+    machine a warm bigger than the tier kept an arbitrary subset (issue 34's order-dependent tests). Here the
+    first batch is held until the later ones have finished or stand waiting for their turn: they must wait."""
+    shards = tiny_shards(3)
+    origin = fill_dir(tmp_path / "origin", shards)
+    one = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local"), "local_capacity": f"{TINY}B"})
+
+    async def body(stager: Stager) -> list[str]:
+        handle = await stager.open(str(origin))
+        local = (await stager._ready()).local  # the batches' own stager, as `Stager.warm` hands it
+        later_ready = [asyncio.Event(), asyncio.Event()]
+
+        class Watched(Turn):
+            def __init__(self, inner: Turn, ready: asyncio.Event | None) -> None:
+                super().__init__()
+                self.inner, self.ready = inner, ready
+
+            async def wait(self) -> None:
+                if self.ready is not None:
+                    self.ready.set()  # a later batch stands at its turn
+                await self.inner.wait()
+
+            def release(self) -> None:
+                self.inner.release()
+
+        calls = 0
+
+        async def stage(batch: Sequence[Shard], turn: Turn) -> list[Outcome]:
+            nonlocal calls
+            index, calls = calls, calls + 1
+            ready = later_ready[index - 1] if index else None
+            if index == 0:
+                await asyncio.gather(*(event.wait() for event in later_ready))
+            try:
+                return await stage_batch(local, handle, batch, Watched(turn, ready))
+            finally:
+                if ready is not None:
+                    ready.set()  # finished without waiting (the order bug): let the first go on
+
+        async with WarmBatches(stage) as batches:
+            got = await asyncio.gather(
+                *(batches.submit(shard, 0.0) for shard in handle.manifest.shards), return_exceptions=True
+            )
+        return [shard.key for shard, where in zip(handle.manifest.shards, got, strict=True)
+                if isinstance(where, Location) and where.tier == LOCAL]
+
+    assert with_stager(one, body) == ["000000.bin"]
+    assert set(rows(one.local_dir)) == {"000000.bin"}

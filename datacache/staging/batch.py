@@ -38,7 +38,7 @@ from datacache.staging.types import LOCAL, ORIGIN, DatasetHandle, Location, Stag
 from datacache.staging.warm import displaced_for
 from datacache.tiers import device_free
 
-__all__ = ["BATCH_BYTES", "BATCH_SHARDS", "Outcome", "WarmBatches", "make_room_for", "stage_batch"]
+__all__ = ["BATCH_BYTES", "BATCH_SHARDS", "Outcome", "Turn", "WarmBatches", "make_room_for", "stage_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,42 @@ Outcome = Location | BaseException
 _FINAL = (ShardNotFoundError, OriginPermissionError)
 
 
-async def stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> list[Outcome]:
-    """Stage ``shards`` onto the local tier together; return where each one is (or why it is not)."""
+class Turn:
+    """A batch's place in its warm: it reserves room only after the batches before it have reserved theirs.
+
+    Batches run ``IN_FLIGHT`` at once, and which of them reaches the catalog first depended on thread
+    scheduling: on a busy machine a warm bigger than the tier kept an arbitrary subset, not the shards
+    it was asked for first (which a prestage in reading order needs, and tests relied on).
+    """
+
+    def __init__(self, before: Turn | None = None) -> None:
+        self._before = before
+        self._done = asyncio.Event()
+
+    async def wait(self) -> None:
+        if self._before is not None:
+            await self._before._done.wait()
+
+    def release(self) -> None:
+        """This batch has reserved (or will not): the next may. Idempotent."""
+        self._done.set()
+
+
+async def stage_batch(
+    local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard], turn: Turn | None = None
+) -> list[Outcome]:
+    """Stage ``shards`` onto the local tier together; return where each one is (or why it is not).
+
+    ``turn``: this batch's place among a warm's batches (`Turn`); released however this ends.
+    """
+    turn = turn or Turn()
+    try:
+        return await _stage_batch(local, handle, shards, turn)
+    finally:
+        turn.release()
+
+
+async def _stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard], turn: Turn) -> list[Outcome]:
     outcomes: dict[str, Outcome] = dict(await local.hits(handle, shards))
     for _ in outcomes:
         local.events.hit(LOCAL)
@@ -71,8 +105,9 @@ async def stage_batch(local: LocalStager, handle: DatasetHandle, shards: Sequenc
     held = await asyncio.to_thread(try_node_locks, list(paths.values()))
     try:
         mine = [shard for shard in missing if paths[shard.key] in held]
-        outcomes.update(await _under_locks(local, handle, mine))
+        outcomes.update(await _under_locks(local, handle, mine, turn))
     finally:
+        turn.release()
         await asyncio.shield(asyncio.to_thread(release_node_locks, held))
     # Held by another process (staging them: this waits for it), or not staged here after all.
     later = [shard for shard in shards if shard.key not in outcomes]
@@ -116,7 +151,9 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
     return len(victims), size
 
 
-async def _under_locks(local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Outcome]:
+async def _under_locks(
+    local: LocalStager, handle: DatasetHandle, shards: Sequence[Shard], turn: Turn
+) -> dict[str, Outcome]:
     """Stage the shards whose node locks this process holds; those left out go the one-shard way."""
     outcomes: dict[str, Outcome] = dict(await local.hits(handle, shards))  # staged by another just before
     missing = [shard for shard in shards if shard.key not in outcomes]
@@ -124,12 +161,15 @@ async def _under_locks(local: LocalStager, handle: DatasetHandle, shards: Sequen
         return outcomes
     local.events.count("misses", len(missing))
     claims = [Claim(shard.key, shard.size, shard.version) for shard in missing]
+    await turn.wait()
     try:
         reservations = await local.catalog.reserve_many(handle.id, claims, await local.room(handle))
     except TierFullError as exc:  # the catalog itself found no room
+        turn.release()
         for shard in missing:
             outcomes[shard.key] = await local.bypass(handle, shard, str(exc))
         return outcomes
+    turn.release()
     await local.delete_victims([victim for reservation in reservations for victim in reservation.victims])
     granted = [shard for shard, reservation in zip(missing, reservations, strict=True) if reservation.granted]
     for shard, reservation in zip(missing, reservations, strict=True):
@@ -264,8 +304,9 @@ class WarmBatches:
     abandoned, their temporary files removed, their locks released).
     """
 
-    def __init__(self, stage: Callable[[Sequence[Shard]], Awaitable[list[Outcome]]]) -> None:
+    def __init__(self, stage: Callable[[Sequence[Shard], Turn], Awaitable[list[Outcome]]]) -> None:
         self._stage = stage
+        self._last: Turn | None = None  # the latest batch's: the next one reserves after it
         self._pending: deque[tuple[Shard, asyncio.Future[Location]]] = deque()
         self._running: set[asyncio.Task[None]] = set()
 
@@ -286,7 +327,8 @@ class WarmBatches:
                     size += shard.size
             if not batch:
                 return
-            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._last = turn = Turn(self._last)
+            task = asyncio.get_running_loop().create_task(self._run(batch, turn))
             self._running.add(task)
             task.add_done_callback(self._finished)
 
@@ -295,11 +337,13 @@ class WarmBatches:
         if not task.cancelled():
             self._start()
 
-    async def _run(self, batch: list[tuple[Shard, asyncio.Future[Location]]]) -> None:
+    async def _run(self, batch: list[tuple[Shard, asyncio.Future[Location]]], turn: Turn) -> None:
         try:
-            outcomes = await self._stage([shard for shard, _ in batch])
+            outcomes = await self._stage([shard for shard, _ in batch], turn)
         except Exception as exc:
             outcomes = [exc] * len(batch)
+        finally:
+            turn.release()
         for (_, future), outcome in zip(batch, outcomes, strict=True):
             if future.done():
                 continue

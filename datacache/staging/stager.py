@@ -34,7 +34,7 @@ from datacache.errors import (
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
-from datacache.staging.batch import WarmBatches, make_room_for, stage_batch
+from datacache.staging.batch import Turn, WarmBatches, make_room_for, stage_batch
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
@@ -502,8 +502,8 @@ class Stager:
         async def check(shard: Shard) -> bool:
             return await self.verify_resident(handle, shard, tier=tier)
 
-        async def batch(shards: Sequence[Shard]) -> list[Location | BaseException]:
-            return await stage_batch((await self._ready()).local, handle, shards)
+        async def batch(shards: Sequence[Shard], turn: Turn) -> list[Location | BaseException]:
+            return await stage_batch((await self._ready()).local, handle, shards, turn)
 
         # In this process onto the local tier: in batches (a tiny shard costs its bytes, not 5 ms).
         async with WarmBatches(batch) as batches:
