@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from _helpers import REPO
+from _helpers import REPO, run_cli
 from test_loader import keys_of, write_wds
 
 from datacache.config import Settings
@@ -118,8 +119,19 @@ def _dataset(origin: Path | str, settings: Settings, **options: Any) -> CachedIt
     return CachedIterableDataset(str(origin), config=settings, seed=5, batch_size=4, transform=_label, **options)
 
 
+def _top_frame(settings: Settings, cache_env: dict[str, str]) -> dict[str, Any]:
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(settings.local_dir)}
+    done = run_cli(["top", "--once", "--json", "--interval", "0.1"], env, check=True)
+    frame: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return frame
+
+
 def test_remote_batches_are_the_local_reader_s_whatever_the_pool_size_and_once_across_ranks(
-    origin: Path, settings: Settings, pools: list[RayPool], monkeypatch: pytest.MonkeyPatch
+    origin: Path,
+    settings: Settings,
+    pools: list[RayPool],
+    monkeypatch: pytest.MonkeyPatch,
+    cache_env: dict[str, str],
 ) -> None:
     local = _batches(_dataset(origin, settings))
     one = _dataset(origin, settings, remote=_pool(pools, workers=1))
@@ -129,8 +141,14 @@ def test_remote_batches_are_the_local_reader_s_whatever_the_pool_size_and_once_a
     assert _batches(two) == local
     stats = two.stats()
     assert stats.remote is not None and stats.remote.workers == 2
-    assert len(stats.remote.nodes) == 2, "one worker on each node"
+    placed = {ray.get(worker.handle.where.remote())[0] for worker in two.remote.open().live.values()}
+    assert len(placed) == 2, "one worker on each node"
     assert stats.samples == 60 and stats.remote.lost_workers == 0
+    frame = _top_frame(settings, cache_env)
+    pools_seen = [c for c in frame["clients"] if c.get("remote_workers") is not None]
+    assert [(c["remote_workers"], c["remote_max_workers"]) for c in pools_seen] == [(2, 2)], frame["clients"]
+    text = run_cli(["top", "--once"], {**cache_env, "DATACACHE_LOCAL_DIR": str(settings.local_dir)}, check=True)
+    assert "r0 pool 2/2 pid" in text.stdout
     seen = []
     for rank in range(2):
         monkeypatch.setenv("RANK", str(rank))
@@ -212,7 +230,9 @@ def test_the_origin_is_read_once_per_cluster(
     for path in sorted((tmp_path / "upload").iterdir()):
         s3.put(f"remote/{path.name}", path.read_bytes())
     s3.server.reset_counts()
-    dataset = _dataset(s3.url("remote/"), settings, remote=_pool(pools, workers=2))
+    pool = _pool(pools, workers=2)
+    ray.get([worker.probe for worker in pool.open().live.values()])  # both run before the epoch: both read
+    dataset = _dataset(s3.url("remote/"), settings, remote=pool)
     assert sorted(keys_of({"__key__": list(keys)} for keys, _ in _batches(dataset))) == [
         f"sample{i:06d}" for i in range(48)
     ]
@@ -250,6 +270,16 @@ def test_sizing_moves_toward_the_target_within_bounds() -> None:
     assert workers_needed(3, Target(20_000, "bytes"), rate, 1, 64) == 3
     assert workers_needed(3, None, rate, 1, 64) == 3
     assert workers_needed(3, Target(1000, "samples"), Measured(0, 0, 0.0), 1, 64) == 3  # nothing measured yet
+
+
+def test_a_client_s_remote_pool_size_is_a_daemon_metric() -> None:
+    from datacache.metrics import DaemonMetrics
+
+    metrics = DaemonMetrics()
+    metrics.client_report("node7:5510:r0w0", bandwidth=1e6, stall_fraction=0.1, delivered=10, remote_workers=6)
+    assert 'datacache_client_remote_workers{client="node7:5510:r0w0"} 6.0' in metrics.render().decode()
+    metrics.forget_client("node7:5510:r0w0")
+    assert "node7:5510:r0w0" not in metrics.render().decode()
 
 
 def test_remote_is_refused_in_one_line_where_it_cannot_be(origin: Path, settings: Settings) -> None:

@@ -12,6 +12,7 @@ resumes it exactly, on any world size and any pool size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.remote._pool import RayPool, Worker, Workers
 from datacache.loaders.remote._sizing import Measured, workers_needed
 from datacache.loaders.remote._worker import EpochKey, Made, Run
-from datacache.loaders.stats import Counter, RemoteStats
+from datacache.loaders.stats import Counter, LoaderStats, RemoteStats, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
 
 from datacache.errors import ConfigError
@@ -37,6 +38,8 @@ _WAIT_STEP = 1.0
 """Seconds one wait for a worker's answer lasts before the pool is looked at again."""
 _STALL_LIMIT = 600.0
 """Seconds with no answer from any worker after which the epoch fails, saying so."""
+_REPORT_EVERY = 1.0
+"""Seconds between two reports to `datacache top` and the daemon's metrics (`top` refreshes every second)."""
 _LOSS_LIMIT = 8
 """Workers lost in a row, with no batch made between, after which the epoch fails (they cannot start)."""
 
@@ -90,6 +93,9 @@ class RemoteEpoch:
         self._looked = time.monotonic()
         self._row = dataset._table.row(0).numpy()
         self._start_row()
+        self._runtime = dataset._prepare()  # this node's cache: where `datacache top` reads the rank's figures
+        self._bandwidth = dataset.target_bandwidth
+        self._reported = time.monotonic()
 
     def _start_row(self) -> None:
         row, now = self._row, time.time()
@@ -131,6 +137,25 @@ class RemoteEpoch:
         row[Counter.CONSUMER_TIME] += now - self._last_yield
         row[Counter.DEPTH] = self._limit
         self._last_yield = now
+        if time.monotonic() - self._reported >= _REPORT_EVERY:
+            self._report()
+
+    def _report(self) -> None:
+        """Tell the node's daemon (or, embedded, `datacache top`'s report file) this rank's figures and pool size."""
+        self._reported = time.monotonic()
+        layout, runtime = self.layout, self._runtime
+        figures = reader_figures(
+            self._row,
+            rank=layout.rank,
+            world_size=layout.world_size,
+            worker=0,
+            num_workers=1,
+            epoch=self.epoch,
+            target=self._bandwidth,
+            in_consumer=True,
+        )
+        figures.update(remote_workers=self._workers.size, remote_max_workers=self._workers.high)
+        runtime.loop.submit(publish_reader(runtime.access, runtime.handle, figures))
 
     # -- asking and receiving ---------------------------------------------------------------
 
@@ -245,6 +270,7 @@ class RemoteEpoch:
     def _finish(self) -> None:
         self._row[Counter.UPDATED] = time.time()
         self._row[Counter.TOTAL] = self.produced
+        self._report()
 
     # -- what stats() says of the pool ------------------------------------------------------
 
@@ -280,10 +306,8 @@ def _actor_errors() -> tuple[type[Exception], ...]:
     return (ray.exceptions.RayActorError,)
 
 
-def with_remote(stats: Any, iterator: object) -> Any:
+def with_remote(stats: LoaderStats, iterator: object) -> LoaderStats:
     """``stats`` with the remote pool's figures, when ``iterator`` (the dataset's last) was a remote epoch."""
     if not isinstance(iterator, RemoteEpoch):
         return stats
-    import dataclasses
-
     return dataclasses.replace(stats, remote=iterator.pool_stats())

@@ -171,14 +171,15 @@ class Workers:
             ray.init(address=pool.address, include_dashboard=False, logging_level=logging.WARNING)
         self._ray = ray
         self.pool = pool
-        cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        resources: Any = ray.cluster_resources  # untyped in Ray
+        cpus = float(resources().get("CPU", 1.0))
         self.high = pool.max_workers or max(pool.min_workers, int(cpus // pool.num_cpus))
         self.low = min(pool.min_workers, self.high)
         self.live: dict[int, Worker] = {}
         self._numbers = iter(range(1 << 62))
-        resources = dict(pool.resources or {}) or None
+        wanted = dict(pool.resources or {}) or None
         self._actor = ray.remote(BatchMaker).options(
-            num_cpus=pool.num_cpus, resources=resources, scheduling_strategy="SPREAD", max_restarts=0
+            num_cpus=pool.num_cpus, resources=wanted, scheduling_strategy="SPREAD", max_restarts=0
         )
         self._shipped: weakref.WeakKeyDictionary[CachedIterableDataset, tuple[str, list[Any]]]
         self._shipped = weakref.WeakKeyDictionary()
@@ -212,7 +213,7 @@ class Workers:
         size = min(max(size, self.low), self.high)
         while self.size < size:
             number = next(self._numbers)
-            handle = self._actor.remote(self.pool.config)
+            handle: Any = self._actor.remote(self.pool.config)
             self.live[number] = Worker(handle, number, probe=handle.where.remote())
         taking = sorted((w for w in self.live.values() if not w.retiring), key=lambda w: len(w.tasks))
         for worker in taking[: max(0, len(taking) - size)]:

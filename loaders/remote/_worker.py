@@ -113,7 +113,7 @@ class BatchMaker:
         self._node = ray.get_runtime_context().get_node_id()
 
     def where(self) -> tuple[str, int]:
-        """This worker's host and process id (the pool names them in its logs and stats)."""
+        """This worker's Ray node and process id (the pool's probe that it runs)."""
         return self._node, os.getpid()
 
     def make(self, token: str, shipped: list[Any], key: EpochKey, first: int, count: int) -> Run:
