@@ -314,3 +314,15 @@ def test_without_ray_the_loaders_import_and_remote_says_what_to_install(origin: 
         [sys.executable, "-c", _WITHOUT_RAY, str(origin)], capture_output=True, text=True, check=True
     )
     assert without.stdout.strip() == "remote='ray' needs Ray: pip install 'datacache[ray]'"
+
+
+def test_an_epoch_left_early_gives_its_workers_back_to_the_next(
+    origin: Path, settings: Settings, pools: list[RayPool]
+) -> None:
+    reference = _dataset(origin, settings)
+    reference.set_epoch(1)
+    expected = _batches(reference)
+    dataset = _dataset(origin, settings, remote=_pool(pools, workers=2))
+    assert len(_batches(itertools.islice(iter(dataset), 2))) == 2  # the loop breaks out of epoch 0
+    dataset.set_epoch(1)
+    assert _batches(dataset) == expected

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,8 @@ class RemoteEpoch:
         self._looked = time.monotonic()
         self._row = dataset._table.row(0).numpy()
         self._start_row()
+        # An epoch left before its end (a new one started, the loop broke out) gives its workers back.
+        weakref.finalize(self, workers.release, self._tasks)
         self._runtime = dataset._prepare()  # this node's cache: where `datacache top` reads the rank's figures
         self._bandwidth = dataset.target_bandwidth
         self._reported = time.monotonic()
@@ -268,6 +271,8 @@ class RemoteEpoch:
         self._figures.resizes += 1
 
     def _finish(self) -> None:
+        self._workers.release(self._tasks)  # runs asked past the end, not needed
+        self._tasks.clear()
         self._row[Counter.UPDATED] = time.time()
         self._row[Counter.TOTAL] = self.produced
         self._report()

@@ -8,6 +8,7 @@ nodes, each with a few tasks queued (so it never idles between them), grown and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -239,6 +240,15 @@ class Workers:
     def started(self, worker: Worker) -> None:
         """``worker``'s probe was answered: it runs, and takes tasks from now on."""
         worker.probe = None
+        self._forget_if_done(worker)
+
+    def release(self, tasks: Mapping[Any, tuple[int, Worker]]) -> None:
+        """Drop an epoch's unanswered ``tasks`` (it ended or was left): cancelled if not started, never waited for."""
+        for ref, (_, worker) in list(tasks.items()):
+            worker.tasks.discard(ref)
+            with contextlib.suppress(Exception):  # already done, or its actor gone: nothing to cancel
+                self._ray.cancel(ref)
+            self._forget_if_done(worker)
 
     def answered(self, worker: Worker, ref: Any) -> None:
         worker.tasks.discard(ref)
