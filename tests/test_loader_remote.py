@@ -42,6 +42,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::R
 class RayNodes:
     cluster: Any
     root: Path
+    nodes: list[Any]
+    envs: list[dict[str, str]]
+    options: dict[str, Any]
 
     def local_dirs(self) -> list[Path]:
         return sorted(self.root.glob("node*/local"))
@@ -60,14 +63,22 @@ def ray_nodes(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> 
         "HOME": str(root / "home"),
     }
     small = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **small})
-    for index in range(2):
-        env = {**common, "DATACACHE_LOCAL_DIR": str(root / f"node{index}" / "local")}
-        cluster.add_node(num_cpus=1, env_vars=env, **small)
-    cluster.wait_for_nodes()
+    envs = [{**common, "DATACACHE_LOCAL_DIR": str(root / f"node{index}" / "local")} for index in range(2)]
+    for attempt in range(3):
+        # Ray gives a starting node 30 s (fixed) to register; a machine busy with other suites can miss it.
+        cluster = Cluster(initialize_head=False)
+        try:
+            cluster.add_node(num_cpus=0, **small)
+            nodes = [cluster.add_node(num_cpus=1, env_vars=env, **small) for env in envs]
+            cluster.wait_for_nodes()
+            break
+        except Exception:
+            cluster.shutdown()
+            if attempt == 2:
+                raise
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
-        yield RayNodes(cluster, root)
+        yield RayNodes(cluster, root, nodes, envs, small)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -326,3 +337,20 @@ def test_an_epoch_left_early_gives_its_workers_back_to_the_next(
     assert len(_batches(itertools.islice(iter(dataset), 2))) == 2  # the loop breaks out of epoch 0
     dataset.set_epoch(1)
     assert _batches(dataset) == expected
+
+
+def test_a_worker_node_killed_mid_epoch_has_its_batches_made_on_the_node_that_replaces_it(
+    origin: Path, settings: Settings, pools: list[RayPool], ray_nodes: RayNodes
+) -> None:
+    local = _batches(_dataset(origin, settings))
+    pool = _pool(pools, workers=2)
+    dataset = _dataset(origin, settings, remote=pool)
+    batches = iter(dataset)
+    taken = _batches(itertools.islice(batches, 2))
+    victim = ray_nodes.nodes.pop(0)
+    ray_nodes.cluster.remove_node(victim, allow_graceful=False)  # its raylet and workers are killed
+    env = ray_nodes.envs[0]
+    ray_nodes.nodes.append(ray_nodes.cluster.add_node(num_cpus=1, env_vars=env, **ray_nodes.options))
+    assert taken + _batches(batches) == local
+    stats = dataset.stats().remote
+    assert stats is not None and stats.lost_workers >= 1
