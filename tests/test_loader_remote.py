@@ -11,6 +11,7 @@ import functools
 import itertools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _helpers import REPO, run_cli
 from test_loader import keys_of, write_wds
+from torch.utils.data import DataLoader
 
 from datacache.config import Settings
 from datacache.errors import ConfigError
@@ -302,6 +304,11 @@ def test_remote_is_refused_in_one_line_where_it_cannot_be(origin: Path, settings
         RayPool(min_workers=2, max_workers=1)
     with pytest.raises(ConfigError, match="in_flight=1 is below batches_per_task=2"):
         RayPool(in_flight=1)
+    dataset = CachedIterableDataset(str(origin), config=settings, batch_size=4, remote=RayPool(workers=3))
+    clone = pickle.loads(pickle.dumps(dataset))  # configuration only: no actor handle travels
+    assert isinstance(clone.remote, RayPool) and clone.remote.workers == 3 and clone.remote._workers is None
+    with pytest.raises(ConfigError, match=r"use DataLoader\(ds, batch_size=None, num_workers=0\)"):
+        next(iter(DataLoader(dataset, batch_size=None, num_workers=1)))
 
 
 _WITHOUT_RAY = """
