@@ -255,6 +255,8 @@ def test_the_origin_is_read_once_per_cluster(
     assert len(dataset.stats().remote.nodes) == 2  # type: ignore[union-attr]
     cached = [sorted(p.name for p in d.rglob("*.tar")) for d in ray_nodes.local_dirs()]
     assert all(cached), f"each node read through its own local tier: {cached}"
+    hits = dataset.stats().hit_ratio  # where the workers' shards came from, as the training process reports
+    assert hits["origin"] > 0 and hits["origin"] + hits["shared"] + hits["local"] == pytest.approx(1.0)
 
 
 def test_the_pool_grows_toward_an_unmet_target_and_shrinks_past_a_met_one(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.remote._pool import RayPool, Worker, Workers
 from datacache.loaders.remote._sizing import Measured, workers_needed
-from datacache.loaders.remote._worker import EpochKey, Made, Run
+from datacache.loaders.remote._worker import COUNTED, EpochKey, Made, Run
 from datacache.loaders.stats import Counter, LoaderStats, RemoteStats, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
 
@@ -245,6 +245,8 @@ class RemoteEpoch:
         was = self._measured
         self._measured = Measured(was.samples + samples, was.bytes + nbytes, was.busy_seconds + run.seconds)
         self._figures.nodes.add(run.node)
+        for column, value in zip(COUNTED, run.counters):
+            self._row[column] += value
 
     def _lost(self, first: int, worker: Worker, exc: Exception) -> None:
         """A run that never came back: ask it of another worker (nothing of it was handed over)."""

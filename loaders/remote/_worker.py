@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.stats import Counter
 
 from datacache.config import Settings, load_settings
 
@@ -27,7 +28,20 @@ if TYPE_CHECKING:
     from datacache.loaders.dataset import CachedIterableDataset
     from datacache.loaders.iterator import EpochIterator
 
-__all__ = ["BatchMaker", "EpochKey", "Made", "Run", "make_batch"]
+__all__ = ["COUNTED", "BatchMaker", "EpochKey", "Made", "Run", "make_batch"]
+
+COUNTED = (
+    Counter.UNITS_LOCAL,
+    Counter.UNITS_SHARED,
+    Counter.UNITS_ORIGIN,
+    Counter.WAIT,
+    Counter.WAIT_ORIGIN,
+    Counter.WAIT_SHARED,
+    Counter.READ,
+    Counter.DECODE,
+    Counter.CORRUPT,
+)
+"""A worker reader's columns the training process adds to its own row, so that `stats()` says them."""
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +85,8 @@ class Run:
     seconds: float
     node: str
     pid: int
+    counters: tuple[float, ...] = ()
+    """What the worker's reader counted making it, by `COUNTED` column: where its shards came from, its waits."""
 
 
 def make_batch(iterator: EpochIterator, index: int, batch_size: int) -> Made | None:
@@ -123,6 +139,8 @@ class BatchMaker:
         """
         started = time.perf_counter()
         iterator = self._iterator(token, shipped, key)
+        row = iterator._row
+        before = [float(row[column]) for column in COUNTED]
         made: list[Made] = []
         end = None
         for index in range(first, first + count):
@@ -131,7 +149,8 @@ class BatchMaker:
                 end = index
                 break
             made.append(batch)
-        return Run(tuple(made), end, time.perf_counter() - started, self._node, os.getpid())
+        counted = tuple(float(row[column]) - was for column, was in zip(COUNTED, before))
+        return Run(tuple(made), end, time.perf_counter() - started, self._node, os.getpid(), counted)
 
     def _iterator(self, token: str, shipped: list[Any], key: EpochKey) -> EpochIterator:
         reading = self._reading
