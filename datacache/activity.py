@@ -70,6 +70,8 @@ READER_FIELDS: dict[str, type] = {
     "units_shared": int,
     "units_origin": int,
     "mode": str,
+    "remote_workers": int,  # the rank's remote pool (remote=): workers making its batches now
+    "remote_max_workers": int,
 }
 """Optional fields of a reader's report beside ``delivered_bytes_per_s``, ``stall_fraction``,
 ``delivered_bytes`` and ``dataset``, with their types (``/v1/report`` checks them)."""

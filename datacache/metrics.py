@@ -75,6 +75,7 @@ METRICS: dict[str, str] = {
     "datacache_client_delivered_bytes_per_second": "gauge",
     "datacache_client_data_stall_fraction": "gauge",
     "datacache_client_delivered_bytes_total": "counter",
+    "datacache_client_remote_workers": "gauge",
     "datacache_clients": "gauge",
     "datacache_ready": "gauge",
     "datacache_start_time_seconds": "gauge",
@@ -251,6 +252,12 @@ class DaemonMetrics:
             ["client"],
             registry=r,
         )
+        self.client_remote_workers = Gauge(
+            "datacache_client_remote_workers",
+            "Remote workers making a client's batches (a dataset with remote=)",
+            ["client"],
+            registry=r,
+        )
         self.clients = Gauge(
             "datacache_clients", "Clients that reported in the last few minutes", registry=r
         )
@@ -285,17 +292,19 @@ class DaemonMetrics:
             self.bypassed.inc()
 
     def client_report(
-        self, client: str, *, bandwidth: float, stall_fraction: float, delivered: int
+        self, client: str, *, bandwidth: float, stall_fraction: float, delivered: int, remote_workers: int | None = None
     ) -> None:
-        """Record what one client reports of its own delivery."""
+        """Record what one client reports of its own delivery (and of its remote pool, if it has one)."""
         self.client_bandwidth.labels(client).set(bandwidth)
         self.client_stall.labels(client).set(stall_fraction)
+        if remote_workers is not None:
+            self.client_remote_workers.labels(client).set(remote_workers)
         if delivered > 0:
             self.client_bytes.labels(client).inc(delivered)
 
     def forget_client(self, client: str) -> None:
         """Drop a client that stopped reporting (bounds the label set)."""
-        for metric in (self.client_bandwidth, self.client_stall, self.client_bytes):
+        for metric in (self.client_bandwidth, self.client_stall, self.client_bytes, self.client_remote_workers):
             with contextlib.suppress(KeyError):
                 metric.remove(client)
 

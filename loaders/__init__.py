@@ -10,8 +10,9 @@ from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import DECODERS, basic_decoders
 from datacache.loaders.mapstyle import CachedMapDataset
 from datacache.loaders.packing import PackedBytes
+from datacache.loaders.remote import RayPool
 from datacache.loaders.sources import Source
-from datacache.loaders.stats import LoaderStats, SourceStats
+from datacache.loaders.stats import LoaderStats, RemoteStats, SourceStats
 
 __all__ = [
     "DECODERS",
@@ -20,6 +21,8 @@ __all__ = [
     "DataLoader",
     "LoaderStats",
     "PackedBytes",
+    "RayPool",
+    "RemoteStats",
     "Source",
     "SourceStats",
     "basic_decoders",

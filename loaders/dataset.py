@@ -26,6 +26,7 @@ from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
 from datacache.loaders.precheck import check_keywords, check_sources, target_rate
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
+from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_epoch, with_remote
 from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given, SourceSpec, resolve_sources
@@ -115,6 +116,9 @@ class CachedIterableDataset(IterableDataset[Any]):
         Draw each epoch's samples of a source with replacement instead.
     resample
         Iterate endlessly: epoch after epoch from the one set, with no end (``len()`` is undefined).
+    remote
+        ``"ray"`` or a `RayPool`: CPU workers elsewhere in a Ray cluster read, decode, transform and collate the
+        batches (``batch_size=`` needed), which come to this process in order (README, "Preprocessing on CPU nodes").
     """
 
     @check_keywords("CachedIterableDataset")
@@ -137,15 +141,11 @@ class CachedIterableDataset(IterableDataset[Any]):
         replacement: bool = False,
         resample: bool = False,
         transform: Callable[[Any], Any] | None = None,
+        remote: RayPool | str | None = None,
     ) -> None:
         super().__init__()
-        _check_options(
-            epoch_size=epoch_size,
-            on_error=on_error,
-            shuffle_buffer=shuffle_buffer,
-            batch_size=batch_size,
-            prefetch=prefetch,
-        )
+        options = {"shuffle_buffer": shuffle_buffer, "batch_size": batch_size, "prefetch": prefetch}
+        _check_options(epoch_size=epoch_size, on_error=on_error, **options)
         self._sources = resolve_sources(dataset, weights)
         check_sources([spec for spec in self._sources if not _names_shards(spec)], config)  # no listing
         self._mixed = _reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
@@ -166,6 +166,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.batch_size = batch_size
         self.on_error = on_error
         self.transform = check_transform(transform)
+        self.remote = check_remote(remote, batch_size=batch_size, resample=self.resample)
         self._epoch = 0
         self._cursors: tuple[Cursor, ...] = ()
         self._resume_epoch: int | None = None
@@ -173,7 +174,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._layout_hint: tuple[int, int] | None = None
         self._runtime: Runtime | None = None
         self._planner: Planner | None = None
-        self._main_iterator: EpochIterator | None = None
+        self._main_iterator: EpochIterator | RemoteEpoch | None = None
         if any(_names_shards(spec) for spec in self._sources):
             # Shards named one by one (a pattern, a list, a glob) must be listed: refused here, in one line, not
             # in a DataLoader worker's traceback. Opens the runtime len() or iter() would (pickling drops it).
@@ -295,7 +296,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         cursors = self._cursors_for(epoch)
         if self.resample:
             return self._endless(layout, epoch, cursors)
-        iterator = self._reader(layout, epoch, cursors)
+        iterator = remote_epoch(self, layout, epoch, cursors) if self.remote else self._reader(layout, epoch, cursors)
         if info is None:
             self._main_iterator = iterator
         return iterator
@@ -447,7 +448,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             # This process's own origin retries (its readers, or its plan building); worker
             # processes put theirs in their rows.
             consumer[Counter.RETRIES] = runtime.access.origin_retries()
-        return LoaderStats.from_table(
+        stats = LoaderStats.from_table(
             self._table.snapshot(),
             consumer,
             mode=mode,
@@ -457,6 +458,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             per_source=self._table.sources.clone(),
             labels=[spec.label for spec in self._sources],
         )
+        return with_remote(stats, self._main_iterator)
 
     def timed(self, loader: Any) -> Iterator[Any]:
         """Iterate ``loader`` while measuring how long the consumer waits for each batch.

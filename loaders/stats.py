@@ -30,6 +30,7 @@ __all__ = [
     "MODES",
     "Counter",
     "LoaderStats",
+    "RemoteStats",
     "SourceStats",
     "StatsTable",
     "mode_code",
@@ -135,6 +136,23 @@ class SourceStats:
 
 
 @dataclass(frozen=True)
+class RemoteStats:
+    """A rank's remote pool (``remote=``): its size and bounds, the rate it is sized for, what it remade."""
+
+    workers: int
+    min_workers: int
+    max_workers: int
+    target_per_second: float | None
+    target_unit: str | None  # "samples" or "bytes"
+    per_worker_rate: float | None  # one worker's measured rate, in target_unit (samples when no target)
+    in_flight_limit: int
+    most_in_flight: int
+    remade_batches: int
+    lost_workers: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LoaderStats:
     """What `CachedIterableDataset.stats` reports for this rank.
 
@@ -170,6 +188,8 @@ class LoaderStats:
     limiting_stage: str | None = None
     sources: tuple[SourceStats, ...] = ()
     """Per source, as the dataset names them (one entry for a dataset of one source)."""
+    remote: RemoteStats | None = None
+    """The remote pool that made the batches (``remote=``), else None."""
 
     @classmethod
     def from_table(

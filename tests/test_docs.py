@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 COMMANDS = frozenset(
-    ["datacache", "make", "kubectl", "helm", "docker", "dask", "python", "pip", "sbatch", "torchrun", "install"]
+    ["datacache", "make", "kubectl", "helm", "docker", "dask", "python", "pip", "sbatch", "torchrun", "install", "ray"]
 )
 """First words that make a block without a language a shell block."""
 
@@ -56,6 +56,7 @@ UNRUNNABLE: list[tuple[str, str]] = [
     ),
     (r"^dask (scheduler|worker)\b", "starts a Dask cluster's long-running processes on other machines"),
     (r"--scheduler tcp://head:", "needs the Dask cluster at tcp://head started by the lines above"),
+    (r"^ray start\b", "starts a Ray cluster's head or a node joining it, long-running, on other machines"),
 ]
 """Command lines that cannot run on this machine, each with the reason."""
 

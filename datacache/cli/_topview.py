@@ -56,6 +56,9 @@ def sort_clients(clients: list[dict[str, Any]], key: str, reverse: bool) -> list
 
 
 def _label(client: dict[str, Any]) -> str:
+    if "remote_workers" in client:  # a rank whose batches a remote pool makes (remote=)
+        pool = f"{client['remote_workers']}/{client.get('remote_max_workers', '?')}"
+        return f"r{client['rank']} pool {pool} pid {client.get('pid')}"
     if "rank" in client:
         return f"r{client['rank']}/w{client.get('worker', 0)} pid {client.get('pid')}"
     return str(client["client"])

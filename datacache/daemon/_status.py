@@ -80,6 +80,7 @@ class StatusBoard:
             bandwidth=report.bandwidth,
             stall_fraction=report.stall_fraction,
             delivered=_newly_delivered(previous, report),
+            remote_workers=report.figures.get("remote_workers"),
         )
         self.metrics.clients.set(len(self.clients))
 
