@@ -1,8 +1,9 @@
 """Shuffled Parquet read at full rate, 1e6 to 1e9 rows, beside plain pyarrow on the same files.
 
 The files are `scale.write_parquet`'s (100 files of one int8 column, row groups of 2**20 rows).
-Each point is a fresh process that reads for `SECONDS` after its first sample (or to the end of
-the epoch, whichever comes first), its consumer touching every value, and reports rows a second:
+Each run is a fresh process that reads for `SECONDS` after its first sample (or to the end of
+the epoch, whichever comes first), its consumer touching every value, and reports rows a second;
+a cell is the best of `REPEATS` runs, the modes taking turns:
 
 - *batch*: ``CachedIterableDataset(url, shuffle=True, batch_size=BATCH)`` (the default shuffle
   window), each Arrow record batch summed; beside it, *pyarrow*: the same files read in order with
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 BATCH = 1024
-SECONDS = 8.0
+SECONDS = 5.0
+REPEATS = 2
+"""Each cell is the best of this many runs, the four modes taking turns (the machine's load moves)."""
 _CHILD = r"""
 import json, sys, time
 mode, path, batch, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
@@ -95,9 +98,12 @@ def measure(directories: dict[int, Path], cache: Path, env: dict[str, str]) -> l
     points = []
     for rows, data in directories.items():
         point: dict[str, Any] = {"samples": rows}
-        for mode in MODES:
-            point[mode] = _run(mode, data, cache, env)
-            print(f"rows: {rows:>13,} {mode}: {point[mode]}", flush=True)
+        for _ in range(REPEATS):
+            for mode in MODES:
+                result = _run(mode, data, cache, env)
+                print(f"rows: {rows:>13,} {mode}: {result}", flush=True)
+                if point.get(mode, {}).get("rows_per_s", -1.0) < result.get("rows_per_s", 0.0) or mode not in point:
+                    point[mode] = result
         points.append(point)
     return points
 
@@ -117,7 +123,8 @@ def render(points: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         f"Rows a second, read for {SECONDS:.0f} s after the first sample (or to the epoch's end), batches of {BATCH};",
-        "one fresh process per cell, the consumer adding every value up. Targets: batch >= 0.25x pyarrow,",
+        f"a fresh process per run, the best of {REPEATS} runs per cell (the modes taking turns), the consumer",
+        "adding every value up. Targets: batch >= 0.25x pyarrow,",
         "per sample >= 0.5x the Python loop.",
         "",
         "| rows | batch | pyarrow (sequential) | batch / pyarrow | per sample | Python loop | per sample / loop |",
