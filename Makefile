@@ -116,6 +116,7 @@ bench-quick: $(ANCHORS_STAMP)
 bench: $(ANCHORS_STAMP)
 	$(ANCHORS)/bin/python -m benchmarks.run
 	$(ANCHORS)/bin/python -m benchmarks.scale
+	$(ANCHORS)/bin/python -m benchmarks.shuffle_quality
 	$(ANCHORS)/bin/python -m benchmarks.clients --results benchmarks/RESULTS.md
 
 clean:

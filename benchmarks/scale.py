@@ -10,12 +10,14 @@ read once an epoch) is measured the same way at 1e6 samples and at the largest s
 and rank 3 of 8. A plan that costs what the shards cost keeps all of them flat in the number of
 samples: the target is the largest size within 1.5x the time and +100 MB of 1e6.
 
-Beside it: a plan for 1e6 shards from a synthetic manifest (peak RSS per rank and the time to the
-first planned sample: `benchmarks._plan_scale`), WebDataset's time to the first sample beside
-datacache's on the same tar shards (`benchmarks._wds_scale`), and ``datacache warm`` of 1e3 / 1e4 /
-1e5 tiny shards (seconds, per shard, and per shard beyond the bytes: `benchmarks._warm_scale`).
+Beside it: shuffled Parquet read at full rate in batch and per-sample mode beside plain pyarrow
+and a plain Python loop over the same files (`benchmarks._rows_scale`), a plan for 1e6 shards from
+a synthetic manifest (peak RSS per rank and the time to the first planned sample:
+`benchmarks._plan_scale`), WebDataset's time to the first sample beside datacache's on the same
+tar shards (`benchmarks._wds_scale`), and ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards
+(seconds, per shard, and per shard beyond the bytes: `benchmarks._warm_scale`).
 
-Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|wds]``; writes
+Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|wds|rows]``; writes
 ``benchmarks/RESULTS-scale.md`` and ``benchmarks/results-scale.json`` (``--only`` measures that part
 again and keeps the other parts of the last run's results). ``make bench`` runs it after the
 throughput benchmark.
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _plan_scale, _warm_scale, _wds_scale
+from benchmarks import _plan_scale, _rows_scale, _warm_scale, _wds_scale
 from benchmarks._common import REPO, WORK, clean_env
 
 FILES = 100
@@ -144,6 +146,12 @@ def _beside(work: Path, env: dict[str, str], *, quick: bool, only: str | None = 
             **_wds_scale.measure(work, env, lambda urls: _point(urls, work / "cache", env, 300.0)),
         },
         "warm": lambda: _warm_scale.measure(work, env, quick=quick),
+        "rows": lambda: {
+            "when": _when(),
+            "points": _rows_scale.measure(
+                {rows: write_parquet(work / f"parquet-{rows}", rows) for rows in _sizes(quick)}, work / "cache", env
+            ),
+        },
     }
     return {name: measure_part() for name, measure_part in parts.items() if only in (None, name)}
 
@@ -265,6 +273,9 @@ def render(result: dict[str, Any]) -> str:
     if "wds" in result:
         lines += ["", "## WebDataset beside datacache: time to the first sample", "", _measured(result["wds"])]
         lines += _wds_scale.render(result["wds"])
+    if "rows" in result:
+        lines += ["", "## Shuffled Parquet read at full rate", "", _measured(result["rows"])]
+        lines += _rows_scale.render(result["rows"]["points"])
     lines += ["", "## `datacache warm` of tiny shards", *_warm_scale.render(result["warm"])]
     lines += [
         "",
@@ -279,7 +290,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="up to 1e8 samples and 1e4 shards")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
     parser.add_argument(
-        "--only", choices=["mix", "warm", "plan", "wds"], help="measure only this part; keep the other results"
+        "--only", choices=["mix", "warm", "plan", "wds", "rows"], help="measure only this part; keep the other results"
     )
     args = parser.parse_args()
     work = WORK / "scale"

@@ -24,12 +24,14 @@ from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.readers import UnitReader
+from datacache.loaders.rowgather import arrow_batch
 from datacache.loaders.runtime import Units
 from datacache.loaders.stats import Counter
 
 from datacache._logging import FirstFew
-from datacache.errors import SampleDecodeError
+from datacache.errors import SampleDecodeError, ShardReadError
 from datacache.formats import get_format
+from datacache.formats._rows import RowsReader
 
 if TYPE_CHECKING:
     from datacache.loaders.planning import Opening
@@ -77,7 +79,14 @@ class BatchBuilder:
         self._in_consumer = opening.in_consumer
         runtime = units.runtime
         self._batch = get_format(runtime.handle.manifest.format.value).batch
+        self._table_rows = self._batch == "arrow" and self._decoding.raw
+        """Rows as they are, into a record batch: taken by Arrow per unit (`rowgather`), never row by row."""
         self._ring: BufferRing | None = None
+
+    @property
+    def raw(self) -> bool:
+        """Whether samples pass as read (no decoder, no transform)."""
+        return self._decoding.raw
 
     def build(self, begin: int, size: int) -> Built | None:
         """Read and pack the batch of positions ``[begin, begin + size)``; None if all were skipped.
@@ -87,6 +96,10 @@ class BatchBuilder:
         rewritten only after the consumer has taken two later batches.
         """
         stop = min(begin + size, len(self._epoch))
+        if self._table_rows:
+            taken = arrow_batch(self._units, self._epoch, begin, stop, self._tally)
+            if taken is not None:
+                return self._taken(*taken)
         raw: list[list[tuple[str, memoryview]]] = []
         decoded: list[Any] = []
         array_rows: list[tuple[UnitReader, int]] = []
@@ -103,6 +116,14 @@ class BatchBuilder:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
         return self._pack(begin // size, raw, array_rows, decoded)
+
+    def _taken(self, batch: Any, skipped: int, taken: Any) -> Built | None:
+        if skipped:
+            with self._lock:
+                self._row[Counter.SKIPPED_SAMPLES] += skipped
+        if batch is None or not batch.num_rows:
+            return None
+        return batch, batch.nbytes, batch.num_rows
 
     def _gather(
         self,
@@ -125,7 +146,14 @@ class BatchBuilder:
             if tally is not None:
                 tally(position, sample_bytes(reader.sample(local)))
         else:
-            read = reader.sample(local)
+            try:
+                read = reader.sample(local)
+            except ShardReadError as exc:  # a table file's damage shows when read (it opens from its footer)
+                if not isinstance(reader, RowsReader) or not self._units.skip_damaged(
+                    int(self._epoch.unit_of[position]), exc
+                ):
+                    raise
+                return False
             nbytes = sample_bytes(read) if tally is not None else 0
             sample = self.decode(read, reader)
             if sample is SKIPPED:

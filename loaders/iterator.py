@@ -16,12 +16,14 @@ from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.planning import Opening, Plan
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import sample_of
+from datacache.loaders.rowgather import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
 
 from datacache.errors import ConfigError, ShardReadError
+from datacache.formats._rows import RowsReader
 
 if TYPE_CHECKING:
     from datacache.loaders.dataset import CachedIterableDataset
@@ -91,6 +93,11 @@ class EpochIterator:
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
         self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
+        self._rows_ahead = RowsAhead(self._plan, self._units)
+        self._ready: list[tuple[int, Any]] = []
+        """Rows gathered ahead (`rowgather.ready_rows`), last first, each with the count produced once it is yielded."""
+        self._fast_rows = not dataset.batch_size and self._builder.raw and self._tally.note is None
+        self._chunk = CHUNK_ROWS[0]
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
@@ -175,6 +182,8 @@ class EpochIterator:
         if self._ahead is not None:
             self._ahead.drain()
         self.produced = min(produced, self._known(produced))
+        self._rows_ahead.clear()
+        self._ready.clear()
         self._units.restart(self.produced)
 
     def _known(self, length: int) -> int:
@@ -187,6 +196,9 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._ready:  # rows gathered ahead: counted when gathered, yielded here at a list's cost
+            self.produced, row = self._ready.pop()
+            return row
         started = time.perf_counter()
         try:
             if self.dataset.batch_size:
@@ -201,18 +213,33 @@ class EpochIterator:
 
     def _next_sample(self) -> Any:
         while True:
-            if self.produced >= self._known(self.produced + 1):
+            known = self._known(self.produced + 1)
+            if self.produced >= known:
                 self._finish()
                 raise StopIteration
             position = self.produced
             reader = self._units.reader_at(position)
+            if self._fast_rows and isinstance(reader, RowsReader):
+                gathered = self._gather_rows(position, known)
+                if gathered is not None:
+                    if not self._ready:
+                        continue  # every position of the chunk was skipped
+                    self.produced, row = self._ready.pop()
+                    return row
             self.produced += 1
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             local = int(self._plan.local[position])
             ring = self._ring
-            sample = sample_of(reader.fields(local), ring.wrap) if ring and reader.packable else reader.sample(local)
+            if ring and reader.packable:
+                sample = sample_of(reader.fields(local), ring.wrap)
+            else:
+                read = self._rows_ahead.sample(position, local, reader, known)
+                if read is None:  # its unit turned out damaged, skipped on request
+                    self._row[Counter.SKIPPED_SAMPLES] += 1
+                    continue
+                sample = read
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)
@@ -224,6 +251,26 @@ class EpochIterator:
                 self._tally.note(position, nbytes)
             self._tally.delivered(position, position + 1, self._source_row, self._lock)
             return decoded
+
+    def _gather_rows(self, position: int, known: int) -> bool | None:
+        """Table rows passed as they are: the next chunk of positions at once (None: not for these units)."""
+        stop = min(position + self._chunk, known)
+        gathered = ready_rows(self._units, self._plan, position, stop)
+        if gathered is None:
+            return None
+        items, skipped, nbytes, arrow_bytes = gathered
+        if items:
+            self._chunk = chunk_rows(arrow_bytes, len(items))
+        if skipped:
+            self._row[Counter.SKIPPED_SAMPLES] += skipped
+        self._units.release_range(position, stop, None)  # the rows are Python objects now
+        if items:
+            self._account(nbytes, len(items))
+            self._tally.delivered(position, stop, self._source_row, self._lock)
+        else:
+            self.produced = stop
+        self._ready = items
+        return True
 
     def _next_batch(self, size: int) -> Any:
         while True:
@@ -240,8 +287,7 @@ class EpochIterator:
             stop = min(begin + size, total)
             self.produced = stop
             pool = self._ahead.pool if self._ahead is not None else None
-            for position in range(begin, stop):
-                self._units.release_after(position, pool)
+            self._units.release_range(begin, stop, pool)
             if built is not None:
                 batch, nbytes, count = built
                 self._account(nbytes, count)

@@ -114,6 +114,22 @@ class Segmented:
                 self._segments.popitem(last=False)
         return computed
 
+    def span(self, begin: int, stop: int) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of positions ``[begin, stop)``, sliced from the kept segments."""
+        units: list[IntArray] = []
+        local: list[IntArray] = []
+        position = begin
+        while position < stop:
+            index, at = divmod(position, SEGMENT)
+            unit_of, offsets = self.segment(index, at)
+            end = min(len(unit_of), stop - index * SEGMENT)
+            units.append(unit_of[at:end])
+            local.append(offsets[at:end])
+            position = index * SEGMENT + end
+        if len(units) == 1:
+            return units[0], local[0]
+        return (np.concatenate(units), np.concatenate(local)) if units else (_NONE, _NONE)
+
 
 def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tuple[int, ...]:
     """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says)."""
@@ -191,6 +207,12 @@ class LazyEpochPlan(Segmented):
     def releases_after(self, position: int) -> tuple[int, ...]:
         """Units no position after ``position`` reads: closed once it is read."""
         return self._releases.get(position, ())
+
+    def releases_between(self, begin: int, stop: int) -> tuple[int, ...]:
+        """`releases_after` of every position in ``[begin, stop)``, in position order (a batch's, in one search)."""
+        _, _, _, units, at = self._units
+        low, high = np.searchsorted(at, [begin, stop]).tolist()
+        return tuple(units[low:high].tolist())
 
     @functools.cached_property
     def _releases(self) -> dict[int, tuple[int, ...]]:

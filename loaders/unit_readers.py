@@ -180,6 +180,17 @@ class UnitReaders:
         for unit in self._epoch.releases_after(position):
             self._release(unit, pool)
 
+    def release_range(self, begin: int, stop: int, pool: concurrent.futures.Executor | None) -> None:
+        """Close the units positions ``[begin, stop)`` read for the last time: one lookup per batch where
+        the plan can say it for a range (``releases_between``), not one per position."""
+        between = getattr(self._epoch, "releases_between", None)
+        if between is None:
+            for position in range(begin, stop):
+                self.release_after(position, pool)
+            return
+        for unit in between(begin, stop):
+            self._release(unit, pool)
+
     def _release(self, unit: int, pool: concurrent.futures.Executor | None) -> None:
         """Close ``unit``, read for the last time (on ``pool`` when given), and let its lease go."""
         reader = self.readers.pop(unit, None)
@@ -276,6 +287,29 @@ class UnitReaders:
         finally:
             self._send_prefetch()  # held back for the lease; sent even if another thread opened the unit
 
+    def _mark_skipped(self, unit: int, exc: Exception) -> bool:
+        """Record ``unit`` as skipped as bad; False if it already was."""
+        with self._lock:
+            if unit in self.skipped:
+                return False
+            self.skipped.add(unit)
+            self.skipped_why[unit] = str(exc)
+            self._row[Counter.SKIPPED_SHARDS] += 1
+        logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
+        return True
+
+    def skip_damaged(self, unit: int, error: Exception) -> bool:
+        """``unit`` failed mid-read (a Parquet file is opened from its footer: damaged data shows when
+        read): with ``on_error="skip"`` it is skipped from now on, its reader closed, and True returned."""
+        if not self._skip_bad:
+            return False
+        if self._mark_skipped(unit, error):
+            reader = self.readers.pop(unit, None)
+            if reader is not None:
+                for closing in self.runtime.units.release(unit, reader):
+                    closing.close()
+        return True
+
     def _open_once(self, unit: int, unit_lock: threading.Lock) -> UnitReader | None:
         with unit_lock:  # one thread opens a unit; the others wait for it
             reader = self.readers.get(unit)
@@ -289,11 +323,7 @@ class UnitReaders:
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
                     raise
-                logger.warning("%s: skipping %s: %s", self._where, self._plan.units[unit].label, exc)
-                with self._lock:
-                    self.skipped.add(unit)
-                    self.skipped_why[unit] = str(exc)
-                    self._row[Counter.SKIPPED_SHARDS] += 1
+                self._mark_skipped(unit, exc)
                 return None
             finally:
                 self._opening.discard(unit)  # mapped by now (or failed): a later note may drop it

@@ -322,6 +322,22 @@ def test_a_state_from_another_snapshot_or_seed_is_refused(
         CachedIterableDataset(str(origin), config=settings, seed=1).load_state_dict({**state, "snapshot": "0" * 16})
 
 
+def test_a_state_from_another_dataset_with_the_same_files_is_refused(
+    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings, tmp_path: Path
+) -> None:
+    """A copy of the same shards elsewhere has the same snapshot (keys, sizes, mtimes): only its origin differs."""
+    import shutil
+
+    origin, _ = wds_dataset
+    copy = tmp_path / "copy-of-wds"
+    shutil.copytree(origin, copy)  # copy2: the same mtimes, so the same versions
+    state = CachedIterableDataset(str(origin), config=settings, seed=1).state_dict()
+    other = CachedIterableDataset(str(copy), config=settings, seed=1)
+    assert other.state_dict()["snapshot"] == state["snapshot"]
+    with pytest.raises(ConfigError, match="the saved state is for dataset"):
+        other.load_state_dict(state)
+
+
 def test_dataset_pickles_with_configuration_only(
     wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings
 ) -> None:

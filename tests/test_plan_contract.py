@@ -10,6 +10,7 @@ from datacache.loaders.mix.order import MixedOrder
 from datacache.loaders.mix.plan import MixedPlan
 from datacache.loaders.order import Cursor, Layout
 from datacache.loaders.planning import Dealing, Plan
+from datacache.loaders.sequence import epoch_order
 from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests
 
 IntArray = npt.NDArray[np.int64]
@@ -76,3 +77,14 @@ class TestMixedPlan(PlanTests):
             order=order,
         )
         return MixedPlan(None, reads)
+
+
+def test_each_epoch_orders_the_samples_inside_a_window_afresh() -> None:
+    """One shard, one window: the shards' shuffle cannot change the order, only the window's permutation can.
+
+    A permutation keyed by (seed, window) alone would give every epoch the same order inside each window.
+    """
+    for seed in range(5):
+        orders = [epoch_order([64], seed=seed, epoch=epoch, shuffle=True, window=64).tolist() for epoch in range(4)]
+        assert all(sorted(order) == list(range(64)) for order in orders)
+        assert len({tuple(order) for order in orders}) == 4, f"seed {seed}: epochs repeat a window's order"

@@ -1,97 +1,133 @@
-"""Rows of a Parquet file, decoded a batch at a time: memory follows the batch, not the file.
+"""Rows of a Parquet file, decoded a slice at a time: memory follows the slices in use, not the file.
 
 A Parquet file of 44 KB can hold millions of rows (a constant column encodes
 to almost nothing); turned into Python objects all at once it took 1.5 GB.
-Here a file is decoded by row group and batch of `BATCH_ROWS` rows: a few
-Arrow batches and one batch of Python rows are kept, and a batch that was
-dropped is decoded again when asked for (reads go mostly forward: the shuffle
-window covers a few thousand neighbouring rows).
+Here a file is opened from its footer alone (no batch is decoded at open, so
+opening costs the same at 1e3 rows and 1e7) and decoded by row group and slice
+of about `SLICE_BYTES` when a row of the slice is first asked for. Decoded slices
+are kept up to `_ARROW_CACHE_BYTES`: a shuffle window covers a few thousand
+neighbouring rows, so each slice is decoded once per window, and a window's rows
+are gathered from the decoded slices by Arrow's ``take`` (`take`), never one by
+one. Each slice is validated when it is decoded: damage shows as a named error
+on the first read of the slice, never as a wrong value.
 """
 
 from __future__ import annotations
 
-import bisect
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datacache.formats._rows import PythonRows
+from datacache.formats._rows import PythonRows, gather
 
 __all__ = ["BATCH_ROWS", "ParquetRows"]
 
 BATCH_ROWS = 1024
-"""Rows decoded (and turned into Python objects) together."""
+"""Rows turned into Python objects together by `ParquetRows.row` (map-style reads)."""
+SLICE_BYTES = 4 << 20
+"""About how many bytes of a row group are decoded together (by its footer's uncompressed size)."""
+_SLICE_ROWS = (64, 1 << 20)
+"""The fewest and most rows decoded together: small rows decode a whole row group at a time."""
 _ARROW_CACHE_BYTES = 64 << 20
-"""Decoded Arrow batches kept for re-use, at most."""
+"""Decoded Arrow slices kept for re-use, at most: a shuffle window's rows times their decoded size."""
+
+IntArray = npt.NDArray[np.int64]
 
 
 class ParquetRows:
     """Random access to the rows of one Parquet file, with bounded memory.
 
-    Opening decodes and validates every batch once (damage shows at open, not
-    mid-epoch) and keeps them up to `_ARROW_CACHE_BYTES`. Raises
-    ``pa.ArrowException``, ``OSError`` or ``ValueError`` for a damaged file.
+    Opening reads the footer only. Raises ``pa.ArrowException``, ``OSError`` or
+    ``ValueError`` for a damaged file (at open for a damaged footer, at the first
+    read of a slice for damaged data).
     """
 
     def __init__(self, source: Any) -> None:
         self._file = pq.ParquetFile(pa.BufferReader(source))
         metadata = self._file.metadata
-        counts = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+        counts = np.asarray([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)], dtype=np.int64)
+        if (counts < 0).any():
+            raise ValueError("a row group with a negative row count")
         self.num_rows = int(metadata.num_rows)
-        self._starts = [sum(counts[:group]) for group in range(len(counts))]
+        self._starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._starts[1:])
+        if int(self._starts[-1]) != self.num_rows:
+            raise ValueError(f"the row groups hold {int(self._starts[-1])} rows, the footer says {self.num_rows}")
+        self._counts = counts
+        self._slice_rows = np.asarray([_slice_rows(metadata.row_group(g)) for g in range(len(counts))], dtype=np.int64)
         self._arrow: OrderedDict[tuple[int, int], pa.RecordBatch] = OrderedDict()
         self._arrow_bytes = 0
         self._python = PythonRows()
         self._stream: Iterator[pa.RecordBatch] | None = None
-        self._position = (-1, 0)  # (row group, index of the batch the stream yields next)
-        # Where each batch of each row group starts (Arrow decides the batch lengths).
-        self._batch_starts: list[list[int]] = []
-        for group in range(len(counts)):
-            starts: list[int] = []
-            at = 0
-            for decoded in self._file.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], use_threads=False):
-                decoded.validate(full=True)  # a string that is not UTF-8 fails here, not in a reader's hands
-                self._keep((group, len(starts)), decoded)
-                starts.append(at)
-                at += decoded.num_rows
-            if at != counts[group]:
-                raise ValueError(f"row group {group} decodes to {at} rows, its footer says {counts[group]}")
-            self._batch_starts.append(starts)
+        self._position = (-1, 0)  # (row group, index of the slice the stream yields next)
+        self._schema = self._file.schema_arrow
+        self._lock = threading.Lock()  # reader threads share a file: one decodes at a time
+
+    def _where(self, indices: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """(row group, slice in it, row in the slice) of each of ``indices``."""
+        group = np.searchsorted(self._starts, indices, side="right") - 1
+        offset = indices - self._starts[group]
+        rows = self._slice_rows[group]
+        return group, offset // rows, offset % rows
+
+    def take(self, indices: IntArray) -> pa.RecordBatch:
+        """The rows at ``indices`` (in that order) as one record batch of the file's columns."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.num_rows):
+            raise IndexError(f"rows {int(indices.min())}..{int(indices.max())} of {self.num_rows}")
+        group, piece, at = self._where(indices)
+        keys = group * (int(piece.max(initial=0)) + 1) + piece
+        if not len(keys) or int(keys.min()) == int(keys.max()):  # one slice (a window inside a row group)
+            first, inverse = np.zeros(min(1, len(keys)), dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
+        else:
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        slices = [self._slice(int(group[i]), int(piece[i])) for i in first.tolist()]
+        return gather(slices, inverse.reshape(-1), at, self._schema)
 
     def row(self, index: int) -> dict[str, Any]:
-        """Row ``index`` of the file, as a dict of column values."""
+        """Row ``index`` of the file, as a dict of column values (map-style reads: a slice's rows kept)."""
         if not 0 <= index < self.num_rows:
             raise IndexError(index)
-        group = bisect.bisect_right(self._starts, index) - 1
-        offset = index - self._starts[group]
-        starts = self._batch_starts[group]
-        batch = bisect.bisect_right(starts, offset) - 1
-        rows = self._python.get((group, batch), lambda: self._batch(group, batch).to_pylist())
-        at = offset - starts[batch]
-        if at >= len(rows):  # damaged data that decodes differently the second time
-            raise ValueError(f"row group {group} batch {batch} decodes to {len(rows)} rows, fewer than at open")
+        group, piece, at = (int(v[0]) for v in self._where(np.asarray([index], dtype=np.int64)))
+        part, at = divmod(at, BATCH_ROWS)
+        rows = self._python.get(
+            (group, piece, part), lambda: self._slice(group, piece).slice(part * BATCH_ROWS, BATCH_ROWS).to_pylist()
+        )
         row: dict[str, Any] = rows[at]
         return row
 
-    def _batch(self, group: int, batch: int) -> pa.RecordBatch:
-        found = self._arrow.get((group, batch))
+    def _slice(self, group: int, piece: int) -> pa.RecordBatch:
+        found = self._arrow.get((group, piece))
         if found is not None:
-            self._arrow.move_to_end((group, batch))
+            self._arrow.move_to_end((group, piece))
             return found
-        if self._stream is None or self._position[0] != group or self._position[1] > batch:
-            self._stream = self._file.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], use_threads=False)
+        with self._lock:
+            found = self._arrow.get((group, piece))
+            return found if found is not None else self._decode(group, piece)
+
+    def _decode(self, group: int, piece: int) -> pa.RecordBatch:
+        """Decode forward through ``group`` up to slice ``piece``, keeping every slice on the way."""
+        rows = int(self._slice_rows[group])
+        if self._stream is None or self._position[0] != group or self._position[1] > piece:
+            self._stream = self._file.iter_batches(batch_size=rows, row_groups=[group], use_threads=False)
             self._position = (group, 0)
         while True:
             decoded = next(self._stream, None)
-            if decoded is None:  # a damaged file whose metadata promises more than its data holds
-                raise ValueError(f"row group {group} holds fewer batches than its metadata says")
             at = self._position[1]
+            expected = min(rows, int(self._counts[group]) - at * rows)
+            if decoded is None or decoded.num_rows != expected:  # metadata that promises other data
+                self._stream = None
+                raise ValueError(f"row group {group} slice {at} does not decode to the {expected} rows its footer says")
+            decoded.validate(full=True)  # a string that is not UTF-8 fails here, not in a reader's hands
             self._position = (group, at + 1)
-            if at == batch:
-                self._keep((group, batch), decoded)
+            self._keep((group, at), decoded)
+            if at == piece:
                 return decoded
 
     def _keep(self, key: tuple[int, int], decoded: pa.RecordBatch) -> None:
@@ -102,8 +138,16 @@ class ParquetRows:
             self._arrow_bytes -= dropped.nbytes
 
     def close(self) -> None:
-        """Drop every decoded batch and the stream (they may hold views of the file's buffer)."""
-        self._arrow.clear()
-        self._python.clear()
-        self._stream = None
-        self._file.close()
+        """Drop every decoded slice and the stream (they may hold views of the file's buffer)."""
+        with self._lock:
+            self._arrow.clear()
+            self._python.clear()
+            self._stream = None
+            self._file.close()
+
+
+def _slice_rows(group: Any) -> int:
+    """Rows of row group ``group`` (its metadata) decoded together: about `SLICE_BYTES`, a power of two."""
+    per_row = max(1.0, group.total_byte_size / max(1, group.num_rows))
+    rows = 1 << max(0, int(np.log2(SLICE_BYTES / per_row)))
+    return int(min(max(rows, _SLICE_ROWS[0]), _SLICE_ROWS[1]))

@@ -27,7 +27,7 @@ from datacache.formats._base import (
     UnitReader,
     count_each_shard,
 )
-from datacache.formats._rows import PythonRows, RowsReader
+from datacache.formats._rows import PythonRows, RowsReader, gather
 
 __all__ = ["FORMAT", "ArrowFormat", "ArrowReader", "ArrowRows"]
 
@@ -55,6 +55,20 @@ class ArrowRows:
             self._starts.append(self._starts[-1] + batch.num_rows)
         self.num_rows = self._starts[-1]
         self._python = PythonRows()
+        self._schema = self._batches[0].schema if self._batches else None
+
+    def take(self, indices: Any) -> Any:
+        """The rows at ``indices`` (in that order) as one record batch, taken from the mapped batches."""
+        import numpy as np
+
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.num_rows):
+            raise IndexError(f"rows {int(indices.min())}..{int(indices.max())} of {self.num_rows}")
+        starts = np.asarray(self._starts, dtype=np.int64)
+        batch = np.searchsorted(starts, indices, side="right") - 1
+        used, which = np.unique(batch, return_inverse=True)
+        slices = [self._batches[b] for b in used.tolist()]
+        return gather(slices, which.reshape(-1), indices - starts[batch], self._schema)
 
     def row(self, index: int) -> dict[str, Any]:
         """Row ``index`` of the file, as a dict of column values."""

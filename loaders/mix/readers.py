@@ -163,6 +163,10 @@ class MixedUnitReaders:
         for source in sorted({int(self._source_of_unit[unit]) for unit in units}):
             self.parts[source].release_after(position, pool)
 
+    def release_range(self, begin: int, stop: int, pool: concurrent.futures.Executor | None) -> None:
+        for position in range(begin, stop):
+            self.release_after(position, pool)
+
     def tally(self, position: int, nbytes: int) -> None:
         """Note the payload of the sample at ``position`` (reader threads note distinct positions)."""
         self._tallied[position] = nbytes
@@ -188,6 +192,10 @@ class MixedUnitReaders:
     def reader_for(self, unit: int) -> UnitReader | None:
         source = int(np.searchsorted(self._offsets, unit, side="right") - 1)
         return self.parts[source].reader_for(unit - int(self._offsets[source]))
+
+    def skip_damaged(self, unit: int, error: Exception) -> bool:
+        source = int(np.searchsorted(self._offsets, unit, side="right") - 1)
+        return self.parts[source].skip_damaged(unit - int(self._offsets[source]), error)
 
     def url_of(self, reader: UnitReader) -> str:
         return self._url_of_unit[id(reader.unit)]

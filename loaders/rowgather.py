@@ -1,0 +1,180 @@
+"""Table rows (Parquet, Arrow) read many at a time: a batch by one ``take``, samples converted together.
+
+A shuffle window visits the rows of a few files in a permuted order; reading them one at a
+time decoded (or converted to Python) a slice of rows per sample. Here the positions a reader
+reads next are grouped by unit and each unit's rows are taken from its decoded slices at once:
+
+- **batch mode** (`arrow_batch`): the batch is the units' ``take`` results put in position
+  order, an Arrow record batch built without a Python object per row;
+- **per-sample mode**, rows passed as they are (`ready_rows`): the next chunk of positions'
+  rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts in one
+  ``to_pylist`` and are handed out from a list, counted per chunk;
+- **per-sample mode** with a decoder, a transform or a mix (`RowsAhead`): a unit's rows among
+  the next `AHEAD` positions become dicts together, kept until their positions are read.
+
+Memory: a chunk of rows as Python objects, beside the decoded slices.
+
+Both leave the order, the positions counted and the units opened exactly as the one-by-one path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from datacache.loaders.epoch import ReadPlan
+from datacache.loaders.readplan import Segmented
+from datacache.loaders.runtime import Units
+
+from datacache.errors import ShardReadError
+from datacache.formats._rows import RowsReader
+
+__all__ = ["AHEAD", "CHUNK_ROWS", "RowsAhead", "arrow_batch", "chunk_rows", "ready_rows"]
+
+IntArray = npt.NDArray[np.int64]
+AHEAD = 256
+"""Positions per-sample mode (with a decoder, a transform or a mix) looks ahead to convert a unit's rows together."""
+CHUNK_ROWS = (64, 4096)
+"""The fewest and most rows `ready_rows` converts together (rows passed as they are)."""
+CHUNK_BYTES = 8 << 20
+"""About how many bytes of Arrow data one chunk of rows converts: big rows come fewer at a time."""
+
+
+def chunk_rows(nbytes: int, rows: int) -> int:
+    """Rows for the next chunk, from the last chunk's Arrow bytes and rows."""
+    per_row = max(1, nbytes // max(1, rows))
+    return int(min(max(CHUNK_BYTES // per_row, CHUNK_ROWS[0]), CHUNK_ROWS[1]))
+
+
+def _columns(plan: ReadPlan, begin: int, stop: int) -> tuple[IntArray, IntArray]:
+    if isinstance(plan, Segmented):
+        return plan.span(begin, stop)  # from the segments it keeps: computed once per position
+    unit_of: Any = plan.unit_of  # every plan's columns take slices (`Column` promises positions only)
+    local_of: Any = plan.local
+    units = np.asarray(unit_of[begin:stop], dtype=np.int64)
+    local = np.asarray(local_of[begin:stop], dtype=np.int64)
+    return units, local
+
+
+def arrow_batch(
+    units: Units, plan: ReadPlan, begin: int, stop: int, tally: Callable[[int, int], None] | None
+) -> tuple[Any, int, IntArray] | None:
+    """Positions ``[begin, stop)`` as one record batch, the count skipped and each row's offset from ``begin``.
+
+    None if a unit is not table rows (or the units' columns differ): the one-by-one path reads them.
+
+    Units are opened in the order the positions first read them (as one-by-one reads would).
+    """
+    import pyarrow as pa
+
+    unit_of, local = _columns(plan, begin, stop)
+    if len(unit_of) and int(unit_of.min()) == int(unit_of.max()):  # one unit: most batches of a window
+        distinct, first, inverse = unit_of[:1], np.zeros(1, dtype=np.int64), np.zeros(len(unit_of), dtype=np.int64)
+    else:
+        distinct, first, inverse = np.unique(unit_of, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    parts: list[tuple[IntArray, Any]] = []
+    skipped = 0
+    for which in np.argsort(first, kind="stable").tolist():
+        unit = int(distinct[which])
+        reader = units.reader_for(unit)
+        mine = np.nonzero(inverse == which)[0]
+        if reader is None:
+            skipped += len(mine)
+            continue
+        if not isinstance(reader, RowsReader):
+            return None
+        try:
+            parts.append((mine, reader.take(local[mine])))
+        except ShardReadError as exc:
+            if not units.skip_damaged(unit, exc):
+                raise
+            skipped += len(mine)
+    if not parts:
+        return None if not skipped else (None, skipped, np.zeros(0, dtype=np.int64))
+    if len({part.schema for _, part in parts}) > 1:
+        return None  # sources of other columns: the one-by-one path unites them
+    batch = parts[0][1] if len(parts) == 1 else pa.concat_batches([part for _, part in parts])
+    taken = np.concatenate([mine for mine, _ in parts])
+    if len(parts) > 1:
+        batch = batch.take(pa.array(np.argsort(taken, kind="stable")))
+        taken.sort()
+    if tally is not None:
+        for offset, nbytes in zip(taken.tolist(), _payload(batch).tolist(), strict=True):
+            tally(begin + offset, nbytes)
+    return batch, skipped, taken
+
+
+def ready_rows(
+    units: Units, plan: ReadPlan, begin: int, stop: int
+) -> tuple[list[tuple[int, Any]], int, int, int] | None:
+    """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then one ``to_pylist``).
+
+    Returns ``(items, skipped, payload bytes, Arrow bytes)``: ``items`` last first, each ``(positions
+    consumed once it is delivered, row)`` (the last one consumes up to ``stop``, skipped positions
+    included); None as `arrow_batch`.
+    """
+    built = arrow_batch(units, plan, begin, stop, None)
+    if built is None:
+        return None
+    batch, skipped, taken = built
+    if batch is None or not batch.num_rows:
+        return [], skipped, 0, 0
+    after = taken + begin + 1
+    after[-1] = stop
+    items = list(zip(after[::-1].tolist(), reversed(batch.to_pylist()), strict=True))
+    return items, skipped, int(_payload(batch).sum()), int(batch.nbytes)
+
+
+def _payload(batch: Any) -> IntArray:
+    """Each row's payload bytes as `batching.sample_bytes` counts a row dict's: its binary values."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    total = np.zeros(batch.num_rows, dtype=np.int64)
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        if name.startswith("__") or not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+            continue
+        total += np.asarray(pc.fill_null(pc.binary_length(column), 0), dtype=np.int64)
+    return total
+
+
+class RowsAhead:
+    """Per-sample reads of table rows, a unit's rows among the next `AHEAD` positions converted together."""
+
+    def __init__(self, plan: ReadPlan, units: Units) -> None:
+        self._plan = plan
+        self._units = units
+        self._rows: dict[int, dict[str, Any]] = {}
+
+    def sample(self, position: int, local: int, reader: Any, known: int) -> dict[str, Any] | None:
+        """The sample at ``position`` (``local`` in ``reader``'s unit); ``known``: positions laid out.
+
+        None: the unit turned out damaged and is skipped (``on_error="skip"``).
+        """
+        found = self._rows.pop(position, None)
+        if found is not None:
+            return found
+        if not isinstance(reader, RowsReader):
+            sample: dict[str, Any] = reader.sample(local)
+            return sample
+        stop = max(position + 1, min(position + AHEAD, known))
+        unit_of, locals_ = _columns(self._plan, position, stop)
+        mine = np.nonzero(unit_of == unit_of[0])[0]
+        positions = [position + offset for offset in mine.tolist()]
+        fresh = [i for i, at in enumerate(positions) if at not in self._rows]
+        try:
+            rows = reader.rows(locals_[mine[fresh]])
+        except ShardReadError as exc:
+            if not self._units.skip_damaged(int(unit_of[0]), exc):
+                raise
+            return None
+        for i, row in zip(fresh, rows, strict=True):
+            self._rows[positions[i]] = row
+        return self._rows.pop(position)
+
+    def clear(self) -> None:
+        """Forget the rows read ahead (the reader restarts at another position)."""
+        self._rows.clear()

@@ -1,0 +1,118 @@
+"""Table rows (Parquet) read many at a time: batches taken by Arrow, samples converted together.
+
+The order, resume and skipping must be exactly those of reading one row at a time: a batch holds
+the per-sample order's rows, a state saved mid-chunk resumes at the next row, a file whose data
+(not its footer) is damaged opens and is skipped, or named, when its rows are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from datacache.loaders import CachedIterableDataset
+from datacache.loaders.readers import open_unit_reader
+
+from datacache.config import Settings
+from datacache.errors import ShardReadError
+from datacache.formats._base import Unit
+from datacache.manifest import ShardFormat
+
+ROWS = 6000
+WIDTH = 2048
+"""Rows of 2 KB: about 1,024 rows a decoded slice, so a row group holds several slices."""
+
+
+def write_rows(origin: Path, files: int = 2) -> list[int]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    origin.mkdir(parents=True)
+    for part in range(files):
+        ids = np.arange(part * ROWS, (part + 1) * ROWS, dtype=np.int32)
+        blob = pa.array([bytes([part]) * WIDTH] * ROWS, pa.binary())
+        pq.write_table(pa.table({"id": ids, "blob": blob}), origin / f"part-{part}.parquet", row_group_size=ROWS)
+    return list(range(files * ROWS))
+
+
+def ids_of(items: list[Any]) -> list[int]:
+    out: list[int] = []
+    for item in items:
+        out.extend(item.column("id").to_pylist() if hasattr(item, "column") else [item["id"]])
+    return out
+
+
+def test_batches_are_arrow_rows_in_the_per_sample_order(tmp_path: Path, settings: Settings) -> None:
+    import pyarrow as pa
+
+    expected = write_rows(tmp_path / "rows")
+    url = str(tmp_path / "rows")
+    samples = list(CachedIterableDataset(url, config=settings, seed=3, shuffle_buffer=3000))
+    assert sorted(ids_of(samples)) == expected
+    batches = list(CachedIterableDataset(url, config=settings, seed=3, shuffle_buffer=3000, batch_size=500))
+    assert ids_of(batches) == ids_of(samples)  # the same order, whichever way it is read
+    first = batches[0]
+    # The file's own column types: never rebuilt from Python objects (which would make id an int64).
+    assert first.schema.field("id").type == pa.int32() and first.schema.field("blob").type == pa.binary()
+    assert first.column("__key__").to_pylist() == [s["__key__"] for s in samples[:500]]
+    assert all(s["__key__"] == f"part-{s['id'] // ROWS}/{s['id'] % ROWS}" for s in samples)
+    assert all(s["blob"] == bytes([s["id"] // ROWS]) * WIDTH for s in samples[:50])
+
+
+@pytest.mark.parametrize("batch_size", [None, 300])
+def test_a_state_saved_between_rows_read_together_resumes_at_the_next_row(
+    tmp_path: Path, settings: Settings, batch_size: int | None
+) -> None:
+    write_rows(tmp_path / "rows")
+    url = str(tmp_path / "rows")
+    whole = ids_of(list(CachedIterableDataset(url, config=settings, seed=5, batch_size=batch_size)))
+    dataset = CachedIterableDataset(url, config=settings, seed=5, batch_size=batch_size)
+    iterator = iter(dataset)
+    head = ids_of([next(iterator) for _ in range(7 if batch_size else 1234)])  # inside a chunk of rows
+    state = dataset.state_dict()
+    del iterator
+    again = CachedIterableDataset(url, config=settings, seed=5, batch_size=batch_size)
+    again.load_state_dict(state)
+    assert head + ids_of(list(again)) == whole
+
+
+def damaged_file(tmp_path: Path) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.Table.from_pylist([{"i": j} for j in range(10)]), path)
+    raw = bytearray(path.read_bytes())
+    raw[4:40] = b"\xff" * 36  # the first column chunk's page header; the footer stays intact
+    return bytes(raw)
+
+
+def test_a_parquet_file_opens_from_its_footer_and_names_damaged_data_when_read(tmp_path: Path) -> None:
+    raw = damaged_file(tmp_path)
+    unit = Unit(("one.parquet",), 10, "one.parquet")
+    reader = open_unit_reader(ShardFormat.PARQUET, unit, "here", {"one.parquet": raw}, {})
+    try:
+        with pytest.raises(ShardReadError, match=r"here: corrupt Parquet data"):
+            reader.sample(3)
+    finally:
+        reader.close()
+
+
+def test_damaged_parquet_data_is_skipped_in_batch_mode_on_request(tmp_path: Path, settings: Settings) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    origin = tmp_path / "pq"
+    origin.mkdir()
+    for part in range(3):
+        pq.write_table(pa.Table.from_pylist([{"i": part * 10 + j} for j in range(10)]), origin / f"p{part}.parquet")
+    (origin / "p1.parquet").write_bytes(damaged_file(tmp_path))
+    with pytest.raises(ShardReadError, match=r"p1\.parquet"):
+        list(CachedIterableDataset(str(origin), config=settings, batch_size=4))
+    skipping = CachedIterableDataset(str(origin), config=settings, on_error="skip", batch_size=4)
+    got = sorted(i for batch in skipping for i in batch.column("i").to_pylist())
+    assert got == [*range(10), *range(20, 30)]
+    stats = skipping.stats()
+    assert stats.skipped_shards == 1 and stats.skipped_samples == 10
