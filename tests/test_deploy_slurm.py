@@ -13,6 +13,8 @@ directory (it installs the config and the unit with them).
 from __future__ import annotations
 
 import grp
+import hashlib
+import io
 import json
 import os
 import pwd
@@ -21,6 +23,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import tomllib
 import uuid
@@ -183,6 +186,11 @@ class Service:
             return False
         return status == 200
 
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or an operator's ``kill -9`` ends it."""
+        self.process.kill()
+        self.process.wait(timeout=60)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -206,6 +214,69 @@ print(json.dumps({"keys": keys, "classes": sorted({int(sample["cls"]) for sample
 """
 
 
+_TRAIN_THROUGH_OUTAGES = """
+import hashlib, json, sys
+from torch.utils.data import DataLoader
+from datacache.loaders import CachedIterableDataset
+
+def say(word):
+    print(word, flush=True)
+    sys.stdin.readline()  # the test answers once it has done what the word asks
+
+ds = CachedIterableDataset(sys.argv[1], shuffle=True, seed=3)
+loader = DataLoader(ds, batch_size=None, num_workers=2)
+epochs = []
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    if epoch == 1:
+        say("kill")  # at the epoch's start: the workers are made with no daemon
+    seen = []
+    for sample in loader:
+        seen.append([sample["__key__"], hashlib.sha256(sample["bin"]).hexdigest()])
+        if epoch == 0 and len(seen) == 5:
+            say("kill")  # mid-epoch
+    epochs.append({"seen": seen, "mode": ds.stats().mode})
+    if epoch < 2:
+        say("restart")
+print(json.dumps(epochs))
+"""
+
+
+def _train_through_outages(
+    node: Node, service: Service, job: User, env: dict[str, str], dataset: str
+) -> tuple[Service, list[Any]]:
+    """Train 3 epochs as ``job``; SIGKILL the daemon mid-epoch 0 and before epoch 1, restart it after each."""
+    errors = node.root / "outage-trainer.err"
+    with errors.open("w") as err:
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_TRAIN_THROUGH_OUTAGES), dataset],
+            user=job.uid, group=job.gid, extra_groups=list(job.groups), env=env, cwd=str(job.home),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+        )
+    assert trainer.stdin is not None and trainer.stdout is not None
+    try:
+        for word in ("kill", "restart", "kill", "restart"):
+            said = trainer.stdout.readline().strip()
+            assert said == word, f"the trainer said {said!r}, not {word!r}:\n{errors.read_text()}"
+            if word == "kill":
+                service.kill()
+            else:
+                service = Service(node)
+                wait_until(service.ready, timeout=90, what="the daemon to come back")
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+        out, _ = trainer.communicate(timeout=300)
+    except BaseException:
+        trainer.kill()
+        trainer.wait()
+        service.stop()
+        raise
+    assert trainer.returncode == 0, errors.read_text()
+    stderr = errors.read_text()
+    assert "not writable by uid" not in stderr and "Traceback" not in stderr, stderr
+    return service, json.loads(out.strip().splitlines()[-1])
+
+
 def _shards(count: int, samples: int) -> dict[str, bytes]:
     """WebDataset shards: shard ``s`` holds ``samples`` samples of class ``s``."""
     shards = {}
@@ -221,8 +292,15 @@ def _shards(count: int, samples: int) -> dict[str, bytes]:
 def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     node: Node, job_user: User, s3: Any
 ) -> None:
+    payloads: dict[str, str] = {}
     for key, data in _shards(4, 5).items():  # a public dataset: the node's daemon reads it anonymously
         s3.client.put_object(Bucket=s3.name, Key=f"wds/{key}", Body=data, ACL="public-read")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".bin"):
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None
+                    payloads[member.name[: -len(".bin")]] = hashlib.sha256(extracted.read()).hexdigest()
 
     # 1. install.sh, as root, names the job user: the accounts, the config, the unit, the prolog.
     installed = subprocess.run(
@@ -290,11 +368,26 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
             assert info.st_uid == service.uid, (path, info.st_uid)
             assert info.st_mode & 0o007 == 0, (path, oct(info.st_mode))
         assert (node.local / "catalog.sqlite").stat().st_mode & 0o077 == 0
+
+        # 6. kill -9 of the daemon under a job, mid-epoch and at an epoch start, then systemd's restart
+        # (Restart=on-failure): the job reads on, exactly once, and back through the daemon (issue 34 item 1).
+        tmp = job.home / "tmp"
+        tmp.mkdir(mode=0o700)
+        os.chown(tmp, job.uid, job.gid)
+        service, epochs = _train_through_outages(node, service, job, {**env, "TMPDIR": str(tmp)}, comment.group(1))
+        want = sorted([key, digest] for key, digest in payloads.items())
+        for epoch, read in enumerate(epochs):
+            assert sorted(read["seen"]) == want, f"epoch {epoch}: every sample once, every byte right"
+        assert [read["mode"] for read in epochs] == [
+            "embedded (daemon unavailable)", "embedded (daemon unavailable)", "daemon"
+        ]
+        for path in [node.local, *node.local.rglob("*")]:
+            assert path.lstat().st_uid == service.uid, (path, path.lstat().st_uid)
     finally:
         service.stop()
     assert service.process.returncode == 0, service.log.read_text()
 
-    # 6. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
+    # 7. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
     warm = run_as(job, [sys.executable, "-m", "datacache.cli", "warm", comment.group(1)], env=env, timeout=120)
     lines = [line for line in warm.stderr.splitlines() if line.strip()]
     assert warm.returncode != 0 and len(lines) == 1, warm.stderr
