@@ -20,6 +20,7 @@ import os
 import pwd
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,7 +99,9 @@ class Node:
         wrapper = self.prefix / "bin" / "datacache"
         wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m datacache.cli \"$@\"\n")
         wrapper.chmod(0o755)
-        (self.prefix / "bin" / "python").symlink_to(sys.executable)
+        python = self.prefix / "bin" / "python"  # a venv's python is this checkout's interpreter, with its packages
+        python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        python.chmod(0o755)
         for path in (self.root, *[p for p in self.root.rglob("*") if p.is_dir()]):
             path.chmod(0o755)
 
@@ -156,12 +159,17 @@ class Service:
         env["DATACACHE_METRICS_ADDRESS"] = "127.0.0.1:0"
         self.config = Path(env["DATACACHE_CONFIG"])
         self.socket = Path(tomllib.loads(self.config.read_text())["daemon"]["socket"])
-        # RuntimeDirectory=datacache: systemd makes /run/datacache, owned by User:Group, RuntimeDirectoryMode.
-        assert unit["RuntimeDirectory"] == ["datacache"]
         assert self.socket.parent == node.run_dir, (self.socket, node.run_dir)
-        node.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chown(node.run_dir, user.pw_uid, group)
-        node.run_dir.chmod(int(unit["RuntimeDirectoryMode"][-1], 8))
+        if "RuntimeDirectory" in unit:
+            # systemd makes /run/<RuntimeDirectory>, owned by User:Group, RuntimeDirectoryMode.
+            assert Path("/run", unit["RuntimeDirectory"][-1]) == node.run_dir, (unit["RuntimeDirectory"], node.run_dir)
+            node.run_dir.mkdir(parents=True, exist_ok=True)
+            os.chown(node.run_dir, user.pw_uid, group)
+            node.run_dir.chmod(int(unit["RuntimeDirectoryMode"][-1], 8))
+        else:
+            # A socket directory outside /run: install.sh made it, and the unit lets the daemon write it.
+            assert str(node.run_dir) in unit["ReadWritePaths"][-1].split(), unit["ReadWritePaths"]
+            assert node.run_dir.stat().st_uid == user.pw_uid
         self.log = node.root / "daemon.log"
         self.uid = user.pw_uid
         with self.log.open("wb") as out:
@@ -392,3 +400,45 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     lines = [line for line in warm.stderr.splitlines() if line.strip()]
     assert warm.returncode != 0 and len(lines) == 1, warm.stderr
     assert "not writable by uid" in lines[0] and "start the node's daemon" in lines[0], lines[0]
+
+
+def _install(node: Node, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SLURM / "install.sh"), *args],
+        env=env or node.env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_install_check_runs_the_venv_as_the_daemons_account_and_weighs_the_capacity_against_the_disk(
+    node: Node,
+) -> None:
+    """Issue 34 item 5: "node ready", then the daemon failed with Permission denied; 3 TB on 67 GB said nothing."""
+    installed = _install(node)
+    assert installed.returncode == 0 and "datacache: node ready" in installed.stdout, installed.stdout + installed.stderr
+
+    config = node.etc / "config.toml"
+    disk = shutil.disk_usage(node.local).total
+    text = re.sub(r'^local_capacity = .*$', f'local_capacity = "{2 * disk}B"', config.read_text(), flags=re.M)
+    config.write_text(text)
+    checked = _install(node, "--check")
+    assert checked.returncode == 0 and "datacache: node ready" in checked.stdout, checked.stdout
+    assert "warning: local_capacity" in checked.stdout and "more than the filesystem" in checked.stdout, checked.stdout
+
+    # Root may run the venv; the daemon's account may not (a venv made under a 0700 directory).
+    (node.prefix / "bin" / "datacache").chmod(0o700)
+    refused = _install(node, "--check")
+    assert refused.returncode != 0, refused.stdout
+    assert "node ready" not in refused.stdout
+    assert f"cannot be run by {node.user}" in refused.stdout, refused.stdout
+
+
+def test_the_unit_makes_the_socket_directory_the_config_names(node: Node) -> None:
+    """Issue 34 item 5: DATACACHE_RUN_DIR went into the config, and the unit kept RuntimeDirectory=datacache."""
+    name = f"dcr{node.user[3:]}"
+    installed = _install(node, env={**node.env(), "DATACACHE_RUN_DIR": f"/run/{name}"})
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    unit = _unit(node.units / "datacache.service")
+    socket_path = Path(tomllib.loads((node.etc / "config.toml").read_text())["daemon"]["socket"])
+    assert unit["RuntimeDirectory"] == [name]
+    assert socket_path.parent == Path("/run", name)
+    assert not Path("/run", name).exists(), "systemd makes it at the unit's start, not install.sh"
