@@ -260,7 +260,9 @@ class OutageAccess:
     async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
         """A copy of the daemon's is never dropped here (it is not this user's): it is not read again."""
         if location.path is not None and location.path == self.node.path(handle.tier_key(location.shard.key)):
-            logger.warning("dataset %s: the daemon's copy of %r is corrupt; reading around it", handle.id, location.shard.key)
+            logger.warning(
+                "dataset %s: the daemon's copy of %r is corrupt; reading around it", handle.id, location.shard.key
+            )
             self._bad.add(handle.tier_key(location.shard.key))
             return
         await self.private.report_corrupt(handle, location)

@@ -239,7 +239,9 @@ def test_a_uid_flooding_from_many_processes_is_capped_as_one(
         daemon.kill()
 
 
-def test_a_capacity_larger_than_the_disk_is_said_at_the_daemons_start(tmp_path: Path, cache_env: dict[str, str]) -> None:
+def test_a_capacity_larger_than_the_disk_is_said_at_the_daemons_start(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
     """Issue 34 item 5: a trial's ``local_capacity = "3TB"`` on a 67 GB disk started without a word."""
     local = tmp_path / "local"
     local.mkdir()

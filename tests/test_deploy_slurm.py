@@ -414,7 +414,8 @@ def test_install_check_runs_the_venv_as_the_daemons_account_and_weighs_the_capac
 ) -> None:
     """Issue 34 item 5: "node ready", then the daemon failed with Permission denied; 3 TB on 67 GB said nothing."""
     installed = _install(node)
-    assert installed.returncode == 0 and "datacache: node ready" in installed.stdout, installed.stdout + installed.stderr
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert "datacache: node ready" in installed.stdout, installed.stdout
 
     config = node.etc / "config.toml"
     disk = shutil.disk_usage(node.local).total

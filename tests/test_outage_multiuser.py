@@ -198,3 +198,31 @@ def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_t
     for path in [tmp, *tmp.rglob("*")]:
         info = path.lstat()
         assert info.st_uid == bob.uid and info.st_mode & 0o077 == 0, (path, oct(info.st_mode))
+
+
+def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, users: dict[str, User]) -> None:
+    """Issue 34 item 2: ``ls`` said "no daemon this process may use answers" where ``status`` said one answers."""
+    bob = users["bob"]
+    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config)})
+    daemon = node.serve()
+    try:
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:3",
+                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        assert warmed.returncode == 0, warmed.stderr
+        status = cli_as(bob, "status", "--json", env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["daemon"]["answers"], status.stdout + status.stderr
+        listed = cli_as(bob, "ls", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        (row,) = json.loads(listed.stdout)
+        assert (row["names"], row["shards"], row["local_shards"]) == (["train"], 12, 3), row
+        table = cli_as(bob, "ls", env=env)
+        assert table.returncode == 0 and "train" in table.stdout, table.stdout + table.stderr
+    finally:
+        daemon.kill()
+    # With the daemon gone, both say so, and ls says why it cannot go on without it.
+    status = cli_as(bob, "status", "--json", env=env)
+    assert not json.loads(status.stdout)["daemon"]["answers"], status.stdout + status.stderr
+    listed = cli_as(bob, "ls", env=env)
+    lines = [line for line in listed.stderr.splitlines() if line.strip()]
+    assert listed.returncode != 0 and len(lines) == 1, listed.stderr
+    assert "is the daemon's" in lines[0] and "refused" in lines[0].lower(), lines[0]
