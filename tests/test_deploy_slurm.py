@@ -297,6 +297,7 @@ def _shards(count: int, samples: int) -> dict[str, bytes]:
     return shards
 
 
+@pytest.mark.timeout(600)  # two trainings and three daemon starts, on a machine others load
 def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     node: Node, job_user: User, s3: Any
 ) -> None:

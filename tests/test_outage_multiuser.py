@@ -12,11 +12,13 @@ the daemon again. Before: each worker failed with "the node cache ... is not wri
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,13 @@ import _users
 import pytest
 from _daemon import REPO, DaemonProcess, wait_until
 from _users import User, cli_as, user_env
+from datacache.tiers.local import GROUP_READABLE
 from test_loader import write_wds
+
+from datacache._outage import OutageAccess
+from datacache.checksum import hash_file
+from datacache.config import Settings
+from datacache.staging import Stager
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
@@ -136,6 +144,7 @@ def _go(trainer: subprocess.Popen[str]) -> None:
     stdin.flush()
 
 
+@pytest.mark.timeout(600)  # 4 epochs of DataLoader workers and 3 daemon starts, on a machine others load
 def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_to_it(
     node: Node, users: dict[str, User]
 ) -> None:
@@ -226,3 +235,66 @@ def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, 
     lines = [line for line in listed.stderr.splitlines() if line.strip()]
     assert listed.returncode != 0 and len(lines) == 1, listed.stderr
     assert "is the daemon's" in lines[0] and "refused" in lines[0].lower(), lines[0]
+
+
+def _stage_as_the_daemon(settings: Settings, origin: Path) -> list[str]:
+    """Stage every shard of ``origin`` into ``settings.local_dir`` as the daemon does; their keys."""
+
+    async def body() -> list[str]:
+        async with Stager(settings, modes=GROUP_READABLE) as stager:
+            handle = await stager.open(str(origin))
+            for shard in handle.manifest.shards:
+                await stager.ensure(handle, shard.key)
+            return [shard.key for shard in handle.manifest.shards]
+
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize("verify_on_read", [True, False])
+def test_the_daemons_copies_are_read_where_they_are_only_when_vouched_for_and_whole(
+    tmp_path: Path, users: dict[str, User], monkeypatch: pytest.MonkeyPatch, verify_on_read: bool
+) -> None:
+    """A resident copy is read in place only if a trusted uid's metadata names this version, and its bytes match."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=32, per_shard=8)
+    node_cache = tmp_path / "node"
+    settings = Settings(local_dir=node_cache, verify_on_read=verify_on_read)
+    keys = _stage_as_the_daemon(settings, origin)
+
+    async def body() -> dict[str, tuple[str, bool, bytes]]:
+        access = OutageAccess(settings)
+        try:
+            handle = await access.open(str(origin))
+            data = {key: node_cache / "data" / handle.tier_key(key) for key in keys}
+            _, tampered, planted, stale = keys
+            body = bytearray(data[tampered].read_bytes())
+            body[-1] ^= 0xFF  # the same size, other bytes
+            data[tampered].write_bytes(bytes(body))
+            for path in (data[planted], node_cache / "meta" / f"{handle.tier_key(planted)}.json"):
+                os.chown(path, users["mallory"].uid, users["mallory"].gid)  # not a trusted uid's
+            meta = node_cache / "meta" / f"{handle.tier_key(stale)}.json"
+            meta.write_text(meta.read_text().replace('"version": "', '"version": "older-'))
+            found = {}
+            for key in keys:
+                location = await access.ensure(handle, key)
+                # The loader hashes what it maps (`verify_on_read`); a bad copy is reported, then read around.
+                in_place = location.tier == "local" and location.path == data[key]
+                if in_place and verify_on_read and hash_file(data[key]) != location.checksum:
+                    await access.report_corrupt(handle, location)
+                    location = await access.ensure(handle, key)
+                assert location.path is not None
+                in_place = location.path == data[key]
+                found[key] = (location.tier, in_place, await access.read(handle, key))
+            return found
+        finally:
+            await access.close()
+
+    found = asyncio.run(body())
+    good, tampered, planted, stale = keys
+    origin_bytes = {key: (origin / key).read_bytes() for key in keys}
+    assert {key: read for key, (_, _, read) in found.items()} == origin_bytes, "every byte right"
+    assert found[good][1], "the daemon's good copy is read where it is"
+    for key in (tampered, planted, stale):
+        assert not found[key][1], f"{key}: staged in the reader's own directory, not read in place"
