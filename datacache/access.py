@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from datacache._outage import OutageAccess, cannot_stage_into
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import DaemonUnavailableError
@@ -149,6 +150,10 @@ class FailoverAccess:
     without losing or repeating a shard. Handles from either side work with
     both: a handle names its dataset, manifest snapshot and origin.
 
+    Where this process may not write the daemon's cache (the daemon runs as its own account,
+    deploy/slurm), the fallback is an `OutageAccess`: the daemon's resident shards read where
+    they are, the rest staged into a directory of this uid's own.
+
     Parameters
     ----------
     primary
@@ -157,17 +162,19 @@ class FailoverAccess:
         Settings for the fallback stager (the same cache directories).
     retry_interval
         Seconds between attempts to reach the daemon again once it failed.
+    down
+        The daemon did not answer when this access was made: start on the fallback.
     """
 
     def __init__(
-        self, primary: DaemonClient, settings: Settings, *, retry_interval: float = 3.0
+        self, primary: DaemonClient, settings: Settings, *, retry_interval: float = 3.0, down: bool = False
     ) -> None:
         self.primary = primary
         self.settings = settings
         self.retry_interval = retry_interval
-        self._fallback: Stager | None = None
-        self._down_until: float | None = None
-        self._down = False
+        self._fallback: Stager | OutageAccess | None = None
+        self._down_until: float | None = time.monotonic() + retry_interval if down else None
+        self._down = down
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
         self._closing = False
         self.failovers = 0
@@ -188,10 +195,13 @@ class FailoverAccess:
         """``"daemon"``, or ``"embedded (daemon unavailable)"`` while the fallback answers."""
         return EMBEDDED_FALLBACK if self._down else "daemon"
 
-    def _fallback_stager(self) -> Stager:
+    def _fallback_stager(self) -> Stager | OutageAccess:
         if self._fallback is None:
-            # The daemon (or its successor) reconciles the catalog; readers never do.
-            self._fallback = Stager(self.settings, reconcile=False)
+            if cannot_stage_into(self.settings.local_dir):
+                self._fallback = OutageAccess(self.settings)
+            else:
+                # The daemon (or its successor) reconciles the catalog; readers never do.
+                self._fallback = Stager(self.settings, reconcile=False)
         return self._fallback
 
     async def _route(self, call: Callable[[ShardAccess], Awaitable[T]]) -> T:
@@ -321,7 +331,9 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
     `FailoverAccess` over a `DaemonClient` (every process of the node shares
     the daemon's cache; if the daemon goes away, this process goes on with its
     own stager and returns to the daemon when it is back). Otherwise an
-    in-process `Stager` (``reconcile`` repairs what killed processes left).
+    in-process `Stager` (``reconcile`` repairs what killed processes left), or,
+    where the cache is the daemon's and this process may not write it, a
+    `FailoverAccess` that starts without the daemon and goes to it once it answers.
     """
     socket_path = settings.daemon_socket
     if socket_path.exists():
@@ -330,9 +342,19 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
             health = await client.health()
         except DaemonUnavailableError as exc:
             await client.close()
+            if cannot_stage_into(settings.local_dir):
+                logger.warning("%s; reading through this process's own stager until it is back", exc)
+                return FailoverAccess(DaemonClient(settings), settings, down=True)
             logger.info("%s; using an in-process stager", exc)
         else:
             return FailoverAccess(client, fallback_settings(settings, health))
+    elif cannot_stage_into(settings.local_dir):
+        logger.warning(
+            "no datacache daemon answers at %s (no socket); reading through this process's own stager "
+            "until one does",
+            socket_path,
+        )
+        return FailoverAccess(DaemonClient(settings), settings, down=True)
     return Stager(settings, reconcile=reconcile)
 
 

@@ -392,6 +392,14 @@ class DaemonClient:
         """What ``datacache top`` shows: tiers, transfers, and the clients this user may see."""
         return await self._call("GET", f"{API}/top", within=self.request_timeout)
 
+    async def datasets(self) -> list[dict[str, Any]]:
+        """What ``datacache ls`` shows: the datasets of the daemon's catalog this user may see, with residency."""
+        reply = await self._call("GET", f"{API}/datasets", within=self.request_timeout)
+        rows = reply.get("datasets")
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise DatacacheError("daemon: the datasets reply lacks its rows")
+        return rows
+
     async def status(self) -> dict[str, Any]:
         """The daemon's status: tiers, queue, datasets, clients (never a credential)."""
         return await self._call("GET", f"{API}/status", within=self.request_timeout)

@@ -8,12 +8,14 @@ One suite, the same answers from each.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _daemon import DaemonProcess, start_daemon
 
+from datacache._outage import OutageAccess
 from datacache.access import FailoverAccess, ShardAccess
 from datacache.client import DaemonClient
 from datacache.config import Settings, load_settings
@@ -83,3 +85,17 @@ class TestFailoverWithoutADaemon(ShardAccessTests):
 
     def make_access(self, settings: Settings) -> ShardAccess:
         return FailoverAccess(DaemonClient(settings, connect_timeout=1.0), settings)
+
+
+class TestOutageAccess(ShardAccessTests):
+    """A reader who may not write the daemon's cache, while the daemon is away (issue 34 item 1)."""
+
+    @pytest.fixture
+    def node(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+        # Its own copies go under TMPDIR: this test's, not the machine's /tmp.
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+        (tmp_path / "tmp").mkdir()
+        return load_settings(_environment(tmp_path / "home"), overrides={"local_dir": str(tmp_path / "daemons")})
+
+    def make_access(self, settings: Settings) -> ShardAccess:
+        return OutageAccess(settings)

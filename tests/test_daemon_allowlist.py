@@ -26,6 +26,7 @@ from _daemon import make_shards
 from _users import User
 from test_daemon_multiuser import calls_as, error_code, serve_for
 
+from datacache._protocol import config_to_wire
 from datacache.config import DatasetConfig, canonical_origin, dataset_id_for, load_settings
 from datacache.config import resolve_dataset as resolve
 from datacache.daemon._http import Forbidden
@@ -346,3 +347,38 @@ def test_a_public_host_cannot_redirect_the_daemon_to_its_loopback(
         assert plain[0] == 200 and plain[1]["shards"] == 2, plain  # a public host that does not redirect
     finally:
         daemon.kill()
+
+
+def test_a_url_equal_to_a_configured_datasets_url_is_that_dataset_through_the_daemon(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """Names are aliases of the origin (issue 34 item 3): a script that passes the URL works on Slurm too.
+
+    Before, ``a-wds = { url = ... }`` configured, its URL was refused to another uid as
+    "neither configured in this daemon nor under a prefix".
+    """
+    data = world_dir / "data"
+    make_shards(data / "a-wds", 2, 10_000, seed=1)
+    make_shards(data / "other", 2, 10_000, seed=2)
+    config = world_dir / "daemon.toml"
+    config.write_text(f'[datasets]\na-wds = {{ url = "file://{data}/a-wds/" }}\n')
+    daemon = serve_for(users, world_dir, base_env, "--config", str(config))
+    # What a client without the node's config sends for the URL (the Kubernetes sidecar's trainer).
+    bare = load_settings({}, overrides={"local_dir": str(world_dir / "probe")})
+    wire = config_to_wire(resolve(f"file://{data}/a-wds/", bare))
+    try:
+        replies = calls_as(
+            users["alice"],
+            daemon,
+            ("POST", "/v1/open", {"dataset": "a-wds"}),
+            ("POST", "/v1/open", {"dataset": f"file://{data}/a-wds/"}),
+            ("POST", "/v1/open", {"dataset": f"{data}//a-wds"}),  # another spelling of the same origin
+            ("POST", "/v1/open", {"dataset": wire}),
+            ("POST", "/v1/open", {"dataset": f"file://{data}/other/"}),
+        )
+    finally:
+        daemon.kill()
+    *same, other = replies
+    assert [status for status, _ in same] == [200] * 4, same
+    assert len({reply["dataset_id"] for _, reply in same}) == 1, same
+    assert (other[0], error_code(other[1])) == (403, "forbidden"), other

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -236,3 +237,22 @@ def test_a_uid_flooding_from_many_processes_is_capped_as_one(
             flood.kill()
             flood.communicate()
         daemon.kill()
+
+
+def test_a_capacity_larger_than_the_disk_is_said_at_the_daemons_start(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """Issue 34 item 5: a trial's ``local_capacity = "3TB"`` on a 67 GB disk started without a word."""
+    local = tmp_path / "local"
+    local.mkdir()
+    disk = shutil.disk_usage(local).total
+    daemon = start_daemon(cache_env, local, "--local-capacity", f"{2 * disk}B")
+    try:
+        assert "more than the filesystem" in daemon.log_text(), daemon.log_text()
+    finally:
+        daemon.stop()
+    fits = start_daemon(cache_env, local, "--local-capacity", f"{disk // 2}B")
+    try:
+        assert "more than the filesystem" not in fits.log_text()
+    finally:
+        fits.stop()

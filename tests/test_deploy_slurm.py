@@ -13,14 +13,18 @@ directory (it installs the config and the unit with them).
 from __future__ import annotations
 
 import grp
+import hashlib
+import io
 import json
 import os
 import pwd
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import tomllib
 import uuid
@@ -95,7 +99,9 @@ class Node:
         wrapper = self.prefix / "bin" / "datacache"
         wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m datacache.cli \"$@\"\n")
         wrapper.chmod(0o755)
-        (self.prefix / "bin" / "python").symlink_to(sys.executable)
+        python = self.prefix / "bin" / "python"  # a venv's python is this checkout's interpreter, with its packages
+        python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        python.chmod(0o755)
         for path in (self.root, *[p for p in self.root.rglob("*") if p.is_dir()]):
             path.chmod(0o755)
 
@@ -153,12 +159,17 @@ class Service:
         env["DATACACHE_METRICS_ADDRESS"] = "127.0.0.1:0"
         self.config = Path(env["DATACACHE_CONFIG"])
         self.socket = Path(tomllib.loads(self.config.read_text())["daemon"]["socket"])
-        # RuntimeDirectory=datacache: systemd makes /run/datacache, owned by User:Group, RuntimeDirectoryMode.
-        assert unit["RuntimeDirectory"] == ["datacache"]
         assert self.socket.parent == node.run_dir, (self.socket, node.run_dir)
-        node.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chown(node.run_dir, user.pw_uid, group)
-        node.run_dir.chmod(int(unit["RuntimeDirectoryMode"][-1], 8))
+        if "RuntimeDirectory" in unit:
+            # systemd makes /run/<RuntimeDirectory>, owned by User:Group, RuntimeDirectoryMode.
+            assert Path("/run", unit["RuntimeDirectory"][-1]) == node.run_dir, (unit["RuntimeDirectory"], node.run_dir)
+            node.run_dir.mkdir(parents=True, exist_ok=True)
+            os.chown(node.run_dir, user.pw_uid, group)
+            node.run_dir.chmod(int(unit["RuntimeDirectoryMode"][-1], 8))
+        else:
+            # A socket directory outside /run: install.sh made it, and the unit lets the daemon write it.
+            assert str(node.run_dir) in unit["ReadWritePaths"][-1].split(), unit["ReadWritePaths"]
+            assert node.run_dir.stat().st_uid == user.pw_uid
         self.log = node.root / "daemon.log"
         self.uid = user.pw_uid
         with self.log.open("wb") as out:
@@ -183,6 +194,11 @@ class Service:
             return False
         return status == 200
 
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or an operator's ``kill -9`` ends it."""
+        self.process.kill()
+        self.process.wait(timeout=60)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -206,6 +222,69 @@ print(json.dumps({"keys": keys, "classes": sorted({int(sample["cls"]) for sample
 """
 
 
+_TRAIN_THROUGH_OUTAGES = """
+import hashlib, json, sys
+from torch.utils.data import DataLoader
+from datacache.loaders import CachedIterableDataset
+
+def say(word):
+    print(word, flush=True)
+    sys.stdin.readline()  # the test answers once it has done what the word asks
+
+ds = CachedIterableDataset(sys.argv[1], shuffle=True, seed=3)
+loader = DataLoader(ds, batch_size=None, num_workers=2)
+epochs = []
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    if epoch == 1:
+        say("kill")  # at the epoch's start: the workers are made with no daemon
+    seen = []
+    for sample in loader:
+        seen.append([sample["__key__"], hashlib.sha256(sample["bin"]).hexdigest()])
+        if epoch == 0 and len(seen) == 5:
+            say("kill")  # mid-epoch
+    epochs.append({"seen": seen, "mode": ds.stats().mode})
+    if epoch < 2:
+        say("restart")
+print(json.dumps(epochs))
+"""
+
+
+def _train_through_outages(
+    node: Node, service: Service, job: User, env: dict[str, str], dataset: str
+) -> tuple[Service, list[Any]]:
+    """Train 3 epochs as ``job``; SIGKILL the daemon mid-epoch 0 and before epoch 1, restart it after each."""
+    errors = node.root / "outage-trainer.err"
+    with errors.open("w") as err:
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_TRAIN_THROUGH_OUTAGES), dataset],
+            user=job.uid, group=job.gid, extra_groups=list(job.groups), env=env, cwd=str(job.home),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+        )
+    assert trainer.stdin is not None and trainer.stdout is not None
+    try:
+        for word in ("kill", "restart", "kill", "restart"):
+            said = trainer.stdout.readline().strip()
+            assert said == word, f"the trainer said {said!r}, not {word!r}:\n{errors.read_text()}"
+            if word == "kill":
+                service.kill()
+            else:
+                service = Service(node)
+                wait_until(service.ready, timeout=90, what="the daemon to come back")
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+        out, _ = trainer.communicate(timeout=300)
+    except BaseException:
+        trainer.kill()
+        trainer.wait()
+        service.stop()
+        raise
+    assert trainer.returncode == 0, errors.read_text()
+    stderr = errors.read_text()
+    assert "not writable by uid" not in stderr and "Traceback" not in stderr, stderr
+    return service, json.loads(out.strip().splitlines()[-1])
+
+
 def _shards(count: int, samples: int) -> dict[str, bytes]:
     """WebDataset shards: shard ``s`` holds ``samples`` samples of class ``s``."""
     shards = {}
@@ -218,11 +297,19 @@ def _shards(count: int, samples: int) -> dict[str, bytes]:
     return shards
 
 
+@pytest.mark.timeout(600)  # two trainings and three daemon starts, on a machine others load
 def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     node: Node, job_user: User, s3: Any
 ) -> None:
+    payloads: dict[str, str] = {}
     for key, data in _shards(4, 5).items():  # a public dataset: the node's daemon reads it anonymously
         s3.client.put_object(Bucket=s3.name, Key=f"wds/{key}", Body=data, ACL="public-read")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".bin"):
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None
+                    payloads[member.name[: -len(".bin")]] = hashlib.sha256(extracted.read()).hexdigest()
 
     # 1. install.sh, as root, names the job user: the accounts, the config, the unit, the prolog.
     installed = subprocess.run(
@@ -290,12 +377,70 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
             assert info.st_uid == service.uid, (path, info.st_uid)
             assert info.st_mode & 0o007 == 0, (path, oct(info.st_mode))
         assert (node.local / "catalog.sqlite").stat().st_mode & 0o077 == 0
+
+        # 6. kill -9 of the daemon under a job, mid-epoch and at an epoch start, then systemd's restart
+        # (Restart=on-failure): the job reads on, exactly once, and back through the daemon (issue 34 item 1).
+        tmp = job.home / "tmp"
+        tmp.mkdir(mode=0o700)
+        os.chown(tmp, job.uid, job.gid)
+        service, epochs = _train_through_outages(node, service, job, {**env, "TMPDIR": str(tmp)}, comment.group(1))
+        want = sorted([key, digest] for key, digest in payloads.items())
+        for epoch, read in enumerate(epochs):
+            assert sorted(read["seen"]) == want, f"epoch {epoch}: every sample once, every byte right"
+        assert [read["mode"] for read in epochs] == [
+            "embedded (daemon unavailable)", "embedded (daemon unavailable)", "daemon"
+        ]
+        for path in [node.local, *node.local.rglob("*")]:
+            assert path.lstat().st_uid == service.uid, (path, path.lstat().st_uid)
     finally:
         service.stop()
     assert service.process.returncode == 0, service.log.read_text()
 
-    # 6. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
+    # 7. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
     warm = run_as(job, [sys.executable, "-m", "datacache.cli", "warm", comment.group(1)], env=env, timeout=120)
     lines = [line for line in warm.stderr.splitlines() if line.strip()]
     assert warm.returncode != 0 and len(lines) == 1, warm.stderr
     assert "not writable by uid" in lines[0] and "start the node's daemon" in lines[0], lines[0]
+
+
+def _install(node: Node, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SLURM / "install.sh"), *args],
+        env=env or node.env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_install_check_runs_the_venv_as_the_daemons_account_and_weighs_the_capacity_against_the_disk(
+    node: Node,
+) -> None:
+    """Issue 34 item 5: "node ready", then the daemon failed with Permission denied; 3 TB on 67 GB said nothing."""
+    installed = _install(node)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert "datacache: node ready" in installed.stdout, installed.stdout
+
+    config = node.etc / "config.toml"
+    disk = shutil.disk_usage(node.local).total
+    text = re.sub(r'^local_capacity = .*$', f'local_capacity = "{2 * disk}B"', config.read_text(), flags=re.M)
+    config.write_text(text)
+    checked = _install(node, "--check")
+    assert checked.returncode == 0 and "datacache: node ready" in checked.stdout, checked.stdout
+    assert "warning: local_capacity" in checked.stdout and "more than the filesystem" in checked.stdout, checked.stdout
+
+    # Root may run the venv; the daemon's account may not (a venv made under a 0700 directory).
+    (node.prefix / "bin" / "datacache").chmod(0o700)
+    refused = _install(node, "--check")
+    assert refused.returncode != 0, refused.stdout
+    assert "node ready" not in refused.stdout
+    assert f"cannot be run by {node.user}" in refused.stdout, refused.stdout
+
+
+def test_the_unit_makes_the_socket_directory_the_config_names(node: Node) -> None:
+    """Issue 34 item 5: DATACACHE_RUN_DIR went into the config, and the unit kept RuntimeDirectory=datacache."""
+    name = f"dcr{node.user[3:]}"
+    installed = _install(node, env={**node.env(), "DATACACHE_RUN_DIR": f"/run/{name}"})
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    unit = _unit(node.units / "datacache.service")
+    socket_path = Path(tomllib.loads((node.etc / "config.toml").read_text())["daemon"]["socket"])
+    assert unit["RuntimeDirectory"] == [name]
+    assert socket_path.parent == Path("/run", name)
+    assert not Path("/run", name).exists(), "systemd makes it at the unit's start, not install.sh"

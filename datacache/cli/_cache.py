@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from datacache import __version__
+from datacache._outage import cannot_stage_into
 from datacache.cli._common import (
     Commands,
     add_settings_flags,
@@ -17,17 +18,31 @@ from datacache.cli._common import (
     settings_from,
 )
 from datacache.config import Settings, resolve_dataset
-from datacache.errors import ConfigError
+from datacache.daemon import dataset_rows
+from datacache.errors import ConfigError, DatacacheError
 from datacache.sizes import format_bytes
 from datacache.staging import LOCAL, SHARED, Stager
-from datacache.tiers import redact_url
 
 
 async def _ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    async with Stager(settings) as stager:
-        await stager.reconcile()
-        rows = await _ls_rows(stager, settings)
+    client = await daemon_client(settings)
+    if client is not None:
+        # The daemon's catalog, as the daemon reads it: the daemon `status` says answers.
+        try:
+            rows = await client.datasets()
+        finally:
+            await client.close()
+    elif cannot_stage_into(settings.local_dir):
+        daemon = await daemon_answer(settings)
+        raise DatacacheError(
+            f"the node cache {settings.local_dir} is the daemon's, and no daemon this process may use answers "
+            f"at {daemon['socket']}: {daemon.get('detail', 'no answer')}"
+        )
+    else:
+        async with Stager(settings) as stager:
+            await stager.reconcile()
+            rows = await dataset_rows(stager, settings)
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     elif not rows:
@@ -35,40 +50,6 @@ async def _ls(args: argparse.Namespace) -> int:
     else:
         _print_ls_table(rows)
     return 0
-
-
-async def _ls_rows(stager: Stager, settings: Settings) -> list[dict[str, Any]]:
-    """One row per dataset the catalog knows: its configured names, its residency per tier."""
-    # Tiers key copies by the origin's id; users know their datasets by the config's names.
-    names: dict[str, list[str]] = {}
-    for name, config in sorted(settings.datasets.items()):
-        names.setdefault(config.id, []).append(name)
-    entries = await stager.catalog.entries()
-    rows: list[dict[str, Any]] = []
-    for record in await stager.catalog.datasets():
-        local = [e for e in entries if e.dataset == record.id and e.state == "resident"]
-        shared_count = shared_bytes = 0
-        if stager.shared is not None:
-            async for info in stager.shared.list(f"{record.id}/"):
-                shared_count += 1
-                shared_bytes += info.size
-        rows.append(
-            {
-                "dataset": record.id,
-                "names": names.get(record.id, []),
-                "url": redact_url(record.url),
-                "format": record.format,
-                "policy": record.policy,
-                "pinned": record.pinned,
-                "shards": record.shard_count,
-                "bytes": record.total_bytes,
-                "local_shards": len(local),
-                "local_bytes": sum(e.size for e in local),
-                "shared_shards": shared_count if stager.shared is not None else None,
-                "shared_bytes": shared_bytes if stager.shared is not None else None,
-            }
-        )
-    return rows
 
 
 def _print_ls_table(rows: list[dict[str, Any]]) -> None:
@@ -99,7 +80,10 @@ async def _status(args: argparse.Namespace) -> int:
     # not this process's settings (a new user's status said "unbounded" beside a 1 GB daemon).
     tiers = await daemon_tiers(settings) if daemon["answers"] else None
     tiers_from = "daemon" if tiers is not None else "this process"
-    if tiers is None:
+    if tiers is None and cannot_stage_into(settings.local_dir):
+        # The daemon's cache, its catalog the daemon's own: nothing to show without the daemon.
+        tiers, tiers_from = [], "none"
+    elif tiers is None:
         async with Stager(settings, reconcile=False) as stager:
             tiers = await _tier_usage(stager, settings)
     document = {
@@ -115,6 +99,8 @@ async def _status(args: argparse.Namespace) -> int:
     sys.stdout.write(f"datacache {__version__}; config: {document['config'] or 'none (defaults)'}\n")
     if tiers_from == "daemon":
         sys.stdout.write(f"tiers as the daemon (pid {daemon['pid']}) runs them:\n")
+    elif tiers_from == "none":
+        sys.stdout.write(f"tiers: the node cache {settings.local_dir} is the daemon's; they show while it answers\n")
     for tier in tiers:
         capacity = tier["capacity_bytes"]
         limit = format_bytes(capacity) if capacity else "unbounded"

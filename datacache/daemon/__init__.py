@@ -10,5 +10,6 @@ from __future__ import annotations
 
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
 from datacache.daemon._server import Daemon, DaemonOptions, serve
+from datacache.daemon._status import dataset_rows
 
-__all__ = ["Daemon", "DaemonOptions", "PrefetchScheduler", "default_prefetch_slots", "serve"]
+__all__ = ["Daemon", "DaemonOptions", "PrefetchScheduler", "dataset_rows", "default_prefetch_slots", "serve"]

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from datacache._capacity import capacity_beyond_disk
 from datacache.config import Settings
 from datacache.daemon._http import DRAINING, STARTING, http_logger
 from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
@@ -164,6 +165,9 @@ class Lifecycle:
                 local,
                 mode & 0o777,
             )
+        beyond = capacity_beyond_disk(local, self.settings.local_capacity)
+        if beyond is not None:
+            logger.warning("%s", beyond)
         make_local_dirs(local / "locks")
         make_local_dirs(self.snapshot_dir, GROUP_READABLE.dir)
         parent = self.socket_path.parent

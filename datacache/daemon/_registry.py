@@ -20,7 +20,7 @@ from typing import Any
 from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.daemon._http import BadRequest, Peer, string
-from datacache.daemon._policy import OriginPolicy, check_form
+from datacache.daemon._policy import OriginPolicy, canonical_url, check_form
 from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.staging import DatasetHandle, Stager
@@ -85,7 +85,10 @@ class DatasetRegistry:
             if spec not in self.settings.datasets:
                 check_form(spec)
             config = resolve_dataset(spec, self.settings)
-            configured = spec in self.settings.datasets
+            known = self.settings.datasets.get(spec) or self._configured_at(replace(config, storage_options={}))
+            if known is not None and spec not in self.settings.datasets:
+                config = resolve_dataset(known.name, self.settings)
+            configured = known is not None
         else:
             config = config_from_wire(spec)
             validate_key(config.name)
@@ -96,6 +99,11 @@ class DatasetRegistry:
                     f"dataset name {config.name!r} is configured in the daemon for another URL "
                     f"({redact_url(known.url)})"
                 )
+            if known is None:
+                # A client without the node's config names a configured dataset by its URL.
+                known = self._configured_at(config)
+                if known is not None:
+                    config = replace(config, name=known.name)
             configured = known is not None
             scheme = config.url.split("://", 1)[0] if "://" in config.url else "file"
             base = {**self.settings.storage_options.get(scheme, {}), **(known.storage_options if known else {})}
@@ -109,6 +117,21 @@ class DatasetRegistry:
         if config.id in self.pins and not config.pinned:
             config = replace(config, pinned=True)
         return config
+
+    def _configured_at(self, config: DatasetConfig) -> DatasetConfig | None:
+        """The configured dataset whose URL is ``config``'s, canonically (names are aliases of the origin).
+
+        Only where the client's own storage options leave the origin the configured one's (no
+        other endpoint): the same identity once the configured options are merged under them.
+        """
+        url = canonical_url(config.url)
+        for known in self.settings.datasets.values():
+            if canonical_url(known.url) != url:
+                continue
+            merged = replace(known, storage_options={**known.storage_options, **config.storage_options})
+            if merged.id == known.id:
+                return known
+        return None
 
     def opened_by(self, peer: Peer, dataset_id: str) -> bool:
         """Whether ``peer`` may act on ``dataset_id``: an operator, or a uid that opened it."""

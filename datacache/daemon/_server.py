@@ -35,7 +35,7 @@ from datacache.daemon._limits import BodyBudget
 from datacache.daemon._options import DaemonOptions
 from datacache.daemon._reads import ReadVerbs
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
-from datacache.daemon._status import ClientReport, log_event
+from datacache.daemon._status import ClientReport, dataset_rows, log_event
 from datacache.daemon._warm import WarmRun
 from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.metrics import CONTENT_TYPE
@@ -158,6 +158,7 @@ class Daemon(ReadVerbs):
         app.router.add_get("/metrics", self._metrics, name="metrics")
         app.router.add_get(f"{API}/status", self._status, name="status")
         app.router.add_get(f"{API}/top", self._top, name="top")
+        app.router.add_get(f"{API}/datasets", self._datasets, name="datasets")
         for verb, handler in (
             ("open", self._open),
             ("ensure", self._ensure),
@@ -305,6 +306,17 @@ class Daemon(ReadVerbs):
             opened={handle.id for handle in handles if self.registry.opened_by(peer, handle.id)},
         )
         return web.json_response(document)
+
+    async def _datasets(self, request: web.Request) -> web.Response:
+        """What ``datacache ls`` shows; a user sees the configured datasets and those it opened."""
+        peer = self._peer(request)
+        settings = self._stager().settings
+        rows = await dataset_rows(self._stager(), settings)
+        if not peer.is_operator:
+            configured = {config.id for config in settings.datasets.values()}
+            visible = [row for row in rows if row["dataset"] in configured]
+            rows = visible + [r for r in rows if r not in visible and self.registry.opened_by(peer, r["dataset"])]
+        return web.json_response({"datasets": rows})
 
     async def _status(self, request: web.Request) -> web.Response:
         lifecycle = self.lifecycle

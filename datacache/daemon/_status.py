@@ -24,7 +24,7 @@ from datacache.metrics import DaemonMetrics
 from datacache.staging import LOCAL, SHARED, DatasetHandle, Stager, StagingEvent
 from datacache.tiers import device_free, redact_url
 
-__all__ = ["ClientReport", "StatusBoard", "log_event"]
+__all__ = ["ClientReport", "StatusBoard", "dataset_rows", "log_event"]
 
 logger = logging.getLogger("datacache.daemon")
 
@@ -277,6 +277,40 @@ def _newly_delivered(previous: ClientReport | None, report: ClientReport) -> int
     if previous is None or report.delivered < previous.delivered:
         return report.delivered  # a first report, or a new epoch
     return report.delivered - previous.delivered
+
+
+async def dataset_rows(stager: Stager, settings: Settings) -> list[dict[str, Any]]:
+    """What ``datacache ls`` shows: a row per dataset the catalog knows, its configured names and residency per tier."""
+    # Tiers key copies by the origin's id; users know their datasets by the config's names.
+    names: dict[str, list[str]] = {}
+    for name, config in sorted(settings.datasets.items()):
+        names.setdefault(config.id, []).append(name)
+    entries = await stager.catalog.entries()
+    rows: list[dict[str, Any]] = []
+    for record in await stager.catalog.datasets():
+        local = [e for e in entries if e.dataset == record.id and e.state == "resident"]
+        shared_count = shared_bytes = 0
+        if stager.shared is not None:
+            async for info in stager.shared.list(f"{record.id}/"):
+                shared_count += 1
+                shared_bytes += info.size
+        rows.append(
+            {
+                "dataset": record.id,
+                "names": names.get(record.id, []),
+                "url": redact_url(record.url),
+                "format": record.format,
+                "policy": record.policy,
+                "pinned": record.pinned,
+                "shards": record.shard_count,
+                "bytes": record.total_bytes,
+                "local_shards": len(local),
+                "local_bytes": sum(e.size for e in local),
+                "shared_shards": shared_count if stager.shared is not None else None,
+                "shared_bytes": shared_bytes if stager.shared is not None else None,
+            }
+        )
+    return rows
 
 
 def _dataset_document(handle: DatasetHandle, pins: set[str]) -> dict[str, Any]:

@@ -37,8 +37,32 @@ check() {
         [ -d "$dir" ] || { echo "missing: directory $dir"; missing=1; }
     done
     [ -f "$DATACACHE_UNIT_DIR/datacache.service" ] || { echo "missing: $DATACACHE_UNIT_DIR/datacache.service"; missing=1; }
+    if [ "$missing" = 0 ]; then as_daemon_account || missing=1; fi
     if [ "$missing" = 0 ]; then echo "datacache: node ready"; fi
     return "$missing"
+}
+
+# What the daemon itself will meet, checked as its account (root can run what it cannot): the venv
+# runs, and the config's local_capacity fits the disk under local_dir (a warning, not a failure).
+as_daemon_account() {
+    if [ "$(id -u)" != 0 ]; then
+        echo "note: not root, so the venv was not run as $DATACACHE_USER"
+        return 0
+    fi
+    if ! (cd / && runuser -u "$DATACACHE_USER" -- "$DATACACHE_PREFIX/bin/datacache" --version) >/dev/null 2>&1; then
+        echo "missing: $DATACACHE_PREFIX/bin/datacache cannot be run by $DATACACHE_USER (its directories and files must be readable and executable by that account)"
+        return 1
+    fi
+    [ -x "$DATACACHE_PREFIX/bin/python" ] || return 0
+    (cd / && runuser -u "$DATACACHE_USER" -- "$DATACACHE_PREFIX/bin/python" -c '
+import sys
+from datacache._capacity import capacity_beyond_disk
+from datacache.config import load_settings
+settings = load_settings({"DATACACHE_CONFIG": sys.argv[1]})
+beyond = capacity_beyond_disk(settings.local_dir, settings.local_capacity)
+if beyond:
+    print("warning: " + beyond)
+' "$DATACACHE_ETC/config.toml") || echo "warning: could not weigh local_capacity against the disk as $DATACACHE_USER (see above)"
 }
 
 if [ "${1:-}" = "--check" ]; then
@@ -70,6 +94,13 @@ if [ ! -x "$DATACACHE_PREFIX/bin/datacache" ] || [ "$upgrade" = 1 ]; then
     "$DATACACHE_PREFIX/bin/python" -m pip install --quiet -c "$repo/constraints.txt" "$repo"
 fi
 
+# The socket's directory, as the unit makes it: systemd's RuntimeDirectory (a name under /run), or,
+# for a directory elsewhere, one made here and made writable for the daemon (ProtectSystem=strict).
+case "$DATACACHE_RUN_DIR" in
+    /run/?*) run_dir_unit=(-e "s|^RuntimeDirectory=datacache\$|RuntimeDirectory=${DATACACHE_RUN_DIR#/run/}|") ;;
+    *) run_dir_unit=(-e "/^RuntimeDirectory/d" -e "s|^\(ReadWritePaths=.*\)\$|\1 $DATACACHE_RUN_DIR|") ;;
+esac
+
 # The shipped files name the default user, group and paths; install them with this node's.
 render() {
     sed -e "s|/opt/datacache|$DATACACHE_PREFIX|g" \
@@ -80,6 +111,7 @@ render() {
         -e "s|^daemon_uid = \"datacache\"|daemon_uid = \"$DATACACHE_USER\"|" \
         -e "s|^User=datacache\$|User=$DATACACHE_USER|" \
         -e "s|^Group=datacache-users\$|Group=$DATACACHE_GROUP|" \
+        "${run_dir_unit[@]}" \
         "$1"
 }
 
@@ -93,6 +125,10 @@ fi
 install -d -m 0750 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_LOCAL_DIR"
 # The shared tier: a group resource (docs/SECURITY.md, "The shared tier"): 2770, setgid.
 install -d -m 2770 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_SHARED_DIR"
+case "$DATACACHE_RUN_DIR" in
+    /run/?*) ;;  # systemd makes it at each start
+    *) install -d -m 0750 -o "$DATACACHE_USER" -g "$DATACACHE_GROUP" "$DATACACHE_RUN_DIR" ;;
+esac
 install -d -m 0755 "$DATACACHE_UNIT_DIR" "$DATACACHE_PROLOG_DIR"
 render "$repo/deploy/slurm/datacache.service" > "$DATACACHE_UNIT_DIR/datacache.service"
 chmod 0644 "$DATACACHE_UNIT_DIR/datacache.service"

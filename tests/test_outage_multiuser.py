@@ -1,0 +1,300 @@
+"""A daemon outage is not a job outage, whoever the job's user is (issue 34 item 1).
+
+As a new user's trial ran it: the daemon as its own account (``alice``, group ``team``, as
+deploy/slurm's unit runs it), the job as ``bob``, a member of ``team`` by supplementary membership
+only, who may read the daemon's shard files but write nothing of its cache. torch's DataLoader
+with worker processes reads 4 epochs; the daemon is SIGKILLed mid-epoch (epoch 0) and again at
+an epoch start, before ``iter(loader)`` makes the workers (epoch 2), and restarted after each.
+Every epoch is exactly once with every byte right; the daemon's resident shards are read where
+they are, the rest staged in bob's own directory; the epochs after each restart read through
+the daemon again. Before: each worker failed with "the node cache ... is not writable by uid".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import _users
+import pytest
+from _daemon import REPO, DaemonProcess, wait_until
+from _users import User, cli_as, user_env
+from datacache.tiers.local import GROUP_READABLE
+from test_loader import write_wds
+
+from datacache._outage import OutageAccess
+from datacache.checksum import hash_file
+from datacache.config import Settings
+from datacache.staging import Stager
+
+users = _users.users  # the fixtures, by name
+world_dir = _users.world_dir
+
+_TRAIN = """
+import hashlib, json, sys
+from torch.utils.data import DataLoader
+from datacache.loaders import CachedIterableDataset
+
+def say(word):
+    print(word, flush=True)
+    sys.stdin.readline()  # the test answers once it has done what the word asks
+
+ds = CachedIterableDataset("train", shuffle=True, seed=3)
+loader = DataLoader(ds, batch_size=None, num_workers=2)
+epochs = []
+for epoch in range(4):
+    ds.set_epoch(epoch)
+    if epoch == 2:
+        say("kill")  # at the epoch's start: the workers are made with no daemon
+    seen = []
+    for sample in loader:
+        seen.append([sample["__key__"], hashlib.sha256(sample["bin"]).hexdigest()])
+        if epoch == 0 and len(seen) == 20:
+            say("kill")  # mid-epoch: the workers are reading through the daemon
+    epochs.append({"seen": seen, "mode": ds.stats().mode})
+    if epoch in (0, 2):
+        say("restart")
+print(json.dumps(epochs))
+"""
+
+
+class Node:
+    """A node's cache, socket and config, the daemon's (alice's, group team) as deploy/slurm lays them out."""
+
+    def __init__(self, world: Path, daemon_user: User, team: int, capacity: int) -> None:
+        self.world = world
+        self.user = daemon_user
+        self.team = team
+        self.local = world / "cache"
+        self.run = world / "run"
+        for directory in (self.local, self.run):
+            directory.mkdir(mode=0o750)
+            os.chown(directory, daemon_user.uid, team)
+            directory.chmod(0o750)
+        self.socket = self.run / "daemon.sock"
+        self.origin = world / "origin"
+        self.config = world / "config.toml"
+        self.config.write_text(
+            textwrap.dedent(f"""
+            [cache]
+            local_dir = "{self.local}"
+            local_capacity = "{capacity}B"
+            [daemon]
+            socket = "{self.socket}"
+            daemon_uid = "{daemon_user.name}"
+            [datasets]
+            train = {{ url = "{self.origin}/" }}
+            """)
+        )
+        self.starts = 0
+        self.capacity = capacity
+        self.expected: dict[str, dict[str, bytes]] = {}
+
+    def serve(self) -> DaemonProcess:
+        """The daemon as systemd runs the unit: its account, the group, UMask=0027."""
+        self.starts += 1
+        log = self.world / f"daemon-{self.starts}.log"
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.user.home), "DATACACHE_CONFIG": str(self.config),
+               "PYTHONPATH": str(REPO)}
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "datacache.cli", "serve", "--metrics-address", "127.0.0.1:0"],
+                user=self.user.uid, group=self.team, extra_groups=list(self.user.groups), umask=0o027,
+                env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT,
+            )
+        daemon = DaemonProcess(process=process, local_dir=self.local, socket=self.socket, log=log, env=env)
+        wait_until(daemon.ready, timeout=90, what="the daemon to become ready")
+        return daemon
+
+    def resident(self) -> set[str]:
+        """The shard files on the node's cache now."""
+        return {path.name for path in (self.local / "data").rglob("*.tar")}
+
+
+@pytest.fixture
+def node(users: dict[str, User], world_dir: Path) -> Iterator[Node]:
+    # 12 shards, room for 5 on the node: the daemon cannot have them all resident when it is killed.
+    expected = write_wds(world_dir / "origin", samples=96, per_shard=8, with_counts=True)
+    capacity = 5 * max(path.stat().st_size for path in (world_dir / "origin").glob("*.tar"))
+    made = Node(world_dir, users["alice"], users["alice"].groups[0], capacity)
+    made.expected = expected
+    yield made
+
+
+def _answer(trainer: subprocess.Popen[str], word: str, errors: Path) -> None:
+    """Wait for the trainer to say ``word``."""
+    assert trainer.stdout is not None
+    line = trainer.stdout.readline().strip()
+    assert line == word, f"the trainer said {line!r}, not {word!r}:\n{errors.read_text()}"
+
+
+def _go(trainer: subprocess.Popen[str]) -> None:
+    stdin: IO[str] | None = trainer.stdin
+    assert stdin is not None
+    stdin.write("go\n")
+    stdin.flush()
+
+
+@pytest.mark.timeout(600)  # 4 epochs of DataLoader workers and 3 daemon starts, on a machine others load
+def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_to_it(
+    node: Node, users: dict[str, User]
+) -> None:
+    want = sorted([key, hashlib.sha256(fields["bin"]).hexdigest()] for key, fields in node.expected.items())
+    bob = users["bob"]
+    assert node.team in bob.groups and bob.gid != node.team  # in the daemon's group by supplementary membership
+    tmp = bob.home / "tmp"
+    tmp.mkdir(mode=0o700)
+    os.chown(tmp, bob.uid, bob.gid)
+    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
+    errors = node.world / "trainer.err"
+
+    daemon = node.serve()
+    trainer: subprocess.Popen[str] | None = None
+    try:
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:4",
+                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        assert warmed.returncode == 0, warmed.stderr
+        with errors.open("w") as err:
+            trainer = subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(_TRAIN)],
+                user=bob.uid, group=bob.gid, extra_groups=list(bob.groups), env=env, cwd=bob.home,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+            )
+        _answer(trainer, "kill", errors)  # epoch 0, mid-epoch
+        daemon.kill()
+        resident_at_kill = node.resident()
+        _go(trainer)
+        _answer(trainer, "restart", errors)  # epoch 0 done without the daemon
+        private = {path.name for path in tmp.rglob("*.tar")}
+        assert private, "the shards not resident were staged in bob's own directory"
+        assert not private & resident_at_kill, "the daemon's resident shards were read where they are"
+        held = sum(path.stat().st_size for path in tmp.rglob("*.tar"))
+        assert held <= node.capacity, "bob's own copies keep within the daemon's capacity"
+        daemon = node.serve()
+        _go(trainer)
+        _answer(trainer, "kill", errors)  # epoch 2, before iter(loader)
+        daemon.kill()
+        _go(trainer)
+        _answer(trainer, "restart", errors)
+        daemon = node.serve()
+        _go(trainer)
+        out, _ = trainer.communicate(timeout=600)
+        assert trainer.returncode == 0, errors.read_text()
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        daemon.kill()
+    epochs = json.loads(out.strip().splitlines()[-1])
+    for epoch, read in enumerate(epochs):
+        assert sorted(read["seen"]) == want, f"epoch {epoch}: every sample once, every byte right"
+    assert [read["mode"] for read in epochs] == [
+        "embedded (daemon unavailable)", "daemon", "embedded (daemon unavailable)", "daemon"
+    ], "the epochs after each restart read through the daemon again"
+    stderr = errors.read_text()
+    assert "not writable by uid" not in stderr and "Traceback" not in stderr, stderr
+    for path in [node.local, *node.local.rglob("*")]:
+        assert path.lstat().st_uid == node.user.uid, f"{path} is not the daemon's"
+    for path in [tmp, *tmp.rglob("*")]:
+        info = path.lstat()
+        assert info.st_uid == bob.uid and info.st_mode & 0o077 == 0, (path, oct(info.st_mode))
+
+
+def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, users: dict[str, User]) -> None:
+    """Issue 34 item 2: ``ls`` said "no daemon this process may use answers" where ``status`` said one answers."""
+    bob = users["bob"]
+    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config)})
+    daemon = node.serve()
+    try:
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:3",
+                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        assert warmed.returncode == 0, warmed.stderr
+        status = cli_as(bob, "status", "--json", env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["daemon"]["answers"], status.stdout + status.stderr
+        listed = cli_as(bob, "ls", "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        (row,) = json.loads(listed.stdout)
+        assert (row["names"], row["shards"], row["local_shards"]) == (["train"], 12, 3), row
+        table = cli_as(bob, "ls", env=env)
+        assert table.returncode == 0 and "train" in table.stdout, table.stdout + table.stderr
+    finally:
+        daemon.kill()
+    # With the daemon gone, both say so, and ls says why it cannot go on without it.
+    status = cli_as(bob, "status", "--json", env=env)
+    assert not json.loads(status.stdout)["daemon"]["answers"], status.stdout + status.stderr
+    listed = cli_as(bob, "ls", env=env)
+    lines = [line for line in listed.stderr.splitlines() if line.strip()]
+    assert listed.returncode != 0 and len(lines) == 1, listed.stderr
+    assert "is the daemon's" in lines[0] and "refused" in lines[0].lower(), lines[0]
+
+
+def _stage_as_the_daemon(settings: Settings, origin: Path) -> list[str]:
+    """Stage every shard of ``origin`` into ``settings.local_dir`` as the daemon does; their keys."""
+
+    async def body() -> list[str]:
+        async with Stager(settings, modes=GROUP_READABLE) as stager:
+            handle = await stager.open(str(origin))
+            for shard in handle.manifest.shards:
+                await stager.ensure(handle, shard.key)
+            return [shard.key for shard in handle.manifest.shards]
+
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize("verify_on_read", [True, False])
+def test_the_daemons_copies_are_read_where_they_are_only_when_vouched_for_and_whole(
+    tmp_path: Path, users: dict[str, User], monkeypatch: pytest.MonkeyPatch, verify_on_read: bool
+) -> None:
+    """A resident copy is read in place only if a trusted uid's metadata names this version, and its bytes match."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=32, per_shard=8)
+    node_cache = tmp_path / "node"
+    settings = Settings(local_dir=node_cache, verify_on_read=verify_on_read)
+    keys = _stage_as_the_daemon(settings, origin)
+
+    async def body() -> dict[str, tuple[str, bool, bytes]]:
+        access = OutageAccess(settings)
+        try:
+            handle = await access.open(str(origin))
+            data = {key: node_cache / "data" / handle.tier_key(key) for key in keys}
+            _, tampered, planted, stale = keys
+            body = bytearray(data[tampered].read_bytes())
+            body[-1] ^= 0xFF  # the same size, other bytes
+            data[tampered].write_bytes(bytes(body))
+            for path in (data[planted], node_cache / "meta" / f"{handle.tier_key(planted)}.json"):
+                os.chown(path, users["mallory"].uid, users["mallory"].gid)  # not a trusted uid's
+            meta = node_cache / "meta" / f"{handle.tier_key(stale)}.json"
+            meta.write_text(meta.read_text().replace('"version": "', '"version": "older-'))
+            found = {}
+            for key in keys:
+                location = await access.ensure(handle, key)
+                # The loader hashes what it maps (`verify_on_read`); a bad copy is reported, then read around.
+                in_place = location.tier == "local" and location.path == data[key]
+                if in_place and verify_on_read and hash_file(data[key]) != location.checksum:
+                    await access.report_corrupt(handle, location)
+                    location = await access.ensure(handle, key)
+                assert location.path is not None
+                in_place = location.path == data[key]
+                found[key] = (location.tier, in_place, await access.read(handle, key))
+            return found
+        finally:
+            await access.close()
+
+    found = asyncio.run(body())
+    good, tampered, planted, stale = keys
+    origin_bytes = {key: (origin / key).read_bytes() for key in keys}
+    assert {key: read for key, (_, _, read) in found.items()} == origin_bytes, "every byte right"
+    assert found[good][1], "the daemon's good copy is read where it is"
+    for key in (tampered, planted, stale):
+        assert not found[key][1], f"{key}: staged in the reader's own directory, not read in place"
