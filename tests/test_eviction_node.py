@@ -124,14 +124,16 @@ def test_the_node_future_is_every_readers_plan_and_the_same_from_every_reader() 
     ]
     assert all(future == futures[0] for future in futures)
     for rank in range(2):
+        # A rank's workers share its sequence: the units its whole stream reads, in the order first read.
+        stream = Layout(2, rank, 1, 0, 4)
+        plan = plan_epoch(counts, layout=stream, **common)  # type: ignore[arg-type]
+        nxt = plan_epoch(counts, layout=stream, **{**common, "epoch": 3})  # type: ignore[arg-type]
         for worker in range(2):
-            layout = Layout(2, rank, 2, worker, 4)
-            plan = plan_epoch(counts, layout=layout, **common)  # type: ignore[arg-type]
-            mine = futures[0][reader_name(layout.rank, layout.worker)]
+            mine = futures[0][reader_name(rank, worker)]
             # This epoch's units first, then the next epoch's.
-            assert mine[: len(plan.unit_sequence)] == plan.unit_sequence
-            nxt = plan_epoch(counts, layout=layout, **{**common, "epoch": 3})  # type: ignore[arg-type]
-            assert mine[len(plan.unit_sequence) :] == nxt.unit_sequence
+            assert mine == (*plan.unit_sequence, *nxt.unit_sequence)
+            own = plan_epoch(counts, layout=Layout(2, rank, 2, worker, 4), **common)  # type: ignore[arg-type]
+            assert set(own.unit_sequence) <= set(plan.unit_sequence)
 
 
 def test_next_use_counts_from_each_readers_position() -> None:
