@@ -7,7 +7,8 @@ are computed in segments of `SEGMENT` when first asked for, and a few segments a
 
 What prefetch, opening ahead and closing need is said per *piece* (the reader's part of one
 block of its rank's stream), conservatively: a unit is first used at the first piece that may
-read it, and closed after the last such piece (`releases_after`).
+read it, and closed after the last such piece (`releases_after`); in an epoch of at most
+`EXACT_POSITIONS` samples, at its exact first and last read.
 """
 
 from __future__ import annotations
