@@ -65,7 +65,9 @@ def _belady(
 ) -> list[Candidate]:
     incoming_next = uses.get(incoming.key, math.inf)
     later = [c for c in own if uses.get(c.key, math.inf) > incoming_next]
-    later.sort(key=lambda c: uses.get(c.key, math.inf), reverse=True)
+    # Farthest next use first; among equals (never read again, or read at one step), the least
+    # recently used, as LRU would.
+    later.sort(key=lambda c: (uses.get(c.key, math.inf), -c.last_access), reverse=True)
     return others + later
 
 

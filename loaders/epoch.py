@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.readplan import EXACT_POSITIONS, LazyEpochPlan, rank_unit_sequence
 from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
 
 __all__ = [
@@ -192,6 +192,7 @@ def node_unit_sequences(
         window,
         layout,
         drop_last,
+        counts,
     )
     following = node_epoch_sequences(
         counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
@@ -211,13 +212,25 @@ def node_epoch_sequences(
 ) -> dict[str, tuple[int, ...]]:
     """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
     sequence = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    return _node_epoch(sequence, window, layout, drop_last)
+    return _node_epoch(sequence, window, layout, drop_last, counts)
 
 
-def _node_epoch(sequence: Order, window: int, layout: Layout, drop_last: bool) -> dict[str, tuple[int, ...]]:
+def _node_epoch(
+    sequence: Order, window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
+) -> dict[str, tuple[int, ...]]:
+    found: dict[str, tuple[int, ...]] = {}
+    if sequence.total <= EXACT_POSITIONS:
+        # Each rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
+        # eviction's steps follow what is read; its workers share it, as they share its stream.
+        sizes = np.asarray(counts, dtype=np.int64)
+        for rank in range(layout.world_size):
+            stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
+            units = LazyEpochPlan(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
+            for worker in range(layout.num_workers):
+                found[reader_name(rank, worker)] = units
+        return found
     deal = Deal(sequence.total, layout.world_size, window)
     length = deal.length(drop_last=drop_last)
-    found: dict[str, tuple[int, ...]] = {}
     for rank in range(layout.world_size):
         units = rank_unit_sequence(sequence, deal, rank, length)
         for worker in range(layout.num_workers):

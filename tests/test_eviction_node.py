@@ -15,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,14 +124,16 @@ def test_the_node_future_is_every_readers_plan_and_the_same_from_every_reader() 
     ]
     assert all(future == futures[0] for future in futures)
     for rank in range(2):
+        # A rank's workers share its sequence: the units its whole stream reads, in the order first read.
+        stream = Layout(2, rank, 1, 0, 4)
+        plan = plan_epoch(counts, layout=stream, **common)  # type: ignore[arg-type]
+        nxt = plan_epoch(counts, layout=stream, **{**common, "epoch": 3})  # type: ignore[arg-type]
         for worker in range(2):
-            layout = Layout(2, rank, 2, worker, 4)
-            plan = plan_epoch(counts, layout=layout, **common)  # type: ignore[arg-type]
-            mine = futures[0][reader_name(layout.rank, layout.worker)]
+            mine = futures[0][reader_name(rank, worker)]
             # This epoch's units first, then the next epoch's.
-            assert mine[: len(plan.unit_sequence)] == plan.unit_sequence
-            nxt = plan_epoch(counts, layout=layout, **{**common, "epoch": 3})  # type: ignore[arg-type]
-            assert mine[len(plan.unit_sequence) :] == nxt.unit_sequence
+            assert mine == (*plan.unit_sequence, *nxt.unit_sequence)
+            own = plan_epoch(counts, layout=Layout(2, rank, 2, worker, 4), **common)  # type: ignore[arg-type]
+            assert set(own.unit_sequence) <= set(plan.unit_sequence)
 
 
 def test_next_use_counts_from_each_readers_position() -> None:
@@ -328,3 +331,42 @@ def test_through_the_daemon_a_clients_progress_leases_its_shard_and_bad_input_is
         assert code == 400 and "readers" in json.dumps(answer)
     finally:
         daemon.kill()
+
+
+def test_a_note_locates_a_window_of_shards_local_and_not_in_the_order_asked(tmp_path: Path) -> None:
+    """One note locates many shards (the local ones in one catalog read): each where it is, in order.
+
+    A prefetch of shards already resident stages nothing: no staging job, no copy, no hit counted.
+    """
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    keys = [f"shard-{i}.bin" for i in range(6)]
+    for key in keys:
+        (origin / key).write_bytes(key.encode() * 100)
+    settings = load_settings({}, overrides={"local_dir": str(tmp_path / "local")})
+
+    async def body() -> tuple[list[str], list[str], int, int]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(str(origin))
+            for key in keys[::2]:
+                await stager.ensure(handle, key)
+            before = stager.stats()
+            asked = [keys[5], keys[0], keys[3], keys[2], keys[1], keys[4]]
+            located = await stager.note_progress(handle, ReaderProgress("0.0", 0, 0, tuple(asked)), locate=asked)
+            await stager.prefetch(handle, keys[::2])
+            deadline = time.monotonic() + 30
+            while stager.stats().queue_depth or stager.stats().in_flight:  # what a prefetch queued, done
+                assert time.monotonic() < deadline, "the prefetch's jobs did not finish in 30 s"
+                await asyncio.sleep(0.01)  # sleep-ok: polling the stager's queue, with a deadline
+            after = stager.stats()
+            return (
+                [loc.shard.key for loc in located],
+                [loc.tier for loc in located],
+                after.shards_staged - before.shards_staged,
+                after.hits.get("local", 0) - before.hits.get("local", 0),
+            )
+
+    located, tiers, staged, hits = asyncio.run(body())
+    assert located == [keys[5], keys[0], keys[3], keys[2], keys[1], keys[4]]
+    assert tiers == ["origin", "local", "origin", "local", "origin", "local"]
+    assert (staged, hits) == (0, 0)

@@ -115,6 +115,32 @@ class DirectoryTier(Tier):
         """Where ``key``'s file is, for a reader that opens it; checked for links now, not when it is opened."""
         return self._contained(self._data, key)
 
+    def sizes(self, keys: Sequence[str]) -> list[tuple[Path, int]]:
+        """Each key's path (as `path` says it) and its file's size, -1 if no regular file is there.
+
+        Blocking. Each directory on the way is walked once for all its keys, without following
+        a link, and each file is looked at from it: `path` then ``lstat`` walked it per key
+        (~0.1 ms each, most of a warm of 1e5 resident shards).
+        """
+        found: list[tuple[Path, int]] = []
+        parents: dict[tuple[str, ...], int | None] = {}
+        try:
+            for key in keys:
+                place = self._data_place(key)
+                if place.parts not in parents:
+                    try:
+                        parents[place.parts] = place.open_parent()
+                    except (FileNotFoundError, NotADirectoryError):
+                        parents[place.parts] = None
+                    except UnsafeFileError as exc:
+                        raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
+                found.append((place.path, _size_in(parents[place.parts], place.name)))
+        finally:
+            for fd in parents.values():
+                if fd is not None:
+                    os.close(fd)
+        return found
+
     def _meta_path(self, key: str) -> Path:
         return self._contained(self._meta, key, ".json")
 
@@ -432,3 +458,14 @@ def _fill(fd: int, region: memoryview, offset: int, hasher: Hasher | None) -> No
         filled += count
     if hasher is not None:
         hasher.update(region)
+
+
+def _size_in(parent: int | None, name: str) -> int:
+    """The size of the regular file ``name`` in the open directory ``parent``; -1 if none is there."""
+    if parent is None:
+        return -1
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return -1
+    return info.st_size if stat_module.S_ISREG(info.st_mode) else -1

@@ -295,7 +295,9 @@ async def read_sidecar_counts(
 
     await _read_whole_dataset_indexes(origin.url, present, shards, votes, fetch)
     known = votes.result(warn=False)
-    missing = [key for key in shards if key not in known]
+    # Only shards with a per-shard index beside them in the listing: one coroutine per shard of a
+    # 1e5-shard dataset without any (the usual case) took seconds before the first sample.
+    missing = [key for key in shards if key not in known and any(name in present for name in _per_shard_names(key))]
     await asyncio.gather(*(_read_per_shard(origin.url, shards[key], present, votes, fetch) for key in missing))
     return votes.result()
 
@@ -363,12 +365,18 @@ async def _read_open_clip(
         votes.add(key, samples, f"open_clip sizes.json {where}")
 
 
+def _per_shard_names(key: str) -> tuple[str, str, str]:
+    """The per-shard sample indexes of shard ``key``: datacache's, DALI's, img2dataset's stats."""
+    return key + INDEX_SUFFIX, _dali_key(key), _stem(key) + "_stats.json"
+
+
 async def _read_per_shard(url: str, shard: Shard, present: Mapping[str, ObjectInfo], votes: _Votes, fetch: Any) -> None:
     key = shard.key
+    ours, dali, stats = _per_shard_names(key)
     parsers: list[tuple[str, str, Any]] = [
-        (key + INDEX_SUFFIX, "datacache index", lambda raw, where: len(_datacache_spans(raw, shard, where))),
-        (_dali_key(key), "DALI index", lambda raw, where: parse_dali_index(raw, shard_size=shard.size, where=where)),
-        (_stem(key) + "_stats.json", "img2dataset stats", lambda raw, where: parse_stats_json(raw, where=where)),
+        (ours, "datacache index", lambda raw, where: len(_datacache_spans(raw, shard, where))),
+        (dali, "DALI index", lambda raw, where: parse_dali_index(raw, shard_size=shard.size, where=where)),
+        (stats, "img2dataset stats", lambda raw, where: parse_stats_json(raw, where=where)),
     ]
     for sidecar, label, parse in parsers:
         if sidecar not in present:

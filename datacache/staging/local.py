@@ -316,14 +316,7 @@ class LocalStager:
 
 def _sizes(tier: LocalTier, keys: Sequence[str]) -> list[tuple[Path, int]]:
     """Each file's path and size, -1 for one that is not there (blocking: one thread job for many)."""
-    found = []
-    for key in keys:
-        path = tier.path(key)
-        try:
-            found.append((path, os.lstat(path).st_size))
-        except FileNotFoundError:
-            found.append((path, -1))
-    return found
+    return tier.sizes(keys)
 
 
 def reserve_for(directory: Path) -> int:
