@@ -41,7 +41,8 @@ if [ "$BASE" = "$LOCAL_BASE" ] && ! "${engine[@]}" image inspect "$BASE" >/dev/n
         tar -C "$rootfs" -cf "$BASE_TAR.partial" . && mv "$BASE_TAR.partial" "$BASE_TAR"
         rm -rf "$rootfs"
     fi
-    "${engine[@]}" import "$BASE_TAR" "$BASE" >/dev/null
+    "${engine[@]}" import --change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+        --change "CMD [\"/bin/bash\"]" "$BASE_TAR" "$BASE" >/dev/null
 fi
 
 flags=()

@@ -260,11 +260,12 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
         stubs.mkdir()
         job_line = f"Comment=datacache={comment.group(1)} Reservation=(null)"
         hosts = "\n".join(f"gpu{n + 1:02d}" for n in range(int(nodes.group(1))))
+        node_list = f"gpu[01-{int(nodes.group(1)):02d}]"
         (stubs / "scontrol").write_text(
             "#!/bin/bash\n"
-            f'if [ "$2" = hostnames ]; then [ "$3" = "gpu[01-{int(nodes.group(1)):02d}]" ] && printf "{hosts}\\n"; exit; fi\n'
+            f'if [ "$2" = hostnames ]; then [ "$3" = "{node_list}" ] && printf "{hosts}\\n"; exit; fi\n'
             f"echo 'JobId=7 JobName=train'\necho '   ReqNodeList=(null) ExcNodeList=(null)'\n"
-            f"echo '   NodeList=gpu[01-{int(nodes.group(1)):02d}]'\necho '   {job_line}'\n"
+            f"echo '   NodeList={node_list}'\necho '   {job_line}'\n"
         )
         prolog_log = node.root / "prolog.log"
         (stubs / "logger").write_text(f'#!/bin/bash\necho "$@" >> {prolog_log}\n')
