@@ -43,7 +43,7 @@ SHARDS = 16
 SAMPLES = 32
 SAMPLE = 256 << 10  # 8 MiB shards
 CAPACITY = "48MB"  # the dataset is 128 MiB: under half of it fits
-RATE = "40MB/s"
+RATE = "10MB/s"  # a node's share of a busy link to object storage
 WORLD, PER_NODE, NODE_RANK, SEED = 8, 2, 1, 17
 BATCH = 16
 
