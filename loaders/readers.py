@@ -111,9 +111,11 @@ class SpanCache:
         spans = SpanTable.from_spans(spans, shard_size=key[1])
         self._remember(key, spans)
         path = self._file(key)
-        if path is None or path.exists():
+        if path is None:
             return
         try:
+            if path.exists():  # may raise: a daemon's private folder another user's reader cannot enter
+                return
             for directory in reversed([path.parent, *path.parent.parents][:3]):  # indexes/spans/<id>: private
                 with contextlib.suppress(FileExistsError):
                     directory.mkdir(mode=0o700)

@@ -359,29 +359,35 @@ def test_dockerfile_installs_like_make_without_torch_as_non_root() -> None:
     by_keyword: dict[str, list[str]] = {}
     for keyword, rest in instructions:
         by_keyword.setdefault(keyword, []).append(rest)
-    assert by_keyword["FROM"] == ["python:3.11-slim"]
+    # One file for both bases: Debian's own (make image, offline) or python:3.11-slim from a registry.
+    assert by_keyword["FROM"] == ["${BASE}"]
+    args = dict(arg.partition("=")[::2] for arg in by_keyword["ARG"])
+    assert args["BASE"] == "python:3.11-slim"
+    assert args["VERSION"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert json.loads(by_keyword["ENTRYPOINT"][-1]) == ["datacache", "serve"]
     user = by_keyword["USER"][-1].split(":")[0]
     assert user not in ("0", "root")
     assert any("/healthz" in line for line in by_keyword["HEALTHCHECK"])
-    # The install step is the Makefile's: the same constraints file, the project itself, no torch extra.
+    # The install step is the Makefile's: the same constraints file, the project itself, no torch extra,
+    # from the wheels `make wheels` built under it (no index).
     makefile = (REPO / "Makefile").read_text()
     constraints = re.search(r"^CONSTRAINTS\s*:=\s*(\S+)", makefile, re.M)
     assert constraints is not None
     assert re.search(r"install .*-c \$\(CONSTRAINTS\) -e '\.\[", makefile)
-    installs = [line for line in by_keyword["RUN"] if "pip install" in line]
+    assert re.search(r"wheel .*-c \$\(CONSTRAINTS\) .*--wheel-dir \$\(WHEELS\) \.$", makefile, re.M)
+    installs = [part for line in by_keyword["RUN"] for part in line.split("&&") if "pip install" in part]
     assert len(installs) == 1
-    words = shlex.split(installs[0].split("&&")[0])
-    assert words[words.index("-c") + 1] == constraints.group(1)
-    assert words[-1] == "."  # the package alone: no [torch] extra in the sidecar image
-    assert "torch" not in installs[0].split("&&")[0]
-    # Every file the image copies is in the repository (README.md is pyproject's readme).
-    readme = tomllib.loads((REPO / "pyproject.toml").read_text())["project"].get("readme")
+    words = shlex.split(installs[0])
+    context = "/src/"  # the build context, bind-mounted for the one step
+    assert words[words.index("-c") + 1] == context + constraints.group(1)
+    assert "--no-index" in words and words[words.index("--find-links") + 1] == context + "build/wheels"
+    assert words[-1] == "datacache==${VERSION}"  # the package alone: no [torch] extra in the sidecar image
+    assert "torch" not in installs[0]
+    # Every file the image copies is in the repository.
     for line in by_keyword["COPY"]:
         *sources, _ = shlex.split(line)
         for source in sources:
-            if source != readme:
-                assert (REPO / source).exists(), source
+            assert (REPO / source).exists(), source
     # The image's environment is settings datacache accepts.
     settings = load_settings({**image_env(), "HOME": "/nonexistent"})
     # The cache and socket come from the image's config file, never its ENV (which would beat

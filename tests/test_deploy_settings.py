@@ -273,7 +273,8 @@ def test_one_image_name_built_and_referenced_everywhere() -> None:
     expected = f"ghcr.io/datacache/datacache:{version}"
     makefile = (DEPLOY.parent / "Makefile").read_text()
     assert "IMAGE ?= ghcr.io/datacache/datacache:$(VERSION)" in makefile
-    assert "docker build -f deploy/Dockerfile -t $(IMAGE) ." in makefile and "docker push $(IMAGE)" in makefile
+    assert "IMAGE=$(IMAGE) VERSION=$(VERSION) BASE=$(BASE) deploy/build-image.sh" in makefile
+    assert "push $(IMAGE)" in makefile
     values = yaml.safe_load((DEPLOY / "helm" / "datacache" / "values.yaml").read_text())
     assert f"{values['image']['repository']}:{values['image']['tag']}" == expected
     chart = yaml.safe_load((DEPLOY / "helm" / "datacache" / "Chart.yaml").read_text())

@@ -333,35 +333,50 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     try:
         wait_until(service.ready, timeout=90, what="the daemon to become ready")
 
-        # 4. The prolog warms the dataset the job names (train.sbatch's --comment).
+        # 4. The prolog warms the dataset the job names (train.sbatch's --comment), in the order this
+        #    node's ranks read it (the comment's seed and ranks per node; the node's place in the job).
         sbatch = (SLURM / "train.sbatch").read_text()
         comment = re.search(r"^#SBATCH --comment=datacache=(\S+)$", sbatch, re.M)
         assert comment is not None
-        assert f"--data {comment.group(1)} " in sbatch  # the job reads the dataset the prolog warms
+        dataset, _, order = comment.group(1).partition(",")
+        assert f"--data {dataset} --seed 17 " in sbatch  # the job reads the dataset the prolog warms, so dealt
+        assert order == "seed=17,ranks_per_node=8" and "--nproc-per-node=8" in sbatch
+        nodes = re.search(r"^#SBATCH --nodes=(\d+)$", sbatch, re.M)
+        assert nodes is not None
         stubs = node.root / "stubs"
         stubs.mkdir()
         job_line = f"Comment=datacache={comment.group(1)} Reservation=(null)"
-        (stubs / "scontrol").write_text(f"#!/bin/bash\necho 'JobId=7 JobName=train'\necho '   {job_line}'\n")
+        hosts = "\n".join(f"gpu{n + 1:02d}" for n in range(int(nodes.group(1))))
+        node_list = f"gpu[01-{int(nodes.group(1)):02d}]"
+        (stubs / "scontrol").write_text(
+            "#!/bin/bash\n"
+            f'if [ "$2" = hostnames ]; then [ "$3" = "{node_list}" ] && printf "{hosts}\\n"; exit; fi\n'
+            f"echo 'JobId=7 JobName=train'\necho '   ReqNodeList=(null) ExcNodeList=(null)'\n"
+            f"echo '   NodeList={node_list}'\necho '   {job_line}'\n"
+        )
         prolog_log = node.root / "prolog.log"
         (stubs / "logger").write_text(f'#!/bin/bash\necho "$@" >> {prolog_log}\n')
         for stub in stubs.iterdir():
             stub.chmod(0o755)
         prolog = subprocess.run(
             ["bash", str(node.prolog_dir / "datacache-prolog.sh")],
-            env={"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+            env={"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "gpu02",
                  "DATACACHE_BIN": str(node.prefix / "bin" / "datacache"), "DATACACHE_CONFIG": str(config),
                  "DATACACHE_USER": node.user},
             capture_output=True, text=True, timeout=300, check=False,
         )
         assert prolog.returncode == 0, prolog.stderr
-        assert "warmed" in prolog_log.read_text(), prolog_log.read_text() + service.log.read_text()
+        logged = prolog_log.read_text()
+        assert "warmed" in logged, logged + service.log.read_text()
+        world = 8 * int(nodes.group(1))
+        assert f"--order-for seed=17,ranks_per_node=8,world_size={world},node_rank=1 " in logged, logged
         s3.server.reset_counts()
 
         # 5. The job, as a user of the group, with what train.sbatch exports.
         exported = dict(re.findall(r"^export (DATACACHE_\w+)=(\S+)$", sbatch, re.M))
         assert exported == {"DATACACHE_CONFIG": "/etc/datacache/config.toml"}
         env = _users.user_env(job, {"DATACACHE_CONFIG": str(config)})
-        trained = run_as(job, [sys.executable, "-c", textwrap.dedent(_TRAIN), comment.group(1)], env=env, timeout=300)
+        trained = run_as(job, [sys.executable, "-c", textwrap.dedent(_TRAIN), dataset], env=env, timeout=300)
         assert trained.returncode == 0, trained.stderr
         result = json.loads(trained.stdout.strip().splitlines()[-1])
         assert sorted(result["keys"]) == sorted(f"s{s:02d}_{i:03d}" for s in range(4) for i in range(5))
@@ -383,7 +398,7 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
         tmp = job.home / "tmp"
         tmp.mkdir(mode=0o700)
         os.chown(tmp, job.uid, job.gid)
-        service, epochs = _train_through_outages(node, service, job, {**env, "TMPDIR": str(tmp)}, comment.group(1))
+        service, epochs = _train_through_outages(node, service, job, {**env, "TMPDIR": str(tmp)}, dataset)
         want = sorted([key, digest] for key, digest in payloads.items())
         for epoch, read in enumerate(epochs):
             assert sorted(read["seen"]) == want, f"epoch {epoch}: every sample once, every byte right"
@@ -397,7 +412,7 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
     assert service.process.returncode == 0, service.log.read_text()
 
     # 7. With the daemon stopped, a job says so in one line (it cannot stage into the daemon's cache).
-    warm = run_as(job, [sys.executable, "-m", "datacache.cli", "warm", comment.group(1)], env=env, timeout=120)
+    warm = run_as(job, [sys.executable, "-m", "datacache.cli", "warm", dataset], env=env, timeout=120)
     lines = [line for line in warm.stderr.splitlines() if line.strip()]
     assert warm.returncode != 0 and len(lines) == 1, warm.stderr
     assert "not writable by uid" in lines[0] and "start the node's daemon" in lines[0], lines[0]

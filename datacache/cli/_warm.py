@@ -14,6 +14,7 @@ import braceexpand
 
 from datacache._progress import Progress
 from datacache._protocol import warm_report_from_wire, warm_report_to_wire
+from datacache.access import ShardAccess
 from datacache.cli._common import (
     Commands,
     add_settings_flags,
@@ -26,6 +27,7 @@ from datacache.cli._common import (
 from datacache.client import DaemonClient
 from datacache.config import POLICIES, DatasetConfig, Settings, resolve_dataset
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, ShardNotFoundError
+from datacache.loaders.prestage import JobLayout, prestage_keys
 from datacache.sizes import format_bytes, format_rate
 from datacache.staging import LOCAL, SHARED, Stager, WarmProgress, WarmReport
 from datacache.tiers import redact_url
@@ -61,6 +63,7 @@ def _pattern_to_shards(args: argparse.Namespace) -> None:
 
 async def _warm(args: argparse.Namespace) -> int:
     _pattern_to_shards(args)
+    job = _job_of(args)
     settings = settings_from(
         args, concurrency=args.concurrency, bandwidth_limit=bandwidth_flag(args)
     )
@@ -69,50 +72,107 @@ async def _warm(args: argparse.Namespace) -> int:
         client = await daemon_client(settings)
         if client is not None:  # the daemon writes the shared tier with its own authority
             try:
+                if job is not None:
+                    capacity = await _tier_capacity(client, args.tier)
+                    args.shards = await _ordered(args, client, dataset, settings, job, capacity)
                 return await _warm_through(client, args, dataset, settings)
             finally:
                 await client.close()
     if args.tier == SHARED:
         _check_shared_writable(settings)
     async with Stager(settings) as stager:
-        handle = await stager.open(dataset, refresh=args.refresh)
-        if args.pattern is not None:
-            keys = args.shards.split(",")
-            shards = list(handle.manifest.named(keys, label=args.pattern, url=handle.config.url))
-        else:
-            shards = handle.manifest.select(args.shards)
-        if not shards:
-            raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
-        display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
-
-        def follow(progress: WarmProgress) -> None:
-            display.advance_to(
-                done_items=progress.shards_done, done_bytes=progress.bytes_done, moved_bytes=progress.bytes_transferred
-            )
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                display.tick()
-
-        ticking = asyncio.create_task(ticker())
-        try:
-            report = await stager.warm(
-                handle,
-                shards,
-                tier=args.tier,
-                verify=args.verify,
-                bandwidth=settings.bandwidth_limit,
-                progress=follow,
-            )
-        finally:
-            ticking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticking
-            display.close()
+        if job is not None:
+            capacity = settings.local_capacity if args.tier == LOCAL else settings.shared_capacity
+            args.shards = await _ordered(args, stager, dataset, settings, job, capacity)
+        report = await _warm_here(args, stager, dataset, settings)
     tier = stager.local if args.tier == LOCAL else stager.shared
     _print_warm_report(report, redact_url(dataset.url), args, tier.capacity if tier is not None else None)
     return 0 if report.complete else 1
+
+
+def _job_of(args: argparse.Namespace) -> JobLayout | None:
+    """The job ``--order-for`` names (checked before anything is opened), or None."""
+    if args.order_for is None:
+        return None
+    if args.shards is not None:
+        raise ConfigError("give --order-for or --shards (or a brace pattern), not both")
+    return JobLayout.parse(args.order_for)
+
+
+async def _ordered(
+    args: argparse.Namespace,
+    access: ShardAccess,
+    dataset: DatasetConfig,
+    settings: Settings,
+    job: JobLayout,
+    capacity: int | None,
+) -> str:
+    """The ``--shards`` of a prestage: the job's node-first order, as much of it as the tier holds."""
+    handle = await access.open(dataset, refresh=args.refresh)
+    keys = await prestage_keys(access, handle, settings, job)
+    sizes = {shard.key: shard.size for shard in handle.manifest.shards}
+    chosen: list[str] = []
+    room = capacity
+    for key in keys:
+        if room is not None and sizes[key] > room:
+            break  # a later shard would evict the first ones the job reads
+        chosen.append(key)
+        room = None if room is None else room - sizes[key]
+    if not args.quiet and not args.json:
+        ranks = job.ranks
+        sys.stderr.write(
+            f"datacache: prestage for ranks {ranks.start}-{ranks.stop - 1} of {job.world_size} (seed {job.seed}): "
+            f"{plural(len(chosen), 'shard')} of {len(keys)}, in the order they read them\n"
+        )
+    if not chosen:
+        raise ConfigError(f"--order-for: the first shard the job reads does not fit the {args.tier} tier")
+    return ",".join(chosen)
+
+
+async def _tier_capacity(client: DaemonClient, tier: str) -> int | None:
+    """The capacity of the daemon's ``tier`` (None where it has none, or cannot say)."""
+    try:
+        status = await client.status()
+    except DatacacheError:
+        return None
+    found = [t.get("capacity_bytes") for t in status.get("tiers", ()) if t.get("tier") == tier]
+    return found[0] if found and isinstance(found[0], int) else None
+
+
+async def _warm_here(
+    args: argparse.Namespace, stager: Stager, dataset: DatasetConfig, settings: Settings
+) -> WarmReport:
+    """Warm in this process (no daemon answered, or --no-daemon)."""
+    handle = await stager.open(dataset, refresh=args.refresh)
+    if args.pattern is not None:
+        keys = args.shards.split(",")
+        shards = list(handle.manifest.named(keys, label=args.pattern, url=handle.config.url))
+    else:
+        shards = handle.manifest.select(args.shards)
+    if not shards:
+        raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
+    display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
+
+    def follow(progress: WarmProgress) -> None:
+        display.advance_to(
+            done_items=progress.shards_done, done_bytes=progress.bytes_done, moved_bytes=progress.bytes_transferred
+        )
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            display.tick()
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        return await stager.warm(
+            handle, shards, tier=args.tier, verify=args.verify, bandwidth=settings.bandwidth_limit, progress=follow
+        )
+    finally:
+        ticking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticking
+        display.close()
 
 
 def _dataset_of(spec: str, settings: Settings, policy: str | None) -> DatasetConfig:
@@ -208,12 +268,7 @@ async def _warm_through(
 
 async def _daemon_capacity(client: DaemonClient, report: WarmReport) -> int | None:
     """The capacity of the daemon's tier ``report`` warmed (None where it has none, or cannot say)."""
-    try:
-        status = await client.status()
-    except DatacacheError:
-        return None
-    found = [tier.get("capacity_bytes") for tier in status.get("tiers", ()) if tier.get("tier") == report.tier]
-    return found[0] if found and isinstance(found[0], int) else None
+    return await _tier_capacity(client, report.tier)
 
 
 _NO_ROOM = ("not kept on the ", "evicted from the ")
@@ -297,6 +352,13 @@ def add_parsers(commands: Commands) -> None:
     warm.add_argument("--refresh", action="store_true", help="list the origin again instead of the saved manifest")
     warm.add_argument(
         "--policy", choices=POLICIES, help="eviction policy for this dataset"
+    )
+    warm.add_argument(
+        "--order-for",
+        metavar="JOB",
+        help="prestage for a queued job, the shards this node's ranks read first in epoch 0 first: "
+        "seed=N,world_size=N,node_rank=N,ranks_per_node=N (and shuffle=, shuffle_buffer=, drop_last= "
+        "as the loader was given); as many as the tier holds",
     )
     warm.add_argument("--json", action="store_true", help="machine-readable progress and summary, one JSON per line")
     warm.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")

@@ -40,8 +40,13 @@ def node_plan_path(local_dir: Path, manifest: Manifest) -> Path:
     name = f"{manifest.dataset}-{manifest.snapshot}.json"
     if not local_dir.exists() or os.access(local_dir, os.W_OK | os.X_OK):
         return local_dir / "indexes" / name
+    return _own_folder(local_dir, "node-plans") / name
+
+
+def _own_folder(local_dir: Path, kind: str) -> Path:
+    """This user's folder for one node cache it may read but not write (a daemon's, as its group)."""
     node = hashlib.sha256(str(local_dir).encode()).hexdigest()[:16]
-    return default_cache_dir(os.environ) / "node-plans" / node / name
+    return default_cache_dir(os.environ) / kind / node
 
 
 def index_dir(shared_dir: Path, manifest: Manifest) -> Path:
@@ -91,6 +96,9 @@ class IndexFiles:
 
     def __init__(self, settings: Settings, manifest: Manifest) -> None:
         base = settings.shared_dir if settings.shared_dir and _usable(settings.shared_dir) else settings.local_dir
+        if base == settings.local_dir and base.exists() and not os.access(base, os.W_OK | os.X_OK):
+            # A reader of a daemon's cache (its group) with no shared tier: its own folder, as for plans.
+            base = _own_folder(base, "node-indexes")
         self.path = index_dir(base, manifest)
         self._base = base
         self._parts = self.path.relative_to(base).parts
