@@ -20,6 +20,7 @@ from enum import IntEnum
 from typing import Any
 
 import torch
+from datacache.loaders.statehead import StateHeads
 
 from datacache.access import ShardAccess, ThroughputReporter
 from datacache.activity import write_report_file
@@ -95,6 +96,8 @@ class StatsTable:
         self.sources = torch.zeros((MAX_READERS, max(1, sources), 2), dtype=torch.float64)
         """Per reader and source: samples and payload bytes delivered this epoch."""
         self.sources.share_memory_()  # type: ignore[no-untyped-call]
+        self.heads = StateHeads()
+        """What the readers know of the dataset that a saved state names (`statehead`)."""
 
     def source_row(self, reader: int) -> torch.Tensor:
         """Reader ``reader``'s (samples, bytes) per source."""

@@ -260,7 +260,8 @@ def weighted_mixes(draw: st.DrawFn) -> tuple[list[np.ndarray], np.ndarray]:
     units = [np.asarray(u, dtype=np.int64) for u in draw(units_strategy)]
     weights = [draw(st.floats(0.01, 1.0)) for _ in units]
     epoch_size = draw(st.integers(0, 3 * sum(int(u.sum()) for u in units)))
-    counts = source_counts([int(u.sum()) for u in units], [("weight", w) for w in weights], [""] * len(units), epoch_size)
+    sizes, modes = [int(u.sum()) for u in units], [("weight", w) for w in weights]
+    counts = source_counts(sizes, modes, [""] * len(units), epoch_size)
     return units, counts
 
 

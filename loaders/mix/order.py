@@ -270,7 +270,7 @@ class SourceDraw:
         return _grouped(found)
 
     def _pass_units(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
-        """`units_of_ranges` within this epoch's pass: each range up to the pass's end, then its top-up from the start."""
+        """`units_of_ranges` within this epoch's pass: each range to the pass's end, then its top-up from its start."""
         if self._pass is None:
             raise TypeError("only an epoch read within one pass has a pass's units")
         cycle, start = self._pass
