@@ -70,6 +70,7 @@ READER_FIELDS: dict[str, type] = {
     "units_shared": int,
     "units_origin": int,
     "mode": str,
+    "dataset_name": str,  # the configured name the reader opened the dataset by, when it has one
 }
 """Optional fields of a reader's report beside ``delivered_bytes_per_s``, ``stall_fraction``,
 ``delivered_bytes`` and ``dataset``, with their types (``/v1/report`` checks them)."""

@@ -71,7 +71,8 @@ class Counter(IntEnum):
     TOTAL = 22  # samples this reader will deliver in the epoch
     MODE = 23  # how this reader reaches the cache: see MODES
     RETRIES = 24  # origin requests this reader's process retried (cumulative: see LoaderStats.retries)
-    WIDTH = 25
+    TAKEN = 25  # of the UNITS_*, those taken open from another reader of this process (`OpenUnits.take`)
+    WIDTH = 26
 
 
 MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
@@ -336,6 +337,8 @@ async def publish_reader(access: ShardAccess, handle: DatasetHandle, figures: di
     Called at the reader's reporting interval, on the loader's event loop: never per sample.
     """
     figures = {**figures, "dataset": handle.id}
+    if handle.config.name != handle.id:  # opened by its configured name: top shows that, not the id
+        figures["dataset_name"] = handle.config.name[:64]
     if isinstance(access, ThroughputReporter):
         await access.report(**figures)
         return
