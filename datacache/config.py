@@ -24,7 +24,7 @@ from datacache.errors import ConfigError, close_match
 from datacache.eviction import POLICIES
 from datacache.formats import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
-from datacache.sizes import parse_bandwidth, parse_size
+from datacache.sizes import parse_bandwidth, parse_size, unit_hint
 from datacache.tiers import RetryPolicy, redact_url, split_scheme
 
 __all__ = [
@@ -394,10 +394,8 @@ def _settings_section(path: Path, section: str, table: dict[str, Any]) -> dict[s
         if key not in allowed:
             raise ConfigError(f"config file {path}: unknown key '{section}.{key}'{_suggest(key, allowed)}")
         if _unitless_rate(key, value):
-            raise ConfigError(
-                f"{path}: {section}.{key}: {value!r} has no unit; "
-                f"write it as a string with one, e.g. '{value:g}{'MB/s' if key in _RATES else 'GB'}'"
-            )
+            hint = unit_hint(f"{value:.15g}" if isinstance(value, float) else str(value), "/s" if key in _RATES else "")
+            raise ConfigError(f"{path}: {section}.{key}: {value!r} has no unit; write it as a string with one{hint}")
         values[key] = _SETTINGS[key][1](value, f"{path}: {section}.{key}")
     return values
 

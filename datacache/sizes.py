@@ -7,7 +7,7 @@ import re
 
 from datacache.errors import ConfigError
 
-__all__ = ["format_bytes", "format_rate", "parse_bandwidth", "parse_size"]
+__all__ = ["format_bytes", "format_rate", "parse_bandwidth", "parse_size", "unit_hint"]
 
 _UNITS = {
     "": 1,
@@ -56,11 +56,7 @@ def parse_size(value: str | int | float, *, what: str = "size", _per: str = "") 
     if not unit and float(number) != 0:
         # A size or rate written as text says its unit, wherever it is given (a flag, a variable,
         # the config file): a bare "500" is refused, not taken as 500 bytes (or bytes/s); an int is.
-        example = "MB" if _per else "GB"
-        raise ConfigError(
-            f"{what}: {value.strip()!r} has no unit; write it with one, e.g. "
-            f"'{number}{example}{_per}' (or '{number}B{_per}' for bytes)"
-        )
+        raise ConfigError(f"{what}: {value.strip()!r} has no unit; write it with one{unit_hint(number, _per)}")
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"{what}: unknown unit {unit!r} in {value!r} (use kB, MB, GB, TB or KiB, MiB, GiB, TiB)")
@@ -68,6 +64,41 @@ def parse_size(value: str | int | float, *, what: str = "size", _per: str = "") 
     if not math.isfinite(size):
         raise ConfigError(f"{what}: {value!r} is too large")
     return int(size)
+
+
+_BYTES_LIKELY = 10**6
+"""A bare whole number from here up most likely counts bytes (a cache or a rate of a few kB is no one's aim)."""
+_DECIMAL = (("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+_BINARY = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def _rounded_bytes(count: int) -> str:
+    """``count`` bytes in the unit that reads best: exact where a unit divides it, else 3 significant digits."""
+    for units in (_DECIMAL, _BINARY):
+        for unit, factor in units:
+            if count % factor == 0 and count // factor < 1000:
+                return f"{count // factor}{unit}"
+    for unit, factor in _DECIMAL:
+        if count >= factor:
+            return f"{count / factor:.3g}{unit}"
+    return f"{count}B"  # pragma: no cover - below _BYTES_LIKELY, never asked
+
+
+def unit_hint(number: str, per: str = "") -> str:
+    """What to write for a size (or, with ``per="/s"``, a rate) given as the bare ``number``.
+
+    A large whole number is most likely a count of bytes, so it is suggested as that count rounded
+    to a unit (``12000000`` -> ``'12MB'``), not multiplied by one (``'12000000GB'``, 12 PB). A small
+    one or a fraction is most likely in a unit left out (``500`` -> ``'500GB'``).
+    """
+    value = float(number)
+    if value.is_integer() and value >= _BYTES_LIKELY:
+        count = int(value)
+        rounded = _rounded_bytes(count)
+        exact = "" if parse_size(rounded) == count else f", or exactly '{count}B{per}'"
+        return f": '{rounded}{per}' if it counts bytes{' per second' if per else ''} ({count:,}{exact})"
+    example = "MB" if per else "GB"
+    return f", e.g. '{number}{example}{per}' (or '{number}B{per}' for bytes)"
 
 
 def parse_bandwidth(value: str | int | float, *, what: str = "bandwidth") -> float:

@@ -24,10 +24,10 @@ from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order import Cursor, Layout, produced_from_consumed
 from datacache.loaders.planning import Dealing, Planner
-from datacache.loaders.precheck import check_keywords, check_sources, target_rate
+from datacache.loaders.precheck import check_keywords, check_options, check_sources, target_rate
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
 from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_epoch, with_remote
-from datacache.loaders.resume import STATE_VERSION, check_same, loader_batch, read_state
+from datacache.loaders.resume import STATE_VERSION, check_same, describe, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import Given, SourceSpec, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
@@ -39,22 +39,6 @@ from datacache.errors import ConfigError
 __all__ = ["CachedIterableDataset"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_options(
-    *, epoch_size: int | None, on_error: str, shuffle_buffer: int | None, batch_size: int | None, prefetch: int | None
-) -> None:
-    """Refuse, in one line naming it, an option out of its range."""
-    if epoch_size is not None and (isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1):
-        raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if shuffle_buffer is not None and shuffle_buffer < 1:
-        raise ConfigError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch_size must be positive, got {batch_size}")
-    if prefetch is not None and prefetch < 0:
-        raise ConfigError(f"prefetch must not be negative, got {prefetch}")
 
 
 def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
@@ -144,8 +128,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         remote: RayPool | str | None = None,
     ) -> None:
         super().__init__()
-        options = {"shuffle_buffer": shuffle_buffer, "batch_size": batch_size, "prefetch": prefetch}
-        _check_options(epoch_size=epoch_size, on_error=on_error, **options)
+        check_options(epoch_size=epoch_size, on_error=on_error, shuffle_buffer=shuffle_buffer,
+                      batch_size=batch_size, prefetch=prefetch)
         self._sources = resolve_sources(dataset, weights)
         check_sources([spec for spec in self._sources if not _names_shards(spec)], config)  # no listing
         self._mixed = _reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
@@ -275,6 +259,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         """Reader ``layout``'s iterator over epoch ``epoch``, resumed after ``cursors``."""
         runtime, planner = self._prepare(), self._plans()
         plan = planner.plan(layout, self._dealing(), epoch=epoch, cursors=cursors)
+        if get_worker_info() is not None:  # for the training process's state_dict, which then opens nothing
+            self._table.heads.publish(layout.worker, describe(planner, runtime.window or None, epoch, plan))
         rows = self._table.row(layout.worker).numpy(), self._table.source_row(layout.worker).numpy()
         return EpochIterator(self, runtime, plan, layout, epoch, cursors, rows)
 
@@ -388,24 +374,36 @@ class CachedIterableDataset(IterableDataset[Any]):
             )
         else:
             cursor = Cursor(world, 1, chunk, (0,))
-        if not self._cursors and self._plans().cold(self._dealing(), self._epoch):
+        head = self._head()
+        if not self._cursors and head["cold"]:
             # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
-        return self._state((*self._cursors, cursor))
+        return self._state((*self._cursors, cursor), head)
 
-    def _state(self, cursors: tuple[Cursor, ...]) -> dict[str, Any]:
-        # Never waits for sample counts (a cold first epoch's are still arriving): the default
-        # window follows from the snapshot, which the state names, so it is kept as None.
+    def _head(self) -> dict[str, Any]:
+        """The dataset's fields of a state: a reader's (`statehead`) where this process opened nothing."""
+        runtime = self._runtime
+        if runtime is None or runtime.pid != os.getpid():
+            published = self._table.heads.read(self._epoch)
+            if published is not None:
+                return published
         runtime, planner = self._prepare(), self._plans()
         dataset, snapshot = planner.identity()
+        cold = planner.cold(self._dealing(), self._epoch)
+        fields = planner.state_fields()
+        return {"cold": cold, "dataset": dataset, "snapshot": snapshot, "fields": fields, "window": runtime.window}
+
+    def _state(self, cursors: tuple[Cursor, ...], head: dict[str, Any]) -> dict[str, Any]:
+        # Never waits for sample counts (a cold first epoch's are still arriving): the default
+        # window follows from the snapshot, which the state names, so it is kept as None.
         return {
             "version": STATE_VERSION,
-            "dataset": dataset,
-            "snapshot": snapshot,
-            **planner.state_fields(),
+            "dataset": head["dataset"],
+            "snapshot": head["snapshot"],
+            **head["fields"],
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "shuffle_buffer": runtime.window or self.shuffle_buffer,
+            "shuffle_buffer": head["window"] or self.shuffle_buffer,
             "drop_last": self.drop_last,
             "epoch": self._epoch,
             "cursors": [cursor.to_json() for cursor in cursors],
@@ -494,4 +492,3 @@ def _names_shards(spec: SourceSpec) -> bool:
     if spec.keys is not None:
         return True
     return isinstance(spec.dataset, str) and any(char in spec.dataset.rstrip("/").rsplit("/", 1)[-1] for char in "*?[")
-

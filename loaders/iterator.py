@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +104,7 @@ class EpochIterator:
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
+        self._beating = runtime.loop.submit(_heartbeat(weakref.ref(self)))
 
     def _controller(self) -> PrefetchController:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
@@ -328,11 +331,14 @@ class EpochIterator:
 
     def _report(self) -> None:
         """Tell the daemon (or, embedded, `datacache top`'s report file) what this reader delivered."""
+        self.runtime.loop.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
+
+    def _figures(self) -> dict[str, Any]:
         access = self.runtime.access
         row = self._row
         row[Counter.MODE] = mode_code(access.mode)
         layout = self.layout
-        figures = reader_figures(
+        return reader_figures(
             row,
             rank=layout.rank,
             world_size=layout.world_size,
@@ -342,9 +348,9 @@ class EpochIterator:
             target=self.dataset.target_bandwidth,
             in_consumer=self._in_consumer,
         )
-        self.runtime.loop.submit(publish_reader(access, self.runtime.handle, figures))
 
     def _finish(self) -> None:
+        self._beating.cancel()
         self._row[Counter.PADDED] = self._plan.padded  # a growing plan knows them once it settled
         self._row[Counter.TOTAL] = len(self._plan)
         self._units.note_retries()
@@ -356,6 +362,24 @@ class EpochIterator:
         self._report()  # last: the epoch's final figures, as `stats()` reads them
 
     def __del__(self) -> None:
+        beating = getattr(self, "_beating", None)
+        if beating is not None:
+            beating.cancel()
         ahead = getattr(self, "_ahead", None)
         if ahead is not None:
             ahead.shutdown(wait=False)
+
+
+async def _heartbeat(reader: weakref.ref[EpochIterator]) -> None:
+    """Report a reader that delivers nothing too, once an interval: one blocked on a slow origin went silent,
+    and `datacache top` then showed none of the transfers it waited for (its figures are a second old)."""
+    while True:
+        await asyncio.sleep(_REPORT_INTERVAL)
+        iterator = reader()
+        if iterator is None:
+            return  # dropped mid-epoch: nothing to report
+        if time.monotonic() - iterator._reported_at >= _REPORT_INTERVAL:
+            iterator._reported_at = time.monotonic()
+            runtime, figures = iterator.runtime, iterator._figures()
+            del iterator  # not held across the await: a dropped iterator is collected
+            await publish_reader(runtime.access, runtime.handle, figures)

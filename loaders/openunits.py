@@ -35,23 +35,45 @@ class OpenUnits:
         self._idle: OrderedDict[int, UnitReader] = OrderedDict()
         """Released units kept open, by unit, the oldest first."""
         self._opening: dict[int, threading.Lock] = {}
+        self._tiers: dict[int, str] = {}
+        """id() of each open reader -> the tier its opener found the unit on."""
 
     def acquire(self, unit: int, opener: Callable[[], UnitReader]) -> UnitReader:
         """The open reader of ``unit``, or ``opener()`` if none is."""
+        return self.take(unit, lambda: (opener(), "local"))[0]
+
+    def take(self, unit: int, opener: Callable[[], tuple[UnitReader, str]]) -> tuple[UnitReader, str | None]:
+        """The open reader of ``unit`` (or ``opener()``'s, with the tier it found the unit on), and a tier.
+
+        The tier is None where ``opener`` ran; else where this reader would have found the unit had it
+        opened it itself, as a worker process would (its hit): the opener's tier when it waited for that
+        opening, "local" when the unit was open already.
+        """
         with self._lock:
             gate = self._opening.setdefault(unit, threading.Lock())
-        with gate:  # one opening per unit at a time; the others take what it opened
+        waited = not gate.acquire(blocking=False)
+        if waited:
+            gate.acquire()
+        try:  # one opening per unit at a time; the others take what it opened
             with self._lock:
                 reader = self._idle.pop(unit, None) or self._open.get(unit)
                 if reader is not None and id(reader) in self._users:
                     self._users[id(reader)] += 1
-                    return reader
-            reader = opener()
+                    return reader, (self._tiers.get(id(reader), "local") if waited else "local")
+            reader, tier = opener()
             with self._lock:
                 self._open[unit] = reader
                 self._users[id(reader)] = 1
-                weakref.finalize(reader, self._users.pop, id(reader), None)
-            return reader
+                self._tiers[id(reader)] = tier
+                weakref.finalize(reader, self._forget, id(reader))
+            return reader, None
+        finally:
+            gate.release()
+
+    def _forget(self, ident: int) -> None:
+        with self._lock:
+            self._users.pop(ident, None)
+            self._tiers.pop(ident, None)
 
     def release(self, unit: int, reader: UnitReader) -> list[UnitReader]:
         """One reader is done with ``reader`` (of ``unit``); returns the units to close now."""

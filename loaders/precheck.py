@@ -24,11 +24,11 @@ from datacache.loaders.sources import SourceSpec
 from datacache.tiers import check_scheme_case
 
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
-from datacache.errors import close_match
+from datacache.errors import ConfigError, close_match
 from datacache.manifest import missing_local_path
 from datacache.sizes import parse_bandwidth
 
-__all__ = ["check_keywords", "check_sources", "target_rate"]
+__all__ = ["check_keywords", "check_options", "check_sources", "target_rate"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -90,3 +90,18 @@ def target_rate(target_bandwidth: str | float | None) -> float | None:
 def _is_path(text: str) -> bool:
     return text.startswith(("/", ".", "~"))
 
+
+def check_options(
+    *, epoch_size: int | None, on_error: str, shuffle_buffer: int | None, batch_size: int | None, prefetch: int | None
+) -> None:
+    """Refuse, in one line naming it, an option out of its range."""
+    if epoch_size is not None and (isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1):
+        raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if shuffle_buffer is not None and shuffle_buffer < 1:
+        raise ConfigError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    if prefetch is not None and prefetch < 0:
+        raise ConfigError(f"prefetch must not be negative, got {prefetch}")

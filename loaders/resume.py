@@ -7,10 +7,19 @@ from typing import Any
 
 from datacache.loaders.iterator import ITERATOR_MARK
 from datacache.loaders.order import Cursor
+from datacache.loaders.planning import Plan, Planner
 
 from datacache.errors import ConfigError
 
-__all__ = ["STATE_VERSION", "check_same", "find_iterator_states", "loader_batch", "read_state", "state_from_iterators"]
+__all__ = [
+    "STATE_VERSION",
+    "check_same",
+    "describe",
+    "find_iterator_states",
+    "loader_batch",
+    "read_state",
+    "state_from_iterators",
+]
 
 STATE_VERSION = 1
 
@@ -101,3 +110,16 @@ def loader_batch(dataset_batch: int | None, batch_size: int | None, workers: int
             "state_dict(samples_consumed=steps * batch_size, batch_size=batch_size)"
         )
     return 1
+
+
+def describe(planner: Planner, window: int | None, epoch: int, plan: Plan) -> dict[str, Any]:
+    """What a reader of epoch ``epoch`` knows of a state's fields (`statehead`); ``window``: its shuffle window."""
+    dataset, snapshot = planner.identity()
+    return {
+        "epoch": epoch,
+        "cold": plan.cold,
+        "dataset": dataset,
+        "snapshot": snapshot,
+        "fields": planner.state_fields(),
+        "window": window,
+    }

@@ -20,6 +20,7 @@ from enum import IntEnum
 from typing import Any
 
 import torch
+from datacache.loaders.statehead import StateHeads
 
 from datacache.access import ShardAccess, ThroughputReporter
 from datacache.activity import write_report_file
@@ -71,7 +72,8 @@ class Counter(IntEnum):
     TOTAL = 22  # samples this reader will deliver in the epoch
     MODE = 23  # how this reader reaches the cache: see MODES
     RETRIES = 24  # origin requests this reader's process retried (cumulative: see LoaderStats.retries)
-    WIDTH = 25
+    TAKEN = 25  # of the UNITS_*, those taken open from another reader of this process (`OpenUnits.take`)
+    WIDTH = 26
 
 
 MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
@@ -96,6 +98,8 @@ class StatsTable:
         self.sources = torch.zeros((MAX_READERS, max(1, sources), 2), dtype=torch.float64)
         """Per reader and source: samples and payload bytes delivered this epoch."""
         self.sources.share_memory_()  # type: ignore[no-untyped-call]
+        self.heads = StateHeads()
+        """What the readers know of the dataset that a saved state names (`statehead`)."""
 
     def source_row(self, reader: int) -> torch.Tensor:
         """Reader ``reader``'s (samples, bytes) per source."""
@@ -353,6 +357,8 @@ async def publish_reader(access: ShardAccess, handle: DatasetHandle, figures: di
     Called at the reader's reporting interval, on the loader's event loop: never per sample.
     """
     figures = {**figures, "dataset": handle.id}
+    if handle.config.name != handle.id:  # opened by its configured name: top shows that, not the id
+        figures["dataset_name"] = handle.config.name[:64]
     if isinstance(access, ThroughputReporter):
         await access.report(**figures)
         return

@@ -319,7 +319,10 @@ class UnitReaders:
                 return None
             self._opening.add(unit)
             try:
-                reader = self.runtime.units.acquire(unit, lambda: self._open(unit))
+                started = time.perf_counter()
+                reader, shared = self.runtime.units.take(unit, lambda: self._open(unit))
+                if shared is not None:  # another reader of this process opened it: this one's hit all the same
+                    self._count_shared(shared, time.perf_counter() - started)
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
                     raise
@@ -425,7 +428,8 @@ class UnitReaders:
         if keys:
             self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
 
-    def _open(self, unit_index: int) -> UnitReader:
+    def _open(self, unit_index: int) -> tuple[UnitReader, str]:
+        """The unit's reader, and the tier its shards were found on (the slowest)."""
         unit = self._plan.units[unit_index]
         runtime = self.runtime
         where = f"{self._where}: shard {unit.label!r}"
@@ -464,7 +468,7 @@ class UnitReaders:
                 raise
             self._count_open(tier, locations, waited, read_seconds)
             self.note_retries()
-            return reader
+            return reader, tier
         raise DatacacheError(f"{where}: could not be read")  # pragma: no cover - loop always returns or raises
 
     def _locate(self, unit: int, *, again: bool) -> tuple[list[Location], str]:
@@ -483,6 +487,18 @@ class UnitReaders:
         else:
             located = self._note_progress(unit)
         return runtime.loop.run(stage_missing(runtime.access, runtime.handle, located))
+
+    def _count_shared(self, tier: str, waited: float) -> None:
+        """A unit another reader of this process opened, counted as this one's open (`OpenUnits.take`)."""
+        row = self._row
+        row[Counter.TAKEN] += 1
+        if tier == "local":
+            row[Counter.UNITS_LOCAL] += 1
+            row[Counter.READ] += waited
+        else:
+            row[Counter.UNITS_SHARED if tier == "shared" else Counter.UNITS_ORIGIN] += 1
+            row[Counter.WAIT] += waited
+            row[Counter.WAIT_SHARED if tier == "shared" else Counter.WAIT_ORIGIN] += waited
 
     def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
         row = self._row

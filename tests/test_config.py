@@ -367,3 +367,36 @@ def test_a_size_without_a_unit_is_refused_as_a_rate_is(
         load_settings(cache_env, overrides={"bandwidth_limit": "500"})
     assert load_settings(cache_env, overrides={"local_capacity": "500B"}).local_capacity == 500
     assert load_settings(cache_env, overrides={"local_capacity": 500}).local_capacity == 500  # Python: an int is bytes
+
+
+@pytest.mark.parametrize(
+    ("value", "suggested"),
+    [
+        ("12000000", "'12MB' if it counts bytes (12,000,000)"),
+        ("12345678", "'12.3MB' if it counts bytes (12,345,678, or exactly '12345678B')"),
+        ("1073741824", "'1GiB' if it counts bytes"),
+        ("3000000000000", "'3TB' if it counts bytes"),
+        ("500", "e.g. '500GB' (or '500B' for bytes)"),
+    ],
+)
+@pytest.mark.parametrize("source", ["env", "file", "flag"])
+def test_a_size_without_a_unit_is_suggested_as_the_bytes_it_most_likely_counts(
+    source: str, value: str, suggested: str, cache_env: dict[str, str], tmp_path: Path
+) -> None:
+    """DATACACHE_LOCAL_CAPACITY=12000000 was answered "e.g. '12000000GB'", 12 PB (issue 34 item 8)."""
+    env = dict(cache_env)
+    if source == "env":
+        env["DATACACHE_LOCAL_CAPACITY"] = value
+    elif source == "file":
+        env["DATACACHE_CONFIG"] = str(write_config(tmp_path, f"[cache]\nlocal_capacity = {value}\n"))
+    if source == "flag":  # the CLI as a user runs it: one line, exit status 2
+        result = run_cli(["warm", str(tmp_path / "nothing"), "--local-capacity", value], env, timeout=60)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        said = result.stderr.strip()
+    else:
+        with pytest.raises(ConfigError) as caught:
+            load_settings(env)
+        said = str(caught.value)
+    assert "has no unit; write it" in said and suggested in said, said
+    if int(value) >= 10**6:
+        assert f"'{value}GB'" not in said, "a count of bytes is never suggested times a unit"

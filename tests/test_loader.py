@@ -570,3 +570,46 @@ def test_readme_resume_recipe_with_worker_processes_is_exact(
     tail = keys_of(DataLoader(resumed, batch_size=batch_size, num_workers=2))
     assert not set(head) & set(tail), "a sample consumed before the checkpoint came again"
     assert sorted(head + tail) == sorted(expected), "a sample was skipped or repeated"
+
+
+@pytest.mark.parametrize("options", [{}, {"epoch_size": 120}], ids=["dataset", "mix"])
+def test_state_dict_with_worker_processes_opens_nothing_in_the_training_process(
+    wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings, options: dict[str, Any]
+) -> None:
+    """It opened its own runtime there (the origin listed, or the daemon asked): 83-201 ms (issue 34 item 7).
+
+    The workers publish what a state names of the dataset when they plan the epoch; the state made
+    from it is the one the training process's own runtime gives, and it resumes exactly.
+    """
+    origin, expected = wds_dataset
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=17, **options)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True)
+    cold = [key for batch in loader for key in batch["__key__"]]  # epoch 0 counts the shards as it reads
+    dataset.set_epoch(1)
+    iterator = iter(loader)
+    head = [key for _ in range(5) for key in next(iterator)["__key__"]]
+    state = dataset.state_dict(samples_consumed=40, batch_size=8)
+    assert dataset._runtime is None, "the training process opened the dataset to save a state"
+    assert state["epoch"] == 1 and state["shuffle_buffer"] == 256 and "cold" not in state["cursors"][0]
+    dataset.with_all_counts()  # now its own runtime answers
+    assert dataset.state_dict(samples_consumed=40, batch_size=8) == state
+    del iterator
+    resumed = CachedIterableDataset(str(origin), config=settings, seed=17, **options)
+    resumed.load_state_dict(state)
+    tail = keys_of(DataLoader(resumed, batch_size=8, num_workers=2))
+    assert len(head) + len(tail) == len(cold) and not set(head) & set(tail)
+    if not options:
+        assert sorted(head + tail) == sorted(expected)
+
+
+def test_a_state_head_being_written_is_no_answer() -> None:
+    from datacache.loaders.statehead import StateHeads
+
+    heads = StateHeads()
+    assert heads.read(0) is None
+    heads.publish(1, {"epoch": 3, "dataset": "d"})
+    assert heads.read(3) == {"epoch": 3, "dataset": "d"} and heads.read(2) is None
+    heads.slots[1, 12] ^= 0xFF  # a byte changed under the reader, as a write under way would
+    assert heads.read(3) is None
+    heads.publish(1, {"epoch": 3, "x": "y" * 10_000})  # too large for a slot: none, not a truncated one
+    assert heads.read(3) is None

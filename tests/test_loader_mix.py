@@ -183,6 +183,23 @@ def test_epoch_size_walks_one_permutation_across_epochs(
     assert sorted(stream[:200]) == sorted(three["a"]) and sorted(stream[200:300]) != sorted(stream[:100])
 
 
+def test_the_reported_weighted_mix_repeats_no_sample_within_any_epoch(tmp_path: Path, settings: Settings) -> None:
+    """Issue 34 item 4: weights 0.7/0.3, epoch_size=1000, sources of 1,200 and 300: epoch 1 had 59 repeats."""
+    big = write_source(tmp_path / "big", "a", 1200, 100)
+    small = write_source(tmp_path / "small", "b", 300, 100)
+    sources = [f"{tmp_path / 'big'}/", f"{tmp_path / 'small'}/"]
+    dataset = CachedIterableDataset(sources, weights=[0.7, 0.3], epoch_size=1000, config=settings, seed=5)
+    epochs = []
+    for epoch in range(4):
+        dataset.set_epoch(epoch)
+        keys = keys_of(DataLoader(dataset, batch_size=BATCH, num_workers=2 if epoch == 1 else 0))
+        assert len(keys) == 1000 and len(set(keys)) == 1000, f"epoch {epoch}: {1000 - len(set(keys))} repeats"
+        assert source_counts(keys) == {"a": 700, "b": 300} and set(small) <= set(keys)
+        epochs.append(keys)
+    for first in (0, 2):  # two epochs of 700 read all 1,200 of the big source, then a fresh pass begins
+        assert {k for k in epochs[first] + epochs[first + 1] if k[0] == "a"} == set(big)
+
+
 def test_replacement_draws_with_repeats(three: dict[str, list[str]], tmp_path: Path, settings: Settings) -> None:
     dataset = CachedIterableDataset(f"{tmp_path / 'a'}/", config=settings, seed=4, epoch_size=200, replacement=True)
     keys = [sample["__key__"] for sample in dataset]

@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders.epoch import plan_epoch
-from datacache.loaders.mix.counts import apportion, source_seed
+from datacache.loaders.mix.counts import apportion, source_counts, source_seed
 from datacache.loaders.mix.order import MixedOrder
 from datacache.loaders.order import Cursor, Dealing, Layout
 from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
@@ -69,19 +69,26 @@ def test_each_source_gives_exactly_its_count(
 def test_each_source_share_is_its_stream_exactly_once(
     mix: tuple[list[np.ndarray], np.ndarray], seed: int, epoch: int
 ) -> None:
-    """Without replacement, source s's share of epoch e is items [e*c, (e+1)*c) of its stream of permutations."""
+    """Without replacement, source s's share of epoch e: while c <= n, items [j*c, (j+1)*c) of pass e // m
+    (j = e % m, m = ceil(n / c)), wrapping to the pass's start; for a smaller source, items [e*c, (e+1)*c) of
+    its stream of passes."""
     units, counts = mix
     order = _order(units, counts, seed=seed, epoch=epoch)
     drawn = _split(order, order.ids(np.arange(order.total, dtype=np.int64)))
     for s, (u, count) in enumerate(zip(units, counts.tolist(), strict=True)):
         size = int(u.sum())
-        cycles = range(epoch * count // size, -(-(epoch + 1) * count // size) + 1)
-        stream = {c: WindowedOrder(u, source_seed(seed, s), c, True, 5).ids(np.arange(size)) for c in cycles}
-        items = np.arange(epoch * count, (epoch + 1) * count, dtype=np.int64)
-        expected = [int(stream[int(i // size)][i % size]) for i in items]
+        if count <= size:
+            epochs = -(-size // max(count, 1))
+            permutation = WindowedOrder(u, source_seed(seed, s), epoch // epochs, True, 5).ids(np.arange(size))
+            first = epoch % epochs * count
+            expected = [int(permutation[i % size]) for i in range(first, first + count)]
+            assert len(set(drawn[s])) == count, "within one epoch, no sample twice"
+        else:
+            cycles = range(epoch * count // size, -(-(epoch + 1) * count // size) + 1)
+            stream = {c: WindowedOrder(u, source_seed(seed, s), c, True, 5).ids(np.arange(size)) for c in cycles}
+            items = np.arange(epoch * count, (epoch + 1) * count, dtype=np.int64)
+            expected = [int(stream[int(i // size)][i % size]) for i in items]
         assert sorted(drawn[s]) == sorted(expected)
-        if count <= size and epoch * count // size == ((epoch + 1) * count - 1) // size:
-            assert len(set(drawn[s])) == count, "within one pass, no sample twice"
 
 
 def _ids(plan: object, counts: np.ndarray, upto: int | None = None) -> list[int]:
@@ -245,3 +252,55 @@ def test_a_mix_of_ten_billion_samples_plans_in_what_its_shards_cost(world: int) 
     assert all(len(units) > 0 for units in future)
     # per sample this would be 720 GB (72 bytes a sample); per shard and per block it is a few MB
     assert peak < 200 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+@st.composite
+def weighted_mixes(draw: st.DrawFn) -> tuple[list[np.ndarray], np.ndarray]:
+    """Sources (unit counts each), weights and an epoch size, as the counts `source_counts` makes of them."""
+    units = [np.asarray(u, dtype=np.int64) for u in draw(units_strategy)]
+    weights = [draw(st.floats(0.01, 1.0)) for _ in units]
+    epoch_size = draw(st.integers(0, 3 * sum(int(u.sum()) for u in units)))
+    sizes, modes = [int(u.sum()) for u in units], [("weight", w) for w in weights]
+    counts = source_counts(sizes, modes, [""] * len(units), epoch_size)
+    return units, counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(mix=weighted_mixes(), seed=st.integers(0, 2**40), epoch=st.integers(0, 12), window=st.integers(1, 9))
+def test_no_sample_repeats_within_an_epoch_while_its_count_fits_the_source(
+    mix: tuple[list[np.ndarray], np.ndarray], seed: int, epoch: int, window: int
+) -> None:
+    """README: "within an epoch no sample repeats while c_s <= n_s", in every epoch, not only in the first."""
+    units, counts = mix
+    order = _order(units, counts, seed=seed, epoch=epoch, windows=[window] * len(units))
+    drawn = _split(order, order.ids(np.arange(order.total, dtype=np.int64)))
+    for u, count, ids in zip(units, counts.tolist(), drawn, strict=True):
+        if count <= int(u.sum()):
+            assert len(set(ids)) == count, f"a sample repeats in epoch {epoch} ({count} of {int(u.sum())})"
+    # What the readers open for a range of a source's draws holds every sample those draws read.
+    bounds = exclusive_sum(np.concatenate(units))
+    ids = order.ids(np.arange(order.total, dtype=np.int64))
+    source, index = order.interleave.locate(np.arange(order.total, dtype=np.int64))
+    for s, draw in enumerate(order.draws):
+        starts = np.arange(0, draw.count, 3, dtype=np.int64)
+        which, opened = draw.units_of_ranges(starts, np.minimum(starts + 4, draw.count))
+        first_unit = sum(len(u) for u in units[:s])
+        for r, begin in enumerate(starts.tolist()):
+            mine = ids[(source == s) & (index >= begin) & (index < begin + 4)]
+            needed = set((np.searchsorted(bounds, mine, side="right") - 1 - first_unit).tolist())
+            assert needed <= set(opened[which == r].tolist()), "a range reads a unit it was not told of"
+
+
+def test_the_reported_mix_repeats_no_sample_in_any_of_several_epochs() -> None:
+    """Issue 34 item 4: weights 0.7/0.3, epoch_size=1000, sources of 1,200 and 300: epoch 1 had 59 repeats."""
+    units = [np.full(12, 100, dtype=np.int64), np.full(3, 100, dtype=np.int64)]
+    counts = source_counts([1200, 300], [("weight", 0.7), ("weight", 0.3)], ["a", "b"], 1000)
+    assert counts.tolist() == [700, 300]
+    read: list[list[int]] = []
+    for epoch in range(8):
+        order = _order(units, counts, seed=0, epoch=epoch, windows=[100, 100])
+        big, small = _split(order, order.ids(np.arange(order.total, dtype=np.int64)))
+        assert len(set(big)) == 700 and sorted(small) == list(range(300)), f"epoch {epoch}"
+        read.append(big)
+    # Two epochs of 700 read every one of the 1,200 before the next pass starts.
+    assert set(read[0] + read[1]) == set(range(1200)) and set(read[2] + read[3]) == set(range(1200))

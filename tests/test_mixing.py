@@ -109,10 +109,12 @@ def test_consecutive_epochs_cover_the_source_before_any_sample_repeats() -> None
     first_three = np.concatenate(epochs[:3])
     assert len(set(first_three.tolist())) == 900, "no repeat within the first 900 samples"
     assert set(np.concatenate(epochs[:4]).tolist()) == set(range(1000)), "four epochs of 300 cover 1,000"
-    stream = np.concatenate(epochs)
-    for cycle in range(2):  # each pass of 1,000 through the stream is a fresh permutation
-        assert sorted(stream[cycle * 1000 : (cycle + 1) * 1000].tolist()) == list(range(1000))
-    assert not np.array_equal(stream[:1000], stream[1000:2000])
+    assert all(len(set(epoch.tolist())) == 300 for epoch in epochs), "no repeat within an epoch"
+    # A pass lasts four epochs: the fourth reads its last 100 and tops up with 200 of its first epoch's.
+    assert sorted(np.concatenate([*epochs[:3], epochs[3][:100]]).tolist()) == list(range(1000))
+    assert set(epochs[3][100:].tolist()) <= set(epochs[0].tolist())
+    second = np.concatenate([*epochs[4:7]])  # the next pass: a fresh permutation
+    assert len(set(second.tolist())) == 900 and not np.array_equal(second, first_three)
 
 
 def test_a_small_source_cycles_through_fresh_permutations() -> None:

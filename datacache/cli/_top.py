@@ -23,7 +23,7 @@ from typing import Any
 
 from datacache.activity import read_report_files, user_name
 from datacache.cli._common import Commands, add_settings_flags, one_line, settings_from
-from datacache.cli._topview import SORTS, View, rich_frame, text_frame
+from datacache.cli._topview import SORTS, KeptClients, View, name_datasets, rich_frame, text_frame
 from datacache.client import DaemonClient
 from datacache.config import Settings
 from datacache.errors import ConfigError, DatacacheError
@@ -60,6 +60,7 @@ class Sampler:
         self._stager: Stager | None = None
         self._shared: tuple[float, dict[str, Any]] | None = None
         self._previous: tuple[float, dict[str, dict[str, int]]] | None = None
+        self._kept = KeptClients()
         self.daemon_seen = False
 
     async def close(self) -> None:
@@ -94,13 +95,17 @@ class Sampler:
         frame["time"] = now
         frame["host"] = socket.gethostname()
         frame["interval_s"] = self.interval
-        frame["clients"] = current_epoch(frame["clients"])
+        names = {config.id: name for name, config in self.settings.datasets.items()}
+        names.update(frame.pop("names", {}))
+        name_datasets(frame["clients"], names)
+        frame["clients"] = current_epoch(self._kept.merged(frame["clients"], now))
         frame["ranks"] = _ranks(frame["clients"])
         self._rates(frame, time.monotonic())
         return frame
 
     def _from_daemon(self, document: dict[str, Any]) -> dict[str, Any]:
         clients = [_client_row(dict(c)) for c in document.get("clients", []) if isinstance(c, dict)]
+        datasets = [d for d in document.get("datasets", []) if isinstance(d, dict)]
         return {
             "source": "daemon",
             "operator": bool(document.get("operator")),
@@ -108,7 +113,8 @@ class Sampler:
             "tiers": [dict(t) for t in document.get("tiers", [])],
             "counters": document.get("activity", {}),
             "transfers": [_transfer_row(t) for t in document.get("transfers", [])],
-            "policies": {d["id"]: d.get("policy") for d in document.get("datasets", []) if isinstance(d, dict)},
+            "policies": {d["id"]: d.get("policy") for d in datasets},
+            "names": {d["id"]: d["name"] for d in datasets if isinstance(d.get("name"), str) and d["name"] != d["id"]},
         }
 
     async def _embedded(self, now: float) -> dict[str, Any]:
@@ -307,6 +313,8 @@ def _ranks(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "uid": uid,
                 "user": readers[0].get("user"),
                 "dataset": dataset,
+                "dataset_name": readers[0].get("dataset_name"),
+                "between_epochs": all(r.get("between_epochs") for r in readers),
                 "rank": rank,
                 "epoch": max(int(r.get("epoch", 0)) for r in readers),
                 "readers": len(readers),

@@ -12,18 +12,71 @@ from typing import Any
 
 from datacache.sizes import format_bytes
 
-__all__ = ["SORTS", "View", "rich_frame", "sort_clients", "text_frame"]
+__all__ = [
+    "BETWEEN_EPOCHS_GRACE",
+    "SORTS",
+    "KeptClients",
+    "View",
+    "name_datasets",
+    "rich_frame",
+    "sort_clients",
+    "text_frame",
+]
 
 SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "c": ("client", lambda c: (c.get("rank", -1), c.get("worker", -1), c["client"])),
     "u": ("user", lambda c: str(c.get("user") or c.get("uid"))),
-    "d": ("dataset", lambda c: str(c.get("dataset") or "")),
+    "d": ("dataset", lambda c: str(c.get("dataset_name") or c.get("dataset") or "")),
     "b": ("MB/s", lambda c: c.get("delivered_bytes_per_s", 0.0)),
     "p": ("samples/s", lambda c: c.get("samples_per_s", 0.0)),
     "s": ("stall", lambda c: c.get("stall_fraction", 0.0)),
     "f": ("depth", lambda c: c.get("prefetch_depth", 0)),
     "h": ("local hits", lambda c: c["hit_share"]["local"]),
 }
+
+
+BETWEEN_EPOCHS_GRACE = 20.0
+"""Seconds a client that stopped reporting is still shown, as between epochs: torch's DataLoader ends its
+workers at an epoch's end and starts new ones, which report only once they have read (a few seconds)."""
+
+
+def name_datasets(clients: list[dict[str, Any]], names: dict[str, str]) -> None:
+    """Give each client row ``dataset_name``: the name its reader opened it by, else ``names[id]`` (configured)."""
+    for client in clients:
+        if not client.get("dataset_name") and str(client.get("dataset")) in names:
+            client["dataset_name"] = names[str(client.get("dataset"))]
+
+
+class KeptClients:
+    """Clients seen lately that stopped reporting, kept for `BETWEEN_EPOCHS_GRACE` seconds, marked between epochs.
+
+    A reader whose process ended is dropped by the daemon (and its report file by top): between an epoch's
+    last workers and the next epoch's first reports the node would show no client at all. A newer epoch of
+    the same rank replaces them (`_top.current_epoch`).
+    """
+
+    def __init__(self, grace: float = BETWEEN_EPOCHS_GRACE) -> None:
+        self.grace = grace
+        self._seen: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def merged(self, clients: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+        """``clients`` and the recently seen ones now missing (``between_epochs``)."""
+        present = {str(c["client"]) for c in clients}
+        for client in clients:
+            self._seen[str(client["client"])] = (now, {**client, "between_epochs": True})
+        kept = []
+        for name, (seen, row) in list(self._seen.items()):
+            if name in present:
+                continue
+            if now - seen > self.grace:
+                del self._seen[name]
+            else:
+                kept.append({**row, "seconds_since_report": round(now - seen, 3)})
+        return [*clients, *kept]
+
+
+def _dataset(row: dict[str, Any]) -> Any:
+    return row.get("dataset_name") or row.get("dataset")
 
 
 def _mbps(value: float | None) -> str:
@@ -56,12 +109,14 @@ def sort_clients(clients: list[dict[str, Any]], key: str, reverse: bool) -> list
 
 
 def _label(client: dict[str, Any]) -> str:
+    between = client.get("between_epochs")
     if "remote_workers" in client:  # a rank whose batches a remote pool makes (remote=)
         pool = f"{client['remote_workers']}/{client.get('remote_max_workers', '?')}"
-        return f"r{client['rank']} pool {pool} pid {client.get('pid')}"
-    if "rank" in client:
-        return f"r{client['rank']}/w{client.get('worker', 0)} pid {client.get('pid')}"
-    return str(client["client"])
+        return f"r{client['rank']} pool {pool}" + (" between epochs" if between else f" pid {client.get('pid')}")
+    if "rank" in client:  # between epochs its pid is gone: the words fit the column instead
+        reader = f"r{client['rank']}/w{client.get('worker', 0)}"
+        return f"{reader} between epochs" if between else f"{reader} pid {client.get('pid')}"
+    return f"{client['client']} (between epochs)" if between else str(client["client"])
 
 
 def _short(text: Any, width: int) -> str:
@@ -115,7 +170,7 @@ def _text_clients(clients: list[dict[str, Any]]) -> list[str]:
     for c in clients:
         out.append(
             f"{_short(_label(c), 22):<22} {_short(c.get('user') or c.get('uid'), 10):<10} "
-            f"{_short(c.get('dataset'), 20):<20} {c.get('epoch', '-'):>3} "
+            f"{_short(_dataset(c), 20):<20} {c.get('epoch', '-'):>3} "
             f"{_mbps(c.get('delivered_bytes_per_s')):>8} {_mbps(c.get('target_share_bytes_per_s')):>8} "
             f"{c.get('samples_per_s', 0.0):>10.1f} {_percent(c.get('stall_fraction')):>6} "
             f"{c.get('prefetch_depth', 0):>5}  {_hits(c['hit_share'])}"
@@ -137,7 +192,7 @@ def _text_ranks(ranks: list[dict[str, Any]]) -> list[str]:
         target = _mbps(r["target_bandwidth"]) if r["target_bandwidth"] else "-"
         flag = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " LOW")
         out.append(
-            f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(r['dataset'], 20):<20} "
+            f"{r['rank']:<6} {_short(r['user'] or r['uid'], 10):<10} {_short(_dataset(r), 20):<20} "
             f"{r['readers']:>7} {r['samples']:>9} {_mbps(r['bytes_per_second']):>8} {target + flag:>8} "
             f"{_percent(r['reader_wait_fraction']):>5} {r['prefetch_depth']:>5}  {_hits(r['hit_ratio'])}"
         )
@@ -238,7 +293,7 @@ def _rich_clients(clients: list[dict[str, Any]], view: View) -> Any:
         table.add_row(
             _label(c),
             str(c.get("user") or c.get("uid")),
-            _short(c.get("dataset"), 24),
+            _short(_dataset(c), 24),
             str(c.get("epoch", "-")),
             _mbps(c.get("delivered_bytes_per_s")),
             _mbps(c.get("target_share_bytes_per_s")),
@@ -262,7 +317,7 @@ def _rich_ranks(ranks: list[dict[str, Any]]) -> Any:
         table.add_row(
             str(r["rank"]),
             str(r["user"] or r["uid"]),
-            _short(r["dataset"], 24),
+            _short(_dataset(r), 24),
             str(r["readers"]),
             str(r["samples"]),
             Text(_mbps(r["bytes_per_second"]), style="red" if low else ""),

@@ -230,7 +230,12 @@ class StatusBoard:
                 if transfer.dataset in visible
             ],
             "datasets": [
-                {"id": handle.id, "url": redact_url(handle.config.url), "policy": handle.config.policy}
+                {
+                    "id": handle.id,
+                    "name": handle.config.name,
+                    "url": redact_url(handle.config.url),
+                    "policy": handle.config.policy,
+                }
                 for handle in handles
                 if handle.id in visible
             ],

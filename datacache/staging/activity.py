@@ -63,6 +63,10 @@ class TierActivity:
                 self.transfers[ident] = Transfer(event.dataset, event.key, tier, source, event.size, time.monotonic())
             else:
                 transfer.bytes += event.size
+        elif kind == "started":
+            if ident not in self.transfers:
+                source = event.source or ORIGIN
+                self.transfers[ident] = Transfer(event.dataset, event.key, tier, source, 0, time.monotonic())
         elif kind in ("staged", "failed"):
             self.transfers.pop(ident, None)
             if kind == "staged":

@@ -74,6 +74,8 @@ class Transfer:
         events = self._events
         throttle = self._throttle if source_name == ORIGIN else None
         wanted_now, this = WANTED_NOW.get(), object()
+        # In flight from here, not from its first chunk: a capped origin may hold that back for minutes.
+        events.emit(StagingEvent("started", handle.id, shard.key, destination.kind, source_name, 0))
         if throttle is not None and wanted_now():
             self._want(this)  # from its first request on: the others hold back their next parts
         landing, kept = await self._whole(shard, source, destination, destination_key)
@@ -147,6 +149,7 @@ class Transfer:
         For a batch of small shards (`datacache.staging.batch`): the caller writes them all at once.
         """
         version = shard.version if source_name == ORIGIN else None
+        self._events.emit(StagingEvent("started", handle.id, shard.key, "local", source_name, 0))
         if self._throttle is not None and source_name == ORIGIN:
             await self._throttle.take(shard.size)
         async with self._memory:
@@ -163,6 +166,8 @@ class Transfer:
         origin = handle.origin
         if not isinstance(origin, ObjectTier) or not origin.has_local_paths:
             return [None] * len(shards)
+        for shard in shards:
+            self._events.emit(StagingEvent("started", handle.id, shard.key, "local", ORIGIN, 0))
         if self._throttle is not None:
             await self._throttle.take(sum(shard.size for shard in shards))
         found = await origin.get_local_many([shard.key for shard in shards], [shard.version for shard in shards])

@@ -97,7 +97,7 @@ class Location:
 class StagingEvent:
     """Something the stager did; listeners (progress bars, metrics) receive these."""
 
-    kind: str  # "hit", "staged", "bytes", "failed", "evicted", "bypass", "retry"
+    kind: str  # "hit", "started", "staged", "bytes", "failed", "evicted", "bypass", "retry"
     dataset: str
     key: str
     tier: str = ""

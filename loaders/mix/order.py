@@ -16,11 +16,18 @@ Position ``p``'s block is found by bisection near ``p*N/E`` (``|sum_s C_s(b) - b
 sources``); inside a block, source ``s``'s ``k`` samples sit at the points ``(i + v_s) / k`` in
 order (``v_s`` in ``[0, 1)``), so each block is spread evenly too. Cost: O(sources) per position.
 
-**Which sample** (`SourceDraw`): without replacement, source ``s`` walks an endless stream of
-its own `sequence.WindowedOrder` permutations (cycle ``k`` seeded by ``(source seed, k)``),
-and epoch ``e`` takes stream items ``[e*c_s, (e+1)*c_s)``: consecutive epochs cover the source
-before any sample repeats, a smaller source cycles, and the samples of each epoch are those of
-the rule before (one per-sample array per source). With replacement, the draws are spread
+**Which sample** (`SourceDraw`): without replacement, source ``s`` reads its own
+`sequence.WindowedOrder` permutations, one pass each (pass ``k`` seeded by ``(source seed, k)``).
+While ``c_s <= n_s`` a pass lasts ``m = ceil(n_s / c_s)`` epochs: epoch ``e`` is epoch
+``j = e % m`` of pass ``e // m`` and takes its items ``[j*c_s, (j+1)*c_s)``, the last epoch of a
+pass topping up from the pass's start (items read epochs before, so none twice in the epoch). A
+pass never straddles an epoch: a fresh permutation that began inside one would hand it, at
+random, samples it had just read (issue 34: 59 repeats in one epoch). So no sample repeats within
+an epoch and consecutive epochs cover the source before any repeats; ``m*c_s - n_s`` samples of
+each pass are read twice in it, a different random set each pass. A source smaller than its
+share (``c_s > n_s``) walks the endless stream of passes instead, epoch ``e`` taking items
+``[e*c_s, (e+1)*c_s)``: it cycles, and no sample repeats before all of it was read. With
+replacement, the draws are spread
 over the chunks of this epoch's permutation by the same exact rule (chunk ``k`` of ``K``, each
 a window of the permutation), and draw ``j`` is a uniform, keyed pick inside its chunk: each
 sample is as likely as any other, samples repeat, and reads stay a few shards at a time.
@@ -193,6 +200,14 @@ class SourceDraw:
             return found
 
     @functools.cached_property
+    def _pass(self) -> tuple[int, int] | None:
+        """Without replacement and ``count <= size``: this epoch's pass and its first item in it; else None."""
+        if self.replacement or not 0 < self.count <= self.size:
+            return None
+        epochs = -(-self.size // self.count)
+        return self.epoch // epochs, self.epoch % epochs * self.count
+
+    @functools.cached_property
     def _chunks(self) -> tuple[int, Spread]:
         """With replacement: the chunk width, and the draws spread over the chunks of the permutation."""
         width = max(1, self.window, -(-self.size // _MAX_PARTS))
@@ -212,6 +227,10 @@ class SourceDraw:
             room = np.minimum(width, size - chunk * width)
             pick = (mix_key(self.seed, self.epoch, _DRAW_TAG, indexes) % room.astype(np.uint64)).astype(np.int64)
             return self._order(self.epoch).ids(chunk * width + pick)
+        if self._pass is not None:
+            cycle, start = self._pass
+            at = start + indexes
+            return self._order(cycle).ids(np.where(at >= size, at - size, at))
         stream = self.epoch * self.count + indexes
         cycles, at = stream // size, stream % size
         for cycle in np.unique(cycles).tolist():
@@ -228,6 +247,8 @@ class SourceDraw:
             begin = spread.part_of(starts) * width
             end = np.minimum(size, (spread.part_of(stops - 1) + 1) * width)
             return self._order(self.epoch).units_of_ranges(begin, end)
+        if self._pass is not None:
+            return self._pass_units(starts, stops)
         first, last = self.epoch * self.count + starts, self.epoch * self.count + stops
         lo, hi = first // size, (last - 1) // size
         # Each range: the rest of its first cycle, one whole cycle for any in between, the start of its last.
@@ -246,6 +267,23 @@ class SourceDraw:
                 found.append((which[mine][index], units, np.full(len(units), phase, dtype=np.int64)))
         if len(found) == 1:
             return found[0][0], found[0][1]  # every range in one cycle: grouped and distinct already
+        return _grouped(found)
+
+    def _pass_units(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
+        """`units_of_ranges` within this epoch's pass: each range to the pass's end, then its top-up from its start."""
+        if self._pass is None:
+            raise TypeError("only an epoch read within one pass has a pass's units")
+        cycle, start = self._pass
+        size, order = self.size, self._order(cycle)
+        first, last = start + starts, start + stops
+        ranges = np.arange(len(starts), dtype=np.int64)
+        found: list[tuple[IntArray, IntArray, IntArray]] = []
+        for phase, (begin, end) in enumerate(
+            [(first, np.minimum(last, size)), (np.maximum(first - size, 0), last - size)]
+        ):
+            wanted = np.nonzero(end > begin)[0]
+            index, units = order.units_of_ranges(begin[wanted], end[wanted])
+            found.append((ranges[wanted][index], units, np.full(len(units), phase, dtype=np.int64)))
         return _grouped(found)
 
 
