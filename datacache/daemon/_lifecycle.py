@@ -147,6 +147,9 @@ class Lifecycle:
             shutdown_timeout=shutdown_timeout,
             logger=http_logger,
             keepalive_timeout=self.request_timeout,  # also bounds a request's headers (slowloris)
+            # A client that leaves cancels its request's handler: the listing it began stops with it
+            # (work others share, a transfer, runs on as a `tracked` task of its own).
+            handler_cancellation=True,
         )
         await runner.setup()
         self._runners.append(runner)
@@ -235,11 +238,19 @@ class Lifecycle:
 
     # -- requests a stop waits for --------------------------------------------------------
 
-    async def tracked(self, awaitable: Awaitable[T]) -> T:
-        """Run ``awaitable`` as a task the drain on SIGTERM waits for."""
+    async def tracked(self, awaitable: Awaitable[T], *, with_caller: bool = False) -> T:
+        """Run ``awaitable`` as a task the drain on SIGTERM waits for.
+
+        ``with_caller``: the task is cancelled when its caller is (the client left); else it runs on.
+        """
         task = asyncio.ensure_future(awaitable)
         self.track(task)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if with_caller:
+                task.cancel()
+            raise
 
     def track(self, task: asyncio.Task[Any]) -> None:
         self.inflight.add(task)

@@ -12,18 +12,22 @@ without the daemon meanwhile).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["BodyBudget", "ConnectionGate", "GatedSite", "fd_budget"]
+from datacache.errors import ConfigError
+
+__all__ = ["BodyBudget", "ConnectionGate", "GatedSite", "OpenGate", "TooManyOpensError", "fd_budget"]
 
 logger = logging.getLogger("datacache.daemon")
 
@@ -176,3 +180,36 @@ class BodyBudget:
 
     def give(self, size: int) -> None:
         self.held -= size
+
+
+class TooManyOpensError(ConfigError):
+    """A uid asked for more opens at once than the daemon lets one uid hold (``--opens-per-client``)."""
+
+
+@dataclass
+class OpenGate:
+    """How many opens (each may list an origin) one uid has in flight; past ``per_client``, refused at once.
+
+    A listing holds memory and origin requests up to the listing bounds; this keeps one uid
+    to a few of them, so that its opens cannot take the daemon from the others.
+    """
+
+    per_client: int
+
+    def __post_init__(self) -> None:
+        self.by_uid: Counter[int] = Counter()
+
+    @contextlib.contextmanager
+    def hold(self, uid: int) -> Iterator[None]:
+        if self.by_uid[uid] >= self.per_client:
+            raise TooManyOpensError(
+                f"uid {uid} has {self.by_uid[uid]} opens in flight, this daemon's bound per uid "
+                "(--opens-per-client); wait for them, or ask the operator to raise it"
+            )
+        self.by_uid[uid] += 1
+        try:
+            yield
+        finally:
+            self.by_uid[uid] -= 1
+            if not self.by_uid[uid]:
+                del self.by_uid[uid]
