@@ -28,7 +28,10 @@ from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
 from datacache.errors import DatacacheError
 from datacache.tiers.local import GROUP_READABLE, make_local_dirs
 
-__all__ = ["Lifecycle"]
+__all__ = ["SNAPSHOT_DIR_MODE", "Lifecycle"]
+
+SNAPSHOT_DIR_MODE = 0o710
+"""The folder of the manifests clients read: the daemon's group may pass, not list it."""
 
 logger = logging.getLogger("datacache.daemon")
 
@@ -105,7 +108,7 @@ class Lifecycle:
 
     @property
     def snapshot_dir(self) -> Path:
-        """Where manifest snapshots that clients hold are kept (0750, files 0640: its clients read them)."""
+        """Where manifest snapshots that clients hold are kept (0710, files 0640: its clients read theirs)."""
         return self.settings.local_dir / "daemon" / "manifests"
 
     def unavailable(self) -> str | None:
@@ -168,7 +171,9 @@ class Lifecycle:
                 mode & 0o777,
             )
         make_local_dirs(local / "locks")
-        make_local_dirs(self.snapshot_dir, GROUP_READABLE.dir)
+        # Its group may pass to the manifest a client was handed, never list whose datasets are open.
+        make_local_dirs(self.snapshot_dir, SNAPSHOT_DIR_MODE)
+        self.snapshot_dir.chmod(SNAPSHOT_DIR_MODE)  # one an earlier version made 0750
         parent = self.socket_path.parent
         if not parent.exists():
             parent.mkdir(mode=0o755, parents=True)

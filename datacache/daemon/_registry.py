@@ -9,8 +9,12 @@ snapshot's manifest under the daemon's directory so that a client can read it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
@@ -71,6 +75,7 @@ class DatasetRegistry:
         self.pinners: dict[str, int] = {}
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
+        self._key: bytes | None = None
 
     # -- what a client may open -----------------------------------------------------------
 
@@ -203,9 +208,34 @@ class DatasetRegistry:
     # -- snapshots ------------------------------------------------------------------------
 
     def snapshot_path(self, dataset_id: str, snapshot: str) -> Path:
+        """Where a snapshot's manifest is: a name only the daemon can make, in a folder no client can list.
+
+        The folder is 0710 (its group may pass, not list), the file 0640 for the clients
+        of the daemon's group, named with a keyed digest of the dataset and snapshot: a
+        uid reads the manifest it was handed, and cannot find another uid's datasets.
+        """
         validate_key(dataset_id)
         validate_key(snapshot)
-        return self.snapshot_dir / f"{dataset_id}@{snapshot}.json"
+        tag = hmac.new(self._name_key(), f"{dataset_id}@{snapshot}".encode(), hashlib.sha256).hexdigest()[:24]
+        return self.snapshot_dir / f"{dataset_id}@{snapshot}.{tag}.json"
+
+    def _name_key(self) -> bytes:
+        """The daemon's secret for snapshot names (made once, 0600, kept across restarts)."""
+        if self._key is None:
+            path = self.snapshot_dir / ".names.key"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                key = path.read_bytes()
+            else:
+                key = secrets.token_bytes(32)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(key)
+            if len(key) != 32:  # a write cut short by a crash: start again with a fresh key
+                path.unlink(missing_ok=True)
+                return self._name_key()
+            self._key = key
+        return self._key
 
     def _save_snapshot(self, manifest: Manifest, held: set[str]) -> Path:
         """Write ``manifest``'s snapshot file; prune the dataset's oldest ones but ``held``."""
@@ -219,7 +249,7 @@ class DatasetRegistry:
         files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]
         files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
         for old in files[self.keep_snapshots :]:
-            if old.name[len(prefix) : -len(".json")] not in held | {manifest.snapshot}:
+            if old.name[len(prefix) :].split(".", 1)[0] not in held | {manifest.snapshot}:
                 old.unlink(missing_ok=True)
         return path
 

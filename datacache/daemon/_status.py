@@ -28,6 +28,9 @@ __all__ = ["ClientReport", "StatusBoard", "log_event"]
 
 logger = logging.getLogger("datacache.daemon")
 
+ALL_CLIENTS = "all"
+"""The one ``client`` label of the metrics unless the operator sets ``metrics_clients``."""
+
 
 @dataclass
 class ClientReport:
@@ -75,13 +78,26 @@ class StatusBoard:
             del self.clients[other]
             self.metrics.forget_client(other)
         self.clients[name] = report
-        self.metrics.client_report(
-            name,
-            bandwidth=report.bandwidth,
-            stall_fraction=report.stall_fraction,
-            delivered=_newly_delivered(previous, report),
-        )
+        delivered = _newly_delivered(previous, report)
+        if self.settings.metrics_clients:  # the operator asked for each client by name (host, pid, rank)
+            self.metrics.client_report(
+                name, bandwidth=report.bandwidth, stall_fraction=report.stall_fraction, delivered=delivered
+            )
+        else:
+            self._publish_total(delivered)
         self.metrics.clients.set(len(self.clients))
+
+    def _publish_total(self, delivered: int = 0) -> None:
+        """The clients as one: any local uid can scrape the port, and a client's name holds its host and pid."""
+        if not self.clients:
+            self.metrics.forget_client(ALL_CLIENTS)
+            return
+        self.metrics.client_report(
+            ALL_CLIENTS,
+            bandwidth=sum(known.bandwidth for known in self.clients.values()),
+            stall_fraction=max(known.stall_fraction for known in self.clients.values()),
+            delivered=delivered,
+        )
 
     def expire_clients(self) -> None:
         """Forget clients silent for the TTL, and at once those whose process has ended (a DataLoader's
@@ -91,6 +107,8 @@ class StatusBoard:
         for name in gone:
             del self.clients[name]
             self.metrics.forget_client(name)
+        if gone and not self.settings.metrics_clients:
+            self._publish_total()
         self.metrics.clients.set(len(self.clients))
 
     async def refresh_gauges(self, stager: Stager | None, scheduler: PrefetchScheduler | None) -> None:
