@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from _helpers import make_shards, run_cli
-
 from datacache.tiers import redact_url
 
 _FORMS = [

@@ -18,8 +18,8 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import _users
 import pytest
@@ -88,7 +88,8 @@ def _reporting(user: User, socket: Path, calls: list[Any]) -> Iterator[list[Any]
 
 
 def _report(name: str, dataset: str) -> tuple[str, str, dict[str, object]]:
-    body = {"client": name, "delivered_bytes_per_s": 5e8, "stall_fraction": 0.25, "delivered_bytes": 10, "dataset": dataset}
+    body = {"client": name, "delivered_bytes_per_s": 5e8, "stall_fraction": 0.25, "delivered_bytes": 10}
+    body["dataset"] = dataset
     return ("POST", "/v1/report", body)
 
 

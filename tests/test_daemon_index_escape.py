@@ -85,9 +85,8 @@ def test_an_index_cannot_name_what_lies_outside_the_allowed_prefix(
     daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"{host}/ok/")
     try:
         names = ["up.json", "slash.json", "upper.json", "twice.json", "base.json", "links/"]
-        calls = [
-            ("POST", f"/v1/{verb}", {"dataset": f"{host}/ok/evil/{name}"}) for name in names for verb in ("open", "warm")
-        ]
+        urls = [f"{host}/ok/evil/{name}" for name in names]
+        calls = [("POST", f"/v1/{verb}", {"dataset": url}) for url in urls for verb in ("open", "warm")]
         for (_, _, body), (status, reply) in zip(calls, calls_as(users["alice"], daemon, *calls), strict=True):
             assert status != 200 or "error" in str(reply), (body, status, reply)
             assert any(word in str(reply) for word in ("escaped", "decoded", "outside")), (body, reply)

@@ -3,7 +3,7 @@
 A listing page of four million links took the daemon from 58 MB to 1.8 GB RSS and stalled
 other uids for a minute; with a million it kept sending a HEAD per link after its client had
 left. A listing now stops at its bounds (entries, bytes of pages; each error names the setting
-that raises it), a uid has a few opens in flight at most, and a client that leaves takes its
+that raises it), a uid opens a few datasets at once at most, and a client that leaves takes its
 listing with it. The origin is a real HTTP server that counts what reaches it; every wait is on
 an event the server sets, none on time.
 """
@@ -36,6 +36,65 @@ _WAIT = 120.0
 """How long a test waits for an event the server sets before it fails (never a measured duration)."""
 
 
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """What `Origin` answers (its server is the `Origin`)."""
+
+    protocol_version = "HTTP/1.1"
+    server: Origin
+
+    def do_GET(self) -> None:
+        origin = self.server
+        folder, _, name = self.path.strip("/").partition("/")
+        if self.command == "HEAD" and name:  # a shard's HEAD (not a page's)
+            with origin.lock:
+                origin.heads[folder] += 1
+                number = origin.heads[folder]
+            if folder == "slow" and number == 3:
+                self._hold()
+                return
+        if not name:
+            self._page(folder)
+        elif folder in ("small", "slow"):
+            self._send(b"x" * 1000, "application/x-tar")
+        else:
+            self._send(b"", "text/plain", status=404)
+
+    do_HEAD = do_GET
+
+    def _hold(self) -> None:
+        """Answer nothing until the client (the daemon) closes the connection: then say it did."""
+        self.server.held.set()
+        readable, _, _ = select.select([self.connection], [], [], _WAIT)
+        if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
+            self.server.abandoned.set()  # the daemon dropped this request: its listing stopped
+        self.close_connection = True
+
+    def _page(self, folder: str) -> None:
+        if folder == "huge":
+            self.server.asked.set()
+            self.server.release.wait(_WAIT)
+            links = [f"s-{i:07d}.tar" for i in range(5_000)]
+        elif folder == "big":
+            links = ["s-0.tar", "x" * (2 << 20)]
+        elif folder == "slow":
+            links = [f"s-{i:04d}.tar" for i in range(50)]
+        else:
+            links = ["one.tar"]
+        page = "".join(f'<a href="{link}">{link}</a>\n' for link in links)
+        self._send(page.encode(), "text/html")
+
+    def _send(self, body: bytes, kind: str, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        return
+
+
 class Origin(http.server.ThreadingHTTPServer):
     """Listing pages under /huge/ (5,000 links), /big/ (2 MB), /small/ (one shard), /slow/ (50 links).
 
@@ -49,59 +108,7 @@ class Origin(http.server.ThreadingHTTPServer):
         self.held, self.abandoned = threading.Event(), threading.Event()
         self.heads: Counter[str] = Counter()
         self.lock = threading.Lock()
-        origin = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                folder, _, name = self.path.strip("/").partition("/")
-                if self.command == "HEAD" and name:  # a shard's HEAD (not a page's)
-                    with origin.lock:
-                        origin.heads[folder] += 1
-                        number = origin.heads[folder]
-                    if folder == "slow" and number == 3:
-                        origin.held.set()
-                        readable, _, _ = select.select([self.connection], [], [], _WAIT)
-                        if readable and self.connection.recv(1, socket.MSG_PEEK) == b"":
-                            origin.abandoned.set()  # the daemon dropped this request: its listing stopped
-                        self.close_connection = True
-                        return
-                if not name:
-                    self._page(folder)
-                elif folder in ("small", "slow"):
-                    self._send(b"x" * 1000, "application/x-tar")
-                else:
-                    self._send(b"", "text/plain", status=404)
-
-            do_HEAD = do_GET
-
-            def _page(self, folder: str) -> None:
-                if folder == "huge":
-                    origin.asked.set()
-                    origin.release.wait(_WAIT)
-                    links = [f"s-{i:07d}.tar" for i in range(5_000)]
-                elif folder == "big":
-                    links = ["s-0.tar", "x" * (2 << 20)]
-                elif folder == "slow":
-                    links = [f"s-{i:04d}.tar" for i in range(50)]
-                else:
-                    links = ["one.tar"]
-                page = "".join(f'<a href="{link}">{link}</a>\n' for link in links)
-                self._send(page.encode(), "text/html")
-
-            def _send(self, body: bytes, kind: str, status: int = 200) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__(("127.0.0.1", 0), _Handler)
         self.daemon_threads = True
 
     @property

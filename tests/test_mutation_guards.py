@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 from _helpers import make_shards
+from datacache.tiers import ObjectTier
+from datacache.tiers.object import CONFINE_REDIRECTS
 from test_cold_index import build_counts, counts_on_disk
 from test_index_files import _snapshot_dir
 from test_loader import write_wds
@@ -26,8 +28,6 @@ from test_loader import write_wds
 from datacache.config import Settings
 from datacache.counting.indexfiles import KnownCount, encode_batch
 from datacache.errors import OriginPermissionError
-from datacache.tiers import ObjectTier
-from datacache.tiers.object import CONFINE_REDIRECTS
 
 
 class _Redirecting(http.server.ThreadingHTTPServer):

@@ -16,11 +16,20 @@ from typing import Any
 from datacache.tiers._directory import DirectoryTier
 from datacache.tiers._files import device_free, redact_url, split_userinfo
 from datacache.tiers._landing import Landing
+from datacache.tiers._listing import ListingBounds, ListingTooLargeError
 from datacache.tiers._retry import RetryPolicy, translate_error
-from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key, validate_url_key
+from datacache.tiers.base import (
+    ByteRange,
+    Hasher,
+    ObjectInfo,
+    Tier,
+    TierStats,
+    TierUsage,
+    validate_key,
+    validate_url_key,
+)
 from datacache.tiers.local import LocalTier
 from datacache.tiers.memory import MemoryTier
-from datacache.tiers._listing import ListingBounds, ListingTooLargeError
 from datacache.tiers.object import CONFINE_REDIRECTS, ObjectTier
 from datacache.tiers.shared import SharedTier
 
@@ -28,12 +37,12 @@ from datacache.errors import ConfigError, UnsupportedURLError
 
 __all__ = [
     "CONFINE_REDIRECTS",
-    "ListingBounds",
-    "ListingTooLargeError",
     "ByteRange",
     "DirectoryTier",
     "Hasher",
     "Landing",
+    "ListingBounds",
+    "ListingTooLargeError",
     "LocalTier",
     "MemoryTier",
     "ObjectInfo",

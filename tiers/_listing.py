@@ -17,10 +17,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from datacache.tiers._files import redact_url
+from datacache.tiers._retry import error_code
 
 from datacache.errors import ConfigError
 
-__all__ = ["ListingBounds", "ListingTooLargeError", "http_listing"]
+__all__ = ["ListingBounds", "ListingTooLargeError", "find_all", "http_listing"]
 
 _CHUNK = 1 << 16
 
@@ -69,9 +70,8 @@ def _under(page: str, links: list[str]) -> list[str]:
     parts = urlparse(page)
     base = page.rstrip("/")
     out: list[str] = []
-    for link in links:
-        if link.startswith("/") and len(link) > 1:
-            link = f"{parts.scheme}://{parts.netloc}{link}"
+    for found in links:
+        link = f"{parts.scheme}://{parts.netloc}{found}" if found.startswith("/") and len(found) > 1 else found
         if link.startswith("http"):
             if link.replace("https", "http").startswith(base.replace("https", "http") + "/"):
                 out.append(link)
@@ -127,4 +127,23 @@ async def http_listing(fs: Any, base: str, bounds: ListingBounds) -> dict[str, d
                 found[name] = {"name": name, "size": None, "type": "file"}
             if len(found) + len(seen) > bounds.max_entries:
                 raise bounds.entries_error(base)
+    return found
+
+
+async def find_all(fs: Any, protocol: str, base: str, bounds: ListingBounds) -> dict[str, dict[str, Any]]:
+    """fsspec's detailed listing under ``base``: empty for a missing prefix, an error for a missing bucket.
+
+    http(s): our own walk of the listing pages, bounded while it reads; a folder that is not
+    found lists nothing, an unreachable server is an error (never an empty dataset).
+    """
+    if protocol in ("http", "https"):
+        return await http_listing(fs, base, bounds)
+    try:
+        found: dict[str, dict[str, Any]] = await fs._find(base, detail=True)
+    except FileNotFoundError as exc:
+        if error_code(exc) == "NoSuchBucket":
+            raise  # a missing bucket is an error; a missing prefix is just empty
+        return {}
+    if len(found) > bounds.max_entries:
+        raise bounds.entries_error(base)  # before a single entry is stat'ed or kept
     return found

@@ -19,14 +19,23 @@ from datacache.tiers._backends import close_filesystem, content_version, filesys
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url, resolves_inside
 from datacache.tiers._filesystems import CONFINE_REDIRECTS, backend_options, one_try
-from datacache.tiers._listing import ListingBounds, http_listing
+from datacache.tiers._listing import ListingBounds, find_all
 from datacache.tiers._localread import Found, read_files
 from datacache.tiers._options import check_storage_options
-from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code
+from datacache.tiers._retry import RetryPolicy, call_with_retry
 from datacache.tiers._s3_reads import S3Object
 from datacache.tiers._s3_threads import get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers._uploads import multipart_upload, spooled_upload
-from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key, validate_url_key
+from datacache.tiers.base import (
+    ByteRange,
+    Hasher,
+    ObjectInfo,
+    Tier,
+    TierStats,
+    TierUsage,
+    validate_key,
+    validate_url_key,
+)
 
 from datacache.errors import ConfigError, OriginChangedError, OriginError, ShardNotFoundError
 
@@ -387,22 +396,6 @@ class ObjectTier(Tier):
         async for region in reads.read_into(buffer, version, hasher, checked=checked):
             yield region
 
-    async def _find_all(self, fs: Any, base: str) -> Any:
-        """fsspec's detailed listing under ``base``: empty for a missing prefix, an error for a missing bucket."""
-        # http(s): our own walk of the listing pages, bounded while it reads (`_listing`); a folder
-        # that is not found lists nothing, an unreachable server is an error (never an empty dataset).
-        if self._protocol in ("http", "https"):
-            return await http_listing(fs, base, self._listing)
-        try:
-            found = await fs._find(base, detail=True)
-        except FileNotFoundError as exc:
-            if error_code(exc) == "NoSuchBucket":
-                raise  # a missing bucket is an error; a missing prefix is just empty
-            return {}
-        if len(found) > self._listing.max_entries:
-            raise self._listing.entries_error(self.url)  # before a single entry is stat'ed or kept
-        return found
-
     async def _http_itself(self, fs: Any, base: str) -> ObjectInfo | None:
         """The one object an http(s) URL names, or None when it is a page of links (or nothing)."""
         # One HEAD, not the whole file fetched to look for links in it. Named by its URL less the scheme,
@@ -423,7 +416,7 @@ class ObjectTier(Tier):
             if itself is not None:
                 yield itself
                 return
-        found = await self._call(self.url, lambda: self._find_all(fs, base))
+        found = await self._call(self.url, lambda: find_all(fs, self._protocol, base, self._listing))
         local = self._protocol in ("file", "local")
         for path in sorted(found):
             details = found[path]

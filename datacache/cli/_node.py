@@ -189,8 +189,8 @@ def _add_serve_parser(commands: Commands) -> None:
         help="request bodies held at once, all connections together (default 256MB)")
     add("--connections-per-client", metavar="N", type=int,
         help="connections one uid may hold (default: a quarter of what the open-file limit allows)")
-    add("--opens-per-client", metavar="N", type=int, default=4,
-        help="opens one uid may have in flight, each perhaps listing an origin (default 4)")
+    add("--opens-per-client", metavar="N", type=int, default=16,
+        help="datasets one uid may be opening at once, each perhaps listing its origin (default 16)")
     add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 

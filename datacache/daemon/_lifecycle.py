@@ -172,6 +172,7 @@ class Lifecycle:
             )
         make_local_dirs(local / "locks")
         # Its group may pass to the manifest a client was handed, never list whose datasets are open.
+        make_local_dirs(self.snapshot_dir.parent, GROUP_READABLE.dir)
         make_local_dirs(self.snapshot_dir, SNAPSHOT_DIR_MODE)
         self.snapshot_dir.chmod(SNAPSHOT_DIR_MODE)  # one an earlier version made 0750
         parent = self.socket_path.parent

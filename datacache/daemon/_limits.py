@@ -183,33 +183,37 @@ class BodyBudget:
 
 
 class TooManyOpensError(ConfigError):
-    """A uid asked for more opens at once than the daemon lets one uid hold (``--opens-per-client``)."""
+    """A uid asked to open more datasets at once than the daemon lets one uid (``--opens-per-client``)."""
 
 
 @dataclass
 class OpenGate:
-    """How many opens (each may list an origin) one uid has in flight; past ``per_client``, refused at once.
+    """Which datasets each uid is opening (each open may list an origin); past ``per_client``, refused at once.
 
     A listing holds memory and origin requests up to the listing bounds; this keeps one uid
-    to a few of them, so that its opens cannot take the daemon from the others.
+    to a few of them, so that its opens cannot take the daemon from the others. Opens of one
+    dataset count once (the ranks and workers of one job open it together; one lists it).
     """
 
     per_client: int
 
     def __post_init__(self) -> None:
-        self.by_uid: Counter[int] = Counter()
+        self.by_uid: dict[int, Counter[str]] = {}
 
     @contextlib.contextmanager
-    def hold(self, uid: int) -> Iterator[None]:
-        if self.by_uid[uid] >= self.per_client:
+    def hold(self, uid: int, dataset: str) -> Iterator[None]:
+        mine = self.by_uid.setdefault(uid, Counter())
+        if dataset not in mine and len(mine) >= self.per_client:
             raise TooManyOpensError(
-                f"uid {uid} has {self.by_uid[uid]} opens in flight, this daemon's bound per uid "
+                f"uid {uid} is opening {len(mine)} datasets at once, this daemon's bound per uid "
                 "(--opens-per-client); wait for them, or ask the operator to raise it"
             )
-        self.by_uid[uid] += 1
+        mine[dataset] += 1
         try:
             yield
         finally:
-            self.by_uid[uid] -= 1
-            if not self.by_uid[uid]:
-                del self.by_uid[uid]
+            mine[dataset] -= 1
+            if not mine[dataset]:
+                del mine[dataset]
+            if not mine:
+                self.by_uid.pop(uid, None)

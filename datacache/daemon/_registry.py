@@ -9,6 +9,7 @@ snapshot's manifest under the daemon's directory so that a client can read it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -17,7 +18,7 @@ import os
 import secrets
 import uuid
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,14 @@ from datacache.tiers.local import GROUP_READABLE
 __all__ = ["DatasetRegistry"]
 
 logger = logging.getLogger("datacache.daemon")
+
+
+@dataclass
+class _Shared:
+    """One open that several requests wait for, and how many still do."""
+
+    task: asyncio.Future[DatasetHandle]
+    waiting: int = 0
 
 
 class DatasetRegistry:
@@ -76,6 +85,7 @@ class DatasetRegistry:
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
         self._key: bytes | None = None
+        self._opening: dict[tuple[int, str, str, bool], _Shared] = {}
 
     # -- what a client may open -----------------------------------------------------------
 
@@ -130,7 +140,7 @@ class DatasetRegistry:
             known = self.handles.get((config.id, snapshot))
             if known is not None:
                 return known
-        handle = await stager.open(config, refresh=refresh)
+        handle = await self._open_once(stager, config, peer, refresh)
         if snapshot is not None and not refresh and handle.manifest.snapshot != snapshot:
             manifest = await asyncio.to_thread(self._load_snapshot, config.id, snapshot)
             if manifest is None:
@@ -145,6 +155,29 @@ class DatasetRegistry:
         held = {snapshot for dataset, snapshot in self.handles if dataset == config.id}
         await asyncio.to_thread(self._save_snapshot, handle.manifest, held)
         return handle
+
+    async def _open_once(self, stager: Stager, config: DatasetConfig, peer: Peer, refresh: bool) -> DatasetHandle:
+        """`Stager.open`, once for all of a uid's requests for one dataset at a time (a job's ranks together).
+
+        A request whose client leaves stops waiting; the listing is cancelled when the last one has left.
+        """
+        options = json.dumps(dict(config.storage_options), sort_keys=True, default=str)
+        key = (peer.uid, config.id, options, refresh)
+        entry = self._opening.get(key)
+        if entry is None or entry.task.cancelled():
+            entry = self._opening[key] = _Shared(asyncio.ensure_future(stager.open(config, refresh=refresh)))
+            entry.task.add_done_callback(functools.partial(self._forget_open, key, entry))
+        entry.waiting += 1
+        try:
+            return await asyncio.shield(entry.task)
+        finally:
+            entry.waiting -= 1
+            if not entry.waiting and not entry.task.done():
+                entry.task.cancel()
+
+    def _forget_open(self, key: tuple[int, str, str, bool], entry: _Shared, _: object) -> None:
+        if self._opening.get(key) is entry:
+            del self._opening[key]
 
     def _remember(self, handle: DatasetHandle) -> None:
         """Keep ``handle`` as the most recently used; drop the least recently used beyond the bound."""

@@ -342,7 +342,7 @@ class Daemon(ReadVerbs):
         if bandwidth is not None and (http.number(data, "bandwidth", 0.0) <= 0 or math.isinf(bandwidth)):
             raise http.BadRequest("'bandwidth' must be a positive number of bytes per second")
         refresh = bool(data.get("refresh", False))
-        with self.open_gate.hold(peer.uid):
+        with self.open_gate.hold(peer.uid, config.id):
             handle = await self.lifecycle.tracked(
                 self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=None), with_caller=True
             )

@@ -234,7 +234,7 @@ async def take_manifest(
     *,
     parent: Tier | None = None,
     bounds: ListingBounds | None = None,
-    timeout: float | None = None,
+    time_limit: float | None = None,
 ) -> Manifest:
     """List ``origin`` once and return the dataset's manifest.
 
@@ -243,17 +243,17 @@ async def take_manifest(
     the recorded size. With ``parent`` (the tier of the URL's parent), a URL
     that names one object is a dataset of that one shard. Raises
     `ShardNotFoundError` for a missing or empty bucket or prefix, and
-    `ListingTooLargeError` past ``bounds`` (entries of a wids index too) or ``timeout`` seconds.
+    `ListingTooLargeError` past ``bounds`` (entries of a wids index too) or ``time_limit`` seconds.
     """
     bounds = bounds or ListingBounds()
-    if timeout is None:
+    if time_limit is None:
         return await _take_manifest(dataset, origin, parent, bounds)
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(time_limit):
             return await _take_manifest(dataset, origin, parent, bounds)
     except TimeoutError:
         raise ListingTooLargeError(
-            f"dataset {dataset.name}: listing {redact_url(dataset.url)} took longer than {timeout:g}s, this node's "
+            f"dataset {dataset.name}: listing {redact_url(dataset.url)} took longer than {time_limit:g}s, this node's "
             "bound (listing_timeout; raise it in the config file's [staging] table or with DATACACHE_LISTING_TIMEOUT)"
         ) from None
 

@@ -101,7 +101,8 @@ def _key(entry: Any, folder: str, folder_url: str, where: str) -> str:
     except InvalidKeyError as exc:
         reason = str(exc).rpartition(": ")[2]
         raise ConfigError(
-            f"{where}: the wids index names {redact_url(url)!r}, outside its folder {redact_url(folder_url)}/ ({reason})"
+            f"{where}: the wids index names {redact_url(url)!r}, "
+            f"outside its folder {redact_url(folder_url)}/ ({reason})"
         ) from None
 
 
