@@ -99,6 +99,14 @@ class Settings:
     socket_path: Path | None = None
     metrics_address: str = "127.0.0.1:9464"
     daemon_uid: int | None = None
+    listing_max_entries: int = 1_000_000
+    """Entries one listing of an origin may hold (`datacache.tiers.ListingBounds`)."""
+    listing_max_bytes: int = 128 << 20
+    """Bytes of http(s) listing pages one listing may read."""
+    listing_timeout: float = 600.0
+    """Seconds one manifest may take to list (a listing page, an index, the HEADs of its shards)."""
+    metrics_clients: bool = False
+    """The daemon's metrics name each client (host, pid, rank) rather than one total: an operator's opt-in."""
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
     datasets: Mapping[str, DatasetConfig] = field(default_factory=dict)
     config_path: Path | None = None
@@ -200,7 +208,7 @@ def _rate_setting(value: Any, what: str) -> float:
 _RATES = {"bandwidth_limit"}
 
 
-_SIZES = {"local_capacity", "shared_capacity", "part_size", "memory_budget"}
+_SIZES = {"local_capacity", "shared_capacity", "part_size", "memory_budget", "listing_max_bytes"}
 
 
 def _unitless_rate(key: str, value: Any) -> bool:
@@ -252,9 +260,13 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "verify_on_read": ("staging", _boolean),
     "fsync": ("staging", _boolean),
     "default_policy": ("staging", _policy),
+    "listing_max_entries": ("staging", _positive_int),
+    "listing_max_bytes": ("staging", _positive_size),
+    "listing_timeout": ("staging", _seconds),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
     "daemon_uid": ("daemon", _uid),
+    "metrics_clients": ("daemon", _boolean),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
 _DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}

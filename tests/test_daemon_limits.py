@@ -48,7 +48,10 @@ def _closed_by_peer(sock: socket.socket) -> Callable[[], bool]:
 
 @pytest.fixture
 def daemon(tmp_path: Path, cache_env: dict[str, str]) -> Any:
-    process = start_daemon(cache_env, tmp_path / "cache", "--request-timeout", "1", "--body-memory", "1MB")
+    named = tmp_path / "metrics-clients.toml"  # each client's name in the metrics: where their count needs a bound
+    named.write_text("[daemon]\nmetrics_clients = true\n")
+    limits = ("--request-timeout", "1", "--body-memory", "1MB", "--config", str(named))
+    process = start_daemon(cache_env, tmp_path / "cache", *limits)
     try:
         yield process
     finally:

@@ -37,5 +37,6 @@ def test_handles_and_snapshot_files_are_bounded(tmp_path: Path, cache_env: dict[
     assert len(set(seen)) == 7
     assert [snapshot for _, snapshot in registry.handles] == seen[-3:]  # the most recently used
     assert next(iter(registry.latest.values())).manifest.snapshot == seen[-1]
-    kept = sorted(path.name.split("@", 1)[1].removesuffix(".json") for path in snapshots_dir.glob("*.json"))
+    # <id>@<snapshot>.<keyed digest>.json
+    kept = sorted(path.name.split("@", 1)[1].split(".", 1)[0] for path in snapshots_dir.glob("*.json"))
     assert kept == sorted(seen[-3:])  # the held ones (more than keep_snapshots) and nothing older

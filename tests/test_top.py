@@ -133,7 +133,9 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
     origin = tmp_path / "origin"
     write_wds(origin, samples=160, per_shard=10, with_counts=True)
     local = tmp_path / "local"
-    daemon = start_daemon(cache_env, local) if through == "daemon" else None
+    opted_in = tmp_path / "metrics-clients.toml"  # each client by name in /metrics: the operator's choice
+    opted_in.write_text("[daemon]\nmetrics_clients = true\n")
+    daemon = start_daemon(cache_env, local, "--config", str(opted_in)) if through == "daemon" else None
     env = daemon.env if daemon is not None else daemon_env(cache_env, local, local / "daemon.sock")
     out = tmp_path / "out"
     out.mkdir()

@@ -16,8 +16,18 @@ from typing import Any
 from datacache.tiers._directory import DirectoryTier
 from datacache.tiers._files import device_free, redact_url, split_userinfo
 from datacache.tiers._landing import Landing
+from datacache.tiers._listing import ListingBounds, ListingTooLargeError
 from datacache.tiers._retry import RetryPolicy, translate_error
-from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+from datacache.tiers.base import (
+    ByteRange,
+    Hasher,
+    ObjectInfo,
+    Tier,
+    TierStats,
+    TierUsage,
+    validate_key,
+    validate_url_key,
+)
 from datacache.tiers.local import LocalTier
 from datacache.tiers.memory import MemoryTier
 from datacache.tiers.object import CONFINE_REDIRECTS, ObjectTier
@@ -31,6 +41,8 @@ __all__ = [
     "DirectoryTier",
     "Hasher",
     "Landing",
+    "ListingBounds",
+    "ListingTooLargeError",
     "LocalTier",
     "MemoryTier",
     "ObjectInfo",
@@ -49,6 +61,7 @@ __all__ = [
     "split_userinfo",
     "translate_error",
     "validate_key",
+    "validate_url_key",
 ]
 
 _OBJECT_TIER = "datacache.tiers.object:ObjectTier"
@@ -115,8 +128,11 @@ def open_origin(
     storage_options: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
     writable: bool = False,
+    listing: ListingBounds | None = None,
 ) -> Tier:
     """Return the tier that reads ``url``: a bucket prefix, a directory, any fsspec URL.
+
+    ``listing`` bounds what one listing of it may hold (`ListingBounds`; default: its defaults).
 
     Raises `UnsupportedURLError` naming the scheme when no backend handles it,
     with the command that installs one when the backend is known but missing.
@@ -154,5 +170,6 @@ def open_origin(
         except ImportError:
             raise UnsupportedURLError(f"{scheme}:// needs the {needs} package: {hint}") from None
     tier_class = _load(import_string)
-    tier = tier_class(url, storage_options=storage_options, retry=retry, writable=writable)
+    bounds = {"listing": listing} if listing is not None and import_string == _OBJECT_TIER else {}
+    tier = tier_class(url, storage_options=storage_options, retry=retry, writable=writable, **bounds)
     return tier

@@ -72,6 +72,8 @@ _QUERY_VALUE = re.compile(r"([?&;][^=&;#\s'\"]*=)[^&;#\s'\"<>]*")
 _FRAGMENT_VALUE = re.compile(r"([#&;][^=&;#\s'\"]*=)[^&;#\s'\"<>]*")
 # Path parameters ("/x;jsessionid=..."): session ids and tokens ride there too.
 _PATH_PARAMETER = re.compile(r"(;[^=;/?#\s'\"]*=)[^;/?#\s'\"<>]*")
+# A bare component, no "=" ("#TOKEN", "?TOKEN", "&TOKEN"): a token passed without a name.
+_BARE_COMPONENT = re.compile(r"([?&;#])[^=&;#\s'\"<>]+(?=[&;#\s'\"<>]|$)")
 
 
 def _redact_query(rest: str) -> str:
@@ -80,9 +82,10 @@ def _redact_query(rest: str) -> str:
     head = _PATH_PARAMETER.sub(rf"\g<1>{REDACTED}", head)
     if sep:
         # Presigned URLs and SAS tokens carry their signature in the query: keep the names only.
-        head += _QUERY_VALUE.sub(rf"\g<1>{REDACTED}", sep + query)
+        head += _BARE_COMPONENT.sub(rf"\g<1>{REDACTED}", _QUERY_VALUE.sub(rf"\g<1>{REDACTED}", sep + query))
     if hash_sign:
-        head += _FRAGMENT_VALUE.sub(rf"\g<1>{REDACTED}", hash_sign + fragment)
+        fragment = _FRAGMENT_VALUE.sub(rf"\g<1>{REDACTED}", hash_sign + fragment)
+        head += _BARE_COMPONENT.sub(rf"\g<1>{REDACTED}", fragment)
     return head
 
 
@@ -98,7 +101,8 @@ def redact_url(url: str) -> str:
     Removes any ``user:password@`` part (secrets with ``/`` or ``@`` included)
     and replaces with ``REDACTED`` the value of every query parameter (``?sig=``,
     ``X-Amz-Signature=``, ...), of every fragment parameter
-    (``#access_token=``) and of every path parameter (``;jsessionid=``).
+    (``#access_token=``) and of every path parameter (``;jsessionid=``); a bare
+    component with no name (``#TOKEN``, ``?TOKEN``) is replaced whole.
     """
     return _URL.sub(_redact_one, url)
 

@@ -9,10 +9,12 @@ segments, no NUL or backslash.
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
+from urllib.parse import unquote
 
 from datacache.tiers._files import PARTIAL_NAME
 
@@ -29,6 +31,7 @@ __all__ = [
     "TierStats",
     "TierUsage",
     "validate_key",
+    "validate_url_key",
 ]
 
 MAX_KEY_BYTES = 1024
@@ -58,6 +61,36 @@ def validate_key(key: str) -> str:
     if PARTIAL_NAME.match(key.rsplit("/", 1)[-1]):
         raise InvalidKeyError(f"invalid key {shown!r}: collides with datacache's temporary file names")
     return key
+
+
+_ESCAPED_SEPARATOR = re.compile(r"%(2f|5c)", re.IGNORECASE)
+
+
+def validate_url_key(key: str) -> str:
+    """`validate_key`, and again as a server decodes it: for a backend that puts the key in a URL (http).
+
+    An http server percent-decodes a path before it resolves it, so ``%2e%2e/private``
+    and ``..%2fprivate`` name ``../private`` there while they pass `validate_key` here.
+    Every decoding of ``key`` (twice-encoded ``%252e`` too) is checked; an escaped
+    ``/`` or ``\\`` is refused outright, since a server may split on it.
+    """
+    validate_key(key)
+    seen = key
+    for _ in range(3):
+        if _ESCAPED_SEPARATOR.search(seen):
+            raise InvalidKeyError(f"invalid key {key[:120]!r}: an escaped '/' or '\\' could name another path")
+        decoded = unquote(seen)
+        if decoded == seen:
+            return key
+        try:
+            validate_key(decoded)
+        except InvalidKeyError:
+            raise InvalidKeyError(
+                f"invalid key {key[:120]!r}: decoded ({decoded[:120]!r}) it holds a '..', '.' or empty segment, "
+                "or a backslash, which would escape or alias a directory"
+            ) from None
+        seen = decoded
+    raise InvalidKeyError(f"invalid key {key[:120]!r}: encoded more than three times")
 
 
 class Hasher(Protocol):

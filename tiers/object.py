@@ -19,13 +19,23 @@ from datacache.tiers._backends import close_filesystem, content_version, filesys
 from datacache.tiers._backends import past_the_end as backend_past_the_end
 from datacache.tiers._files import redact_url, resolves_inside
 from datacache.tiers._filesystems import CONFINE_REDIRECTS, backend_options, one_try
+from datacache.tiers._listing import ListingBounds, find_all
 from datacache.tiers._localread import Found, read_files
 from datacache.tiers._options import check_storage_options
-from datacache.tiers._retry import RetryPolicy, call_with_retry, error_code
+from datacache.tiers._retry import RetryPolicy, call_with_retry
 from datacache.tiers._s3_reads import S3Object
 from datacache.tiers._s3_threads import get_request, past_the_end, read_object, sync_client_like
 from datacache.tiers._uploads import multipart_upload, spooled_upload
-from datacache.tiers.base import ByteRange, Hasher, ObjectInfo, Tier, TierStats, TierUsage, validate_key
+from datacache.tiers.base import (
+    ByteRange,
+    Hasher,
+    ObjectInfo,
+    Tier,
+    TierStats,
+    TierUsage,
+    validate_key,
+    validate_url_key,
+)
 
 from datacache.errors import ConfigError, OriginChangedError, OriginError, ShardNotFoundError
 
@@ -56,6 +66,8 @@ class ObjectTier(Tier):
     threads
         S3 only: GETs run in a pool of this many threads with synchronous
         clients (see ``_s3_threads``); other requests stay on asyncio.
+    listing
+        What one listing may hold (entries, bytes of http(s) pages); past it, `ListingTooLargeError`.
     """
 
     kind = "object"
@@ -69,6 +81,7 @@ class ObjectTier(Tier):
         writable: bool = False,
         part_size: int = 16 << 20,
         threads: int = 16,
+        listing: ListingBounds | None = None,
     ) -> None:
         import fsspec.core
 
@@ -94,6 +107,7 @@ class ObjectTier(Tier):
         self._fs: Any = None
         self._fs_loop: asyncio.AbstractEventLoop | None = None
         self._threads = max(1, threads)
+        self._listing = listing or ListingBounds()
         self._get_pool: ThreadPoolExecutor | None = None
         self._get_client: Any = None
         self._get_client_lock: asyncio.Lock | None = None
@@ -205,7 +219,8 @@ class ObjectTier(Tier):
             client.close()
 
     def _path(self, key: str) -> str:
-        validate_key(key)
+        # Every verb reaches the origin through here: an http server decodes what it is sent.
+        (validate_url_key if self._protocol in ("http", "https") else validate_key)(key)
         return f"{self._root}/{key}" if self._root else key
 
     def _key_of(self, path: str) -> str:
@@ -381,23 +396,6 @@ class ObjectTier(Tier):
         async for region in reads.read_into(buffer, version, hasher, checked=checked):
             yield region
 
-    async def _find_all(self, fs: Any, base: str) -> Any:
-        """fsspec's detailed listing under ``base``: empty for a missing prefix, an error for a missing bucket."""
-        # fsspec's generic walk (http's listing pages) drops a folder it could not list, an
-        # unreachable server included, as if empty: keep what is not "not found", and raise it.
-        failed: list[OSError] = []
-        walk = {"on_error": failed.append} if self._protocol in ("http", "https") else {}
-        try:
-            found = await fs._find(base, detail=True, **walk)
-        except FileNotFoundError as exc:
-            if error_code(exc) == "NoSuchBucket":
-                raise  # a missing bucket is an error; a missing prefix is just empty
-            return {}
-        unreachable = [err for err in failed if not isinstance(err, FileNotFoundError)]
-        if unreachable:
-            raise unreachable[0]
-        return found
-
     async def _http_itself(self, fs: Any, base: str) -> ObjectInfo | None:
         """The one object an http(s) URL names, or None when it is a page of links (or nothing)."""
         # One HEAD, not the whole file fetched to look for links in it. Named by its URL less the scheme,
@@ -418,7 +416,7 @@ class ObjectTier(Tier):
             if itself is not None:
                 yield itself
                 return
-        found = await self._call(self.url, lambda: self._find_all(fs, base))
+        found = await self._call(self.url, lambda: find_all(fs, self._protocol, base, self._listing))
         local = self._protocol in ("file", "local")
         for path in sorted(found):
             details = found[path]

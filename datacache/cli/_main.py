@@ -14,6 +14,7 @@ from datacache._logging import configure_logging
 from datacache.cli import _build, _cache, _node, _top, _warm
 from datacache.cli._common import Parser, one_line
 from datacache.errors import ConfigError, DatacacheError
+from datacache.tiers import redact_url, split_userinfo
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     configure_logging(args.verbose, json_format=args.log_json or os.environ.get("DATACACHE_LOG_FORMAT") == "json")
+    _warn_of_credentials(sys.argv[1:] if argv is None else argv)
     try:
         result: int = asyncio.run(args.run(args))
         sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
@@ -53,6 +55,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"datacache: error: {one_line(exc)}\n")
         return 1
     return result
+
+
+def _warn_of_credentials(argv: Sequence[str]) -> None:
+    """Say so when a URL on the command line carries a secret: every user of the machine reads argv (ps)."""
+    for word in argv:
+        if "://" not in word or split_userinfo(word)[0] is None:
+            continue
+        if word.split("://", 1)[0].lower() in ("s3", "s3a", "gs", "gcs"):
+            continue  # refused with its own one-line error: such URLs cannot carry credentials at all
+        sys.stderr.write(
+            f"datacache: warning: {redact_url(word)} carries credentials on the command line, where every "
+            "user of this machine can read them (ps); name a dataset of the config file instead "
+            "(docs/SECURITY.md, 'Secrets in URLs')\n"
+        )
 
 
 def _reader_gone() -> int:

@@ -69,9 +69,12 @@ async def _serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         body_memory=parse_size(args.body_memory, what="--body-memory"),
         connections_per_client=args.connections_per_client,
+        opens_per_client=args.opens_per_client,
     )
     if args.request_timeout <= 0 or (args.connections_per_client is not None and args.connections_per_client < 1):
         raise ConfigError("--request-timeout and --connections-per-client must be positive")
+    if args.opens_per_client < 1:
+        raise ConfigError(f"--opens-per-client: must be at least 1, got {args.opens_per_client}")
     return await serve(settings, options)
 
 
@@ -186,6 +189,8 @@ def _add_serve_parser(commands: Commands) -> None:
         help="request bodies held at once, all connections together (default 256MB)")
     add("--connections-per-client", metavar="N", type=int,
         help="connections one uid may hold (default: a quarter of what the open-file limit allows)")
+    add("--opens-per-client", metavar="N", type=int, default=16,
+        help="datasets one uid may be opening at once, each perhaps listing its origin (default 16)")
     add_settings_flags(serve)
     serve.set_defaults(run=_serve)
 

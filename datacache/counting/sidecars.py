@@ -123,6 +123,7 @@ def parse_wids_index(
     for key in shards:
         by_basename.setdefault(posixpath.basename(key), []).append(key)
     counts: dict[str, tuple[int, int | None]] = {}
+    named: set[str] = set()
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise ShardReadError(f"{where}: a shardlist entry needs a string 'url'")
@@ -135,6 +136,9 @@ def parse_wids_index(
             candidates = by_basename.get(posixpath.basename(entry["url"]), [])
             found = candidates[0] if len(candidates) == 1 else None
         if found is not None:
+            if found in named:
+                raise ShardReadError(f"{where}: the wids index lists shard {entry['url']!r} twice")
+            named.add(found)
             counts[found] = (samples, size)
     return counts
 
@@ -242,6 +246,11 @@ class _Votes:
     def add(self, key: str, samples: int, source: str, *, filesize: int | None = None) -> None:
         shard = self._shards.get(key)
         if shard is None:
+            return
+        if samples == 0 and shard.size > 0:
+            # Taken on its word, a 0 would drop the shard from every epoch without a word: an
+            # index is any writer's file. An empty shard is cheap to count; so it is counted.
+            logger.warning("%s: shard %r of %d bytes is listed with 0 samples; counting it", source, key, shard.size)
             return
         if filesize is not None and filesize != shard.size:
             logger.warning(

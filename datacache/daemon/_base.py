@@ -16,6 +16,7 @@ from datacache.config import Settings
 from datacache.daemon import _http as http
 from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
 from datacache.daemon._lifecycle import Lifecycle
+from datacache.daemon._limits import OpenGate
 from datacache.daemon._options import DaemonOptions
 from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
@@ -64,6 +65,8 @@ class DaemonBase:
         self.lease_lock = asyncio.Lock()
         """Held while leases are admitted or cut and written: the catalog gets them in the book's order."""
         self.status = StatusBoard(settings, self.metrics, self.options.client_ttl)
+        self.open_gate = OpenGate(self.options.opens_per_client)
+        """Opens in flight per uid: each may list an origin, within the listing bounds."""
 
     @property
     def socket_path(self) -> Path:

@@ -268,6 +268,9 @@ def middleware(
                 if reason is not None:
                     raise DaemonUnavailableError(reason)
             return await handler(request)
+        except asyncio.CancelledError:
+            code = "client_gone"  # the client closed its connection: the handler's work was cancelled
+            raise
         except web.HTTPException as exc:
             code, reply = _http_error(request, exc)
             return reply

@@ -29,7 +29,10 @@ from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
 from datacache.errors import DatacacheError
 from datacache.tiers.local import GROUP_READABLE, make_local_dirs
 
-__all__ = ["Lifecycle"]
+__all__ = ["SNAPSHOT_DIR_MODE", "Lifecycle"]
+
+SNAPSHOT_DIR_MODE = 0o710
+"""The folder of the manifests clients read: the daemon's group may pass, not list it."""
 
 logger = logging.getLogger("datacache.daemon")
 
@@ -106,7 +109,7 @@ class Lifecycle:
 
     @property
     def snapshot_dir(self) -> Path:
-        """Where manifest snapshots that clients hold are kept (0750, files 0640: its clients read them)."""
+        """Where manifest snapshots that clients hold are kept (0710, files 0640: its clients read theirs)."""
         return self.settings.local_dir / "daemon" / "manifests"
 
     def unavailable(self) -> str | None:
@@ -148,6 +151,9 @@ class Lifecycle:
             shutdown_timeout=shutdown_timeout,
             logger=http_logger,
             keepalive_timeout=self.request_timeout,  # also bounds a request's headers (slowloris)
+            # A client that leaves cancels its request's handler: the listing it began stops with it
+            # (work others share, a transfer, runs on as a `tracked` task of its own).
+            handler_cancellation=True,
         )
         await runner.setup()
         self._runners.append(runner)
@@ -169,7 +175,10 @@ class Lifecycle:
         if beyond is not None:
             logger.warning("%s", beyond)
         make_local_dirs(local / "locks")
-        make_local_dirs(self.snapshot_dir, GROUP_READABLE.dir)
+        # Its group may pass to the manifest a client was handed, never list whose datasets are open.
+        make_local_dirs(self.snapshot_dir.parent, GROUP_READABLE.dir)
+        make_local_dirs(self.snapshot_dir, SNAPSHOT_DIR_MODE)
+        self.snapshot_dir.chmod(SNAPSHOT_DIR_MODE)  # one an earlier version made 0750
         parent = self.socket_path.parent
         if not parent.exists():
             parent.mkdir(mode=0o755, parents=True)
@@ -239,11 +248,19 @@ class Lifecycle:
 
     # -- requests a stop waits for --------------------------------------------------------
 
-    async def tracked(self, awaitable: Awaitable[T]) -> T:
-        """Run ``awaitable`` as a task the drain on SIGTERM waits for."""
+    async def tracked(self, awaitable: Awaitable[T], *, with_caller: bool = False) -> T:
+        """Run ``awaitable`` as a task the drain on SIGTERM waits for.
+
+        ``with_caller``: the task is cancelled when its caller is (the client left); else it runs on.
+        """
         task = asyncio.ensure_future(awaitable)
         self.track(task)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if with_caller:
+                task.cancel()
+            raise
 
     def track(self, task: asyncio.Task[Any]) -> None:
         self.inflight.add(task)

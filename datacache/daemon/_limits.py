@@ -12,18 +12,22 @@ without the daemon meanwhile).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["BodyBudget", "ConnectionGate", "GatedSite", "fd_budget"]
+from datacache.errors import ConfigError
+
+__all__ = ["BodyBudget", "ConnectionGate", "GatedSite", "OpenGate", "TooManyOpensError", "fd_budget"]
 
 logger = logging.getLogger("datacache.daemon")
 
@@ -176,3 +180,40 @@ class BodyBudget:
 
     def give(self, size: int) -> None:
         self.held -= size
+
+
+class TooManyOpensError(ConfigError):
+    """A uid asked to open more datasets at once than the daemon lets one uid (``--opens-per-client``)."""
+
+
+@dataclass
+class OpenGate:
+    """Which datasets each uid is opening (each open may list an origin); past ``per_client``, refused at once.
+
+    A listing holds memory and origin requests up to the listing bounds; this keeps one uid
+    to a few of them, so that its opens cannot take the daemon from the others. Opens of one
+    dataset count once (the ranks and workers of one job open it together; one lists it).
+    """
+
+    per_client: int
+
+    def __post_init__(self) -> None:
+        self.by_uid: dict[int, Counter[str]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, uid: int, dataset: str) -> Iterator[None]:
+        mine = self.by_uid.setdefault(uid, Counter())
+        if dataset not in mine and len(mine) >= self.per_client:
+            raise TooManyOpensError(
+                f"uid {uid} is opening {len(mine)} datasets at once, this daemon's bound per uid "
+                "(--opens-per-client); wait for them, or ask the operator to raise it"
+            )
+        mine[dataset] += 1
+        try:
+            yield
+        finally:
+            mine[dataset] -= 1
+            if not mine[dataset]:
+                del mine[dataset]
+            if not mine:
+                self.by_uid.pop(uid, None)

@@ -43,6 +43,8 @@ class DaemonOptions:
         which follows its open-file limit).
     client_ttl
         A client that stopped reporting for this long leaves the metrics.
+    opens_per_client
+        Datasets one uid may be opening at once (each open may list an origin); more are refused.
     """
 
     prefetch_slots: int | None = None
@@ -58,4 +60,5 @@ class DaemonOptions:
     body_memory: int = 256 << 20
     connections_per_client: int | None = None
     client_ttl: float = 300.0
+    opens_per_client: int = 16
 

@@ -35,9 +35,10 @@ class ReadVerbs(DaemonBase):
         if snapshot is not None and not isinstance(snapshot, str):
             raise http.BadRequest("'snapshot' must be a string")
         refresh = bool(data.get("refresh", False))
-        handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot)
-        )
+        with self.open_gate.hold(peer.uid, config.id):
+            handle = await self.lifecycle.tracked(
+                self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=snapshot), with_caller=True
+            )
         manifest = handle.manifest
         return web.json_response(
             {

@@ -9,11 +9,16 @@ snapshot's manifest under the daemon's directory so that a client can read it.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
 import uuid
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,14 @@ from datacache.tiers.local import GROUP_READABLE
 __all__ = ["DatasetRegistry"]
 
 logger = logging.getLogger("datacache.daemon")
+
+
+@dataclass
+class _Shared:
+    """One open that several requests wait for, and how many still do."""
+
+    task: asyncio.Future[DatasetHandle]
+    waiting: int = 0
 
 
 class DatasetRegistry:
@@ -71,6 +84,8 @@ class DatasetRegistry:
         self.pinners: dict[str, int] = {}
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
+        self._key: bytes | None = None
+        self._opening: dict[tuple[int, str, str, bool], _Shared] = {}
 
     # -- what a client may open -----------------------------------------------------------
 
@@ -148,7 +163,7 @@ class DatasetRegistry:
             known = self.handles.get((config.id, snapshot))
             if known is not None:
                 return known
-        handle = await stager.open(config, refresh=refresh)
+        handle = await self._open_once(stager, config, peer, refresh)
         if snapshot is not None and not refresh and handle.manifest.snapshot != snapshot:
             manifest = await asyncio.to_thread(self._load_snapshot, config.id, snapshot)
             if manifest is None:
@@ -163,6 +178,29 @@ class DatasetRegistry:
         held = {snapshot for dataset, snapshot in self.handles if dataset == config.id}
         await asyncio.to_thread(self._save_snapshot, handle.manifest, held)
         return handle
+
+    async def _open_once(self, stager: Stager, config: DatasetConfig, peer: Peer, refresh: bool) -> DatasetHandle:
+        """`Stager.open`, once for all of a uid's requests for one dataset at a time (a job's ranks together).
+
+        A request whose client leaves stops waiting; the listing is cancelled when the last one has left.
+        """
+        options = json.dumps(dict(config.storage_options), sort_keys=True, default=str)
+        key = (peer.uid, config.id, options, refresh)
+        entry = self._opening.get(key)
+        if entry is None or entry.task.cancelled():
+            entry = self._opening[key] = _Shared(asyncio.ensure_future(stager.open(config, refresh=refresh)))
+            entry.task.add_done_callback(functools.partial(self._forget_open, key, entry))
+        entry.waiting += 1
+        try:
+            return await asyncio.shield(entry.task)
+        finally:
+            entry.waiting -= 1
+            if not entry.waiting and not entry.task.done():
+                entry.task.cancel()
+
+    def _forget_open(self, key: tuple[int, str, str, bool], entry: _Shared, _: object) -> None:
+        if self._opening.get(key) is entry:
+            del self._opening[key]
 
     def _remember(self, handle: DatasetHandle) -> None:
         """Keep ``handle`` as the most recently used; drop the least recently used beyond the bound."""
@@ -226,9 +264,34 @@ class DatasetRegistry:
     # -- snapshots ------------------------------------------------------------------------
 
     def snapshot_path(self, dataset_id: str, snapshot: str) -> Path:
+        """Where a snapshot's manifest is: a name only the daemon can make, in a folder no client can list.
+
+        The folder is 0710 (its group may pass, not list), the file 0640 for the clients
+        of the daemon's group, named with a keyed digest of the dataset and snapshot: a
+        uid reads the manifest it was handed, and cannot find another uid's datasets.
+        """
         validate_key(dataset_id)
         validate_key(snapshot)
-        return self.snapshot_dir / f"{dataset_id}@{snapshot}.json"
+        tag = hmac.new(self._name_key(), f"{dataset_id}@{snapshot}".encode(), hashlib.sha256).hexdigest()[:24]
+        return self.snapshot_dir / f"{dataset_id}@{snapshot}.{tag}.json"
+
+    def _name_key(self) -> bytes:
+        """The daemon's secret for snapshot names (made once, 0600, kept across restarts)."""
+        if self._key is None:
+            path = self.snapshot_dir / ".names.key"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                key = path.read_bytes()
+            else:
+                key = secrets.token_bytes(32)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(key)
+            if len(key) != 32:  # a write cut short by a crash: start again with a fresh key
+                path.unlink(missing_ok=True)
+                return self._name_key()
+            self._key = key
+        return self._key
 
     def _save_snapshot(self, manifest: Manifest, held: set[str]) -> Path:
         """Write ``manifest``'s snapshot file; prune the dataset's oldest ones but ``held``."""
@@ -242,7 +305,7 @@ class DatasetRegistry:
         files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]
         files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
         for old in files[self.keep_snapshots :]:
-            if old.name[len(prefix) : -len(".json")] not in held | {manifest.snapshot}:
+            if old.name[len(prefix) :].split(".", 1)[0] not in held | {manifest.snapshot}:
                 old.unlink(missing_ok=True)
         return path
 

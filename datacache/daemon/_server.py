@@ -354,9 +354,10 @@ class Daemon(ReadVerbs):
         if bandwidth is not None and (http.number(data, "bandwidth", 0.0) <= 0 or math.isinf(bandwidth)):
             raise http.BadRequest("'bandwidth' must be a positive number of bytes per second")
         refresh = bool(data.get("refresh", False))
-        handle = await self.lifecycle.tracked(
-            self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=None)
-        )
+        with self.open_gate.hold(peer.uid, config.id):
+            handle = await self.lifecycle.tracked(
+                self.registry.open(self._stager(), config, peer, refresh=refresh, snapshot=None), with_caller=True
+            )
         shards = handle.manifest.select(spec)
         if not shards:
             raise ConfigError(f"shards {spec!r} select no shard of {handle.id}")

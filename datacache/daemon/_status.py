@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,9 @@ from datacache.tiers import device_free, redact_url
 __all__ = ["ClientReport", "StatusBoard", "dataset_rows", "log_event"]
 
 logger = logging.getLogger("datacache.daemon")
+
+ALL_CLIENTS = "all"
+"""The one ``client`` label of the metrics unless the operator sets ``metrics_clients``."""
 
 
 @dataclass
@@ -75,14 +78,31 @@ class StatusBoard:
             del self.clients[other]
             self.metrics.forget_client(other)
         self.clients[name] = report
-        self.metrics.client_report(
-            name,
-            bandwidth=report.bandwidth,
-            stall_fraction=report.stall_fraction,
-            delivered=_newly_delivered(previous, report),
-            remote_workers=report.figures.get("remote_workers"),
-        )
+        delivered = _newly_delivered(previous, report)
+        if self.settings.metrics_clients:  # the operator asked for each client by name (host, pid, rank)
+            self.metrics.client_report(
+                name,
+                bandwidth=report.bandwidth,
+                stall_fraction=report.stall_fraction,
+                delivered=delivered,
+                remote_workers=report.figures.get("remote_workers"),
+            )
+        else:
+            self._publish_total(delivered)
         self.metrics.clients.set(len(self.clients))
+
+    def _publish_total(self, delivered: int = 0) -> None:
+        """The clients as one: any local uid can scrape the port, and a client's name holds its host and pid."""
+        if not self.clients:
+            self.metrics.forget_client(ALL_CLIENTS)
+            return
+        self.metrics.client_report(
+            ALL_CLIENTS,
+            bandwidth=sum(known.bandwidth for known in self.clients.values()),
+            stall_fraction=max(known.stall_fraction for known in self.clients.values()),
+            delivered=delivered,
+            remote_workers=_total_remote_workers(self.clients.values()),
+        )
 
     def expire_clients(self) -> None:
         """Forget clients silent for the TTL, and at once those whose process has ended (a DataLoader's
@@ -92,6 +112,8 @@ class StatusBoard:
         for name in gone:
             del self.clients[name]
             self.metrics.forget_client(name)
+        if gone and not self.settings.metrics_clients:
+            self._publish_total()
         self.metrics.clients.set(len(self.clients))
 
     async def refresh_gauges(self, stager: Stager | None, scheduler: PrefetchScheduler | None) -> None:
@@ -275,6 +297,12 @@ def _shard_sizes(handles: list[DatasetHandle]) -> Callable[[str, str], int | Non
             return None
 
     return size
+
+
+def _total_remote_workers(reports: Iterable[ClientReport]) -> int | None:
+    """The remote workers making the clients' batches, all told; None where no client has a pool."""
+    pools = [int(known.figures["remote_workers"]) for known in reports if "remote_workers" in known.figures]
+    return sum(pools) if pools else None
 
 
 def _newly_delivered(previous: ClientReport | None, report: ClientReport) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -14,7 +15,15 @@ from datacache.formats import available_formats, detect_format_name, get_format
 from datacache.formats._base import SampleFormat
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.manifest.wids import wids_manifest
-from datacache.tiers import ObjectInfo, Tier, redact_url, split_scheme, validate_key
+from datacache.tiers import (
+    ListingBounds,
+    ListingTooLargeError,
+    ObjectInfo,
+    Tier,
+    redact_url,
+    split_scheme,
+    validate_key,
+)
 
 __all__ = [
     "LISTING_NOTICES",
@@ -85,7 +94,7 @@ def _lists_itself(url: str, infos: list[ObjectInfo]) -> bool:
     return key != split[1] and url.endswith("/" + key)
 
 
-async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | None:
+async def _single_object(dataset: DatasetConfig, parent: Tier, bounds: ListingBounds) -> Manifest | None:
     """The manifest of a dataset whose URL names one object (a shard, a Parquet file, a wids index), else None."""
     split = object_url(dataset.url)
     if split is None:
@@ -99,7 +108,7 @@ async def _single_object(dataset: DatasetConfig, parent: Tier) -> Manifest | Non
         return None
     # The index itself is the sidecar its counts are read from.
     extra = {OBJECT_KEY: name, SIDECAR_CANDIDATES: [[name, info.size]]}
-    listed = await wids_manifest(dataset, parent, name, info, extra=extra)
+    listed = await wids_manifest(dataset, parent, name, info, extra=extra, bounds=bounds)
     if listed is not None:
         return listed
     fmt = ShardFormat(dataset.format) if dataset.format else detect_format([name])
@@ -219,20 +228,44 @@ def _from_listing(
     )
 
 
-async def take_manifest(dataset: DatasetConfig, origin: Tier, *, parent: Tier | None = None) -> Manifest:
+async def take_manifest(
+    dataset: DatasetConfig,
+    origin: Tier,
+    *,
+    parent: Tier | None = None,
+    bounds: ListingBounds | None = None,
+    time_limit: float | None = None,
+) -> Manifest:
     """List ``origin`` once and return the dataset's manifest.
 
     If the origin holds a ``datacache-manifest.json`` (written by ``datacache
     shard``) it is used, after checking that every shard it names exists with
     the recorded size. With ``parent`` (the tier of the URL's parent), a URL
     that names one object is a dataset of that one shard. Raises
-    `ShardNotFoundError` for a missing or empty bucket or prefix.
+    `ShardNotFoundError` for a missing or empty bucket or prefix, and
+    `ListingTooLargeError` past ``bounds`` (entries of a wids index too) or ``time_limit`` seconds.
     """
+    bounds = bounds or ListingBounds()
+    if time_limit is None:
+        return await _take_manifest(dataset, origin, parent, bounds)
+    try:
+        async with asyncio.timeout(time_limit):
+            return await _take_manifest(dataset, origin, parent, bounds)
+    except TimeoutError:
+        raise ListingTooLargeError(
+            f"dataset {dataset.name}: listing {redact_url(dataset.url)} took longer than {time_limit:g}s, this node's "
+            "bound (listing_timeout; raise it in the config file's [staging] table or with DATACACHE_LISTING_TIMEOUT)"
+        ) from None
+
+
+async def _take_manifest(
+    dataset: DatasetConfig, origin: Tier, parent: Tier | None, bounds: ListingBounds
+) -> Manifest:
     started = time.monotonic()
     infos = [info async for info in origin.list()]
     if parent is not None and _lists_itself(dataset.url, infos):
         # Listing a URL that names an object yields that object under its full path.
-        whole = await _single_object(dataset, parent)
+        whole = await _single_object(dataset, parent, bounds)
         if whole is not None:
             return whole
     if not infos:

@@ -11,7 +11,7 @@ from typing import Any
 
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import ConfigError
-from datacache.tiers import Tier, open_origin
+from datacache.tiers import ListingBounds, Tier, open_origin
 
 __all__ = ["Origins", "close_quietly"]
 
@@ -26,6 +26,8 @@ class Origins:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._tiers: dict[tuple[str, str, str], Tier] = {}
+        self.bounds = ListingBounds(max_entries=settings.listing_max_entries, max_bytes=settings.listing_max_bytes)
+        """What one listing of an origin may hold (the settings ``listing_max_entries``, ``listing_max_bytes``)."""
 
     def get(self, dataset: DatasetConfig, url: str | None = None) -> Tier:
         """The tier that reads ``dataset``'s origin at its URL (or at ``url``, its parent)."""
@@ -34,7 +36,9 @@ class Origins:
         origin = self._tiers.get(ident)
         if origin is None:
             self._check_outside_tiers(url)
-            origin = open_origin(url, storage_options=dataset.storage_options, retry=self._settings.retry)
+            origin = open_origin(
+                url, storage_options=dataset.storage_options, retry=self._settings.retry, listing=self.bounds
+            )
             self._tiers[ident] = origin
         return origin
 

@@ -308,7 +308,8 @@ class Stager:
                 if manifest is None:
                     split = object_url(config.url)
                     parent = self._origins.get(config, split[0]) if split is not None else None
-                    manifest = await take_manifest(config, origin, parent=parent)
+                    bounds, limit = self._origins.bounds, self.settings.listing_timeout
+                    manifest = await take_manifest(config, origin, parent=parent, bounds=bounds, time_limit=limit)
                     await self.manifests.save(manifest)
         origin = self._origins.get(config, reading_url(config.url, manifest))
         await self.catalog.record_dataset(
