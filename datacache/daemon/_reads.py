@@ -10,7 +10,6 @@ from typing import Any
 
 from aiohttp import web
 
-from datacache._protocol import location_to_wire
 from datacache.daemon import _http as http
 from datacache.daemon._base import DaemonBase
 from datacache.daemon._leases import Lease, owner_of
@@ -30,7 +29,7 @@ class ReadVerbs(DaemonBase):
     async def _open(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         peer = self._peer(request)
-        config = await asyncio.to_thread(self.registry.config, data, peer)
+        config = await self._granted(data, peer)
         snapshot = data.get("snapshot")
         if snapshot is not None and not isinstance(snapshot, str):
             raise http.BadRequest("'snapshot' must be a string")
@@ -52,6 +51,16 @@ class ReadVerbs(DaemonBase):
             }
         )
 
+    async def _challenge(self, request: web.Request) -> web.Response:
+        """An access challenge for a dataset not declared shared (`datacache._proof`)."""
+        data = await http.body(request)
+        peer = self._peer(request)
+        config, configured = await asyncio.to_thread(self.registry.admit, data, peer)
+        if not self.grants.needs_proof(config, peer, configured=configured):
+            raise http.BadRequest(f"dataset {config.name}: uid {peer.uid} needs no access proof for it")
+        handle = await self.lifecycle.tracked(self._stager().open(config))
+        return web.json_response(self.grants.challenge(peer, handle).to_wire())
+
     async def _ensure(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         peer = self._peer(request)
@@ -72,15 +81,16 @@ class ReadVerbs(DaemonBase):
             if future is None:  # pragma: no cover - waited submissions are never dropped
                 raise DatacacheError("the prefetch backlog is full")
             location = await self.lifecycle.tracked(future)
-        return web.json_response(location_to_wire(location))
+        return web.json_response(self._location_wire(peer, handle, location))
 
     async def _locate(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         location = await self._stager().locate(handle, key)
-        return web.json_response(location_to_wire(location))
+        return web.json_response(self._location_wire(peer, handle, location))
 
     async def _prefetch(self, request: web.Request) -> web.Response:
         data = await http.body(request)
@@ -160,7 +170,7 @@ class ReadVerbs(DaemonBase):
             )
         reply: dict[str, Any] = {"holding": len(progress.holding)}
         if wanted:
-            reply["locations"] = [location_to_wire(location) for location in located]
+            reply["locations"] = [self._location_wire(peer, handle, location) for location in located]
         return web.json_response(reply)
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:

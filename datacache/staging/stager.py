@@ -32,6 +32,7 @@ from datacache.errors import (
     StagerClosedError,
 )
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
+from datacache.ownership import check_not_writable_by_others
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
 from datacache.staging.batch import WarmBatches, make_room_for, stage_batch
@@ -92,15 +93,7 @@ class Stager:
     """
 
     def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
-        local = settings.local_dir
-        if local.exists() and not os.access(local, os.W_OK | os.X_OK):
-            # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
-            # fail later, shard by shard, with a raw PermissionError. Say it once, now.
-            raise DatacacheError(
-                f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
-                f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
-                "or set DATACACHE_LOCAL_DIR to a cache of your own"
-            )
+        _check_node_cache(settings)
         self.settings = settings
         self.local = LocalTier(
             settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
@@ -115,6 +108,10 @@ class Stager:
             if settings.shared_dir
             else None
         )
+        declared = {dataset.id for dataset in settings.datasets.values() if dataset.readers}
+        for tier in (self.local, self.shared):
+            if tier is not None:
+                tier.shared_datasets.update(declared)
         self.catalog = Catalog(settings.local_dir / "catalog.sqlite")
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:
@@ -592,3 +589,21 @@ class Stager:
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _check_node_cache(settings: Settings) -> None:
+    """Refuse a node cache this process cannot write, or one another user could have planted."""
+    local = settings.local_dir
+    if local.exists() and not os.access(local, os.W_OK | os.X_OK):
+        # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
+        # fail later, shard by shard, with a raw PermissionError. Say it once, now.
+        raise DatacacheError(
+            f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
+            f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
+            "or set DATACACHE_LOCAL_DIR to a cache of your own"
+        )
+    # On a world-writable scratch another uid may have made the directory (or its catalog) first,
+    # with copies and records of its own: its bytes would be served as this user's confirmed ones.
+    trusted = settings.trusted_uids
+    check_not_writable_by_others(local, "the node cache", trusted=trusted, parent=False)
+    check_not_writable_by_others(local / "catalog.sqlite", "the node cache's catalog", trusted=trusted, parent=False)
