@@ -24,6 +24,7 @@ from datacache.daemon._http import Forbidden, Peer
 from datacache.errors import ProofRequiredError
 from datacache.ownership import Readers
 from datacache.staging import DatasetHandle
+from datacache.tiers import split_userinfo
 
 __all__ = ["Grants"]
 
@@ -56,9 +57,10 @@ class Grants:
                 f"dataset {config.name} is shared with {readers.describe()} only; uid {peer.uid} is not "
                 "among its readers (the operator adds readers in [datasets.NAME])"
             )
-        if not configured:
+        if not configured and split_userinfo(config.url)[0] is None:
             self.shared.add(config.id)  # under an --allow-dataset prefix: every allowed client's
             return False
+        # Configured without readers, or a URL that carries its client's credentials: that client's.
         return config.id not in self.shared
 
     def proven(self, peer: Peer, handle: DatasetHandle) -> bool:

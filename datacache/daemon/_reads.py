@@ -180,13 +180,21 @@ class ReadVerbs(DaemonBase):
         shard = self.registry.shard(handle, key)
         tier = http.tier(data)
         stager = self._stager()
-        path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
-        await stager.report_corrupt(handle, Location(tier, path, shard, None))
+        # A client's word is not enough to drop a copy others read (and pinned): the copy is hashed
+        # again, and only one whose bytes are wrong (or unreadable) is dropped.
+        try:
+            intact = await stager.verify_resident(handle, shard, tier=tier)
+        except OSError:
+            path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
+            await stager.report_corrupt(handle, Location(tier, path, shard, None))
+            intact = False
         logger.warning(
-            "a client reported shard %s/%s corrupt on the %s tier; dropped it",
+            "uid %d reported shard %s/%s corrupt on the %s tier; %s",
+            self._peer(request).uid,
             handle.id,
             key,
             tier,
+            "its bytes hash to their checksum: kept" if intact else "dropped it",
             extra={"event": "corrupt", "dataset": handle.id, "key": key, "tier": tier},
         )
-        return web.json_response({"dropped": True})
+        return web.json_response({"dropped": not intact})

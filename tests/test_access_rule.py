@@ -1,0 +1,276 @@
+"""What the origin refuses, the cache never serves: one access rule, on every tier and through the daemon.
+
+docs/SECURITY.md, "Who may read what" (issue 33). Real uids (`tests/_users.py`): alice and bob
+share the group ``team``, mallory does not. Each test is an attack of the issue, run as it was
+run against the daemon and the tiers, with a control that what is declared shared still is.
+"""
+
+from __future__ import annotations
+
+import base64
+import grp
+import http.server
+import json
+import os
+import stat
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _daemon import DaemonProcess, make_shards, start_daemon
+from _users import User, cli_as, run_as, user_env, users, world_dir
+
+from datacache.config import dataset_id_for
+
+__all__ = ["users", "world_dir"]  # fixtures, imported to be found
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _origin(parent: Path, name: str, owner: User | None = None, *, count: int = 3) -> tuple[Path, dict[str, bytes]]:
+    """A ``file://`` dataset: ``owner``'s alone (0700) if given, else everyone's (0755/0644)."""
+    origin = parent / name
+    shards = make_shards(origin, count, 5000, seed=len(name))
+    for path in [origin, *origin.iterdir()]:
+        if owner is not None:
+            os.chown(path, owner.uid, owner.gid)
+            path.chmod(0o700 if path.is_dir() else 0o600)
+        else:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return origin, shards
+
+
+def _group_tier(world_dir: Path, users: dict[str, User]) -> Path:
+    """The shared tier as docs/SECURITY.md sets it up: ``install -d -m 2770 -g team``."""
+    shared = world_dir / "shared"
+    shared.mkdir()
+    os.chown(shared, 0, users["alice"].groups[0])
+    shared.chmod(0o2770)
+    return shared
+
+
+def _config(world_dir: Path, body: str) -> Path:
+    """A config file root wrote (0644): what every user of the node reads."""
+    path = world_dir / "datacache.toml"
+    path.write_text(textwrap.dedent(body))
+    path.chmod(0o644)
+    return path
+
+
+def _can_read_as(user: User, path: Path) -> bool:
+    return run_as(user, ["dd", f"if={path}", "of=/dev/null", "bs=16", "count=1"]).returncode == 0
+
+
+# -- item 1: a private origin read in-process never lands group-readable on the shared tier -------
+
+
+def test_a_private_origin_read_in_process_never_lands_group_readable_on_the_shared_tier(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    shared = _group_tier(world_dir, users)
+    private, _ = _origin(world_dir, "bob-private", bob)
+    common, _ = _origin(world_dir, "common")
+    team = grp.getgrgid(alice.groups[0]).gr_name
+    config = _config(world_dir, f"""
+        [datasets.common]
+        url = "file://{common}/"
+        readers = ["@{team}"]
+    """)
+    env = user_env(bob, {"DATACACHE_SHARED_DIR": str(shared), "DATACACHE_CONFIG": str(config)})
+    for spec in (str(private), "common"):
+        done = cli_as(bob, "warm", spec, "--tier", "shared", env=env)
+        assert done.returncode == 0, done.stderr
+    copies = sorted((shared / "data" / dataset_id_for(f"file://{private}/")).iterdir())
+    assert len(copies) == 3
+    for copy in copies:
+        assert stat.S_IMODE(copy.stat().st_mode) == 0o600 and copy.stat().st_uid == bob.uid, copy
+        assert not _can_read_as(alice, copy), f"alice, whom the origin refuses, read {copy}"
+    # What the operator declared shared with the team is still one copy the team reads.
+    declared = sorted((shared / "data" / dataset_id_for(f"file://{common}/")).iterdir())
+    assert len(declared) == 3
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o640 and _can_read_as(alice, p) for p in declared)
+
+
+# -- item 2: the daemon serves a dataset to its readers, or to a uid the origin answers ------------
+
+_READ = r"""
+import asyncio, json, sys
+from datacache.access import open_access
+from datacache.config import load_settings
+
+async def main(name):
+    access = await open_access(load_settings())
+    try:
+        handle = await access.open(name)
+        return {key: (await access.read(handle, key)).hex() for key in sorted(s.key for s in handle.manifest.shards)}
+    finally:
+        await access.close()
+
+try:
+    print(json.dumps({"shards": asyncio.run(main(sys.argv[1]))}))
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+"""
+
+
+def read_through_daemon(user: User, name: str, env: dict[str, str]) -> dict[str, Any]:
+    """``name``'s shards as ``user`` reads them through the node's daemon (or the error it gets)."""
+    done = run_as(user, [sys.executable, "-c", _READ, name], env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _serve(users: dict[str, User], world_dir: Path, env: dict[str, str], *args: str) -> DaemonProcess:
+    """A root daemon whose group is the team's (as deploy/slurm's is its users'): its clients are the team."""
+    team = users["alice"].groups[0]
+    return start_daemon(
+        env, world_dir / "cache", "--socket-group", str(team), *args,
+        socket_path=world_dir / "run" / "daemon.sock", log=world_dir / "daemon.log",
+        preexec_fn=lambda: os.setgid(team),
+    )
+
+
+def _client_env(user: User, world_dir: Path, config: Path | None = None) -> dict[str, str]:
+    extra = {"DATACACHE_SOCKET": str(world_dir / "run" / "daemon.sock")}
+    if config is not None:
+        extra["DATACACHE_CONFIG"] = str(config)
+    return user_env(user, extra)
+
+
+@pytest.fixture
+def base_env(cache_env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in cache_env.items() if not k.startswith("AWS_")}
+
+
+def test_the_daemon_serves_a_dataset_only_to_its_readers_or_a_uid_the_origin_answers(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    bobs, bob_bytes = _origin(world_dir, "b-wds", bob)  # only bob (and the root daemon) can read it
+    alices, alice_bytes = _origin(world_dir, "a-wds")
+    config = _config(world_dir, f"""
+        [datasets.b-wds]
+        url = "file://{bobs}/"
+
+        [datasets.a-wds]
+        url = "file://{alices}/"
+        readers = ["{alice.name}"]
+    """)
+    daemon = _serve(users, world_dir, base_env, "--config", str(config))
+    try:
+        env_a, env_b = _client_env(alice, world_dir, config), _client_env(bob, world_dir, config)
+        refused = read_through_daemon(alice, "b-wds", env_a)
+        assert "shards" not in refused, "alice read bob's dataset through the daemon's authority"
+        assert "Permission" in refused["error"], refused
+        owner = read_through_daemon(bob, "b-wds", env_b)  # bob proves the origin answers him
+        assert owner.get("shards") == {key: data.hex() for key, data in bob_bytes.items()}, owner
+        # bob has the daemon stage it (warm proves access too): its copies are the daemon's own (0600),
+        # not the group's, and bob's reads of them come from the origin, with his own rights.
+        warmed = cli_as(bob, "warm", "b-wds", env=env_b)
+        assert warmed.returncode == 0, warmed.stderr
+        assert read_through_daemon(bob, "b-wds", env_b) == owner
+        refused_warm = cli_as(alice, "warm", "b-wds", env=env_a)
+        assert refused_warm.returncode != 0 and "Traceback" not in refused_warm.stderr, refused_warm.stderr
+        copies = sorted((world_dir / "cache" / "data" / dataset_id_for(f"file://{bobs}/")).iterdir())
+        assert copies and all(not _can_read_as(alice, copy) for copy in copies)
+        # A declared dataset: its readers only.
+        not_a_reader = read_through_daemon(bob, "a-wds", env_b)
+        assert "not among its readers" in not_a_reader.get("error", ""), not_a_reader
+        reader = read_through_daemon(alice, "a-wds", env_a)
+        assert reader.get("shards") == {key: data.hex() for key, data in alice_bytes.items()}, reader
+    finally:
+        daemon.kill()
+
+
+# -- items 4 and 5: credentials and the query are part of what an http origin returns --------------
+
+
+class _Origin(http.server.ThreadingHTTPServer):
+    """An http origin: ``/d/`` only for alice's password; ``/ok/`` for all; a query echoes what it is given."""
+
+    def __init__(self, shards: dict[str, bytes], password: str) -> None:
+        self.gets: list[str] = []
+        origin = self
+        token = "Basic " + base64.b64encode(f"alice:{password}".encode()).decode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, status: int, body: bytes, kind: str = "application/octet-stream") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                origin.gets.append(self.path)
+                path, _, query = self.path.partition("?")
+                if path.startswith("/d/") and self.headers.get("Authorization") != token:
+                    return self._send(401, b"unauthorized", "text/plain")
+                if query:  # a reflecting endpoint: whatever follows "x=" (the attacker's words)
+                    evil = b"EVIL" * 1250
+                    if query.endswith(".tar"):
+                        return self._send(200, evil)
+                    links = "".join(f'<a href="{key}">{key}</a>' for key in shards)
+                    return self._send(200, f"<html>{links}</html>".encode(), "text/html")
+                name = path.rsplit("/", 1)[-1]
+                if name in shards:
+                    return self._send(200, shards[name])
+                links = "".join(f'<a href="{key}">{key}</a>' for key in shards)
+                return self._send(200, f"<html>{links}</html>".encode(), "text/html")
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                return
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def http_origin() -> Iterator[tuple[_Origin, dict[str, bytes]]]:
+    shards = {f"shard-{i:04d}.tar": bytes([i + 1]) * 5000 for i in range(2)}
+    server = _Origin(shards, "alices-secret")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, shards
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_credentials_and_the_query_are_part_of_what_the_daemon_serves(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str], http_origin: tuple[_Origin, dict[str, bytes]]
+) -> None:
+    origin, shards = http_origin
+    alice, bob = users["alice"], users["bob"]
+    daemon = _serve(users, world_dir, base_env, "--allow-dataset", f"{origin.url}/")
+    try:
+        env_a, env_b = _client_env(alice, world_dir), _client_env(bob, world_dir)
+        host = origin.url.split("://", 1)[1]
+        owner = read_through_daemon(alice, f"http://alice:alices-secret@{host}/d/", env_a)
+        assert owner.get("shards") == {key: data.hex() for key, data in shards.items()}, owner
+        # Item 4: bob, whom the origin answers 401, is not handed alice's staged copy.
+        other = read_through_daemon(bob, f"{origin.url}/d/", env_b)
+        assert "shards" not in other, "bob was served what the origin refuses him"
+        # Item 5: bob's query never reaches a key ("ok/?x=.../shard.tar") nor alice's "ok/".
+        attack = read_through_daemon(bob, f"{origin.url}/ok/?x=1", env_b)
+        assert "shards" not in attack, attack
+        assert not any("?" in got and got.endswith(".tar") for got in origin.gets), origin.gets
+        victim = read_through_daemon(alice, f"{origin.url}/ok/", env_a)
+        assert victim.get("shards") == {key: data.hex() for key, data in shards.items()}, victim
+    finally:
+        daemon.kill()
+    assert dataset_id_for(f"{origin.url}/ok/?x=1") != dataset_id_for(f"{origin.url}/ok/")
+    assert dataset_id_for(f"http://alice:pw@{host}/d/") != dataset_id_for(f"{origin.url}/d/")
