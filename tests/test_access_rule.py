@@ -81,16 +81,17 @@ def test_a_private_origin_read_in_process_never_lands_group_readable_on_the_shar
         url = "file://{common}/"
         readers = ["@{team}"]
     """)
-    env = user_env(bob, {"DATACACHE_SHARED_DIR": str(shared), "DATACACHE_CONFIG": str(config)})
-    for spec in (str(private), "common"):
-        done = cli_as(bob, "warm", spec, "--tier", "shared", env=env)
-        assert done.returncode == 0, done.stderr
+    env = user_env(bob, {"DATACACHE_SHARED_DIR": str(shared)})
+    done = cli_as(bob, "warm", str(private), "--tier", "shared", env=env)
+    assert done.returncode == 0, done.stderr
     copies = sorted((shared / "data" / dataset_id_for(f"file://{private}/")).iterdir())
     assert len(copies) == 3
     for copy in copies:
         assert stat.S_IMODE(copy.stat().st_mode) == 0o600 and copy.stat().st_uid == bob.uid, copy
         assert not _can_read_as(alice, copy), f"alice, whom the origin refuses, read {copy}"
     # What the operator declared shared with the team is still one copy the team reads.
+    done = cli_as(bob, "warm", "common", "--tier", "shared", env={**env, "DATACACHE_CONFIG": str(config)})
+    assert done.returncode == 0, done.stderr
     declared = sorted((shared / "data" / dataset_id_for(f"file://{common}/")).iterdir())
     assert len(declared) == 3
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o640 and _can_read_as(alice, p) for p in declared)
@@ -165,16 +166,15 @@ def test_the_daemon_serves_a_dataset_only_to_its_readers_or_a_uid_the_origin_ans
     daemon = _serve(users, world_dir, base_env, "--config", str(config))
     try:
         env_a, env_b = _client_env(alice, world_dir, config), _client_env(bob, world_dir, config)
+        # bob has the daemon stage his dataset (warm proves that the origin answers him) ...
+        warmed = cli_as(bob, "warm", "b-wds", env=env_b)
+        assert warmed.returncode == 0, warmed.stderr
+        # ... and alice, whom the origin refuses, asks the daemon for it (before: all of it, from its cache).
         refused = read_through_daemon(alice, "b-wds", env_a)
         assert "shards" not in refused, "alice read bob's dataset through the daemon's authority"
         assert "Permission" in refused["error"], refused
-        owner = read_through_daemon(bob, "b-wds", env_b)  # bob proves the origin answers him
+        owner = read_through_daemon(bob, "b-wds", env_b)
         assert owner.get("shards") == {key: data.hex() for key, data in bob_bytes.items()}, owner
-        # bob has the daemon stage it (warm proves access too): its copies are the daemon's own (0600),
-        # not the group's, and bob's reads of them come from the origin, with his own rights.
-        warmed = cli_as(bob, "warm", "b-wds", env=env_b)
-        assert warmed.returncode == 0, warmed.stderr
-        assert read_through_daemon(bob, "b-wds", env_b) == owner
         refused_warm = cli_as(alice, "warm", "b-wds", env=env_a)
         assert refused_warm.returncode != 0 and "Traceback" not in refused_warm.stderr, refused_warm.stderr
         copies = sorted((world_dir / "cache" / "data" / dataset_id_for(f"file://{bobs}/")).iterdir())
@@ -261,6 +261,8 @@ def test_http_credentials_and_the_query_are_part_of_what_the_daemon_serves(
         host = origin.url.split("://", 1)[1]
         owner = read_through_daemon(alice, f"http://alice:alices-secret@{host}/d/", env_a)
         assert owner.get("shards") == {key: data.hex() for key, data in shards.items()}, owner
+        warmed = cli_as(alice, "warm", f"http://alice:alices-secret@{host}/d/", env=env_a)
+        assert warmed.returncode == 0, warmed.stderr
         # Item 4: bob, whom the origin answers 401, is not handed alice's staged copy.
         other = read_through_daemon(bob, f"{origin.url}/d/", env_b)
         assert "shards" not in other, "bob was served what the origin refuses him"
@@ -274,3 +276,124 @@ def test_http_credentials_and_the_query_are_part_of_what_the_daemon_serves(
         daemon.kill()
     assert dataset_id_for(f"{origin.url}/ok/?x=1") != dataset_id_for(f"{origin.url}/ok/")
     assert dataset_id_for(f"http://alice:pw@{host}/d/") != dataset_id_for(f"{origin.url}/d/")
+
+
+# -- items 7 and 10: what steers the cache is never another user's (owner and mode checks) ---------
+
+
+def test_a_config_file_another_uid_can_write_is_refused_in_one_line(users: dict[str, User], world_dir: Path) -> None:
+    alice, mallory = users["alice"], users["mallory"]
+    planted = world_dir / "mallory.toml"
+    # Mallory's config would point alice's clients at a socket of hers, served by "the daemon" she names.
+    planted.write_text(f'[daemon]\ndaemon_uid = "{mallory.name}"\nsocket = "{world_dir}/fake.sock"\n')
+    os.chown(planted, mallory.uid, mallory.gid)
+    writable = _config(world_dir, "[staging]\nconcurrency = 4\n")
+    for path, why in ((planted, mallory.name), (writable, "anyone can write it")):
+        if path == writable:
+            path.chmod(0o666)
+        done = cli_as(alice, "status", env=user_env(alice, {"DATACACHE_CONFIG": str(path)}))
+        assert done.returncode != 0, done.stdout
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and why in lines[0], done.stderr
+        assert "Traceback" not in done.stderr
+    writable.chmod(0o644)  # root's, 0644: what every node's config is
+    done = cli_as(alice, "status", env=user_env(alice, {"DATACACHE_CONFIG": str(writable)}))
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_node_cache_another_uid_planted_on_a_world_writable_scratch_is_refused(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    alice, mallory = users["alice"], users["mallory"]
+    scratch = world_dir / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    origin, _ = _origin(world_dir, "public")
+    planted = scratch / "datacache"
+    # Mallory makes the cache directory first, world-writable, with a catalog of her own in it.
+    made = run_as(mallory, ["sh", "-c", f"mkdir -m 777 {planted} && : > {planted}/catalog.sqlite"])
+    assert made.returncode == 0, made.stderr
+    done = cli_as(alice, "warm", str(origin), env=user_env(alice, {"DATACACHE_LOCAL_DIR": str(planted)}))
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(planted) in lines[0] and mallory.name in lines[0], done.stderr
+    assert sorted(p.name for p in planted.iterdir()) == ["catalog.sqlite"], "nothing written into it"
+    # A cache alice made herself there is hers: it works.
+    own = scratch / "alice-cache"
+    done = cli_as(alice, "warm", str(origin), env=user_env(alice, {"DATACACHE_LOCAL_DIR": str(own)}))
+    assert done.returncode == 0, done.stderr
+    # Her catalog replaced by one another uid owns (her directory made writable by a careless chmod).
+    own.chmod(0o777)
+    done = cli_as(alice, "warm", str(origin), env=user_env(alice, {"DATACACHE_LOCAL_DIR": str(own)}))
+    assert done.returncode != 0 and "anyone can write it" in done.stderr, done.stderr
+
+
+# -- item 8: a report of corruption is checked before a copy is dropped ---------------------------
+
+_CALLS = r"""
+import json, sys
+from _daemon import unix_request
+socket, calls = sys.argv[1], json.loads(sys.argv[2])
+print(json.dumps([list(unix_request(socket, m, t, b, timeout=120)) for m, t, b in calls]))
+"""
+
+
+def calls_as(user: User, daemon: DaemonProcess, *calls: tuple[str, str, Any]) -> list[tuple[int, Any]]:
+    done = run_as(user, [sys.executable, "-c", _CALLS, str(daemon.socket), json.dumps(calls)], timeout=300)
+    assert done.returncode == 0, done.stderr
+    return [(status, reply) for status, reply in json.loads(done.stdout)]
+
+
+def test_a_false_corruption_report_does_not_drop_another_users_pinned_copy(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    origin, shards = _origin(world_dir, "common")
+    url = f"file://{origin}/"
+    daemon = _serve(users, world_dir, base_env, "--allow-dataset", url)  # shared with every allowed client
+    try:
+        ((status, opened),) = calls_as(alice, daemon, ("POST", "/v1/open", {"dataset": url}))
+        assert status == 200, opened
+        dataset = opened["dataset_id"]
+        ensures = [("POST", "/v1/ensure", {"dataset": dataset, "key": key}) for key in shards]
+        replies = calls_as(alice, daemon, *ensures, ("POST", "/v1/pin", {"dataset": dataset}))
+        assert all(status == 200 for status, _ in replies), replies
+        copy = world_dir / "cache" / "data" / dataset / "shard-0000.tar"
+        assert copy.read_bytes() == shards["shard-0000.tar"]
+        report = {"dataset": dataset, "key": "shard-0000.tar", "tier": "local"}
+        (_, _), (status, reply) = calls_as(
+            bob, daemon, ("POST", "/v1/open", {"dataset": url}), ("POST", "/v1/report_corrupt", report)
+        )
+        assert status == 200 and reply == {"dropped": False}, reply
+        assert copy.read_bytes() == shards["shard-0000.tar"], "bob's false report dropped alice's pinned copy"
+        # A copy that really is wrong is still dropped on report.
+        copy.write_bytes(b"\0" * len(shards["shard-0000.tar"]))
+        ((status, reply),) = calls_as(bob, daemon, ("POST", "/v1/report_corrupt", report))
+        assert status == 200 and reply == {"dropped": True}, reply
+        assert not copy.exists()
+    finally:
+        daemon.kill()
+
+
+# -- item 9: another member's files never make a user evict its own copies -----------------------
+
+
+def test_junk_another_member_cannot_be_made_to_remove_never_evicts_a_users_copies(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    alice, bob = users["alice"], users["bob"]
+    shared = _group_tier(world_dir, users)
+    first, _ = _origin(world_dir, "first")
+    second, _ = _origin(world_dir, "second")
+    env = user_env(alice, {"DATACACHE_SHARED_DIR": str(shared), "DATACACHE_SHARED_CAPACITY": "40KB"})
+    done = cli_as(alice, "warm", str(first), "--tier", "shared", env=env)
+    assert done.returncode == 0, done.stderr
+    # bob fills the tier with a directory of his that alice cannot empty (0755 in the 2770 data/).
+    junk = shared / "data" / "junk-0000000000000000"
+    planted = run_as(bob, ["sh", "-c", f"mkdir -m 755 {junk} && truncate -s 10M {junk}/filler.tar"])
+    assert planted.returncode == 0, planted.stderr
+    done = cli_as(alice, "warm", str(second), "--tier", "shared", env=env)
+    assert done.returncode == 0, done.stderr
+    for origin in (first, second):
+        kept = sorted(p.name for p in (shared / "data" / dataset_id_for(str(origin))).iterdir())
+        assert kept == ["shard-0000.tar", "shard-0001.tar", "shard-0002.tar"], (origin, kept)
