@@ -83,12 +83,14 @@ def parse_readers(value: Any, what: str) -> Readers:
     return Readers(frozenset(uids), frozenset(gids))
 
 
-def _writers_problem(st: os.stat_result, trusted: Collection[int], *, directory: bool) -> str | None:
+def _writers_problem(
+    st: os.stat_result, trusted: Collection[int], *, directory: bool, owner_only: bool = False
+) -> str | None:
     """Why a uid outside ``trusted`` could change what ``st`` describes, or None."""
     if st.st_uid not in trusted:
         return f"it belongs to {_name(pwd.getpwuid, st.st_uid, 'pw_name')} (uid {st.st_uid})"
     mode = stat.S_IMODE(st.st_mode)
-    if directory and mode & stat.S_ISVTX:
+    if owner_only or (directory and mode & stat.S_ISVTX):
         return None  # /tmp: others may create beside it, not rename or remove what is ours
     if mode & 0o002:
         return f"anyone can write it (mode {mode:04o})"
@@ -98,13 +100,14 @@ def _writers_problem(st: os.stat_result, trusted: Collection[int], *, directory:
 
 
 def check_not_writable_by_others(
-    path: Path, what: str, *, trusted: Collection[int], parent: bool = True
+    path: Path, what: str, *, trusted: Collection[int], parent: bool = True, owner_only: bool = False
 ) -> None:
     """Raise `ConfigError` if a uid outside ``trusted`` (and root) could have written ``path``.
 
     ``path`` itself (followed, as it is opened) and, with ``parent``, the directory holding it:
-    whoever can write that directory can replace the file. A missing ``path`` is fine (nothing
-    to believe yet).
+    whoever can write that directory can replace the file. With ``owner_only``, only whose it
+    is counts (a pod's emptyDir is 0777 by design). A missing ``path`` is fine (nothing to
+    believe yet).
     """
     trusted = {0, *trusted}
     try:
@@ -113,7 +116,7 @@ def check_not_writable_by_others(
         return
     except OSError as exc:
         raise ConfigError(f"{what} {path}: cannot check who owns it ({exc.strerror})") from None
-    problem = _writers_problem(st, trusted, directory=stat.S_ISDIR(st.st_mode))
+    problem = _writers_problem(st, trusted, directory=stat.S_ISDIR(st.st_mode), owner_only=owner_only)
     where = path
     if problem is None and parent:
         where = Path(os.path.realpath(path)).parent

@@ -324,8 +324,10 @@ def test_a_node_cache_another_uid_planted_on_a_world_writable_scratch_is_refused
     assert done.returncode == 0, done.stderr
     # Her catalog replaced by one another uid owns (her directory made writable by a careless chmod).
     own.chmod(0o777)
+    swapped = run_as(mallory, ["sh", "-c", f"rm -f {own}/catalog.sqlite && : > {own}/catalog.sqlite"])
+    assert swapped.returncode == 0, swapped.stderr
     done = cli_as(alice, "warm", str(origin), env=user_env(alice, {"DATACACHE_LOCAL_DIR": str(own)}))
-    assert done.returncode != 0 and "anyone can write it" in done.stderr, done.stderr
+    assert done.returncode != 0 and "catalog" in done.stderr and mallory.name in done.stderr, done.stderr
 
 
 # -- item 8: a report of corruption is checked before a copy is dropped ---------------------------

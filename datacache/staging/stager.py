@@ -605,5 +605,6 @@ def _check_node_cache(settings: Settings) -> None:
     # On a world-writable scratch another uid may have made the directory (or its catalog) first,
     # with copies and records of its own: its bytes would be served as this user's confirmed ones.
     trusted = settings.trusted_uids
-    check_not_writable_by_others(local, "the node cache", trusted=trusted, parent=False)
+    # Its mode alone is not refused (a pod's emptyDir is 0777; the daemon warns of it): what is in it is.
+    check_not_writable_by_others(local, "the node cache", trusted=trusted, parent=False, owner_only=True)
     check_not_writable_by_others(local / "catalog.sqlite", "the node cache's catalog", trusted=trusted, parent=False)
