@@ -90,10 +90,14 @@ class Stager:
     reconcile
         Repair what killed processes left in the catalog and on disk, once, on
         first use. Loader workers turn this off: their parent already did it.
+    inspect
+        Only show what the cache holds (``datacache top``): whose it is is not checked.
     """
 
-    def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
-        _check_node_cache(settings)
+    def __init__(
+        self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE, inspect: bool = False
+    ) -> None:
+        _check_node_cache(settings, inspect=inspect)
         self.settings = settings
         self.local = LocalTier(
             settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
@@ -591,8 +595,12 @@ def _ignore_result(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _check_node_cache(settings: Settings) -> None:
-    """Refuse a node cache this process cannot write, or one another user could have planted."""
+def _check_node_cache(settings: Settings, *, inspect: bool) -> None:
+    """Refuse a node cache this process cannot write, or one another user could have planted.
+
+    ``inspect``: the stager only shows what the cache holds (``datacache top`` as root, over a
+    user's cache); it serves nothing, so whose the cache is is not checked.
+    """
     local = settings.local_dir
     if local.exists() and not os.access(local, os.W_OK | os.X_OK):
         # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
@@ -602,6 +610,8 @@ def _check_node_cache(settings: Settings) -> None:
             f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
             "or set DATACACHE_LOCAL_DIR to a cache of your own"
         )
+    if inspect:
+        return
     # On a world-writable scratch another uid may have made the directory (or its catalog) first,
     # with copies and records of its own: its bytes would be served as this user's confirmed ones.
     trusted = settings.trusted_uids
