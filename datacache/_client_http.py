@@ -19,10 +19,21 @@ import aiohttp
 
 from datacache._logging import FirstTime
 from datacache._protocol import exception_from_wire
-from datacache.errors import DaemonUnavailableError, DatacacheError
+from datacache.config import DatasetConfig
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.manifest import Manifest
 from datacache.tiers import ByteRange, redact_url
 
-__all__ = ["BASE", "VerifiedUnixConnector", "decode_reply", "read_file", "say_notices", "streamed_events"]
+__all__ = [
+    "BASE",
+    "VerifiedUnixConnector",
+    "decode_reply",
+    "read_file",
+    "read_manifest_file",
+    "same_dataset",
+    "say_notices",
+    "streamed_events",
+]
 
 logger = logging.getLogger("datacache.client")
 
@@ -121,3 +132,33 @@ def say_notices(notices: object, run_dir: Path) -> None:
     for notice in notices:
         text = redact_url(str(notice))
         logger.log(_NOTICES_SAID.level(text, run_dir=run_dir), "%s", text)
+
+
+def same_dataset(config: DatasetConfig, named: object) -> None:
+    """Refuse a reply about another dataset than ``config`` (most often: another endpoint)."""
+    # An id includes the origin's endpoint, and the daemon gets options, not the environment.
+    if named != config.id:
+        raise ConfigError(
+            f"the daemon names {redact_url(config.url)} dataset {named!r}, this process names it {config.id!r}: "
+            "they reach a different origin (most often a different endpoint: AWS_ENDPOINT_URL or "
+            "FSSPEC_S3_ENDPOINT_URL set on one side only); give the daemon and its clients the same "
+            "endpoint, or set endpoint_url in the dataset's storage_options"
+        )
+
+
+def read_manifest_file(path: Path, snapshot: str) -> Manifest:
+    """The manifest snapshot the daemon wrote for its clients at ``path`` (it must hold ``snapshot``)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatacacheError(
+            f"cannot read the manifest {path} the daemon wrote ({exc.strerror}); "
+            "mount the cache directory at the same path as in the daemon's container"
+        ) from None
+    try:
+        manifest = Manifest.from_json(json.loads(raw), str(path))
+    except ValueError as exc:
+        raise DatacacheError(f"the manifest {path} the daemon wrote is unreadable: {exc}") from None
+    if manifest.snapshot != snapshot:
+        raise DatacacheError(f"the manifest {path} holds snapshot {manifest.snapshot}, not {snapshot}")
+    return manifest

@@ -22,6 +22,7 @@ from datacache.errors import (
     OriginChangedError,
     OriginError,
     OriginPermissionError,
+    ProofRequiredError,
     ShardNotFoundError,
     ShardReadError,
     TierFullError,
@@ -83,6 +84,7 @@ class UnknownDatasetError(DatacacheError):
 _ERRORS: tuple[tuple[type[BaseException], str, int], ...] = (
     (InvalidKeyError, "invalid_key", 400),
     (UnsupportedURLError, "unsupported_url", 400),
+    (ProofRequiredError, "proof_required", 403),
     (ConfigError, "invalid_request", 400),
     (UnknownDatasetError, "unknown_dataset", 409),
     (ShardNotFoundError, "not_found", 404),

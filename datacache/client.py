@@ -13,7 +13,6 @@ the process and event loop that use it and is never pickled.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -23,18 +22,28 @@ from typing import Any
 
 import aiohttp
 
-from datacache._client_http import BASE, VerifiedUnixConnector, decode_reply, read_file, say_notices, streamed_events
+from datacache._client_http import (
+    BASE,
+    VerifiedUnixConnector,
+    decode_reply,
+    read_file,
+    read_manifest_file,
+    same_dataset,
+    say_notices,
+    streamed_events,
+)
+from datacache._proof import Challenge, answer_challenge
 from datacache._protocol import (
     API,
     UnknownDatasetError,
     config_to_wire,
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.errors import DaemonUnavailableError, DatacacheError, ProofRequiredError
 from datacache.manifest import Manifest, listing_notices, reading_url
 from datacache.staging import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, FutureOrder, Location, ReaderProgress
 from datacache.staging.reading import read_verified
-from datacache.tiers import ByteRange, Tier, open_origin, redact_url
+from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
 
@@ -212,9 +221,18 @@ class DaemonClient:
         body: dict[str, Any] = {"dataset": await self._wire(config), "refresh": refresh}
         if snapshot is not None:
             body["snapshot"] = snapshot
-        reply = await self._call("POST", f"{API}/open", body)
-        _same_dataset(config, reply.get("dataset_id"))
+        try:
+            reply = await self._call("POST", f"{API}/open", body)
+        except ProofRequiredError:
+            body["proof"] = await self._prove(config, body["dataset"])
+            reply = await self._call("POST", f"{API}/open", body)
+        same_dataset(config, reply.get("dataset_id"))
         return reply
+
+    async def _prove(self, config: DatasetConfig, wire: dict[str, Any]) -> dict[str, str]:
+        """Show the daemon that the origin answers this user, with this process's own credentials."""
+        reply = await self._call("POST", f"{API}/challenge", {"dataset": wire}, within=self.request_timeout)
+        return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
 
     async def _wire(self, config: DatasetConfig) -> dict[str, Any]:
         """``config`` as sent: with credentials only to a daemon running as this very user."""
@@ -230,23 +248,7 @@ class DaemonClient:
         cached = self._manifests.get((dataset, snapshot))
         if cached is not None:
             return cached
-        try:
-            raw = await asyncio.to_thread(Path(path).read_bytes)
-        except OSError as exc:
-            raise DatacacheError(
-                f"cannot read the manifest {path} the daemon wrote ({exc.strerror}); "
-                "mount the cache directory at the same path as in the daemon's container"
-            ) from None
-        try:
-            manifest = Manifest.from_json(json.loads(raw), path)
-        except ValueError as exc:
-            raise DatacacheError(
-                f"the manifest {path} the daemon wrote is unreadable: {exc}"
-            ) from None
-        if manifest.snapshot != snapshot:
-            raise DatacacheError(
-                f"the manifest {path} holds snapshot {manifest.snapshot}, not {snapshot}"
-            )
+        manifest = await asyncio.to_thread(read_manifest_file, Path(path), snapshot)
         self._manifests[(dataset, snapshot)] = manifest
         say_notices(listing_notices(manifest), self.settings.local_dir / "notices")
         return manifest
@@ -473,26 +475,24 @@ class DaemonClient:
             "refresh": refresh,
             "bandwidth": bandwidth,
         }
+        try:
+            async for event in self._warm_events(config, body):
+                yield event
+        except ProofRequiredError:  # raised before the first line: nothing was yielded
+            body["proof"] = await self._prove(config, await self._wire(config))
+            async for event in self._warm_events(config, body):
+                yield event
+
+    async def _warm_events(self, config: DatasetConfig, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         session = self._http()
         try:
             async with session.post(f"{BASE}{API}/warm", json=body) as response:
                 async for event in streamed_events(response, f"{API}/warm"):
                     if event.get("event") == "start":
-                        _same_dataset(config, event.get("dataset"))  # before a byte is counted as ours
+                        same_dataset(config, event.get("dataset"))  # before a byte is counted as ours
                         say_notices(event.get("notices"), self.settings.local_dir / "notices")
                     yield event
         except DatacacheError:
             raise  # the daemon's own answer (a missing bucket, say), not a lost connection
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise self._unavailable(exc) from exc
-
-
-def _same_dataset(config: DatasetConfig, named: object) -> None:
-    # An id includes the origin's endpoint, and the daemon gets options, not the environment.
-    if named != config.id:
-        raise ConfigError(
-            f"the daemon names {redact_url(config.url)} dataset {named!r}, this process names it {config.id!r}: "
-            "they reach a different origin (most often a different endpoint: AWS_ENDPOINT_URL or "
-            "FSSPEC_S3_ENDPOINT_URL set on one side only); give the daemon and its clients the same "
-            "endpoint, or set endpoint_url in the dataset's storage_options"
-        )

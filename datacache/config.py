@@ -24,6 +24,7 @@ from datacache.errors import ConfigError, close_match
 from datacache.eviction import POLICIES
 from datacache.formats import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
+from datacache.ownership import Readers, check_not_writable_by_others, parse_readers
 from datacache.sizes import parse_bandwidth, parse_size, unit_hint
 from datacache.tiers import RetryPolicy, redact_url, split_scheme
 
@@ -67,6 +68,8 @@ class DatasetConfig:
     policy: str = "auto"
     pinned: bool = False
     format: str | None = None
+    readers: Readers = field(default_factory=Readers)
+    """Whom the operator shares it with (``readers = [...]``); empty: each reader's copies are its own."""
 
     @cached_property
     def id(self) -> str:
@@ -269,7 +272,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "metrics_clients": ("daemon", _boolean),
 }
 _SECTIONS = {"cache", "staging", "daemon", "storage_options", "datasets"}
-_DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format"}
+_DATASET_KEYS = {"url", "storage_options", "policy", "pin", "format", "readers"}
 
 
 def _suggest(word: str, choices: list[str] | set[str]) -> str:
@@ -314,6 +317,9 @@ def _dataset_from_table(name: str, table: Any, where: str) -> DatasetConfig:
         policy=_policy(table.get("policy", "auto"), f"{where}: datasets.{name}.policy"),
         pinned=_boolean(table.get("pin", False), f"{where}: datasets.{name}.pin"),
         format=fmt,
+        readers=parse_readers(table["readers"], f"{where}: datasets.{name}.readers")
+        if "readers" in table
+        else Readers(),
     )
 
 
@@ -360,7 +366,11 @@ def _config_file(config_path: str | os.PathLike[str] | None, env: Mapping[str, s
     if explicit and not path.is_file():
         source = "--config" if config_path else "DATACACHE_CONFIG"
         raise ConfigError(f"config file {path} does not exist (from {source})")
-    return path if path.is_file() else None
+    if not path.is_file():
+        return None
+    # It names the daemon this process trusts and where its cache lives: never another user's word.
+    check_not_writable_by_others(path, "config file", trusted={os.geteuid()})
+    return path
 
 
 @dataclass

@@ -19,6 +19,7 @@ __all__ = [
     "OriginChangedError",
     "OriginError",
     "OriginPermissionError",
+    "ProofRequiredError",
     "SampleDecodeError",
     "ShardNotFoundError",
     "ShardReadError",
@@ -47,6 +48,10 @@ class DatacacheError(Exception):
 
 class ConfigError(DatacacheError, ValueError):
     """A setting, config file, flag or argument is invalid."""
+
+
+class ProofRequiredError(ConfigError):
+    """The daemon serves this dataset to this uid only once it proved the origin answers it (`datacache._proof`)."""
 
 
 class UnsupportedURLError(ConfigError):

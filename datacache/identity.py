@@ -1,18 +1,20 @@
 """What an origin URL names, written one way, and the dataset id every tier keys its copies by.
 
-Two spellings of one origin (``s3a://`` and ``s3://``, ``..`` segments, credentials in the URL,
-another endpoint variable) are one dataset; two origins never are. The daemon's allowlist matches
+Two spellings of one origin (``s3a://`` and ``s3://``, ``..`` segments, another endpoint
+variable) are one dataset; two origins never are, nor two http queries or userinfos, which may
+change what the origin returns. The daemon's allowlist matches
 this form only (docs/SECURITY.md), so a URL whose form may differ from what is fetched is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from datacache.errors import ConfigError
 from datacache.tiers import redact_url, split_scheme, split_userinfo
@@ -43,9 +45,9 @@ def canonical_origin(
 ) -> str:
     """What ``url`` names, written one way: scheme, endpoint, bucket or host, normalised path.
 
-    Credentials (``user:secret@``) and query strings (signatures, tokens) are
-    not part of it: they say who asks, not what is read; the origin checks them
-    on every read (docs/SECURITY.md). Local paths are resolved (``~``, ``..``,
+    Credentials (``user:secret@``) and query strings are not part of it (the
+    allowlist matches this form); `dataset_id_for` adds them to a dataset's
+    identity, since they may change what the origin returns. Local paths are resolved (``~``, ``..``,
     symlinks), so every spelling of one directory is one dataset.
     """
     scheme, _ = split_scheme(url)
@@ -132,5 +134,28 @@ def dataset_id_for(
     canonical = canonical_origin(url, storage_options, env=env)
     last = redact_url(canonical).rstrip("/").rsplit("/", 1)[-1]  # a ";jsessionid=" is hashed, never shown
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", last).strip(".-") or "dataset"
-    digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]  # 64 bits: no forged collisions
+    # 64 bits: no forged collisions
+    digest = hashlib.sha256(_what_is_returned(url, canonical).encode()).hexdigest()[:16]
     return f"{tail[:60]}-{digest}"
+
+
+def _what_is_returned(url: str, canonical: str) -> str:
+    """``canonical``, and what else changes what the origin returns: the query, and who asks (http userinfo).
+
+    Two users' ``https://alice:pw@host/d/`` and ``https://bob:pw@host/d/`` may be answered with
+    different bytes (or one with 401), as ``?x=1`` and ``?x=2`` may: each is its own dataset. The
+    userinfo enters only as a slow, salted digest (a dataset id is visible to every user of a tier).
+    """
+    if not canonical.startswith(("http://", "https://")):
+        return canonical  # object stores refuse a userinfo (ConfigError); their keys hold no query
+    userinfo, bare = split_userinfo(url)
+    query = urlsplit(bare).query
+    extra = f"?{query}" if query else ""
+    if userinfo:
+        extra += "|as=" + _credential_digest(userinfo, canonical)
+    return canonical + extra
+
+
+@functools.lru_cache(maxsize=256)
+def _credential_digest(userinfo: str, salt: str) -> str:
+    return hashlib.pbkdf2_hmac("sha256", userinfo.encode(), salt.encode(), 20_000).hex()

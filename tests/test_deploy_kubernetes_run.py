@@ -117,7 +117,8 @@ def pod(world_dir: Path, users: dict[str, User]) -> Iterator[Pod]:
 def test_a_training_pod_of_another_uid_trains_through_the_daemonset(pod: Pod, users: dict[str, User], s3: Any) -> None:
     for key, data in _shards(3, 4).items():
         s3.client.put_object(Bucket=s3.name, Key=f"wds/{key}", Body=data, ACL="public-read")
-    line = (f'imagenet = {{ url = "{s3.url("wds")}/", '
+    # Declared shared with the pods' group (their fsGroup, the daemon's gid): they map its copies.
+    line = (f'imagenet = {{ url = "{s3.url("wds")}/", readers = ["@{pod.context["fsGroup"]}"], '
             f'storage_options = {{ endpoint_url = "{s3.server.endpoint}", anon = true }} }}')
     pod.prepare(line)
     daemon = pod.start_daemon()

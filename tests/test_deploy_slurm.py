@@ -38,6 +38,8 @@ from _daemon import REPO, unix_request, wait_until
 from _helpers import tar_of
 from _users import User, run_as
 
+from datacache.config import dataset_id_for
+
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
 
@@ -324,7 +326,7 @@ def test_a_job_user_of_the_group_trains_through_the_daemon_installed_as_shipped(
 
     # 2. The operator adds the one dataset line (the node's S3 endpoint; anonymous reads on this one).
     config = node.etc / "config.toml"
-    line = (f'imagenet = {{ url = "{s3.url("wds")}/", '
+    line = (f'imagenet = {{ url = "{s3.url("wds")}/", readers = ["@{node.group}"], '
             f'storage_options = {{ endpoint_url = "{s3.server.endpoint}", anon = true }} }}')
     config.write_text(config.read_text() + line + "\n")
 
@@ -459,3 +461,87 @@ def test_the_unit_makes_the_socket_directory_the_config_names(node: Node) -> Non
     assert unit["RuntimeDirectory"] == [name]
     assert socket_path.parent == Path("/run", name)
     assert not Path("/run", name).exists(), "systemd makes it at the unit's start, not install.sh"
+
+
+@pytest.fixture
+def second_job_user(node: Node) -> Iterator[User]:
+    """Another researcher on the same node: their jobs share the node's daemon and the shared tier."""
+    name = f"dck{node.user[3:]}"
+    _users._admin(["useradd", "-M", "-d", str(node.root / name), "-s", "/usr/sbin/nologin", "-U", name])
+    entry = pwd.getpwnam(name)
+    home = node.root / name
+    home.mkdir(mode=0o700)
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    try:
+        yield User(name=name, uid=entry.pw_uid, gid=entry.pw_gid)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, check=False)
+        subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+
+def _shard_gets(s3: Any) -> int:
+    return sum(n for k, n in s3.server.request_counts().items() if k.startswith("GET ") and "shard-" in k)
+
+
+def _private_origin(user: User) -> Path:
+    """``user``'s own dataset, in a 0700 directory of theirs: the origin answers nobody else."""
+    origin = user.home / "private"
+    origin.mkdir()
+    for key, data in _shards(2, 3).items():
+        (origin / key).write_bytes(data)
+    for path in (origin, *origin.iterdir()):
+        os.chown(path, user.uid, user.gid)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    return origin
+
+
+def test_two_job_users_share_a_declared_dataset_and_keep_their_private_ones_apart(
+    node: Node, job_user: User, second_job_user: User, s3: Any
+) -> None:
+    """Issue 33: the Slurm shape (one daemon, one shared tier, two job users of the daemon's group)."""
+    for key, data in _shards(4, 5).items():
+        s3.client.put_object(Bucket=s3.name, Key=f"wds/{key}", Body=data, ACL="public-read")
+    installed = subprocess.run(
+        ["bash", str(SLURM / "install.sh"), job_user.name, second_job_user.name],
+        env=node.env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    alice, bob = (User(u.name, u.uid, u.gid, _login_groups(u.name)) for u in (job_user, second_job_user))
+    config = node.etc / "config.toml"
+    # The operator declares the one dataset the group shares: its copies are the group's.
+    line = (f'common = {{ url = "{s3.url("wds")}/", readers = ["@{node.group}"], '
+            f'storage_options = {{ endpoint_url = "{s3.server.endpoint}", anon = true }} }}')
+    config.write_text(config.read_text() + line + "\n")
+    service = Service(node)
+    try:
+        wait_until(service.ready, timeout=90, what="the daemon to become ready")
+        gets = []
+        for user in (alice, bob):
+            s3.server.reset_counts()
+            env = _users.user_env(user, {"DATACACHE_CONFIG": str(config)})
+            trained = run_as(user, [sys.executable, "-c", textwrap.dedent(_TRAIN), "common"], env=env, timeout=300)
+            assert trained.returncode == 0, trained.stderr
+            assert len(json.loads(trained.stdout.strip().splitlines()[-1])["keys"]) == 20
+            gets.append(_shard_gets(s3))
+        # One copy for both: the daemon fetched each shard once, for the first user; the second read it.
+        assert gets[0] >= 4 and gets[1] == 0, gets
+        # Each user's private dataset, read in its own process (the daemon cannot read it), lands on
+        # the shared tier as that user's alone, and the other user's process gets the origin's refusal.
+        private = {user.name: _private_origin(user) for user in (alice, bob)}
+        for user, other in ((alice, bob), (bob, alice)):
+            env = _users.user_env(user, {"DATACACHE_CONFIG": str(config), "DATACACHE_LOCAL_DIR": str(user.home / "c")})
+            warm = [sys.executable, "-m", "datacache.cli", "warm", "--no-daemon"]
+            warmed = run_as(user, [*warm, str(private[user.name]), "--tier", "shared"], env=env, timeout=300)
+            assert warmed.returncode == 0, warmed.stderr
+            theirs = run_as(user, [*warm, str(private[other.name])], env=env, timeout=300)
+            # The other's home is 0700: the path does not even resolve for this user.
+            assert theirs.returncode != 0 and len(theirs.stderr.strip().splitlines()) == 1, theirs.stderr
+        for user, other in ((alice, bob), (bob, alice)):
+            copies = sorted((node.shared / "data" / dataset_id_for(str(private[user.name]))).iterdir())
+            assert len(copies) == 2
+            for copy in copies:
+                assert copy.stat().st_uid == user.uid and copy.stat().st_mode & 0o077 == 0, copy
+                peek = run_as(other, ["dd", f"if={copy}", "of=/dev/null", "bs=16", "count=1"])
+                assert peek.returncode != 0, f"{other.name} read {user.name}'s private copy {copy}"
+    finally:
+        service.stop()

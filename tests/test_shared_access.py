@@ -67,6 +67,9 @@ def test_group_members_share_the_tier_whatever_their_umask(users: dict[str, User
         assert st.st_gid == team, f"{path} is not the group's"
         if stat.S_ISDIR(st.st_mode):
             assert stat.S_IMODE(st.st_mode) == 0o2770, f"{path}: {stat.S_IMODE(st.st_mode):o}"
+        elif path.relative_to(shared).parts[0] in ("data", "meta"):
+            # Copies of datasets not declared shared are their reader's alone (issue 33 item 1).
+            assert stat.S_IMODE(st.st_mode) == 0o600, f"{path}: {stat.S_IMODE(st.st_mode):o}"
         else:
             assert stat.S_IMODE(st.st_mode) == 0o640, f"{path}: {stat.S_IMODE(st.st_mode):o}"
 

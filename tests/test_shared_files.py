@@ -218,10 +218,15 @@ def test_modes_do_not_depend_on_the_umask(tmp_path: Path) -> None:
     assert stat.S_IMODE((local.root / "data" / "ds" / "sub" / "k").stat().st_mode) == 0o600
     assert stat.S_IMODE((local.root / "meta" / "ds" / "sub" / "k.json").stat().st_mode) == 0o600
     shared = SharedTier(tmp_path / "shared")
+    shared.shared_datasets.add("ds")  # declared shared (readers): the group's copy
     _put_under_umask(0o077, shared, "ds/k")
     for path in [shared.root / "data", shared.root / "data" / "ds", shared.root / "meta" / "ds"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o2770, path
     assert stat.S_IMODE((shared.root / "data" / "ds" / "k").stat().st_mode) == 0o640
+    # Any other dataset's copy is its writer's alone, whatever the umask (issue 33 item 1).
+    _put_under_umask(0o022, shared, "private/k")
+    assert stat.S_IMODE((shared.root / "data" / "private" / "k").stat().st_mode) == 0o600
+    assert stat.S_IMODE((shared.root / "meta" / "private" / "k.json").stat().st_mode) == 0o600
 
 
 # -- the order of an atomic write ----------------------------------------------------------------

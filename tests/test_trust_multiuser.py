@@ -11,6 +11,7 @@ cached data".
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import sys
@@ -208,12 +209,17 @@ def test_copies_the_configured_daemon_uid_wrote_are_used_and_nobody_elses(
     shardlist = [{"url": key, "nsamples": SAMPLES, "filesize": len(data)} for key, data in dataset.items()]
     index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shardlist}
     s3.put("wds/wids-index.json", json.dumps(index).encode())
-    bob_env = _env(bob, s3, shared, credentials=True)
+    # Shared copies other uids can open exist only for a dataset declared shared with them (issue 33).
+    config = shared.parent / "declared.toml"
+    config.write_text(f'[datasets.wds]\nurl = "{url}"\nreaders = ["@{grp.getgrgid(alice.groups[0]).gr_name}"]\n')
+    config.chmod(0o644)
+    bob_env = {**_env(bob, s3, shared, credentials=True), "DATACACHE_CONFIG": str(config)}
     done = cli_as(bob, "warm", url, "--tier", "shared", env=bob_env)
     assert done.returncode == 0, done.stderr
 
     trusting = _env(alice, s3, shared, credentials=True)
     trusting.update({"DATACACHE_DAEMON_UID": bob.name, "DATACACHE_LOCAL_DIR": str(alice.home / "trusting")})
+    trusting["DATACACHE_CONFIG"] = str(config)
     s3.server.reset_counts()
     assert len(_read_as(alice, url, trusting)["texts"]) == SHARDS * SAMPLES
     assert _shard_gets(s3) == 0, "every shard came from bob's copies on the shared tier"

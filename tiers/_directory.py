@@ -49,6 +49,8 @@ class DirectoryTier(Tier):
     """The exact mode of the directories this tier creates (``None``: the umask decides)."""
     file_mode: int | None = None
     """The exact mode of the files this tier writes (``None``: 0644 less the umask)."""
+    private_file_mode: int | None = None
+    """Where set, the mode of the files of a dataset not in `shared_datasets`: readable by their writer only."""
 
     def __init__(self, root: str | os.PathLike[str], *, capacity: int | None = None, durable: bool = True) -> None:
         if capacity is not None and capacity <= 0:
@@ -58,6 +60,8 @@ class DirectoryTier(Tier):
         self._meta = self._root / "meta"
         self._capacity = capacity
         self._durable = durable
+        self.shared_datasets: set[str] = set()
+        """The ids of the datasets declared shared (docs/SECURITY.md, "Who may read what")."""
         self._counters = {"bytes_read": 0, "bytes_written": 0, "requests": 0, "retries": 0, "errors": 0}
 
     def __getstate__(self) -> dict[str, object]:
@@ -86,6 +90,12 @@ class DirectoryTier(Tier):
         return TierStats(**self._counters)
 
     # -- places: every file is reached by walking from the root, never by its path --------
+
+    def mode_for(self, key: str) -> int | None:
+        """The mode of ``key``'s files: the tier's, or its writer's alone for a dataset not declared shared."""
+        if self.private_file_mode is None or key.split("/", 1)[0] in self.shared_datasets:
+            return self.file_mode
+        return self.private_file_mode
 
     def _place(self, area: str, key: str, suffix: str = "") -> Place:
         validate_key(key)
@@ -213,7 +223,7 @@ class DirectoryTier(Tier):
     def _describe_sync(self, key: str, metadata: bytes | None) -> ObjectInfo | None:
         """Write ``key``'s metadata file (if any), then stat it: what `put` does once the data is in place."""
         if metadata is not None:
-            write_small(self._meta_place(key), metadata, self.file_mode)
+            write_small(self._meta_place(key), metadata, self.mode_for(key))
         return self._stat_sync(key)
 
     def _read_sync(self, key: str, span: ByteRange, version: str | None) -> bytes:
@@ -352,7 +362,7 @@ class DirectoryTier(Tier):
         target = self._data_place(key)
         self._counters["requests"] += 1
         try:
-            size = await atomic_write(target, chunks, durable=self._durable, file_mode=self.file_mode)
+            size = await atomic_write(target, chunks, durable=self._durable, file_mode=self.mode_for(key))
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         return await self._published(key, size, metadata)
@@ -390,7 +400,9 @@ class DirectoryTier(Tier):
             else:
                 outcomes.append(batch[-1].data.path)
         self._counters["requests"] += len(batch)
-        errors = iter(await write_batch(batch, durable=self._durable, file_mode=self.file_mode))
+        modes = {self.mode_for(key) for key, _, _ in items}
+        mode = self.file_mode if modes == {self.file_mode} else self.private_file_mode  # one mode a batch
+        errors = iter(await write_batch(batch, durable=self._durable, file_mode=mode))
         for index, ((key, body, _), outcome) in enumerate(zip(items, outcomes, strict=True)):
             if isinstance(outcome, Exception):
                 continue

@@ -107,6 +107,8 @@ class LocalTier(DirectoryTier):
         super().__init__(root, capacity=capacity, durable=durable)
         self.dir_mode = modes.dir
         self.file_mode = modes.file
+        # The daemon's group reads its files: only those of datasets declared shared with it.
+        self.private_file_mode = PRIVATE.file if modes.file != PRIVATE.file else None
 
     async def land(self, key: str, size: int) -> Landing | None:
         """``key``'s temporary file of ``size`` bytes, allocated and mapped for writing (see `Landing`)."""
@@ -114,7 +116,7 @@ class LocalTier(DirectoryTier):
             return None
         self._counters["requests"] += 1
         try:
-            return await open_landing(self._data_place(key), size, durable=self._durable, file_mode=self.file_mode)
+            return await open_landing(self._data_place(key), size, durable=self._durable, file_mode=self.mode_for(key))
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
 

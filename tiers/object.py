@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -221,6 +222,12 @@ class ObjectTier(Tier):
     def _path(self, key: str) -> str:
         # Every verb reaches the origin through here: an http server decodes what it is sent.
         (validate_url_key if self._protocol in ("http", "https") else validate_key)(key)
+        if self._protocol in ("http", "https") and re.search(r"[?#]", self._root):
+            # "ok/?x=1" + "/shard.tar" would ask for "ok/" with a query ending in the key: never the object.
+            raise ConfigError(
+                f"{self.url}: a URL with a query or fragment names one object; no key is read under it "
+                "(give the directory without the query)"
+            )
         return f"{self._root}/{key}" if self._root else key
 
     def _key_of(self, path: str) -> str:

@@ -43,6 +43,7 @@ class SharedTier(DirectoryTier):
     kind = "shared"
     dir_mode = 0o2770
     file_mode = 0o640
+    private_file_mode = 0o600
 
     def __init__(
         self,

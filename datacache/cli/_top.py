@@ -120,7 +120,7 @@ class Sampler:
     async def _embedded(self, now: float) -> dict[str, Any]:
         settings = self.settings
         if self._stager is None:
-            self._stager = Stager(settings, reconcile=False)
+            self._stager = Stager(settings, reconcile=False, inspect=True)  # shows, never serves
         stager = self._stager
         tiers = await self._embedded_tiers(stager)
         policies = {record.id: record.policy for record in await stager.catalog.datasets()}

@@ -7,13 +7,16 @@ both build on this, so that the parts are made in one place.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from datacache.config import Settings
+from datacache._protocol import location_to_wire
+from datacache.config import DatasetConfig, Settings
 from datacache.daemon import _http as http
+from datacache.daemon._grants import Grants
 from datacache.daemon._leases import LeaseBook, lease_limit, owner_of
 from datacache.daemon._lifecycle import Lifecycle
 from datacache.daemon._limits import OpenGate
@@ -24,7 +27,8 @@ from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.daemon._status import StatusBoard
 from datacache.errors import DaemonUnavailableError
 from datacache.metrics import DaemonMetrics
-from datacache.staging import Stager
+from datacache.staging import DatasetHandle, Location, Stager
+from datacache.tiers import ByteRange
 
 __all__ = ["DaemonBase"]
 
@@ -61,6 +65,7 @@ class DaemonBase:
             own_endpoints=own_endpoints(settings),
         )
         self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
+        self.grants = Grants({dataset.id: dataset.readers for dataset in settings.datasets.values()})
         self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
         self.lease_lock = asyncio.Lock()
         """Held while leases are admitted or cut and written: the catalog gets them in the book's order."""
@@ -114,6 +119,34 @@ class DaemonBase:
             return
         what = "pinned by another uid" if holder >= 0 else "pinned (before this daemon started)"
         raise http.Forbidden(f"uid {peer.uid} may not {verb} {dataset_id}: it is {what}; ask its owner or an operator")
+
+    async def _granted(self, data: Mapping[str, Any], peer: http.Peer) -> DatasetConfig:
+        """The dataset a request names, once ``peer`` may be served it: a declared reader, or proved.
+
+        docs/SECURITY.md, "Who may read what"; `datacache.daemon._grants`.
+        """
+        config, configured = await asyncio.to_thread(self.registry.admit, data, peer)
+        prove = self.grants.needs_proof(config, peer, configured=configured)
+        stager = self._stager()
+        for tier in (stager.local, stager.shared):
+            if tier is not None:
+                tier.shared_datasets |= self.grants.shared
+        if prove:
+            handle = await self.lifecycle.tracked(stager.open(config))
+            if not self.grants.proven(peer, handle):
+
+                async def read(key: str, start: int, end: int) -> bytes:
+                    return await stager.read(handle, key, ByteRange(start, end))
+
+                await self.grants.verify(peer, handle, data.get("proof"), read)
+        return config
+
+    def _location_wire(self, peer: http.Peer, handle: DatasetHandle, location: Location) -> dict[str, Any]:
+        """``location`` as sent to ``peer``: no path to a copy that is the daemon's own (0600)."""
+        wire = location_to_wire(location)
+        if not peer.is_operator and handle.id not in self.grants.shared:
+            wire["path"] = None  # a dataset not declared shared: the client reads the origin itself
+        return wire
 
     def _stager(self) -> Stager:
         if self.stager is None:

@@ -10,7 +10,6 @@ from typing import Any
 
 from aiohttp import web
 
-from datacache._protocol import location_to_wire
 from datacache.daemon import _http as http
 from datacache.daemon._base import DaemonBase
 from datacache.daemon._leases import Lease, owner_of
@@ -30,7 +29,7 @@ class ReadVerbs(DaemonBase):
     async def _open(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         peer = self._peer(request)
-        config = await asyncio.to_thread(self.registry.config, data, peer)
+        config = await self._granted(data, peer)
         snapshot = data.get("snapshot")
         if snapshot is not None and not isinstance(snapshot, str):
             raise http.BadRequest("'snapshot' must be a string")
@@ -53,6 +52,16 @@ class ReadVerbs(DaemonBase):
             }
         )
 
+    async def _challenge(self, request: web.Request) -> web.Response:
+        """An access challenge for a dataset not declared shared (`datacache._proof`)."""
+        data = await http.body(request)
+        peer = self._peer(request)
+        config, configured = await asyncio.to_thread(self.registry.admit, data, peer)
+        if not self.grants.needs_proof(config, peer, configured=configured):
+            raise http.BadRequest(f"dataset {config.name}: uid {peer.uid} needs no access proof for it")
+        handle = await self.lifecycle.tracked(self._stager().open(config))
+        return web.json_response(self.grants.challenge(peer, handle).to_wire())
+
     async def _ensure(self, request: web.Request) -> web.Response:
         data = await http.body(request)
         peer = self._peer(request)
@@ -73,15 +82,16 @@ class ReadVerbs(DaemonBase):
             if future is None:  # pragma: no cover - waited submissions are never dropped
                 raise DatacacheError("the prefetch backlog is full")
             location = await self.lifecycle.tracked(future)
-        return web.json_response(location_to_wire(location))
+        return web.json_response(self._location_wire(peer, handle, location))
 
     async def _locate(self, request: web.Request) -> web.Response:
         data = await http.body(request)
-        handle = self.registry.handle(data, self._peer(request))
+        peer = self._peer(request)
+        handle = self.registry.handle(data, peer)
         key = http.string(data, "key")
         self.registry.shard(handle, key)
         location = await self._stager().locate(handle, key)
-        return web.json_response(location_to_wire(location))
+        return web.json_response(self._location_wire(peer, handle, location))
 
     async def _prefetch(self, request: web.Request) -> web.Response:
         data = await http.body(request)
@@ -161,7 +171,7 @@ class ReadVerbs(DaemonBase):
             )
         reply: dict[str, Any] = {"holding": len(progress.holding)}
         if wanted:
-            reply["locations"] = [location_to_wire(location) for location in located]
+            reply["locations"] = [self._location_wire(peer, handle, location) for location in located]
         return web.json_response(reply)
 
     async def _report_corrupt(self, request: web.Request) -> web.Response:
@@ -171,13 +181,21 @@ class ReadVerbs(DaemonBase):
         shard = self.registry.shard(handle, key)
         tier = http.tier(data)
         stager = self._stager()
-        path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
-        await stager.report_corrupt(handle, Location(tier, path, shard, None))
+        # A client's word is not enough to drop a copy others read (and pinned): the copy is hashed
+        # again, and only one whose bytes are wrong (or unreadable) is dropped.
+        try:
+            intact = await stager.verify_resident(handle, shard, tier=tier)
+        except OSError:
+            path = stager.local.path(handle.tier_key(key)) if tier == LOCAL else None
+            await stager.report_corrupt(handle, Location(tier, path, shard, None))
+            intact = False
         logger.warning(
-            "a client reported shard %s/%s corrupt on the %s tier; dropped it",
+            "uid %d reported shard %s/%s corrupt on the %s tier; %s",
+            self._peer(request).uid,
             handle.id,
             key,
             tier,
+            "its bytes hash to their checksum: kept" if intact else "dropped it",
             extra={"event": "corrupt", "dataset": handle.id, "key": key, "tier": tier},
         )
-        return web.json_response({"dropped": True})
+        return web.json_response({"dropped": not intact})

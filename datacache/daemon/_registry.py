@@ -94,6 +94,10 @@ class DatasetRegistry:
 
         Raise `Forbidden` if ``peer`` may not have the daemon open it (see `OriginPolicy`).
         """
+        return self.admit(data, peer)[0]
+
+    def admit(self, data: Mapping[str, Any], peer: Peer) -> tuple[DatasetConfig, bool]:
+        """`config`, and whether the operator configured it (else an ``--allow-dataset`` prefix admitted it)."""
         spec = data.get("dataset")
         client_options: dict[str, Any] = {}
         if isinstance(spec, str):
@@ -124,6 +128,8 @@ class DatasetRegistry:
             base = {**self.settings.storage_options.get(scheme, {}), **(known.storage_options if known else {})}
             if base:
                 config = replace(config, storage_options={**base, **client_options})
+            if known is not None:
+                config = replace(config, readers=known.readers)  # the operator's word, never the client's
         self.policy.admit(config, client_options, configured=configured, operator=peer.is_operator)
         if not configured and config.url.split("://", 1)[0].lower() in ("http", "https"):
             # A redirect would lead the daemon wherever the origin's host points it (the node's
@@ -131,7 +137,7 @@ class DatasetRegistry:
             config = replace(config, storage_options={**config.storage_options, CONFINE_REDIRECTS: True})
         if config.id in self.pins and not config.pinned:
             config = replace(config, pinned=True)
-        return config
+        return config, configured
 
     def _configured_at(self, config: DatasetConfig) -> DatasetConfig | None:
         """The configured dataset whose URL is ``config``'s, canonically (names are aliases of the origin).

@@ -161,6 +161,7 @@ class Daemon(ReadVerbs):
         app.router.add_get(f"{API}/datasets", self._datasets, name="datasets")
         for verb, handler in (
             ("open", self._open),
+            ("challenge", self._challenge),
             ("ensure", self._ensure),
             ("locate", self._locate),
             ("prefetch", self._prefetch),
@@ -340,7 +341,7 @@ class Daemon(ReadVerbs):
     async def _warm(self, request: web.Request) -> web.StreamResponse:
         data = await http.body(request)
         peer = self._peer(request)
-        config = await asyncio.to_thread(self.registry.config, data, peer)
+        config = await self._granted(data, peer)
         tier = http.tier(data)
         if tier == SHARED and self.settings.shared_dir is None:
             # Once, before a shard is asked for (it was one "no shared tier" line per shard).

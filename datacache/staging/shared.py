@@ -213,7 +213,7 @@ class SharedStager:
         # One decision at a time, counting the transfers this process has in flight:
         # otherwise concurrent transfers all see the same free space and overfill the tier.
         async with self._room:
-            if await self._index.refresh(shared):
+            if await self._index.refresh(shared, self._trusted):
                 self._events.count("shared_scans")
             reserved = sum(self._reserved.values())
             need = self._index.used + reserved + shard.size - shared.capacity
@@ -253,12 +253,17 @@ class _SharedIndex:
         self.used = 0
         self._walked_at: float | None = None
 
-    async def refresh(self, shared: SharedTier) -> bool:
-        """Walk the tier if never walked or the last walk is stale; return whether it walked."""
+    async def refresh(self, shared: SharedTier, trusted: frozenset[int]) -> bool:
+        """Walk the tier if never walked or the last walk is stale; return whether it walked.
+
+        Only the copies of ``trusted`` writers (this user, root, the daemon) count against the
+        capacity and are evicted: another member's files, which this user may not be able to
+        remove, never make it evict its own copies (issue 33, item 9).
+        """
         now = time.monotonic()
         if self._walked_at is not None and now - self._walked_at < self.REFRESH_SECONDS:
             return False
-        found = await asyncio.to_thread(_shared_candidates, shared)
+        found = [r for r in await asyncio.to_thread(_shared_candidates, shared) if r.owner in trusted]
         self.residents = {(r.dataset, r.key): r for r in found}
         self.used = sum(r.size for r in found)
         self._walked_at = now
@@ -266,7 +271,7 @@ class _SharedIndex:
 
     def added(self, dataset: str, key: str, size: int) -> None:
         self.removed(dataset, key)
-        self.residents[(dataset, key)] = _SharedResident(dataset, key, size, time.time())
+        self.residents[(dataset, key)] = _SharedResident(dataset, key, size, time.time(), os.geteuid())
         self.used += size
 
     def removed(self, dataset: str, key: str) -> None:
@@ -281,6 +286,7 @@ class _SharedResident:
     key: str
     size: int
     last_access: float
+    owner: int
 
 
 def _shared_candidates(shared: SharedTier) -> list[_SharedResident]:
@@ -302,7 +308,9 @@ def _shared_candidates(shared: SharedTier) -> list[_SharedResident]:
                 except FileNotFoundError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    found.append(_SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime)))
+                    found.append(
+                        _SharedResident(dataset, shard_key, st.st_size, max(st.st_atime, st.st_mtime), st.st_uid)
+                    )
     finally:
         os.close(top)
     return found

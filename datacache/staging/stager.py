@@ -32,6 +32,7 @@ from datacache.errors import (
     StagerClosedError,
 )
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
+from datacache.ownership import check_not_writable_by_others
 from datacache.staging import recovery
 from datacache.staging.activity import TierActivity
 from datacache.staging.batch import Turn, WarmBatches, make_room_for, stage_batch
@@ -89,18 +90,14 @@ class Stager:
     reconcile
         Repair what killed processes left in the catalog and on disk, once, on
         first use. Loader workers turn this off: their parent already did it.
+    inspect
+        Only show what the cache holds (``datacache top``): whose it is is not checked.
     """
 
-    def __init__(self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE) -> None:
-        local = settings.local_dir
-        if local.exists() and not os.access(local, os.W_OK | os.X_OK):
-            # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
-            # fail later, shard by shard, with a raw PermissionError. Say it once, now.
-            raise DatacacheError(
-                f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
-                f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
-                "or set DATACACHE_LOCAL_DIR to a cache of your own"
-            )
+    def __init__(
+        self, settings: Settings, *, reconcile: bool = True, modes: LocalModes = PRIVATE, inspect: bool = False
+    ) -> None:
+        _check_node_cache(settings, inspect=inspect)
         self.settings = settings
         self.local = LocalTier(
             settings.local_dir, capacity=settings.local_capacity, durable=settings.fsync, modes=modes
@@ -115,6 +112,10 @@ class Stager:
             if settings.shared_dir
             else None
         )
+        declared = {dataset.id for dataset in settings.datasets.values() if dataset.readers}
+        for tier in (self.local, self.shared):
+            if tier is not None:
+                tier.shared_datasets.update(declared)
         self.catalog = Catalog(settings.local_dir / "catalog.sqlite")
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:
@@ -603,3 +604,28 @@ class Stager:
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _check_node_cache(settings: Settings, *, inspect: bool) -> None:
+    """Refuse a node cache this process cannot write, or one another user could have planted.
+
+    ``inspect``: the stager only shows what the cache holds (``datacache top`` as root, over a
+    user's cache); it serves nothing, so whose the cache is is not checked.
+    """
+    local = settings.local_dir
+    if local.exists() and not os.access(local, os.W_OK | os.X_OK):
+        # A node cache that is another user's (the daemon's, deploy/slurm): staging into it would
+        # fail later, shard by shard, with a raw PermissionError. Say it once, now.
+        raise DatacacheError(
+            f"the node cache {local} is not writable by uid {os.getuid()} (it is the node daemon's) and no "
+            f"daemon this process may use answers at {settings.daemon_socket}: start the node's daemon, "
+            "or set DATACACHE_LOCAL_DIR to a cache of your own"
+        )
+    if inspect:
+        return
+    # On a world-writable scratch another uid may have made the directory (or its catalog) first,
+    # with copies and records of its own: its bytes would be served as this user's confirmed ones.
+    trusted = settings.trusted_uids
+    # Its mode alone is not refused (a pod's emptyDir is 0777; the daemon warns of it): what is in it is.
+    check_not_writable_by_others(local, "the node cache", trusted=trusted, parent=False, owner_only=True)
+    check_not_writable_by_others(local / "catalog.sqlite", "the node cache's catalog", trusted=trusted, parent=False)
