@@ -13,6 +13,7 @@ the daemon again. Before: each worker failed with "the node cache ... is not wri
 from __future__ import annotations
 
 import asyncio
+import grp
 import hashlib
 import json
 import os
@@ -92,7 +93,7 @@ class Node:
             socket = "{self.socket}"
             daemon_uid = "{daemon_user.name}"
             [datasets]
-            train = {{ url = "{self.origin}/" }}
+            train = {{ url = "{self.origin}/", readers = ["@{grp.getgrgid(team).gr_name}"] }}
             """)
         )
         self.starts = 0
