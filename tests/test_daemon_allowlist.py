@@ -361,7 +361,9 @@ def test_a_url_equal_to_a_configured_datasets_url_is_that_dataset_through_the_da
     make_shards(data / "a-wds", 2, 10_000, seed=1)
     make_shards(data / "other", 2, 10_000, seed=2)
     config = world_dir / "daemon.toml"
-    config.write_text(f'[datasets]\na-wds = {{ url = "file://{data}/a-wds/" }}\n')
+    # Declared shared with alice (issue 33's access rule): undeclared, she would first prove the origin answers her.
+    readers = users["alice"].name
+    config.write_text(f'[datasets]\na-wds = {{ url = "file://{data}/a-wds/", readers = ["{readers}"] }}\n')
     daemon = serve_for(users, world_dir, base_env, "--config", str(config))
     # What a client without the node's config sends for the URL (the Kubernetes sidecar's trainer).
     bare = load_settings({}, overrides={"local_dir": str(world_dir / "probe")})
