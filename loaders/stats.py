@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from datacache.loaders.statehead import StateHeads
 
@@ -34,6 +36,7 @@ __all__ = [
     "RemoteStats",
     "SourceStats",
     "StatsTable",
+    "count_unit_open",
     "mode_code",
     "publish_reader",
     "reader_figures",
@@ -82,6 +85,17 @@ MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
 
 _EPOCH_ROW = MAX_READERS  # the control row: column 0 holds the epoch set by the main process
 _CONSUMER_ROW = MAX_READERS + 1  # the consumer's waits, measured by CachedIterableDataset.timed
+
+
+def count_unit_open(row: npt.NDArray[np.float64], tier: str, seconds: float) -> None:
+    """One unit opened from ``tier`` in a reader's ``row``: its ``seconds`` are reading (local) or waiting."""
+    if tier == "local":
+        row[Counter.UNITS_LOCAL] += 1
+        row[Counter.READ] += seconds
+        return
+    row[Counter.UNITS_SHARED if tier == "shared" else Counter.UNITS_ORIGIN] += 1
+    row[Counter.WAIT] += seconds
+    row[Counter.WAIT_SHARED if tier == "shared" else Counter.WAIT_ORIGIN] += seconds
 
 
 def mode_code(mode: str) -> int:

@@ -26,7 +26,7 @@ from datacache.loaders.nextepoch import NextEpochStaging
 from datacache.loaders.prefetch import PrefetchController
 from datacache.loaders.readers import UnitReader
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.stats import Counter
+from datacache.loaders.stats import Counter, count_unit_open
 from datacache.tiers import redact_url
 
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
@@ -490,25 +490,11 @@ class UnitReaders:
 
     def _count_shared(self, tier: str, waited: float) -> None:
         """A unit another reader of this process opened, counted as this one's open (`OpenUnits.take`)."""
-        row = self._row
-        row[Counter.TAKEN] += 1
-        if tier == "local":
-            row[Counter.UNITS_LOCAL] += 1
-            row[Counter.READ] += waited
-        else:
-            row[Counter.UNITS_SHARED if tier == "shared" else Counter.UNITS_ORIGIN] += 1
-            row[Counter.WAIT] += waited
-            row[Counter.WAIT_SHARED if tier == "shared" else Counter.WAIT_ORIGIN] += waited
+        self._row[Counter.TAKEN] += 1
+        count_unit_open(self._row, tier, waited)
 
     def _count_open(self, tier: str, locations: list[Location], waited: float, read_seconds: float) -> None:
-        row = self._row
-        if tier == "local":
-            row[Counter.UNITS_LOCAL] += 1
-            row[Counter.READ] += read_seconds + waited
-        else:
-            row[Counter.UNITS_SHARED if tier == "shared" else Counter.UNITS_ORIGIN] += 1
-            row[Counter.WAIT] += waited + read_seconds
-            row[Counter.WAIT_SHARED if tier == "shared" else Counter.WAIT_ORIGIN] += waited + read_seconds
-            size = sum(loc.shard.size for loc in locations)
-            self.staged_bytes += size
+        count_unit_open(self._row, tier, waited + read_seconds)
+        if tier != "local":
+            self.staged_bytes += sum(loc.shard.size for loc in locations)
             self.staging_seconds += waited + read_seconds
