@@ -238,6 +238,25 @@ def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, 
     assert "is the daemon's" in lines[0] and "refused" in lines[0].lower(), lines[0]
 
 
+def test_a_mistyped_dataset_name_is_said_as_such_to_a_job_user_not_as_the_catalogs_permission(
+    node: Node, users: dict[str, User]
+) -> None:
+    """A new user's trial: ``warm imagent`` as a job user printed ``[Errno 13] Permission denied: .../catalog.sqlite``
+    (the fallback that takes a name as an id `ls` printed opened the daemon's own catalog)."""
+    env = user_env(users["bob"], {"DATACACHE_CONFIG": str(node.config)})
+    daemon = node.serve()
+    try:
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:1",
+                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        assert warmed.returncode == 0, warmed.stderr
+        mistyped = cli_as(users["bob"], "warm", "trian", env=env)
+    finally:
+        daemon.kill()
+    lines = [line for line in mistyped.stderr.splitlines() if line.strip()]
+    assert mistyped.returncode != 0 and len(lines) == 1, mistyped.stderr
+    assert "Permission denied" not in lines[0] and "trian" in lines[0] and "train" in lines[0], lines[0]
+
+
 def _stage_as_the_daemon(settings: Settings, origin: Path) -> list[str]:
     """Stage every shard of ``origin`` into ``settings.local_dir`` as the daemon does; their keys."""
 

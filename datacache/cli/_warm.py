@@ -181,8 +181,8 @@ def _dataset_of(spec: str, settings: Settings, policy: str | None) -> DatasetCon
         return resolve_dataset(spec, settings, policy=policy)
     except ConfigError:
         catalog = settings.local_dir / "catalog.sqlite"
-        if "/" in spec or not catalog.is_file():
-            raise
+        if "/" in spec or not catalog.is_file() or not os.access(catalog, os.R_OK):
+            raise  # a job user's node catalog is the daemon's: the name's own error, not EACCES
         from datacache.catalog import Catalog
 
         records = {record.id: record for record in Catalog(catalog).run_sync(Catalog.datasets_sync)}
