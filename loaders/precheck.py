@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from typing import ParamSpec, TypeVar
@@ -99,9 +100,9 @@ def check_options(
         raise ConfigError(f"epoch_size must be a positive integer, got {epoch_size!r}")
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if shuffle_buffer is not None and shuffle_buffer < 1:
-        raise ConfigError(f"shuffle_buffer must be positive, got {shuffle_buffer}")
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch_size must be positive, got {batch_size}")
-    if prefetch is not None and prefetch < 0:
-        raise ConfigError(f"prefetch must not be negative, got {prefetch}")
+    for name, value, least in (("shuffle_buffer", shuffle_buffer, 1), ("batch_size", batch_size, 1),
+                               ("prefetch", prefetch, 0)):
+        # A string ("256", from argv) compared with an int raised a TypeError naming neither.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least):
+            kind = "a positive integer" if least else "an integer >= 0"
+            raise ConfigError(f"{name} must be {kind}, got {value!r}")

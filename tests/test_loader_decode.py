@@ -226,3 +226,21 @@ def test_a_mistyped_decoder_or_keyword_gets_the_guess_the_command_line_makes(
     # What is spelt right still works, positional or by keyword, as torch's own.
     assert [b.tolist() for b in DataLoader([1, 2, 3], batch_size=2, shuffle=False)] == [[1, 2], [3]]
     assert len(list(DataLoader(CachedIterableDataset(str(origin), config=settings), batch_size=10))) == 3
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("batch_size", "256", "batch_size must be a positive integer, got '256'"),
+        ("batch_size", 0, "batch_size must be a positive integer, got 0"),
+        ("shuffle_buffer", 2.5, "shuffle_buffer must be a positive integer, got 2.5"),
+        ("prefetch", -1, "prefetch must be an integer >= 0, got -1"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_said_in_one_line_naming_it(
+    origin: Path, settings: Settings, option: str, value: Any, said: str
+) -> None:
+    """A new user's trial: `batch_size="256"` (from argv) was a TypeError, '<' not supported between str and int."""
+    with pytest.raises(DatacacheError) as refused:
+        CachedIterableDataset(str(origin), config=settings, **{option: value})
+    assert str(refused.value) == said
