@@ -20,7 +20,7 @@ import aiohttp
 from datacache._logging import FirstTime
 from datacache._protocol import exception_from_wire
 from datacache.config import DatasetConfig
-from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, NotServedError
 from datacache.manifest import Manifest
 from datacache.tiers import ByteRange, redact_url
 
@@ -84,6 +84,8 @@ def decode_reply(status: int, raw: bytes, path: str) -> dict[str, Any]:
     if status >= 400:
         error = document.get("error")
         if isinstance(error, dict):
+            if error.get("not_served") is True:
+                raise NotServedError(f"daemon: {error.get('message', '')}")
             raise exception_from_wire(str(error.get("code", "")), str(error.get("message", "")))
         raise DatacacheError(f"daemon: HTTP {status} for {path}")
     return document

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from datacache._outage import OutageAccess, cannot_stage_into
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
-from datacache.errors import DaemonUnavailableError
+from datacache.errors import DaemonUnavailableError, NotServedError
 from datacache.staging import (
     PRIORITY_PREFETCH,
     PRIORITY_URGENT,
@@ -176,6 +176,8 @@ class FailoverAccess:
         self._down_until: float | None = time.monotonic() + retry_interval if down else None
         self._down = down
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
+        self._private: set[str] = set()
+        """Datasets the daemon does not serve to this uid: read by the fallback, whoever answers (`open`)."""
         self._closing = False
         self.failovers = 0
         self.reconnects = 0
@@ -204,7 +206,9 @@ class FailoverAccess:
                 self._fallback = Stager(self.settings, reconcile=False)
         return self._fallback
 
-    async def _route(self, call: Callable[[ShardAccess], Awaitable[T]]) -> T:
+    async def _route(self, call: Callable[[ShardAccess], Awaitable[T]], handle: DatasetHandle | None = None) -> T:
+        if handle is not None and handle.id in self._private:
+            return await call(self._fallback_stager())
         if not self._down or (
             self._down_until is not None and time.monotonic() >= self._down_until
         ):
@@ -244,7 +248,16 @@ class FailoverAccess:
                 return
 
     async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
-        return await self._route(lambda access: access.open(dataset, refresh=refresh))
+        try:
+            return await self._route(lambda access: access.open(dataset, refresh=refresh))
+        except NotServedError as exc:
+            # A job user's own dataset (a private bucket, a 0700 directory): the daemon holds no grant to
+            # it, and this process reads it with its own credentials into a cache of its own uid.
+            handle = await self._fallback_stager().open(dataset, refresh=refresh)
+            if handle.id not in self._private:
+                logger.warning("%s; reading it in this process, into a cache of this user's own", exc)
+            self._private.add(handle.id)
+            return handle
 
     async def ensure(
         self,
@@ -256,37 +269,37 @@ class FailoverAccess:
         early: bool = False,
     ) -> Location:
         return await self._route(
-            lambda access: access.ensure(handle, key, tier=tier, priority=priority, early=early)
+            lambda access: access.ensure(handle, key, tier=tier, priority=priority, early=early), handle
         )
 
     async def prefetch(
         self, handle: DatasetHandle, keys: Sequence[str], *, priority: float = PRIORITY_PREFETCH
     ) -> None:
-        await self._route(lambda access: access.prefetch(handle, keys, priority=priority))
+        await self._route(lambda access: access.prefetch(handle, keys, priority=priority), handle)
 
     async def set_future_order(self, handle: DatasetHandle, keys: Iterable[str] | FutureOrder) -> None:
         order = keys if isinstance(keys, FutureOrder) else list(keys)
         self._orders[handle.id] = (handle, order)
         was_down = self._down
-        await self._route(lambda access: access.set_future_order(handle, order))
-        if self._down and not was_down:
+        await self._route(lambda access: access.set_future_order(handle, order), handle)
+        if self._down and not was_down and handle.id not in self._private:
             await self._fallback_stager().set_future_order(handle, order)
 
     async def note_progress(
         self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
     ) -> list[Location]:
-        return await self._route(lambda access: access.note_progress(handle, progress, locate=locate))
+        return await self._route(lambda access: access.note_progress(handle, progress, locate=locate), handle)
 
     async def locate(self, handle: DatasetHandle, key: str) -> Location:
-        return await self._route(lambda access: access.locate(handle, key))
+        return await self._route(lambda access: access.locate(handle, key), handle)
 
     async def read(
         self, handle: DatasetHandle, key: str, byte_range: ByteRange | None = None
     ) -> bytes:
-        return await self._route(lambda access: access.read(handle, key, byte_range))
+        return await self._route(lambda access: access.read(handle, key, byte_range), handle)
 
     async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
-        await self._route(lambda access: access.report_corrupt(handle, location))
+        await self._route(lambda access: access.report_corrupt(handle, location), handle)
 
     def origin_retries(self) -> int:
         """Retries of this process's own origin reads and of its fallback stager (the daemon counts its own)."""

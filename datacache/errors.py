@@ -16,6 +16,7 @@ __all__ = [
     "DatacacheError",
     "DatasetTooLargeError",
     "InvalidKeyError",
+    "NotServedError",
     "OriginChangedError",
     "OriginError",
     "OriginPermissionError",
@@ -52,6 +53,11 @@ class ConfigError(DatacacheError, ValueError):
 
 class ProofRequiredError(ConfigError):
     """The daemon serves this dataset to this uid only once it proved the origin answers it (`datacache._proof`)."""
+
+
+class NotServedError(ConfigError):
+    """The node's daemon does not serve this dataset to this uid (neither configured nor under an allowed
+    prefix): a loader reads it in its own process instead, into a cache of this uid's own."""
 
 
 class UnsupportedURLError(ConfigError):

@@ -28,7 +28,7 @@ from typing import IO
 import _users
 import pytest
 from _daemon import REPO, DaemonProcess, wait_until
-from _users import User, cli_as, user_env
+from _users import User, cli_as, python_as, user_env
 from datacache.tiers.local import GROUP_READABLE
 from test_loader import write_wds
 
@@ -255,6 +255,44 @@ def test_a_mistyped_dataset_name_is_said_as_such_to_a_job_user_not_as_the_catalo
     lines = [line for line in mistyped.stderr.splitlines() if line.strip()]
     assert mistyped.returncode != 0 and len(lines) == 1, mistyped.stderr
     assert "Permission denied" not in lines[0] and "trian" in lines[0] and "train" in lines[0], lines[0]
+
+
+def test_a_job_users_own_private_dataset_is_read_in_its_process_while_the_daemon_serves_the_node(
+    node: Node, users: dict[str, User]
+) -> None:
+    """A new user's trial: bob's 0700 directory, read with the node's config while the daemon ran, failed with
+    'neither configured in this daemon nor under a prefix'. The daemon holds no grant to it; bob does."""
+    bob = users["bob"]
+    private = bob.home / "private-wds"
+    expected = write_wds(private, 24, 6)
+    for path in (private, *private.iterdir()):
+        os.chown(path, bob.uid, bob.gid)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    tmp = bob.home / "tmp"
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    os.chown(tmp, bob.uid, bob.gid)
+    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
+    daemon = node.serve()
+    try:
+        read = python_as(bob, f"""
+            import hashlib, json
+            from torch.utils.data import DataLoader
+            from datacache.loaders import CachedIterableDataset
+            ds = CachedIterableDataset({str(private)!r}, shuffle=True, seed=3)
+            loader = DataLoader(ds, batch_size=None, num_workers=2)
+            got = [[s["__key__"], hashlib.sha256(s["bin"]).hexdigest()] for s in loader]
+            print(json.dumps(got))
+        """, env=env, timeout=300)
+    finally:
+        daemon.kill()
+    assert read.returncode == 0, read.stderr
+    got = json.loads(read.stdout.strip().splitlines()[-1])
+    assert sorted(got) == sorted([k, hashlib.sha256(v["bin"]).hexdigest()] for k, v in expected.items())
+    assert "reading it in this process" in read.stderr, read.stderr
+    # Nothing of it reached the daemon's cache, and bob's own copies are his alone.
+    assert not [p for p in node.local.rglob("*") if p.name.startswith("train-")], "bob's data in the daemon's cache"
+    copies = [p for p in tmp.rglob("train-*.tar") if p.is_file()]
+    assert copies and all(p.stat().st_uid == bob.uid and p.stat().st_mode & 0o077 == 0 for p in copies), copies
 
 
 def _stage_as_the_daemon(settings: Settings, origin: Path) -> list[str]:

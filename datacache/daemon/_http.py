@@ -36,6 +36,7 @@ __all__ = [
     "BadRequest",
     "BodyLimits",
     "Forbidden",
+    "NotServed",
     "Peer",
     "PeerPolicy",
     "body",
@@ -84,6 +85,11 @@ class BadRequest(ConfigError):
 
 class Forbidden(ConfigError):
     code = "forbidden"
+
+
+class NotServed(Forbidden):
+    """A dataset this daemon does not serve to the caller: the reply says so (``"not_served": true``), and a
+    loader reads it in its own process (a job user's private data is its own, never the daemon's)."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,13 @@ def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
         return struct.unpack(f"={len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
-def error(code: str, status: int, message: str) -> web.Response:
+def error(code: str, status: int, message: str, *, not_served: bool = False) -> web.Response:
     """The one form of every error reply: a code and a one-line, redacted message."""
     line = redact_url(message.strip().splitlines()[0]) if message.strip() else code
-    return web.json_response({"error": {"code": code, "message": line}}, status=status)
+    body: dict[str, Any] = {"code": code, "message": line}
+    if not_served:
+        body["not_served"] = True
+    return web.json_response({"error": body}, status=status)
 
 
 # -- request parsing ----------------------------------------------------------------------
@@ -276,7 +285,8 @@ def middleware(
             return reply
         except (BadRequest, Forbidden) as exc:
             code = exc.code
-            return error(code, 403 if isinstance(exc, Forbidden) else 400, str(exc))
+            status = 403 if isinstance(exc, Forbidden) else 400
+            return error(code, status, str(exc), not_served=isinstance(exc, NotServed))
         except (DatacacheError, ValueError, OSError) as exc:
             code, reply = _failure(verb, exc, draining=unavailable() == DRAINING)
             return reply

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from datacache._protocol import CREDENTIAL_OPTIONS
 from datacache.config import DatasetConfig, Settings, canonical_origin, check_origin_form
-from datacache.daemon._http import Forbidden
+from datacache.daemon._http import Forbidden, NotServed
 from datacache.errors import ConfigError
 from datacache.tiers import redact_url
 
@@ -142,7 +142,7 @@ class OriginPolicy:
             return
         if not configured:
             if entry is None:
-                raise Forbidden(
+                raise NotServed(
                     f"dataset {redact_url(config.url)} is neither configured in this daemon nor under a "
                     "prefix its operator allowed (--allow-dataset)"
                 )
