@@ -9,6 +9,7 @@ snapshot's manifest under the daemon's directory so that a client can read it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -85,6 +87,7 @@ class DatasetRegistry:
         # Which datasets each uid opened: the verbs that change a dataset are scoped to them.
         self.opened: dict[int, set[str]] = {}
         self._key: bytes | None = None
+        self._key_lock = threading.Lock()  # opens name snapshots from several threads
         self._opening: dict[tuple[int, str, str, bool], _Shared] = {}
 
     # -- what a client may open -----------------------------------------------------------
@@ -282,22 +285,40 @@ class DatasetRegistry:
         return self.snapshot_dir / f"{dataset_id}@{snapshot}.{tag}.json"
 
     def _name_key(self) -> bytes:
-        """The daemon's secret for snapshot names (made once, 0600, kept across restarts)."""
-        if self._key is None:
-            path = self.snapshot_dir / ".names.key"
+        """The daemon's secret for snapshot names (made once, 0600, kept across restarts).
+
+        Made whole before it has its name (a temporary file linked into place): opens run in
+        several threads, and one that found the file another had just created, still empty,
+        took it for a crash's leftover and removed it under a third (ENOENT).
+        """
+        with self._key_lock:
+            if self._key is None:
+                self._key = self._load_or_make_key(self.snapshot_dir / ".names.key")
+            return self._key
+
+    @staticmethod
+    def _load_or_make_key(path: Path) -> bytes:
+        for _ in range(2):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
                 key = path.read_bytes()
-            else:
-                key = secrets.token_bytes(32)
-                with os.fdopen(fd, "wb") as out:
-                    out.write(key)
-            if len(key) != 32:  # a write cut short by a crash: start again with a fresh key
-                path.unlink(missing_ok=True)
-                return self._name_key()
-            self._key = key
-        return self._key
+            except FileNotFoundError:
+                key = b""
+                fresh = path.with_name(f".names.key.{uuid.uuid4().hex}.tmp")
+                fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    with os.fdopen(fd, "wb") as out:
+                        out.write(secrets.token_bytes(32))
+                        out.flush()
+                        os.fsync(out.fileno())
+                    with contextlib.suppress(FileExistsError):
+                        os.link(fresh, path)  # atomic: whole, or another's already there
+                finally:
+                    fresh.unlink(missing_ok=True)
+                key = path.read_bytes()
+            if len(key) == 32:
+                return key
+            path.unlink(missing_ok=True)  # an older daemon's write cut short by a crash: make a fresh one
+        raise DatacacheError(f"{path}: the daemon's snapshot-name key could not be made")
 
     def _save_snapshot(self, manifest: Manifest, held: set[str]) -> Path:
         """Write ``manifest``'s snapshot file; prune the dataset's oldest ones but ``held``."""
