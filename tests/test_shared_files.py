@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from datacache.tiers import LocalTier, SharedTier
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import atomic_write
 
 from datacache.errors import InvalidKeyError
 from datacache.locks import LeaseLock

@@ -47,8 +47,7 @@ from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
 from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
 from datacache.tiers import ObjectInfo, Tier
-from datacache.tiers._dirfd import UnsafeFileError
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import UnsafeFileError, atomic_write
 
 __all__ = [
     "WIDS_INDEX_NAME",
