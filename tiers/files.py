@@ -4,8 +4,9 @@ The metadata beside a shared tier's shards (manifests, indexes, locks, counts) i
 written the way the tiers read and write shards: walked to one directory at a time without
 following a link (`Place`), read only when a regular file of a bounded size (`read_bounded`),
 written whole or not at all (`atomic_write`), and a crash's leftovers removed by their name
-(`PARTIAL_NAME`, `remove_abandoned_partials`). An unsafe file (a link, a FIFO, a device, too
-large) raises `UnsafeFileError`. This is the public face of the tiers' private file modules.
+(`PARTIAL_NAME`, `remove_abandoned_partials`). A copy whose path is all a reader has is mapped
+without following its last link, non-blocking, if regular (`map_regular`). An unsafe file (a
+link, a FIFO, a device, too large) raises `UnsafeFileError`. This is the public face of the tiers' private file modules.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from datacache.tiers._dirfd import (
     Place,
     UnsafeFileError,
+    map_regular,
     open_dir_async,
     read_bounded,
     read_bounded_at,
@@ -26,6 +28,7 @@ __all__ = [
     "Place",
     "UnsafeFileError",
     "atomic_write",
+    "map_regular",
     "open_dir_async",
     "read_bounded",
     "read_bounded_at",
