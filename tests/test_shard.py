@@ -448,7 +448,7 @@ def _worker_callbacks() -> list[str]:
 def test_the_local_dask_cluster_runs_no_profiler() -> None:
     """Its sampler (sys._current_frames every 10 ms) hung a fresh clone's suite on CPython 3.11."""
     pytest.importorskip("dask.distributed")
-    from datacache.engines import map_dask
+    from datacache.dask_ray import map_dask
 
     found: list[list[str]] = []
     map_dask(_worker_callbacks, [()], names=["callbacks"], scheduler=None, workers=1, on_result=found.append)

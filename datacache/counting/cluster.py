@@ -42,7 +42,7 @@ from datacache.config import Settings
 from datacache.counting.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.counting.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.counting.tarscan import count_batch_sync, count_tar_samples
-from datacache.engines import map_dask, map_ray
+from datacache.dask_ray import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
 from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
