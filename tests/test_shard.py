@@ -353,7 +353,7 @@ def test_dotdot_keys_on_s3_are_rejected(s3: Any, tmp_path: Path) -> None:
     assert not (tmp_path / "dst" / MANIFEST_NAME).exists()
 
 
-def test_s3_to_s3(s3: Any, tmp_path: Path) -> None:
+def test_sharding_from_s3_to_s3_writes_what_sharding_to_a_directory_writes(s3: Any, tmp_path: Path) -> None:
     files = image_tree(classes=2, per_class=12)
     for key, data in files.items():
         s3.put(f"raw/{key}", data)
