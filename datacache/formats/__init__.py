@@ -4,8 +4,9 @@ A format says which files of a listing are its shards (`SampleFormat.detect`,
 `SampleFormat.shard_keys`), how many samples each holds before an epoch starts
 (`SampleFormat.plan`), how to read them (`SampleFormat.open_reader`) and how a
 batch of them is built (`SampleFormat.batch`). The built-in formats are named
-here by import string and imported on first use; a third party adds one with
-`register_format` or through the ``datacache.formats`` entry point group::
+by import string in the registry (`datacache.format_registry`, re-exported here) and
+imported on first use; a third party adds one with `register_format` or through the
+``datacache.formats`` entry point group::
 
     [project.entry-points."datacache.formats"]
     jsonl = "mypackage.jsonl:FORMAT"
