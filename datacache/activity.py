@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from datacache.staging.activity import TierActivity, Transfer
+from datacache.staging.tier_activity import TierActivity, TransferInFlight
 from datacache.tiers.local import make_local_dirs
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "READER_FIELDS",
     "REPORT_TTL",
     "TierActivity",
-    "Transfer",
+    "TransferInFlight",
     "check_reader_fields",
     "read_report_files",
     "remove_report_file",

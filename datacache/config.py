@@ -22,7 +22,7 @@ from typing import Any
 
 from datacache.errors import ConfigError, close_match
 from datacache.eviction import POLICIES
-from datacache.formats import format_names
+from datacache.format_registry import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
 from datacache.ownership import Readers, check_not_writable_by_others, parse_readers
 from datacache.sizes import parse_bandwidth, parse_size, unit_hint

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from datacache.tiers import validate_key
-from datacache.tiers._dirfd import Place, UnsafeFileError, open_dir_async, read_bounded_at, server_now
+from datacache.tiers.files import Place, UnsafeFileError, open_dir_async, read_bounded_at, server_now
 from datacache.tiers.local import make_local_dirs
 
 __all__ = ["LeaseLock", "NodeLock", "lock_name", "release_node_locks", "try_node_locks"]

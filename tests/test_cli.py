@@ -672,7 +672,9 @@ def test_second_warm_transfers_nothing_and_says_so(
     assert s3.server.request_counts() == {}
 
 
-def test_json_output(tmp_path: Path, env: dict[str, str]) -> None:
+def test_warm_json_prints_progress_then_one_done_line_and_a_second_warm_moves_nothing(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     origin = fill_dir(tmp_path / "origin", make_shards(3, 30_000))
     result = run_cli(["warm", str(origin), "--json"], env, check=True)
     lines = [json.loads(line) for line in result.stdout.splitlines()]

@@ -35,8 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from datacache.access import EMBEDDED_FALLBACK, FailoverAccess, open_access
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings, load_settings, resolve_dataset
+from datacache.daemon.metrics import METRICS
 from datacache.errors import ConfigError, DaemonUnavailableError, InvalidKeyError, ShardNotFoundError
-from datacache.metrics import METRICS
 
 
 def client_settings(env: dict[str, str], daemon: DaemonProcess) -> Settings:
@@ -103,7 +103,7 @@ def test_socket_is_0660_metrics_bind_loopback_and_logs_are_json(
 
 
 def test_metric_registry_matches_the_declared_names(tmp_path: Path, cache_env: dict[str, str]) -> None:
-    from datacache.metrics import DaemonMetrics
+    from datacache.daemon.metrics import DaemonMetrics
 
     metrics = DaemonMetrics()
     declared = set(METRICS)

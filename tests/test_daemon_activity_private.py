@@ -24,8 +24,8 @@ from typing import Any
 import _users
 import pytest
 from _daemon import make_shards, start_daemon
+from _daemon_users import calls_as, serve_for
 from _users import User, python_as, user_env
-from test_daemon_multiuser import calls_as, serve_for
 
 users = _users.users
 world_dir = _users.world_dir

@@ -23,8 +23,8 @@ from typing import Any
 import _users
 import pytest
 from _daemon import make_shards
+from _daemon_users import calls_as, error_code, serve_for
 from _users import User
-from test_daemon_multiuser import calls_as, error_code, serve_for
 
 from datacache._protocol import config_to_wire
 from datacache.config import DatasetConfig, canonical_origin, dataset_id_for, load_settings

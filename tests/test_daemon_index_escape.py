@@ -18,9 +18,9 @@ from urllib.parse import unquote
 import _users
 import pytest
 from _daemon import make_shards
+from _daemon_users import calls_as, serve_for
 from _users import User
 from test_daemon_allowlist import public_address
-from test_daemon_multiuser import calls_as, serve_for
 
 users = _users.users
 world_dir = _users.world_dir

@@ -23,8 +23,8 @@ from typing import Any
 import _users
 import pytest
 from _daemon import DaemonProcess, make_shards
+from _daemon_users import calls_as, serve_for
 from _users import User, user_env
-from test_daemon_multiuser import calls_as, serve_for
 
 from datacache.config import dataset_id_for
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import _users
 import pytest
+from _daemon_users import CALLS_SCRIPT, calls_as, serve_for
 from _users import User, user_env
-from test_daemon_multiuser import _CALLS, calls_as, serve_for
 
 users = _users.users
 world_dir = _users.world_dir
@@ -182,7 +182,7 @@ def test_a_client_that_leaves_stops_its_listing(
     alice = users["alice"]
     calls = json.dumps([_open(f"{origin.url}/slow/")])
     client = subprocess.Popen(
-        [sys.executable, "-c", _CALLS, str(daemon.socket), calls],
+        [sys.executable, "-c", CALLS_SCRIPT, str(daemon.socket), calls],
         user=alice.uid,
         group=alice.gid,
         extra_groups=list(alice.groups),

@@ -20,7 +20,8 @@ from typing import Any
 
 import _users
 import pytest
-from _daemon import DaemonProcess, make_shards, start_daemon
+from _daemon import make_shards, start_daemon
+from _daemon_users import calls_as, error_code, serve_for
 from _users import User, run_as
 
 from datacache.config import dataset_id_for, load_settings
@@ -29,31 +30,6 @@ users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-_CALLS = r"""
-import json, sys
-from _daemon import unix_request
-socket, calls = sys.argv[1], json.loads(sys.argv[2])
-out = []
-for method, target, body in calls:
-    try:
-        out.append(list(unix_request(socket, method, target, body, timeout=60)))
-    except OSError as exc:
-        out.append([0, {"os_error": exc.strerror}])
-print(json.dumps(out))
-"""
-
-
-def calls_as(user: User, daemon: DaemonProcess, *calls: tuple[str, str, Any]) -> list[tuple[int, Any]]:
-    """Send ``calls`` (method, path, body) over the daemon's socket as ``user``; their (status, reply)."""
-    done = run_as(user, [sys.executable, "-c", _CALLS, str(daemon.socket), json.dumps(calls)], timeout=300)
-    assert done.returncode == 0, done.stderr
-    return [(status, reply) for status, reply in json.loads(done.stdout)]
-
-
-def error_code(reply: Any) -> str | None:
-    return reply.get("error", {}).get("code") if isinstance(reply, dict) else None
-
 
 class _Listener(http.server.ThreadingHTTPServer):
     """A local HTTP service (think: the cloud metadata service) that records what reaches it."""
@@ -96,22 +72,6 @@ def listener() -> Iterator[_Listener]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def serve_for(users: dict[str, User], world: Path, env: dict[str, str], *args: str) -> DaemonProcess:
-    """A root daemon whose socket the team group (alice, bob) can reach; alice is allowed in."""
-    team = users["alice"].groups[0]
-    return start_daemon(
-        env,
-        world / "cache",
-        "--socket-group",
-        str(team),
-        "--allow-uid",
-        str(users["alice"].uid),
-        *args,
-        socket_path=world / "run" / "daemon.sock",
-        log=world / "daemon.log",
-    )
 
 
 @pytest.fixture

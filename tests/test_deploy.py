@@ -20,7 +20,7 @@ import yaml
 from _daemon import REPO, unix_request, wait_until
 
 from datacache.config import load_settings
-from datacache.metrics import METRICS
+from datacache.daemon.metrics import METRICS
 from datacache.sizes import parse_size
 
 DEPLOY = REPO / "deploy"
@@ -452,7 +452,7 @@ def test_the_image_entrypoint_serves_healthz(tmp_path: Path, cache_env: dict[str
 
 
 def test_the_daemon_never_imports_torch() -> None:
-    code = "import datacache.daemon, datacache.client, datacache.metrics, sys; assert 'torch' not in sys.modules"
+    code = "import datacache.daemon, datacache.client, datacache.daemon.metrics, sys; assert 'torch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr
 
@@ -560,7 +560,7 @@ def test_grafana_dashboard_queries_only_metrics_the_daemon_exports() -> None:
             used.add(name)
             base = re.sub(r"_(bucket|sum|count)$", "", name)
             declared = name in METRICS or (base in METRICS and METRICS[base] == "histogram")
-            assert declared, f"the dashboard queries {name}, which datacache/metrics.py does not export"
+            assert declared, f"the dashboard queries {name}, which datacache/daemon/metrics.py does not export"
     # The panels that answer "is the GPU fed?" are there.
     for needed in (
         "datacache_client_delivered_bytes_per_second",

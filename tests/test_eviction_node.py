@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from _daemon import start_daemon
+from _ranks import process_group, spawn_ranks
 from datacache.loaders import CachedIterableDataset
 from datacache.loaders.epoch import node_unit_sequences, plan_epoch
 from datacache.loaders.order import Dealing, Layout, reader_name
@@ -52,8 +51,7 @@ class _Count(logging.Handler):
 
 
 def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob: bytes, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         logging.getLogger("datacache").addHandler(_Count(Path(out) / f"vanished-{rank}.log"))
         settings = pickle.loads(settings_blob)
         dataset = CachedIterableDataset(origin, config=settings, seed=5, shuffle_buffer=8, drop_last=True)
@@ -66,8 +64,6 @@ def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob
             seen.append(keys_of(loader))
             shares.append(dataset.stats().hit_ratio.get("local", 0.0))
         Path(out, f"rank-{rank}.json").write_text(json.dumps({"shares": shares, "seen": seen}))
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(tmp_path: Path, policy: str) -> tuple[list[float], int]:
@@ -87,12 +83,7 @@ def _run(tmp_path: Path, policy: str) -> tuple[list[float], int]:
             "default_policy": policy,
         },
     )
-    mp.spawn(
-        _rank_main,
-        args=(2, str(run / "init"), str(origin), pickle.dumps(settings), str(run)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_rank_main, run / "init", str(origin), pickle.dumps(settings), str(run))
     ranks = [json.loads((run / f"rank-{rank}.json").read_text()) for rank in range(2)]
     for epoch in range(EPOCHS):
         everything = ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]

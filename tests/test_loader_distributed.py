@@ -7,8 +7,7 @@ import pickle
 from collections import Counter
 from pathlib import Path
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import gather_json, process_group, spawn_ranks
 from datacache.loaders import CachedIterableDataset
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
@@ -17,8 +16,7 @@ from datacache.config import Settings
 
 
 def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob: bytes, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         settings = pickle.loads(settings_blob)
         results: dict[str, list[str]] = {}
         for drop_last, workers in ((True, 3), (False, 2)):
@@ -26,24 +24,14 @@ def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob
             results[f"{drop_last}-{workers}"] = keys_of(DataLoader(dataset, batch_size=4, num_workers=workers))
         batched = CachedIterableDataset(origin, config=settings, seed=21, shuffle_buffer=16, batch_size=5)
         results["False-batch"] = keys_of(DataLoader(batched, batch_size=None, num_workers=2))
-        gathered: list[dict[str, list[str]] | None] = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            Path(out).write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
+        gather_json(results, out)
 
 
 def test_two_gloo_ranks_with_several_workers_read_each_sample_exactly_once(tmp_path: Path, settings: Settings) -> None:
     origin = tmp_path / "origin"
     expected = write_wds(origin, samples=83, per_shard=12)
     out = tmp_path / "result.json"
-    mp.spawn(
-        _rank_main,
-        args=(2, str(tmp_path / "init"), str(origin), pickle.dumps(settings), str(out)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_rank_main, tmp_path / "init", str(origin), pickle.dumps(settings), str(out))
     per_rank = json.loads(out.read_text())
     for case in per_rank[0]:
         first, second = per_rank[0][case], per_rank[1][case]

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import gather_json, process_group, spawn_ranks
 from datacache.loaders import CachedIterableDataset, CachedMapDataset
 from test_loader import payload, write_wds
 from torch.utils.data import DataLoader, DistributedSampler
@@ -145,28 +144,17 @@ def test_dataloader_workers_and_pickling_read_every_index_once(tmp_path: Path, s
 
 
 def _rank_main(rank: int, world: int, init_file: str, origin: str, settings_blob: bytes, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         mapped = CachedMapDataset(origin, config=pickle.loads(settings_blob))
         sampler = DistributedSampler(mapped, shuffle=True, seed=5)
         keys = [key for batch in DataLoader(mapped, batch_size=3, sampler=sampler) for key in batch["__key__"]]
-        gathered: list[list[str] | None] = [None] * world
-        dist.all_gather_object(gathered, keys)
-        if rank == 0:
-            Path(out).write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
+        gather_json(keys, out)
 
 
 def test_distributed_sampler_over_two_gloo_ranks_covers_every_index_once(tmp_path: Path, settings: Settings) -> None:
     expected = write_wds(tmp_path / "origin", samples=52, per_shard=10)
     out = tmp_path / "result.json"
-    mp.spawn(
-        _rank_main,
-        args=(2, str(tmp_path / "init"), str(tmp_path / "origin"), pickle.dumps(settings), str(out)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_rank_main, tmp_path / "init", str(tmp_path / "origin"), pickle.dumps(settings), str(out))
     first, second = json.loads(out.read_text())
     assert len(first) == len(second) == 26
     assert Counter(first + second) == Counter(set(expected))  # each key once

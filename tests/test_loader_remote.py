@@ -288,7 +288,7 @@ def test_sizing_moves_toward_the_target_within_bounds() -> None:
 
 
 def test_a_client_s_remote_pool_size_is_a_daemon_metric() -> None:
-    from datacache.metrics import DaemonMetrics
+    from datacache.daemon.metrics import DaemonMetrics
 
     metrics = DaemonMetrics()
     metrics.client_report("node7:5510:r0w0", bandwidth=1e6, stall_fraction=0.1, delivered=10, remote_workers=6)

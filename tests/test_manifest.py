@@ -148,7 +148,7 @@ def test_manifest_from_json_rejects(shards: object, error: type[Exception]) -> N
         Manifest.from_json(document, "test")
 
 
-def test_select() -> None:
+def test_select_takes_a_slice_a_step_a_negative_index_or_names_and_refuses_an_unknown_name() -> None:
     manifest = Manifest("d", "u", ShardFormat.TAR, tuple(Shard(f"{i}.tar", 1) for i in range(10)))
     assert [s.key for s in manifest.select("2:4")] == ["2.tar", "3.tar"]
     assert [s.key for s in manifest.select("::5")] == ["0.tar", "5.tar"]

@@ -353,7 +353,7 @@ def test_dotdot_keys_on_s3_are_rejected(s3: Any, tmp_path: Path) -> None:
     assert not (tmp_path / "dst" / MANIFEST_NAME).exists()
 
 
-def test_s3_to_s3(s3: Any, tmp_path: Path) -> None:
+def test_sharding_from_s3_to_s3_writes_what_sharding_to_a_directory_writes(s3: Any, tmp_path: Path) -> None:
     files = image_tree(classes=2, per_class=12)
     for key, data in files.items():
         s3.put(f"raw/{key}", data)
@@ -448,7 +448,7 @@ def _worker_callbacks() -> list[str]:
 def test_the_local_dask_cluster_runs_no_profiler() -> None:
     """Its sampler (sys._current_frames every 10 ms) hung a fresh clone's suite on CPython 3.11."""
     pytest.importorskip("dask.distributed")
-    from datacache.engines import map_dask
+    from datacache.dask_ray import map_dask
 
     found: list[list[str]] = []
     map_dask(_worker_callbacks, [()], names=["callbacks"], scheduler=None, workers=1, on_result=found.append)

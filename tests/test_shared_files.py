@@ -14,12 +14,14 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from datacache.tiers import LocalTier, SharedTier
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import UnsafeFileError, atomic_write, map_regular
+from datacache.tiers.testing_map import MAP_DEADLINE
 
 from datacache.errors import InvalidKeyError
 from datacache.locks import LeaseLock
@@ -293,3 +295,32 @@ def test_eviction_never_lists_files_through_a_linked_data_directory(tmp_path: Pa
     (root / "data").unlink()
     _put(SharedTier(root), "ds/mine", b"12345")
     assert [(c.dataset, c.key, c.size) for c in _shared_candidates(SharedTier(root))] == [("ds", "mine", 5)]
+
+
+@pytest.mark.parametrize("impostor", ["symlink", "fifo", "directory"])
+def test_a_copy_mapped_by_its_path_is_refused_at_once_when_not_a_regular_file(tmp_path: Path, impostor: str) -> None:
+    # `map_regular` is for a reader that has only a copy's path (the daemon handed it over).
+    copy = tmp_path / "copy.tar"
+    copy.write_bytes(b"the copy")
+    mapped = map_regular(copy)
+    assert bytes(mapped) == b"the copy"
+    if hasattr(mapped, "close"):
+        mapped.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"not the copy")
+    copy.unlink()
+    plant = {"symlink": lambda: copy.symlink_to(elsewhere), "fifo": lambda: os.mkfifo(copy), "directory": copy.mkdir}
+    plant[impostor]()
+    outcome: list[object] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(map_regular(copy))
+        except Exception as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=attempt, daemon=True)  # a hung one must not block the suite's exit
+    reader.start()
+    reader.join(MAP_DEADLINE)
+    assert not reader.is_alive(), f"mapping a {impostor} by its path still waiting after {MAP_DEADLINE} s"
+    assert isinstance(outcome[0], UnsafeFileError), f"a {impostor} in the copy's place gave {outcome[0]!r}"

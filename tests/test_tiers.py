@@ -30,8 +30,8 @@ from datacache.tiers import (
     redact_url,
     validate_key,
 )
-from datacache.tiers._files import PARTIAL_NAME
 from datacache.tiers._retry import RetryPolicy, call_with_retry
+from datacache.tiers.files import PARTIAL_NAME
 from datacache.tiers.testing import (
     BAD_KEYS,
     Boom,

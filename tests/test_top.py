@@ -29,9 +29,9 @@ from typing import Any
 import _users
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _daemon import DaemonProcess, daemon_env, start_daemon, wait_until
 from _helpers import DATACACHE, REPO
+from _ranks import process_group, spawn_ranks
 from _users import User, python_as
 from datacache.loaders import CachedIterableDataset
 from test_loader import write_wds
@@ -44,8 +44,7 @@ world_dir = _users.world_dir
 
 
 def _rank_main(rank: int, world: int, init_file: str, origin: str, env: dict[str, str], out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, init_file):
         settings = load_settings(env)
         dataset = CachedIterableDataset(origin, config=settings, seed=11, shuffle_buffer=16, target_bandwidth="1GB/s")
         loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
@@ -57,8 +56,6 @@ def _rank_main(rank: int, world: int, init_file: str, origin: str, env: dict[str
         # The workers (persistent) and their reports stay until the test has looked.
         wait_until((Path(out) / "done").exists, timeout=600, what="the test to finish looking")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _top(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -151,9 +148,8 @@ def test_top_shows_what_each_rank_and_worker_delivered_as_stats_and_the_daemon_s
 
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
-    context = mp.spawn(
-        _rank_main, args=(2, str(tmp_path / "init"), str(origin), env, str(out)), nprocs=2, join=False
-    )
+    context = spawn_ranks(_rank_main, tmp_path / "init", str(origin), env, str(out), join=False)
+    assert context is not None
     try:
 
         def trained() -> bool:

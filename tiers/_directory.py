@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import mmap
 import os
 import shutil
 import stat as stat_module
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from datacache.tiers._batch import BatchItem, write_batch
-from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, read_bounded_stat, server_now
+from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, map_open_file, read_bounded_stat, server_now
 from datacache.tiers._files import (
     PARTIAL_NAME,
     atomic_write,
@@ -120,6 +121,20 @@ class DirectoryTier(Tier):
         except UnsafeFileError as exc:
             raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
         return place.path
+
+    @property
+    def mappable(self) -> bool:
+        return True
+
+    def map(self, key: str, *, version: str | None = None) -> mmap.mmap | bytes:
+        self._counters["requests"] += 1
+        fd = self._open_checked(key, version)  # no link followed, O_NONBLOCK, a regular file
+        try:
+            mapped = map_open_file(fd)
+        finally:
+            os.close(fd)
+        self._counters["bytes_read"] += len(mapped)
+        return mapped
 
     def path(self, key: str) -> Path:
         """Where ``key``'s file is, for a reader that opens it; checked for links now, not when it is opened."""

@@ -9,6 +9,7 @@ segments, no NUL or backslash.
 from __future__ import annotations
 
 import abc
+import mmap
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -182,6 +183,11 @@ class Tier(abc.ABC):
         return False
 
     @property
+    def mappable(self) -> bool:
+        """Whether `map` gives an object's bytes in place (files, or memory); else it raises."""
+        return False
+
+    @property
     def capacity(self) -> int | None:
         """Configured capacity in bytes, or ``None`` when unbounded."""
         return None
@@ -302,6 +308,17 @@ class Tier(abc.ABC):
     def path(self, key: str) -> Path:
         """Return the local file holding ``key`` (only where `has_local_paths`)."""
         raise NotImplementedError(f"{type(self).__name__} has no local paths")
+
+    def map(self, key: str, *, version: str | None = None) -> mmap.mmap | bytes:
+        """The object's bytes in place, read-only: its file mapped (only where `mappable`).
+
+        Blocking (run it in a thread from an event loop). The file is reached and opened
+        without following a link, non-blocking, and mapped only if ``fstat`` says it is a
+        regular file: a link, a FIFO or a directory swapped into its place raises
+        `ShardNotFoundError`, as a missing one does, and never hangs the reader. ``version``
+        makes it conditional, as in `get`. Tiers with no files raise `NotImplementedError`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} ({self.url}) holds no files to map: read with get")
 
     def stats(self) -> TierStats:
         """Return this tier object's counters."""

@@ -52,6 +52,20 @@ class MemoryTier(Tier):
         span = byte_range or ByteRange()
         return data[span.start : span.end]
 
+    @property
+    def mappable(self) -> bool:
+        return True
+
+    def map(self, key: str, *, version: str | None = None) -> bytes:
+        """The object's bytes themselves (immutable: nothing copied, nothing to unmap)."""
+        validate_key(key)
+        entry = self._objects.get(key)
+        if entry is None:
+            raise ShardNotFoundError(f"{self.url}: no object {key!r}")
+        if version is not None and version != entry[1]:
+            raise OriginChangedError.since_manifest(f"{self.url}/{key}")
+        return entry[0]
+
     async def put(
         self,
         key: str,

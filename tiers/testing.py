@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import pytest
 from datacache.tiers.base import ByteRange, Tier
 from datacache.tiers.memory import MemoryTier
+from datacache.tiers.testing_map import MapTests
 
 from datacache.errors import InvalidKeyError, OriginChangedError, ShardNotFoundError
 
@@ -94,8 +95,8 @@ async def keys_of(tier: Tier, prefix: str = "") -> list[str]:
     return [info.key async for info in tier.list(prefix)]
 
 
-class TierTests:
-    """The contract of `datacache.tiers.base.Tier`; subclasses provide ``make_tier``."""
+class TierTests(MapTests):
+    """The contract of `datacache.tiers.base.Tier` (`Tier.map`'s in `MapTests`); subclasses provide ``make_tier``."""
 
     @pytest.fixture
     def tier(self, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:

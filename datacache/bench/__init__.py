@@ -15,15 +15,15 @@ capacity and bandwidth each tier needs.
 from __future__ import annotations
 
 from datacache.bench._measure import run_bench
-from datacache.bench._plan import Plan, PlanTier, format_plan, plan_tiers
+from datacache.bench._sizing import TierNeed, TierSizing, format_plan, plan_tiers
 from datacache.bench._verdict import TIERS, BenchReport, TierMeasurement, TierVerdict, assess, format_bench
 
 __all__ = [
     "TIERS",
     "BenchReport",
-    "Plan",
-    "PlanTier",
     "TierMeasurement",
+    "TierNeed",
+    "TierSizing",
     "TierVerdict",
     "assess",
     "format_bench",

@@ -42,13 +42,12 @@ from datacache.config import Settings
 from datacache.counting.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.counting.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.counting.tarscan import count_batch_sync, count_tar_samples
-from datacache.engines import map_dask, map_ray
+from datacache.dask_ray import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
 from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
 from datacache.tiers import ObjectInfo, Tier
-from datacache.tiers._dirfd import UnsafeFileError
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import UnsafeFileError, atomic_write
 
 __all__ = [
     "WIDS_INDEX_NAME",

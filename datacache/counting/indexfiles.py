@@ -23,7 +23,7 @@ from datacache.config import Settings, default_cache_dir
 from datacache.counting.sidecars import KnownCount
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
-from datacache.tiers._dirfd import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
+from datacache.tiers.files import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
 
 __all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
 

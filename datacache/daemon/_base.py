@@ -25,8 +25,8 @@ from datacache.daemon._policy import OriginPolicy, own_endpoints
 from datacache.daemon._registry import DatasetRegistry
 from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.daemon._status import StatusBoard
+from datacache.daemon.metrics import DaemonMetrics
 from datacache.errors import DaemonUnavailableError
-from datacache.metrics import DaemonMetrics
 from datacache.staging import DatasetHandle, Location, Stager
 from datacache.tiers import ByteRange
 

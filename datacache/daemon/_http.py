@@ -24,8 +24,8 @@ from aiohttp import web
 
 from datacache._protocol import MAX_BODY_BYTES, error_for
 from datacache.daemon._limits import BodyBudget
+from datacache.daemon.metrics import DaemonMetrics
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
-from datacache.metrics import DaemonMetrics
 from datacache.staging import LOCAL, SHARED
 from datacache.tiers import redact_url, validate_key
 

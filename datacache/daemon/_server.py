@@ -37,8 +37,8 @@ from datacache.daemon._reads import ReadVerbs
 from datacache.daemon._scheduler import PrefetchScheduler, default_prefetch_slots
 from datacache.daemon._status import ClientReport, dataset_rows, log_event
 from datacache.daemon._warm import WarmRun
+from datacache.daemon.metrics import CONTENT_TYPE
 from datacache.errors import ConfigError, ShardNotFoundError
-from datacache.metrics import CONTENT_TYPE
 from datacache.staging import LOCAL, SHARED, Stager
 from datacache.tiers import validate_key
 from datacache.tiers.local import GROUP_READABLE

@@ -20,7 +20,7 @@ from datacache import __version__
 from datacache.activity import user_name
 from datacache.config import Settings
 from datacache.daemon._scheduler import PrefetchScheduler
-from datacache.metrics import DaemonMetrics
+from datacache.daemon.metrics import DaemonMetrics
 from datacache.staging import LOCAL, SHARED, DatasetHandle, Stager, StagingEvent
 from datacache.tiers import device_free, redact_url
 

@@ -8,11 +8,11 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
-from datacache.formats import available_formats, detect_format_name, get_format
-from datacache.formats._base import SampleFormat
+from datacache.format_registry import available_formats, detect_format_name, get_format
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.manifest.wids import wids_manifest
 from datacache.tiers import (
@@ -24,6 +24,9 @@ from datacache.tiers import (
     split_scheme,
     validate_key,
 )
+
+if TYPE_CHECKING:
+    from datacache.formats._base import SampleFormat
 
 __all__ = [
     "LISTING_NOTICES",

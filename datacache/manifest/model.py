@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from datacache.errors import ConfigError, ShardNotFoundError
-from datacache.formats import format_names, get_format
+from datacache.format_registry import format_names, get_format
 from datacache.tiers import redact_url, validate_key
 
 __all__ = [

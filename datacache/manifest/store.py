@@ -13,8 +13,7 @@ from pathlib import Path
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest.model import Manifest
 from datacache.tiers import LocalTier, SharedTier, validate_key
-from datacache.tiers._dirfd import Place, read_bounded_stat
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import Place, atomic_write, read_bounded_stat
 
 __all__ = [
     "MAX_MANIFEST_BYTES",

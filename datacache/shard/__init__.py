@@ -65,7 +65,7 @@ from datacache.shard.plan import (
 )
 from datacache.shard.rechunk import FALLBACK, Rechunker, rechunker_for, source_formats
 from datacache.tiers import ObjectInfo, Tier, redact_url
-from datacache.tiers._files import PARTIAL_NAME, remove_abandoned_partials
+from datacache.tiers.files import PARTIAL_NAME, remove_abandoned_partials
 
 __all__ = [
     "ENGINES",

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from datacache.engines import map_dask, map_ray
+from datacache.dask_ray import map_dask, map_ray
 from datacache.shard.ensure import ensure_unit, run_unit_sync
 from datacache.shard.job import ObjectCallback, ShardJob, UnitResult
 from datacache.shard.plan import UnitSpec

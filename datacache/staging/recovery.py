@@ -21,8 +21,7 @@ from datacache.config import Settings
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.locks import NodeLock
 from datacache.tiers import LocalTier, SharedTier
-from datacache.tiers._dirfd import Place
-from datacache.tiers._files import remove_abandoned_partials
+from datacache.tiers.files import Place, remove_abandoned_partials
 
 __all__ = ["manifest_dirs", "reconcile"]
 

@@ -27,7 +27,7 @@ from datacache.staging.residency import Residency
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import ORIGIN, SHARED, DatasetHandle, StagingEvent
 from datacache.tiers import ObjectInfo, SharedTier
-from datacache.tiers._dirfd import Place
+from datacache.tiers.files import Place
 
 __all__ = ["SharedStager", "evict_shared", "known_checksum", "shared_copy_matches"]
 

@@ -34,7 +34,6 @@ from datacache.errors import (
 from datacache.manifest import ManifestStore, Shard, object_url, reading_url, take_manifest
 from datacache.ownership import check_not_writable_by_others
 from datacache.staging import recovery
-from datacache.staging.activity import TierActivity
 from datacache.staging.batch import Turn, WarmBatches, make_room_for, stage_batch
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
@@ -43,6 +42,7 @@ from datacache.staging.queue import DURABLE_WAIT, JobQueue, first_answer, serve_
 from datacache.staging.reading import read_verified
 from datacache.staging.residency import Residency
 from datacache.staging.shared import SharedStager, evict_shared, known_checksum, shared_copy_matches
+from datacache.staging.tier_activity import TierActivity
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import (
     LOCAL,

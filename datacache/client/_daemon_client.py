@@ -22,7 +22,13 @@ from typing import Any
 
 import aiohttp
 
-from datacache._client_http import (
+from datacache._proof import Challenge, answer_challenge
+from datacache._protocol import (
+    API,
+    UnknownDatasetError,
+    config_to_wire,
+)
+from datacache.client._http import (
     BASE,
     VerifiedUnixConnector,
     decode_reply,
@@ -31,12 +37,6 @@ from datacache._client_http import (
     same_dataset,
     say_notices,
     streamed_events,
-)
-from datacache._proof import Challenge, answer_challenge
-from datacache._protocol import (
-    API,
-    UnknownDatasetError,
-    config_to_wire,
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DaemonUnavailableError, DatacacheError, ProofRequiredError
@@ -47,7 +47,7 @@ from datacache.tiers import ByteRange, Tier, open_origin
 
 __all__ = ["DaemonClient"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("datacache.client")  # the name it had as one module
 
 class DaemonClient:
     """Reach shards through the node's daemon (``datacache serve``).

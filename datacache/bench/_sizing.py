@@ -13,7 +13,7 @@ _HEADROOM = 1.10  # staging in flight, eviction lag, filesystem overhead
 
 
 @dataclass(frozen=True)
-class PlanTier:
+class TierNeed:
     """What one tier needs for a job."""
 
     tier: str
@@ -25,7 +25,7 @@ class PlanTier:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TierSizing:
     """The answer of `plan_tiers`."""
 
     gpus: int
@@ -37,7 +37,7 @@ class Plan:
     cluster_need: float
     epoch_seconds: float
     local_fraction: float
-    tiers: tuple[PlanTier, ...]
+    tiers: tuple[TierNeed, ...]
     warm_seconds: float | None
 
     def to_json(self) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def plan_tiers(
     nodes: int = 1,
     local_capacity: int | None = None,
     origin_bandwidth: float | None = None,
-) -> Plan:
+) -> TierSizing:
     """Size each tier for ``nodes`` x ``gpus`` reading ``dataset_bytes`` at ``per_gpu`` each.
 
     Every node reads a different part of each epoch and, over the epochs,
@@ -86,7 +86,7 @@ def plan_tiers(
     shared = _shared_tier(dataset_bytes, cluster_need, fraction, nodes)
     warm_seconds = dataset_bytes / origin_bandwidth if origin_bandwidth else None
     origin = _origin_tier(dataset_bytes, cluster_need, origin_bandwidth, warm_seconds)
-    return Plan(
+    return TierSizing(
         gpus=gpus,
         per_gpu=per_gpu,
         dataset_bytes=dataset_bytes,
@@ -101,11 +101,11 @@ def plan_tiers(
     )
 
 
-def _local_tier(dataset_bytes: int, node_need: float, local_capacity: int | None) -> tuple[PlanTier, float]:
+def _local_tier(dataset_bytes: int, node_need: float, local_capacity: int | None) -> tuple[TierNeed, float]:
     """Each node's NVMe, and the share of the dataset it holds: all of it with headroom, or less."""
     wanted_local = int(dataset_bytes * _HEADROOM)
     fraction = 1.0 if local_capacity is None else min(1.0, local_capacity / wanted_local)
-    tier = PlanTier(
+    tier = TierNeed(
         "local",
         wanted_local if local_capacity is None else local_capacity,
         "per node",
@@ -121,10 +121,10 @@ def _local_tier(dataset_bytes: int, node_need: float, local_capacity: int | None
     return tier, fraction
 
 
-def _shared_tier(dataset_bytes: int, cluster_need: float, fraction: float, nodes: int) -> PlanTier:
+def _shared_tier(dataset_bytes: int, cluster_need: float, fraction: float, nodes: int) -> TierNeed:
     """One copy for the cluster: it feeds the first epoch, and what the local tiers cannot hold."""
     warm_epochs_from_shared = cluster_need * (1.0 - fraction)
-    return PlanTier(
+    return TierNeed(
         "shared",
         int(dataset_bytes * 1.05),
         "cluster",
@@ -144,9 +144,9 @@ def _shared_tier(dataset_bytes: int, cluster_need: float, fraction: float, nodes
 
 def _origin_tier(
     dataset_bytes: int, cluster_need: float, origin_bandwidth: float | None, warm_seconds: float | None
-) -> PlanTier:
+) -> TierNeed:
     """The origin, read once for the whole cluster."""
-    return PlanTier(
+    return TierNeed(
         "origin",
         dataset_bytes,
         "read once",
@@ -173,7 +173,7 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: TierSizing) -> str:
     """The plan as a short table."""
     lines = [
         f"job: {plan.nodes} node{'s' if plan.nodes != 1 else ''} x {plan.gpus} GPUs per node = "

@@ -8,11 +8,11 @@ from typing import Any
 
 from datacache.staging.types import LOCAL, ORIGIN, SHARED, StagingEvent
 
-__all__ = ["TierActivity", "Transfer"]
+__all__ = ["TierActivity", "TransferInFlight"]
 
 
 @dataclass
-class Transfer:
+class TransferInFlight:
     """A transfer in flight: which shard, onto which tier, from where, how far along."""
 
     dataset: str
@@ -49,7 +49,7 @@ class TierActivity:
         self.declines: dict[str, int] = {LOCAL: 0, SHARED: 0}
         self.stored: dict[str, int] = {LOCAL: 0, SHARED: 0}
         self.stored_bytes: dict[str, int] = {LOCAL: 0, SHARED: 0}
-        self.transfers: dict[tuple[str, str, str], Transfer] = {}
+        self.transfers: dict[tuple[str, str, str], TransferInFlight] = {}
 
     def __call__(self, event: StagingEvent) -> None:
         kind, tier = event.kind, event.tier or LOCAL
@@ -60,13 +60,15 @@ class TierActivity:
             self.bytes_out[source] = self.bytes_out.get(source, 0) + event.size
             transfer = self.transfers.get(ident)
             if transfer is None:
-                self.transfers[ident] = Transfer(event.dataset, event.key, tier, source, event.size, time.monotonic())
+                self.transfers[ident] = TransferInFlight(
+                    event.dataset, event.key, tier, source, event.size, time.monotonic()
+                )
             else:
                 transfer.bytes += event.size
         elif kind == "started":
             if ident not in self.transfers:
                 source = event.source or ORIGIN
-                self.transfers[ident] = Transfer(event.dataset, event.key, tier, source, 0, time.monotonic())
+                self.transfers[ident] = TransferInFlight(event.dataset, event.key, tier, source, 0, time.monotonic())
         elif kind in ("staged", "failed"):
             self.transfers.pop(ident, None)
             if kind == "staged":
@@ -96,5 +98,5 @@ class TierActivity:
             "declines": dict(self.declines),
         }
 
-    def in_flight(self) -> list[Transfer]:
+    def in_flight(self) -> list[TransferInFlight]:
         return sorted(self.transfers.values(), key=lambda t: t.started)
