@@ -138,3 +138,20 @@ def test_benchmarks_have_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_package_of_the_tree_is_one_a_wheel_installs() -> None:
+    """A package missing from pyproject's ``packages`` is absent from the wheel and the image, while an
+    editable install (the tests' own) still finds it: `datacache.loaders.remote` was missing so."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    in_tree: set[str] = set()
+    for name, folder in project["package-dir"].items():
+        base = ROOT / folder
+        for init in base.rglob("__init__.py"):
+            parts = init.parent.relative_to(base).parts
+            if "__pycache__" not in parts:
+                in_tree.add(".".join((name, *parts)))
+    assert in_tree - listed == set(), "add to [tool.setuptools] packages in pyproject.toml"
