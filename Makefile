@@ -110,8 +110,9 @@ image-if-engine:
 	@if reason=$$($(ENGINE_OF) 2>&1 >/dev/null); then $(MAKE) --no-print-directory image; \
 	else echo "$$reason: the container tests will skip"; fi
 
+# Two test processes: most tests wait on subprocesses (daemons, S3, ranks), not on the 2 cores.
 test: lint typecheck emulators tools image-if-engine
-	$(BIN)/python -m pytest -m "not faults" -q
+	$(BIN)/python -m pytest -m "not faults" -q -n 2 --dist loadgroup
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q

@@ -126,3 +126,23 @@ def settings(tmp_path: Path, cache_env: dict[str, str]) -> Settings:
         cache_env,
         overrides={"local_dir": str(tmp_path / "local"), "shared_dir": str(tmp_path / "shared")},
     )
+
+
+# `make test` runs two test processes (pytest-xdist, `--dist loadgroup`). Each module is one group, so
+# its module-scoped fixtures start once, as in a serial run. Modules that start a Ray instance share
+# one group: two on one machine at once meet in /tmp/ray and each misses Ray's fixed 30 s for a node
+# to register. The container modules share one too (one engine's storage, one image).
+_ONE_AT_A_TIME = {
+    "test_loader_remote": "ray",
+    "test_shard": "ray",
+    "test_container_daemon": "containers",
+    "test_container_pods": "containers",
+    "test_container_compose": "containers",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+            item.add_marker(pytest.mark.xdist_group(_ONE_AT_A_TIME.get(module, module)))
