@@ -41,7 +41,7 @@ from datacache.staging.shared import shared_copy_matches
 from datacache.tiers import ByteRange, LocalTier
 from datacache.tiers.local import GROUP_READABLE
 
-__all__ = ["OutageAccess", "cannot_stage_into", "outage_dir"]
+__all__ = ["OutageAccess", "cannot_stage_into", "outage_dir", "outage_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,17 @@ def _own_private_dir(path: Path) -> None:
         )
 
 
+def outage_path(node_cache: Path) -> Path:
+    """Where this uid's own directory for the daemon of ``node_cache`` is (made by `outage_dir`)."""
+    tag = hashlib.sha256(str(node_cache.absolute()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}" / f"outage-{tag}"
+
+
 def outage_dir(node_cache: Path) -> Path:
     """This uid's own directory for what it stages while the daemon of ``node_cache`` is away."""
-    base = Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}"
-    _own_private_dir(base)
-    tag = hashlib.sha256(str(node_cache.absolute()).encode()).hexdigest()[:12]
-    return base / f"outage-{tag}"
+    path = outage_path(node_cache)
+    _own_private_dir(path.parent)
+    return path
 
 
 def outage_capacity(settings: Settings, directory: Path) -> int:

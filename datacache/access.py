@@ -9,13 +9,17 @@ of the node shares one cache and one transfer per shard.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from datacache._outage import OutageAccess, cannot_stage_into
+from datacache.activity import remove_report_file, write_report_file
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import DaemonUnavailableError, NotServedError
@@ -178,6 +182,8 @@ class FailoverAccess:
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
         self._private: set[str] = set()
         """Datasets the daemon does not serve to this uid: read by the fallback, whoever answers (`open`)."""
+        self._own_reports: set[str] = set()
+        """Report files this process wrote while the daemon was away (removed once it answers again)."""
         self._closing = False
         self.failovers = 0
         self.reconnects = 0
@@ -315,19 +321,40 @@ class FailoverAccess:
         dataset: str | None = None,
         **figures: Any,
     ) -> None:
-        """Pass a reader's throughput to the daemon's metrics (dropped while it is unreachable)."""
+        """Pass a reader's throughput to the daemon's metrics; while it is unreachable, to a report file.
+
+        What this process staged itself (its fallback: through an outage, or a dataset the daemon does
+        not serve it) goes along as ``own_bytes_in`` and ``own_transfers``, so that ``datacache top``
+        says so through the daemon; while the daemon is away the reader's figures, its fallback's
+        counters and transfers go to a report file in the fallback's own cache, which ``top`` reads
+        without the daemon (a job user's own directory, where the node's cache is the daemon's).
+        """
+        own = self._own_stager()
+        if own is not None:
+            figures = {**figures, "own_bytes_in": sum(own.activity.bytes_in.values()),
+                       "own_transfers": len(own.activity.transfers)}
+        reader = {"delivered_bytes_per_s": delivered_bytes_per_s, "stall_fraction": stall_fraction,
+                  "delivered_bytes": delivered_bytes, "dataset": dataset, **figures}
         if self._down:
+            if own is not None:
+                name = await asyncio.to_thread(_write_own_report, own, reader)
+                if name is not None:
+                    self._own_reports.add(name)
             return
         try:
-            await self.primary.report(
-                delivered_bytes_per_s=delivered_bytes_per_s,
-                stall_fraction=stall_fraction,
-                delivered_bytes=delivered_bytes,
-                dataset=dataset,
-                **figures,
-            )
+            await self.primary.report(**reader)
         except DaemonUnavailableError:
             logger.debug("the daemon is unreachable: throughput report dropped")
+        else:
+            if own is not None and self._own_reports:
+                for name in self._own_reports:  # the daemon shows this reader again
+                    remove_report_file(own.settings.local_dir, name)
+                self._own_reports.clear()
+
+    def _own_stager(self) -> Stager | None:
+        """The fallback's stager, once made (an `OutageAccess` stages through one of its own)."""
+        fallback = self._fallback
+        return fallback.private if isinstance(fallback, OutageAccess) else fallback
 
     async def close(self) -> None:
         self._closing = True
@@ -335,6 +362,33 @@ class FailoverAccess:
         if self._fallback is not None:
             fallback, self._fallback = self._fallback, None
             await fallback.close()
+
+
+def _own_report_name(reader: dict[str, Any]) -> str:
+    return f"{os.getpid()}-{str(reader.get('dataset'))[:24]}-r{reader.get('rank', 0)}w{reader.get('worker', 0)}"
+
+
+def _write_own_report(stager: Stager, reader: dict[str, Any]) -> str | None:
+    """The report file of a reader whose daemon is away, as an embedded reader's (`loaders.stats`); its name."""
+    host, pid = socket.gethostname(), os.getpid()
+    document = {
+        "version": 1,
+        "host": host,
+        "pid": pid,
+        "written": time.time(),
+        "client": f"{host}:{pid}:r{reader.get('rank', 0)}w{reader.get('worker', 0)}",
+        "reader": reader,
+        "stager": dataclasses.asdict(stager.stats()),
+        "activity": stager.activity.counters(),
+        "transfers": [t.to_json() for t in stager.activity.in_flight()],
+    }
+    name = _own_report_name(reader)
+    try:
+        write_report_file(stager.settings.local_dir, name, document)
+    except OSError as exc:  # a full or read-only disk must not stop a reader
+        logger.debug("cannot write the report file for datacache top: %s", exc)
+        return None
+    return name
 
 
 async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAccess:
