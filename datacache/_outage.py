@@ -14,6 +14,7 @@ worker started while the daemon is away plans the same epoch as the ranks that o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import stat
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from datacache.checksum import checksum_of, hash_file, new_hasher
 from datacache.config import DatasetConfig, Settings, resolve_dataset
@@ -41,7 +43,7 @@ from datacache.staging.shared import shared_copy_matches
 from datacache.tiers import ByteRange, LocalTier
 from datacache.tiers.local import GROUP_READABLE
 
-__all__ = ["OutageAccess", "cannot_stage_into", "outage_dir", "outage_path"]
+__all__ = ["OutageAccess", "OutageNotice", "cannot_stage_into", "outage_dir", "outage_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,75 @@ def outage_dir(node_cache: Path) -> Path:
     path = outage_path(node_cache)
     _own_private_dir(path.parent)
     return path
+
+
+def _started(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, Linux), so that a reused pid is another owner."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return "0"
+
+
+def _prune_notices(directory: Path) -> None:
+    """Remove the markers of training processes that have ended (killed in an outage: none said it was over)."""
+    for marker in directory.glob("outage-*.notice-*"):
+        owner, _, started = marker.name.rsplit(".notice-", 1)[1].partition("-")
+        if owner.isdigit() and _started(int(owner)) != started:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+
+
+class OutageNotice:
+    """Says that the daemon is away once per training process and outage, however many workers it starts.
+
+    torch's DataLoader starts new worker processes every epoch, each with an access of its own: each
+    would say the same again. The first to notice an outage makes a marker in this uid's private
+    directory, named for the node's cache and the ``owner`` (the worker's training process, else
+    this one), and says it; the others log it at debug level. The first to find the daemon back
+    removes the marker and says so, and a new outage is said again.
+    """
+
+    def __init__(self, node_cache: Path, owner: int | None = None) -> None:
+        self.node_cache = node_cache
+        self.owner = os.getpid() if owner is None else owner
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"node_cache": self.node_cache, "owner": self.owner}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["node_cache"], state["owner"])  # type: ignore[misc, arg-type]
+
+    def _marker(self, kind: str) -> Path:
+        place = outage_path(self.node_cache)
+        return place.with_name(f"{place.name}.{kind}.notice-{self.owner}-{_started(self.owner)}")
+
+    def say(self, message: str, *args: object, kind: str = "outage") -> None:
+        """Log a notice of the outage (``kind``: which), unless a process of this owner said it in this outage."""
+        try:
+            marker = self._marker(kind)
+            _own_private_dir(marker.parent)
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            logger.debug(message, *args)
+            return
+        except (OSError, DatacacheError):
+            pass  # no private directory to mark it in: said by each process, as before
+        logger.warning(message, *args)
+        if kind == "outage":
+            _prune_notices(marker.parent)
+
+    def over(self, message: str, *args: object) -> None:
+        """The daemon answers again: said by the one process that ends the outage's marker."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._marker("where"))
+        try:
+            os.unlink(self._marker("outage"))
+        except OSError:
+            logger.debug(message, *args)
+            return
+        logger.warning(message, *args)
 
 
 def outage_capacity(settings: Settings, directory: Path) -> int:
@@ -129,8 +200,9 @@ class OutageAccess:
         The reader's settings (``local_dir`` is the daemon's cache; ``local_capacity`` its capacity).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, notice: OutageNotice | None = None) -> None:
         self.settings = settings
+        self.notice = notice
         self.node = LocalTier(settings.local_dir, modes=GROUP_READABLE)
         self._trusted = settings.trusted_uids
         private = outage_dir(settings.local_dir)
@@ -142,19 +214,21 @@ class OutageAccess:
         self.private = Stager(self.private_settings, reconcile=False)
         self._verified: dict[str, tuple[int, int, int]] = {}
         self._bad: set[str] = set()
-        logger.warning(
+        where = (
             "the node cache %s is the daemon's: reading its resident shards there and staging the rest "
-            "in %s (at most %d bytes) until the daemon is back",
-            settings.local_dir,
-            private,
-            self.private_settings.local_capacity,
+            "in %s (at most %d bytes) until the daemon is back"
         )
+        where_args = (settings.local_dir, private, self.private_settings.local_capacity)
+        if notice is None:
+            logger.warning(where, *where_args)
+        else:
+            notice.say(where, *where_args, kind="where")
 
-    def __getstate__(self) -> dict[str, Settings]:
-        return {"settings": self.settings}
+    def __getstate__(self) -> dict[str, object]:
+        return {"settings": self.settings, "notice": self.notice}
 
-    def __setstate__(self, state: dict[str, Settings]) -> None:
-        self.__init__(state["settings"])  # type: ignore[misc]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], state["notice"])  # type: ignore[misc]
 
     @property
     def mode(self) -> str:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from datacache._outage import OutageAccess, cannot_stage_into
+from datacache._outage import OutageAccess, OutageNotice, cannot_stage_into
 from datacache.activity import remove_report_file, write_report_file
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
@@ -168,13 +168,22 @@ class FailoverAccess:
         Seconds between attempts to reach the daemon again once it failed.
     down
         The daemon did not answer when this access was made: start on the fallback.
+    notice
+        Says the outage once per training process and outage (`datacache._outage.OutageNotice`).
     """
 
     def __init__(
-        self, primary: DaemonClient, settings: Settings, *, retry_interval: float = 3.0, down: bool = False
+        self,
+        primary: DaemonClient,
+        settings: Settings,
+        *,
+        retry_interval: float = 3.0,
+        down: bool = False,
+        notice: OutageNotice | None = None,
     ) -> None:
         self.primary = primary
         self.settings = settings
+        self.notice = notice if notice is not None else OutageNotice(settings.local_dir)
         self.retry_interval = retry_interval
         self._fallback: Stager | OutageAccess | None = None
         self._down_until: float | None = time.monotonic() + retry_interval if down else None
@@ -193,10 +202,13 @@ class FailoverAccess:
             "primary": self.primary,
             "settings": self.settings,
             "retry_interval": self.retry_interval,
+            "notice": self.notice,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["primary"], state["settings"], retry_interval=state["retry_interval"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["primary"], state["settings"], retry_interval=state["retry_interval"], notice=state["notice"]
+        )
 
     @property
     def mode(self) -> str:
@@ -206,7 +218,7 @@ class FailoverAccess:
     def _fallback_stager(self) -> Stager | OutageAccess:
         if self._fallback is None:
             if cannot_stage_into(self.settings.local_dir):
-                self._fallback = OutageAccess(self.settings)
+                self._fallback = OutageAccess(self.settings, self.notice)
             else:
                 # The daemon (or its successor) reconciles the catalog; readers never do.
                 self._fallback = Stager(self.settings, reconcile=False)
@@ -228,9 +240,7 @@ class FailoverAccess:
                     raise
                 if not self._down:
                     self.failovers += 1
-                    logger.warning(
-                        "%s; reading through this process's own stager until it is back", exc
-                    )
+                    self.notice.say("%s; reading through this process's own stager until it is back", exc)
                 self._down = True
                 self._down_until = time.monotonic() + self.retry_interval
             else:
@@ -238,9 +248,7 @@ class FailoverAccess:
                     self._down = False
                     self._down_until = None
                     self.reconnects += 1
-                    logger.warning(
-                        "reconnected to the datacache daemon on %s", self.primary.socket_path
-                    )
+                    self.notice.over("reconnected to the datacache daemon on %s", self.primary.socket_path)
                     await self._replay_orders(self.primary)
                 return result
         fallback = self._fallback_stager()
@@ -391,7 +399,7 @@ def _write_own_report(stager: Stager, reader: dict[str, Any]) -> str | None:
     return name
 
 
-async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAccess:
+async def open_access(settings: Settings, *, reconcile: bool = True, notice_owner: int | None = None) -> ShardAccess:
     """Return the way this process should reach shards.
 
     If the node's daemon answers on ``settings.daemon_socket``, a
@@ -401,8 +409,11 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
     in-process `Stager` (``reconcile`` repairs what killed processes left), or,
     where the cache is the daemon's and this process may not write it, a
     `FailoverAccess` that starts without the daemon and goes to it once it answers.
+    ``notice_owner`` is the process the outage is said once for (a DataLoader worker's
+    training process; by default this one).
     """
     socket_path = settings.daemon_socket
+    notice = OutageNotice(settings.local_dir, notice_owner)
     if socket_path.exists():
         client = DaemonClient(settings)
         try:
@@ -410,18 +421,19 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
         except DaemonUnavailableError as exc:
             await client.close()
             if cannot_stage_into(settings.local_dir):
-                logger.warning("%s; reading through this process's own stager until it is back", exc)
-                return FailoverAccess(DaemonClient(settings), settings, down=True)
+                notice.say("%s; reading through this process's own stager until it is back", exc)
+                return FailoverAccess(DaemonClient(settings), settings, down=True, notice=notice)
             logger.info("%s; using an in-process stager", exc)
         else:
-            return FailoverAccess(client, fallback_settings(settings, health))
+            notice.over("reconnected to the datacache daemon on %s", socket_path)
+            return FailoverAccess(client, fallback_settings(settings, health), notice=notice)
     elif cannot_stage_into(settings.local_dir):
-        logger.warning(
+        notice.say(
             "no datacache daemon answers at %s (no socket); reading through this process's own stager "
             "until one does",
             socket_path,
         )
-        return FailoverAccess(DaemonClient(settings), settings, down=True)
+        return FailoverAccess(DaemonClient(settings), settings, down=True, notice=notice)
     return Stager(settings, reconcile=reconcile)
 
 
