@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ from datacache.staging.shared import shared_copy_matches
 from datacache.tiers import ByteRange, LocalTier
 from datacache.tiers.local import GROUP_READABLE
 
-__all__ = ["OutageAccess", "OutageNotice", "cannot_stage_into", "outage_dir", "outage_path"]
+__all__ = ["OutageAccess", "OutageNotice", "cannot_stage_into", "outage_dir", "outage_path", "remove_outage_copies"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,55 @@ def outage_dir(node_cache: Path) -> Path:
     path = outage_path(node_cache)
     _own_private_dir(path.parent)
     return path
+
+
+def _lock_of(place: Path) -> Path:
+    """Beside the outage directory, never removed with it: each `OutageAccess` holds it shared."""
+    return place.with_name(f"{place.name}.lock")
+
+
+def _hold(place: Path, how: int) -> int | None:
+    """A descriptor of ``place``'s lock, flocked ``how``; None where it is taken the other way (non-blocking)."""
+    fd = os.open(_lock_of(place), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_outage_copies(node_cache: Path) -> bool:
+    """Remove what this uid staged while the daemon of ``node_cache`` was away, once no process of it uses it.
+
+    Called where the daemon answers again (a reader's access opened or closed then). Every
+    `OutageAccess` holds the directory's lock shared while it lives (its reads, its leases, its
+    DataLoader workers' copies mapped): the directory goes only when the lock is had exclusively.
+    Until then it stays, bounded, and the next outage reuses it.
+    """
+    place = outage_path(node_cache)
+    if not place.exists():
+        return False
+    try:
+        _own_private_dir(place.parent)
+        fd = _hold(place, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (OSError, DatacacheError) as exc:
+        logger.debug("cannot take the lock of %s: %s", place, exc)
+        return False
+    if fd is None:
+        return False  # a process of this uid still reads through it
+    try:
+        shutil.rmtree(place)
+    except OSError as exc:
+        logger.debug("cannot remove %s: %s", place, exc)
+        return False
+    finally:
+        os.close(fd)
+    logger.info("the daemon of %s is back: removed this user's copies of its outage, %s", node_cache, place)
+    return True
 
 
 def _started(pid: int) -> str:
@@ -206,6 +256,8 @@ class OutageAccess:
         self.node = LocalTier(settings.local_dir, modes=GROUP_READABLE)
         self._trusted = settings.trusted_uids
         private = outage_dir(settings.local_dir)
+        # Held until `close`: the directory is not removed under this process (`remove_outage_copies`).
+        self._in_use = _hold(private, fcntl.LOCK_SH)
         self.private_settings = settings.with_overrides(
             local_dir=private, local_capacity=outage_capacity(settings, private)
         )
@@ -350,7 +402,12 @@ class OutageAccess:
         return self.private.origin_retries()
 
     async def close(self) -> None:
-        await self.private.close()
+        try:
+            await self.private.close()
+        finally:
+            if self._in_use is not None:
+                in_use, self._in_use = self._in_use, None
+                os.close(in_use)
 
 
 def _checksum_of(data: bytes) -> str:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from datacache._outage import OutageAccess, OutageNotice, cannot_stage_into
+from datacache._outage import OutageAccess, OutageNotice, cannot_stage_into, outage_path, remove_outage_copies
 from datacache.activity import remove_report_file, write_report_file
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
@@ -370,6 +370,8 @@ class FailoverAccess:
         if self._fallback is not None:
             fallback, self._fallback = self._fallback, None
             await fallback.close()
+            if isinstance(fallback, OutageAccess) and not self._down:
+                await asyncio.to_thread(remove_outage_copies, self.settings.local_dir)
 
 
 def _own_report_name(reader: dict[str, Any]) -> str:
@@ -426,6 +428,8 @@ async def open_access(settings: Settings, *, reconcile: bool = True, notice_owne
             logger.info("%s; using an in-process stager", exc)
         else:
             notice.over("reconnected to the datacache daemon on %s", socket_path)
+            if outage_path(settings.local_dir).exists():  # what an outage left, if no process uses it now
+                await asyncio.to_thread(remove_outage_copies, settings.local_dir)
             return FailoverAccess(client, fallback_settings(settings, health), notice=notice)
     elif cannot_stage_into(settings.local_dir):
         notice.say(
