@@ -73,15 +73,19 @@ def _own_private_dir(path: Path) -> None:
         )
 
 
-def outage_path(node_cache: Path) -> Path:
-    """Where this uid's own directory for the daemon of ``node_cache`` is (made by `outage_dir`)."""
+def outage_path(node_cache: Path, kind: str = "outage") -> Path:
+    """Where this uid's own directory for the daemon of ``node_cache`` is (made by `outage_dir`).
+
+    ``kind`` ``"outage"``: what it stages while the daemon is away (removed once it is back);
+    ``"own"``: datasets the daemon does not serve this uid, its own cache of them (kept).
+    """
     tag = hashlib.sha256(str(node_cache.absolute()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}" / f"outage-{tag}"
+    return Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}" / f"{kind}-{tag}"
 
 
-def outage_dir(node_cache: Path) -> Path:
-    """This uid's own directory for what it stages while the daemon of ``node_cache`` is away."""
-    path = outage_path(node_cache)
+def outage_dir(node_cache: Path, kind: str = "outage") -> Path:
+    """This uid's own directory for what it stages while the daemon of ``node_cache`` is away (or ``kind``)."""
+    path = outage_path(node_cache, kind)
     _own_private_dir(path.parent)
     return path
 
@@ -250,12 +254,13 @@ class OutageAccess:
         The reader's settings (``local_dir`` is the daemon's cache; ``local_capacity`` its capacity).
     """
 
-    def __init__(self, settings: Settings, notice: OutageNotice | None = None) -> None:
+    def __init__(self, settings: Settings, notice: OutageNotice | None = None, *, kind: str = "outage") -> None:
         self.settings = settings
         self.notice = notice
+        self.kind = kind
         self.node = LocalTier(settings.local_dir, modes=GROUP_READABLE)
         self._trusted = settings.trusted_uids
-        private = outage_dir(settings.local_dir)
+        private = outage_dir(settings.local_dir, kind)
         # Held until `close`: the directory is not removed under this process (`remove_outage_copies`).
         self._in_use = _hold(private, fcntl.LOCK_SH)
         self.private_settings = settings.with_overrides(
@@ -271,16 +276,18 @@ class OutageAccess:
             "in %s (at most %d bytes) until the daemon is back"
         )
         where_args = (settings.local_dir, private, self.private_settings.local_capacity)
-        if notice is None:
+        if kind != "outage":
+            logger.debug(where, *where_args)  # a dataset the daemon does not serve: said as such (FailoverAccess)
+        elif notice is None:
             logger.warning(where, *where_args)
         else:
             notice.say(where, *where_args, kind="where")
 
     def __getstate__(self) -> dict[str, object]:
-        return {"settings": self.settings, "notice": self.notice}
+        return {"settings": self.settings, "notice": self.notice, "kind": self.kind}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["settings"], state["notice"])  # type: ignore[misc]
+        self.__init__(state["settings"], state["notice"], kind=state["kind"])  # type: ignore[misc]
 
     @property
     def mode(self) -> str:

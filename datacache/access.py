@@ -186,6 +186,8 @@ class FailoverAccess:
         self.notice = notice if notice is not None else OutageNotice(settings.local_dir)
         self.retry_interval = retry_interval
         self._fallback: Stager | OutageAccess | None = None
+        self._own: OutageAccess | None = None
+        """Where the node cache is the daemon's: this uid's own cache of the datasets it does not serve."""
         self._down_until: float | None = time.monotonic() + retry_interval if down else None
         self._down = down
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
@@ -224,9 +226,17 @@ class FailoverAccess:
                 self._fallback = Stager(self.settings, reconcile=False)
         return self._fallback
 
+    def _private_stager(self) -> Stager | OutageAccess:
+        """For the datasets the daemon does not serve this uid: apart from an outage's copies (removed after it)."""
+        if not cannot_stage_into(self.settings.local_dir):
+            return self._fallback_stager()
+        if self._own is None:
+            self._own = OutageAccess(self.settings, self.notice, kind="own")
+        return self._own
+
     async def _route(self, call: Callable[[ShardAccess], Awaitable[T]], handle: DatasetHandle | None = None) -> T:
         if handle is not None and handle.id in self._private:
-            return await call(self._fallback_stager())
+            return await call(self._private_stager())
         if not self._down or (
             self._down_until is not None and time.monotonic() >= self._down_until
         ):
@@ -267,7 +277,7 @@ class FailoverAccess:
         except NotServedError as exc:
             # A job user's own dataset (a private bucket, a 0700 directory): the daemon holds no grant to
             # it, and this process reads it with its own credentials into a cache of its own uid.
-            handle = await self._fallback_stager().open(dataset, refresh=refresh)
+            handle = await self._private_stager().open(dataset, refresh=refresh)
             if handle.id not in self._private:
                 logger.warning("%s; reading it in this process, into a cache of this user's own", exc)
             self._private.add(handle.id)
@@ -297,7 +307,7 @@ class FailoverAccess:
         was_down = self._down
         await self._route(lambda access: access.set_future_order(handle, order), handle)
         if self._down and not was_down and handle.id not in self._private:
-            await self._fallback_stager().set_future_order(handle, order)
+            await self._fallback_stager().set_future_order(handle, order)  # not private: routed above
 
     async def note_progress(
         self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
@@ -317,8 +327,8 @@ class FailoverAccess:
 
     def origin_retries(self) -> int:
         """Retries of this process's own origin reads and of its fallback stager (the daemon counts its own)."""
-        fallback = self._fallback
-        return self.primary.origin_retries() + (fallback.origin_retries() if fallback is not None else 0)
+        mine = [access.origin_retries() for access in (self._fallback, self._own) if access is not None]
+        return self.primary.origin_retries() + sum(mine)
 
     async def report(
         self,
@@ -337,7 +347,7 @@ class FailoverAccess:
         counters and transfers go to a report file in the fallback's own cache, which ``top`` reads
         without the daemon (a job user's own directory, where the node's cache is the daemon's).
         """
-        own = self._own_stager()
+        own = self._own_stager(dataset)
         if own is not None:
             figures = {**figures, "own_bytes_in": sum(own.activity.bytes_in.values()),
                        "own_transfers": len(own.activity.transfers)}
@@ -359,14 +369,17 @@ class FailoverAccess:
                     remove_report_file(own.settings.local_dir, name)
                 self._own_reports.clear()
 
-    def _own_stager(self) -> Stager | None:
-        """The fallback's stager, once made (an `OutageAccess` stages through one of its own)."""
-        fallback = self._fallback
+    def _own_stager(self, dataset: str | None) -> Stager | None:
+        """The stager of this process that reads ``dataset`` when the daemon does not, once made."""
+        fallback = self._own if dataset in self._private and self._own is not None else self._fallback
         return fallback.private if isinstance(fallback, OutageAccess) else fallback
 
     async def close(self) -> None:
         self._closing = True
         await self.primary.close()
+        if self._own is not None:
+            own, self._own = self._own, None
+            await own.close()
         if self._fallback is not None:
             fallback, self._fallback = self._fallback, None
             await fallback.close()

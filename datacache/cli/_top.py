@@ -133,7 +133,8 @@ class Sampler:
             policies = {record.id: record.policy for record in await self._stager.catalog.datasets()}
         files = await asyncio.to_thread(read_report_files, settings.local_dir, now=now)
         # A reader of a daemon that is away, and may not write its cache, reports into its own directory.
-        files += await asyncio.to_thread(read_report_files, outage_path(settings.local_dir), now=now)
+        for kind in ("outage", "own"):
+            files += await asyncio.to_thread(read_report_files, outage_path(settings.local_dir, kind), now=now)
         clients, processes = _clients_of(files, now, policies)
         counters, transfers = _activity_of(processes, now)
         readers = {c.get("dataset") for c in clients}
