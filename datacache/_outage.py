@@ -175,7 +175,7 @@ class OutageNotice:
         return {"node_cache": self.node_cache, "owner": self.owner}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(state["node_cache"], state["owner"])  # type: ignore[misc, arg-type]
+        self.__init__(state["node_cache"], state["owner"])  # type: ignore[misc]
 
     def _marker(self, kind: str) -> Path:
         place = outage_path(self.node_cache)
