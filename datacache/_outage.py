@@ -14,6 +14,8 @@ worker started while the daemon is away plans the same epoch as the ranks that o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -23,6 +25,7 @@ import stat
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from datacache.checksum import checksum_of, hash_file, new_hasher
 from datacache.config import DatasetConfig, Settings, resolve_dataset
@@ -41,7 +44,7 @@ from datacache.staging.shared import shared_copy_matches
 from datacache.tiers import ByteRange, LocalTier
 from datacache.tiers.local import GROUP_READABLE
 
-__all__ = ["OutageAccess", "cannot_stage_into", "outage_dir"]
+__all__ = ["OutageAccess", "OutageNotice", "cannot_stage_into", "outage_dir", "outage_path", "remove_outage_copies"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +73,139 @@ def _own_private_dir(path: Path) -> None:
         )
 
 
-def outage_dir(node_cache: Path) -> Path:
-    """This uid's own directory for what it stages while the daemon of ``node_cache`` is away."""
-    base = Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}"
-    _own_private_dir(base)
+def outage_path(node_cache: Path, kind: str = "outage") -> Path:
+    """Where this uid's own directory for the daemon of ``node_cache`` is (made by `outage_dir`).
+
+    ``kind`` ``"outage"``: what it stages while the daemon is away (removed once it is back);
+    ``"own"``: datasets the daemon does not serve this uid, its own cache of them (kept).
+    """
     tag = hashlib.sha256(str(node_cache.absolute()).encode()).hexdigest()[:12]
-    return base / f"outage-{tag}"
+    return Path(tempfile.gettempdir()) / f"datacache-{os.getuid()}" / f"{kind}-{tag}"
+
+
+def outage_dir(node_cache: Path, kind: str = "outage") -> Path:
+    """This uid's own directory for what it stages while the daemon of ``node_cache`` is away (or ``kind``)."""
+    path = outage_path(node_cache, kind)
+    _own_private_dir(path.parent)
+    return path
+
+
+def _lock_of(place: Path) -> Path:
+    """Beside the outage directory, never removed with it: each `OutageAccess` holds it shared."""
+    return place.with_name(f"{place.name}.lock")
+
+
+def _hold(place: Path, how: int) -> int | None:
+    """A descriptor of ``place``'s lock, flocked ``how``; None where it is taken the other way (non-blocking)."""
+    fd = os.open(_lock_of(place), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_outage_copies(node_cache: Path) -> bool:
+    """Remove what this uid staged while the daemon of ``node_cache`` was away, once no process of it uses it.
+
+    Called where the daemon answers again (a reader's access opened or closed then). Every
+    `OutageAccess` holds the directory's lock shared while it lives (its reads, its leases, its
+    DataLoader workers' copies mapped): the directory goes only when the lock is had exclusively.
+    Until then it stays, bounded, and the next outage reuses it.
+    """
+    place = outage_path(node_cache)
+    if not place.exists():
+        return False
+    try:
+        _own_private_dir(place.parent)
+        fd = _hold(place, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (OSError, DatacacheError) as exc:
+        logger.debug("cannot take the lock of %s: %s", place, exc)
+        return False
+    if fd is None:
+        return False  # a process of this uid still reads through it
+    try:
+        shutil.rmtree(place)
+    except OSError as exc:
+        logger.debug("cannot remove %s: %s", place, exc)
+        return False
+    finally:
+        os.close(fd)
+    logger.info("the daemon of %s is back: removed this user's copies of its outage, %s", node_cache, place)
+    return True
+
+
+def _started(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, Linux), so that a reused pid is another owner."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return stat_file.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return "0"
+
+
+def _prune_notices(directory: Path) -> None:
+    """Remove the markers of training processes that have ended (killed in an outage: none said it was over)."""
+    for marker in directory.glob("outage-*.notice-*"):
+        owner, _, started = marker.name.rsplit(".notice-", 1)[1].partition("-")
+        if owner.isdigit() and _started(int(owner)) != started:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+
+
+class OutageNotice:
+    """Says that the daemon is away once per training process and outage, however many workers it starts.
+
+    torch's DataLoader starts new worker processes every epoch, each with an access of its own: each
+    would say the same again. The first to notice an outage makes a marker in this uid's private
+    directory, named for the node's cache and the ``owner`` (the worker's training process, else
+    this one), and says it; the others log it at debug level. The first to find the daemon back
+    removes the marker and says so, and a new outage is said again.
+    """
+
+    def __init__(self, node_cache: Path, owner: int | None = None) -> None:
+        self.node_cache = node_cache
+        self.owner = os.getpid() if owner is None else owner
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"node_cache": self.node_cache, "owner": self.owner}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["node_cache"], state["owner"])  # type: ignore[misc]
+
+    def _marker(self, kind: str) -> Path:
+        place = outage_path(self.node_cache)
+        return place.with_name(f"{place.name}.{kind}.notice-{self.owner}-{_started(self.owner)}")
+
+    def say(self, message: str, *args: object, kind: str = "outage") -> None:
+        """Log a notice of the outage (``kind``: which), unless a process of this owner said it in this outage."""
+        try:
+            marker = self._marker(kind)
+            _own_private_dir(marker.parent)
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            logger.debug(message, *args)
+            return
+        except (OSError, DatacacheError):
+            pass  # no private directory to mark it in: said by each process, as before
+        logger.warning(message, *args)
+        if kind == "outage":
+            _prune_notices(marker.parent)
+
+    def over(self, message: str, *args: object) -> None:
+        """The daemon answers again: said by the one process that ends the outage's marker."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._marker("where"))
+        try:
+            os.unlink(self._marker("outage"))
+        except OSError:
+            logger.debug(message, *args)
+            return
+        logger.warning(message, *args)
 
 
 def outage_capacity(settings: Settings, directory: Path) -> int:
@@ -124,11 +254,15 @@ class OutageAccess:
         The reader's settings (``local_dir`` is the daemon's cache; ``local_capacity`` its capacity).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, notice: OutageNotice | None = None, *, kind: str = "outage") -> None:
         self.settings = settings
+        self.notice = notice
+        self.kind = kind
         self.node = LocalTier(settings.local_dir, modes=GROUP_READABLE)
         self._trusted = settings.trusted_uids
-        private = outage_dir(settings.local_dir)
+        private = outage_dir(settings.local_dir, kind)
+        # Held until `close`: the directory is not removed under this process (`remove_outage_copies`).
+        self._in_use = _hold(private, fcntl.LOCK_SH)
         self.private_settings = settings.with_overrides(
             local_dir=private, local_capacity=outage_capacity(settings, private)
         )
@@ -137,19 +271,23 @@ class OutageAccess:
         self.private = Stager(self.private_settings, reconcile=False)
         self._verified: dict[str, tuple[int, int, int]] = {}
         self._bad: set[str] = set()
-        logger.warning(
+        where = (
             "the node cache %s is the daemon's: reading its resident shards there and staging the rest "
-            "in %s (at most %d bytes) until the daemon is back",
-            settings.local_dir,
-            private,
-            self.private_settings.local_capacity,
+            "in %s (at most %d bytes) until the daemon is back"
         )
+        where_args = (settings.local_dir, private, self.private_settings.local_capacity)
+        if kind != "outage":
+            logger.debug(where, *where_args)  # a dataset the daemon does not serve: said as such (FailoverAccess)
+        elif notice is None:
+            logger.warning(where, *where_args)
+        else:
+            notice.say(where, *where_args, kind="where")
 
-    def __getstate__(self) -> dict[str, Settings]:
-        return {"settings": self.settings}
+    def __getstate__(self) -> dict[str, object]:
+        return {"settings": self.settings, "notice": self.notice, "kind": self.kind}
 
-    def __setstate__(self, state: dict[str, Settings]) -> None:
-        self.__init__(state["settings"])  # type: ignore[misc]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], state["notice"], kind=state["kind"])  # type: ignore[misc]
 
     @property
     def mode(self) -> str:
@@ -271,7 +409,12 @@ class OutageAccess:
         return self.private.origin_retries()
 
     async def close(self) -> None:
-        await self.private.close()
+        try:
+            await self.private.close()
+        finally:
+            if self._in_use is not None:
+                in_use, self._in_use = self._in_use, None
+                os.close(in_use)
 
 
 def _checksum_of(data: bytes) -> str:

@@ -9,13 +9,17 @@ of the node shares one cache and one transfer per shard.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from datacache._outage import OutageAccess, cannot_stage_into
+from datacache._outage import OutageAccess, OutageNotice, cannot_stage_into, outage_path, remove_outage_copies
+from datacache.activity import remove_report_file, write_report_file
 from datacache.client import DaemonClient
 from datacache.config import DatasetConfig, Settings
 from datacache.errors import DaemonUnavailableError, NotServedError
@@ -164,20 +168,33 @@ class FailoverAccess:
         Seconds between attempts to reach the daemon again once it failed.
     down
         The daemon did not answer when this access was made: start on the fallback.
+    notice
+        Says the outage once per training process and outage (`datacache._outage.OutageNotice`).
     """
 
     def __init__(
-        self, primary: DaemonClient, settings: Settings, *, retry_interval: float = 3.0, down: bool = False
+        self,
+        primary: DaemonClient,
+        settings: Settings,
+        *,
+        retry_interval: float = 3.0,
+        down: bool = False,
+        notice: OutageNotice | None = None,
     ) -> None:
         self.primary = primary
         self.settings = settings
+        self.notice = notice if notice is not None else OutageNotice(settings.local_dir)
         self.retry_interval = retry_interval
         self._fallback: Stager | OutageAccess | None = None
+        self._own: OutageAccess | None = None
+        """Where the node cache is the daemon's: this uid's own cache of the datasets it does not serve."""
         self._down_until: float | None = time.monotonic() + retry_interval if down else None
         self._down = down
         self._orders: dict[str, tuple[DatasetHandle, list[str] | FutureOrder]] = {}
         self._private: set[str] = set()
         """Datasets the daemon does not serve to this uid: read by the fallback, whoever answers (`open`)."""
+        self._own_reports: set[str] = set()
+        """Report files this process wrote while the daemon was away (removed once it answers again)."""
         self._closing = False
         self.failovers = 0
         self.reconnects = 0
@@ -187,10 +204,13 @@ class FailoverAccess:
             "primary": self.primary,
             "settings": self.settings,
             "retry_interval": self.retry_interval,
+            "notice": self.notice,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["primary"], state["settings"], retry_interval=state["retry_interval"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["primary"], state["settings"], retry_interval=state["retry_interval"], notice=state["notice"]
+        )
 
     @property
     def mode(self) -> str:
@@ -200,15 +220,23 @@ class FailoverAccess:
     def _fallback_stager(self) -> Stager | OutageAccess:
         if self._fallback is None:
             if cannot_stage_into(self.settings.local_dir):
-                self._fallback = OutageAccess(self.settings)
+                self._fallback = OutageAccess(self.settings, self.notice)
             else:
                 # The daemon (or its successor) reconciles the catalog; readers never do.
                 self._fallback = Stager(self.settings, reconcile=False)
         return self._fallback
 
+    def _private_stager(self) -> Stager | OutageAccess:
+        """For the datasets the daemon does not serve this uid: apart from an outage's copies (removed after it)."""
+        if not cannot_stage_into(self.settings.local_dir):
+            return self._fallback_stager()
+        if self._own is None:
+            self._own = OutageAccess(self.settings, self.notice, kind="own")
+        return self._own
+
     async def _route(self, call: Callable[[ShardAccess], Awaitable[T]], handle: DatasetHandle | None = None) -> T:
         if handle is not None and handle.id in self._private:
-            return await call(self._fallback_stager())
+            return await call(self._private_stager())
         if not self._down or (
             self._down_until is not None and time.monotonic() >= self._down_until
         ):
@@ -222,9 +250,7 @@ class FailoverAccess:
                     raise
                 if not self._down:
                     self.failovers += 1
-                    logger.warning(
-                        "%s; reading through this process's own stager until it is back", exc
-                    )
+                    self.notice.say("%s; reading through this process's own stager until it is back", exc)
                 self._down = True
                 self._down_until = time.monotonic() + self.retry_interval
             else:
@@ -232,9 +258,7 @@ class FailoverAccess:
                     self._down = False
                     self._down_until = None
                     self.reconnects += 1
-                    logger.warning(
-                        "reconnected to the datacache daemon on %s", self.primary.socket_path
-                    )
+                    self.notice.over("reconnected to the datacache daemon on %s", self.primary.socket_path)
                     await self._replay_orders(self.primary)
                 return result
         fallback = self._fallback_stager()
@@ -253,7 +277,7 @@ class FailoverAccess:
         except NotServedError as exc:
             # A job user's own dataset (a private bucket, a 0700 directory): the daemon holds no grant to
             # it, and this process reads it with its own credentials into a cache of its own uid.
-            handle = await self._fallback_stager().open(dataset, refresh=refresh)
+            handle = await self._private_stager().open(dataset, refresh=refresh)
             if handle.id not in self._private:
                 logger.warning("%s; reading it in this process, into a cache of this user's own", exc)
             self._private.add(handle.id)
@@ -283,7 +307,7 @@ class FailoverAccess:
         was_down = self._down
         await self._route(lambda access: access.set_future_order(handle, order), handle)
         if self._down and not was_down and handle.id not in self._private:
-            await self._fallback_stager().set_future_order(handle, order)
+            await self._fallback_stager().set_future_order(handle, order)  # not private: routed above
 
     async def note_progress(
         self, handle: DatasetHandle, progress: ReaderProgress, *, locate: Sequence[str] = ()
@@ -303,8 +327,8 @@ class FailoverAccess:
 
     def origin_retries(self) -> int:
         """Retries of this process's own origin reads and of its fallback stager (the daemon counts its own)."""
-        fallback = self._fallback
-        return self.primary.origin_retries() + (fallback.origin_retries() if fallback is not None else 0)
+        mine = [access.origin_retries() for access in (self._fallback, self._own) if access is not None]
+        return self.primary.origin_retries() + sum(mine)
 
     async def report(
         self,
@@ -315,29 +339,82 @@ class FailoverAccess:
         dataset: str | None = None,
         **figures: Any,
     ) -> None:
-        """Pass a reader's throughput to the daemon's metrics (dropped while it is unreachable)."""
+        """Pass a reader's throughput to the daemon's metrics; while it is unreachable, to a report file.
+
+        What this process staged itself (its fallback: through an outage, or a dataset the daemon does
+        not serve it) goes along as ``own_bytes_in`` and ``own_transfers``, so that ``datacache top``
+        says so through the daemon; while the daemon is away the reader's figures, its fallback's
+        counters and transfers go to a report file in the fallback's own cache, which ``top`` reads
+        without the daemon (a job user's own directory, where the node's cache is the daemon's).
+        """
+        own = self._own_stager(dataset)
+        if own is not None:
+            figures = {**figures, "own_bytes_in": sum(own.activity.bytes_in.values()),
+                       "own_transfers": len(own.activity.transfers)}
+        reader = {"delivered_bytes_per_s": delivered_bytes_per_s, "stall_fraction": stall_fraction,
+                  "delivered_bytes": delivered_bytes, "dataset": dataset, **figures}
         if self._down:
+            if own is not None:
+                name = await asyncio.to_thread(_write_own_report, own, reader)
+                if name is not None:
+                    self._own_reports.add(name)
             return
         try:
-            await self.primary.report(
-                delivered_bytes_per_s=delivered_bytes_per_s,
-                stall_fraction=stall_fraction,
-                delivered_bytes=delivered_bytes,
-                dataset=dataset,
-                **figures,
-            )
+            await self.primary.report(**reader)
         except DaemonUnavailableError:
             logger.debug("the daemon is unreachable: throughput report dropped")
+        else:
+            if own is not None and self._own_reports:
+                for name in self._own_reports:  # the daemon shows this reader again
+                    remove_report_file(own.settings.local_dir, name)
+                self._own_reports.clear()
+
+    def _own_stager(self, dataset: str | None) -> Stager | None:
+        """The stager of this process that reads ``dataset`` when the daemon does not, once made."""
+        fallback = self._own if dataset in self._private and self._own is not None else self._fallback
+        return fallback.private if isinstance(fallback, OutageAccess) else fallback
 
     async def close(self) -> None:
         self._closing = True
         await self.primary.close()
+        if self._own is not None:
+            own, self._own = self._own, None
+            await own.close()
         if self._fallback is not None:
             fallback, self._fallback = self._fallback, None
             await fallback.close()
+            if isinstance(fallback, OutageAccess) and not self._down:
+                await asyncio.to_thread(remove_outage_copies, self.settings.local_dir)
 
 
-async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAccess:
+def _own_report_name(reader: dict[str, Any]) -> str:
+    return f"{os.getpid()}-{str(reader.get('dataset'))[:24]}-r{reader.get('rank', 0)}w{reader.get('worker', 0)}"
+
+
+def _write_own_report(stager: Stager, reader: dict[str, Any]) -> str | None:
+    """The report file of a reader whose daemon is away, as an embedded reader's (`loaders.stats`); its name."""
+    host, pid = socket.gethostname(), os.getpid()
+    document = {
+        "version": 1,
+        "host": host,
+        "pid": pid,
+        "written": time.time(),
+        "client": f"{host}:{pid}:r{reader.get('rank', 0)}w{reader.get('worker', 0)}",
+        "reader": reader,
+        "stager": dataclasses.asdict(stager.stats()),
+        "activity": stager.activity.counters(),
+        "transfers": [t.to_json() for t in stager.activity.in_flight()],
+    }
+    name = _own_report_name(reader)
+    try:
+        write_report_file(stager.settings.local_dir, name, document)
+    except OSError as exc:  # a full or read-only disk must not stop a reader
+        logger.debug("cannot write the report file for datacache top: %s", exc)
+        return None
+    return name
+
+
+async def open_access(settings: Settings, *, reconcile: bool = True, notice_owner: int | None = None) -> ShardAccess:
     """Return the way this process should reach shards.
 
     If the node's daemon answers on ``settings.daemon_socket``, a
@@ -347,8 +424,11 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
     in-process `Stager` (``reconcile`` repairs what killed processes left), or,
     where the cache is the daemon's and this process may not write it, a
     `FailoverAccess` that starts without the daemon and goes to it once it answers.
+    ``notice_owner`` is the process the outage is said once for (a DataLoader worker's
+    training process; by default this one).
     """
     socket_path = settings.daemon_socket
+    notice = OutageNotice(settings.local_dir, notice_owner)
     if socket_path.exists():
         client = DaemonClient(settings)
         try:
@@ -356,18 +436,21 @@ async def open_access(settings: Settings, *, reconcile: bool = True) -> ShardAcc
         except DaemonUnavailableError as exc:
             await client.close()
             if cannot_stage_into(settings.local_dir):
-                logger.warning("%s; reading through this process's own stager until it is back", exc)
-                return FailoverAccess(DaemonClient(settings), settings, down=True)
+                notice.say("%s; reading through this process's own stager until it is back", exc)
+                return FailoverAccess(DaemonClient(settings), settings, down=True, notice=notice)
             logger.info("%s; using an in-process stager", exc)
         else:
-            return FailoverAccess(client, fallback_settings(settings, health))
+            notice.over("reconnected to the datacache daemon on %s", socket_path)
+            if outage_path(settings.local_dir).exists():  # what an outage left, if no process uses it now
+                await asyncio.to_thread(remove_outage_copies, settings.local_dir)
+            return FailoverAccess(client, fallback_settings(settings, health), notice=notice)
     elif cannot_stage_into(settings.local_dir):
-        logger.warning(
+        notice.say(
             "no datacache daemon answers at %s (no socket); reading through this process's own stager "
             "until one does",
             socket_path,
         )
-        return FailoverAccess(DaemonClient(settings), settings, down=True)
+        return FailoverAccess(DaemonClient(settings), settings, down=True, notice=notice)
     return Stager(settings, reconcile=reconcile)
 
 

@@ -73,6 +73,8 @@ READER_FIELDS: dict[str, type] = {
     "remote_workers": int,  # the rank's remote pool (remote=): workers making its batches now
     "remote_max_workers": int,
     "dataset_name": str,  # the configured name the reader opened the dataset by, when it has one
+    "own_bytes_in": int,  # staged by the reader's own process (its fallback), not through the daemon
+    "own_transfers": int,  # its own process's transfers in flight now
 }
 """Optional fields of a reader's report beside ``delivered_bytes_per_s``, ``stall_fraction``,
 ``delivered_bytes`` and ``dataset``, with their types (``/v1/report`` checks them)."""

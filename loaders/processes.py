@@ -57,7 +57,9 @@ def open_runtime(
     in_worker = get_worker_info() is not None
     access: ShardAccess | None = None
     try:
-        access = loop.run(open_access(settings, reconcile=not in_worker))
+        # A worker's notice of a daemon outage is its training process's: said once, not every epoch.
+        owner = os.getppid() if in_worker else None
+        access = loop.run(open_access(settings, reconcile=not in_worker, notice_owner=owner))
         if mixed:
             runtime = open_mix(
                 loop,

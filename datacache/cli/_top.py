@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from datacache._outage import cannot_stage_into, outage_path
 from datacache.activity import read_report_files, user_name
 from datacache.cli._common import Commands, add_settings_flags, one_line, settings_from
 from datacache.cli._topview import SORTS, KeptClients, View, name_datasets, rich_frame, text_frame
@@ -119,12 +120,21 @@ class Sampler:
 
     async def _embedded(self, now: float) -> dict[str, Any]:
         settings = self.settings
-        if self._stager is None:
-            self._stager = Stager(settings, reconcile=False, inspect=True)  # shows, never serves
-        stager = self._stager
-        tiers = await self._embedded_tiers(stager)
-        policies = {record.id: record.policy for record in await stager.catalog.datasets()}
+        tiers: list[dict[str, Any]] = []
+        policies: dict[str, str] = {}
+        note = None
+        if cannot_stage_into(settings.local_dir):
+            # The daemon's cache, its catalog not this user's to open: only this user's readers are shown.
+            note = f"the node cache {settings.local_dir} is the daemon's: its tiers are shown through the daemon only"
+        else:
+            if self._stager is None:
+                self._stager = Stager(settings, reconcile=False, inspect=True)  # shows, never serves
+            tiers = await self._embedded_tiers(self._stager)
+            policies = {record.id: record.policy for record in await self._stager.catalog.datasets()}
         files = await asyncio.to_thread(read_report_files, settings.local_dir, now=now)
+        # A reader of a daemon that is away, and may not write its cache, reports into its own directory.
+        for kind in ("outage", "own"):
+            files += await asyncio.to_thread(read_report_files, outage_path(settings.local_dir, kind), now=now)
         clients, processes = _clients_of(files, now, policies)
         counters, transfers = _activity_of(processes, now)
         readers = {c.get("dataset") for c in clients}
@@ -136,6 +146,7 @@ class Sampler:
             "counters": counters,
             "transfers": transfers,
             "policies": {k: v for k, v in policies.items() if k in readers},
+            **({"error": note} if note else {}),
         }
 
     async def _embedded_tiers(self, stager: Stager) -> list[dict[str, Any]]:

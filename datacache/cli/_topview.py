@@ -149,6 +149,7 @@ def text_frame(frame: dict[str, Any], *, sort: str = "c", reverse: bool = False)
     """One frame as plain text (``--once``, and the live view without rich)."""
     out = [*header_lines(frame), ""]
     out += _text_clients(sort_clients(frame["clients"], sort, reverse))
+    out += own_staging_lines(frame["clients"])
     out += _text_ranks(frame["ranks"])
     out += ["", *_text_tiers(frame["tiers"]), ""]
     transfers = frame["transfers"]
@@ -177,6 +178,21 @@ def _text_clients(clients: list[dict[str, Any]]) -> list[str]:
         )
     if not clients:
         out.append("(no client is reading on this node)")
+    return out
+
+
+def own_staging_lines(clients: list[dict[str, Any]]) -> list[str]:
+    """Readers whose own process staged shards (the daemon away, or a dataset it does not serve them)."""
+    own = [c for c in clients if c.get("own_bytes_in") or c.get("own_transfers")]
+    if not own:
+        return []
+    out = ["", "STAGED BY THE READER'S OWN PROCESS, NOT THROUGH THE DAEMON:"]
+    for c in own:
+        out.append(
+            f"  {_short(_label(c), 22):<22} {_short(c.get('user') or c.get('uid'), 10):<10} "
+            f"{_short(_dataset(c), 20):<20} {format_bytes(int(c.get('own_bytes_in') or 0))} staged, "
+            f"{int(c.get('own_transfers') or 0)} in flight ({c.get('mode', '?')})"
+        )
     return out
 
 
@@ -252,6 +268,7 @@ def rich_frame(frame: dict[str, Any], view: View) -> Any:
     parts += [Text(""), _rich_clients(frame["clients"], view)]
     if not frame["clients"]:
         parts.append(Text("(no client is reading on this node)", style="dim"))
+    parts += [Text(line, style="bold" if line.isupper() else "") for line in own_staging_lines(frame["clients"])]
     if frame["ranks"]:
         parts += [Text(""), _rich_ranks(frame["ranks"])]
     parts += [Text(""), _rich_tiers(frame["tiers"]), Text("")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 from typing import Any
 
 from aiohttp import web
@@ -135,9 +134,6 @@ class ReadVerbs(DaemonBase):
             progress = ReaderProgress.from_json(data.get("progress"))
         except ValueError as exc:
             raise http.BadRequest(str(exc)) from None
-        if progress.owner.rpartition(":")[0] != socket.gethostname():
-            # A lease names a process of this node, whose death ends it; another host's never would.
-            raise http.BadRequest("reader progress must name a process of this node as its owner")
         if peer.pid <= 0:
             raise http.Forbidden("cannot tell which process is calling (no pid in SO_PEERCRED)")
         sizes = []
@@ -149,8 +145,9 @@ class ReadVerbs(DaemonBase):
         wanted = http.keys(data, "locate") if "locate" in data else []
         for key in wanted:
             self.registry.shard(handle, key)
-        # The lease is the calling process's (the kernel's word, not the client's), held only while it
-        # lives, and while other uids use the tier one uid holds at most its share of it.
+        # The lease is the calling process's (the kernel's word, not the client's: a container's host name
+        # and pids are its own, two pods' first processes both claim "pod:1"), held only while it lives,
+        # and while other uids use the tier one uid holds at most its share of it. The claim is not used.
         owner = owner_of(peer.pid)
         async with self.lease_lock:
             await self._arrive(peer)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datacache._rate import TokenBucket
 from datacache.errors import DaemonUnavailableError
 from datacache.staging import LOCAL, DatasetHandle, Location, Stager
+from datacache.staging.batch import Turn
 
 __all__ = ["PrefetchScheduler", "default_prefetch_slots"]
 
@@ -44,6 +45,10 @@ class _Item:
     tier: str
     priority: float
     waiters: list[asyncio.Future[Location]] = field(default_factory=list)
+    after: Turn | None = None
+    """The warm's place of whoever queued it first: its room is reserved in that turn."""
+    turns: list[Turn] = field(default_factory=list)
+    """Every warm's place in it (released when it ends, however it ends)."""
 
 
 class PrefetchScheduler:
@@ -118,36 +123,50 @@ class PrefetchScheduler:
         tier: str = LOCAL,
         priority: float,
         wait: bool = False,
+        turn: Turn | None = None,
     ) -> asyncio.Future[Location] | None:
         """Queue a transfer; with ``wait``, return a future for its `Location`.
 
-        A shard already pending keeps one entry, at the lowest priority asked.
+        A shard already pending keeps one entry, at the lowest priority asked. ``turn``: a warm's
+        place (`staging.batch.Turn`): the pumps run several transfers at once, and without it the
+        first to reach the catalog took the room, not the shard the warm asked for first.
         """
+        try:
+            return self._submit(handle, key, tier, priority, wait, turn)
+        except BaseException:
+            if turn is not None:
+                turn.release()
+            raise
+
+    def _submit(
+        self, handle: DatasetHandle, key: str, tier: str, priority: float, wait: bool, turn: Turn | None
+    ) -> asyncio.Future[Location] | None:
         if self._stopping:
             raise DaemonUnavailableError("the daemon is shutting down")
         ident = (handle.id, key, tier)
         future: asyncio.Future[Location] | None = None
         if wait:
             future = asyncio.get_running_loop().create_future()
-        running = self._running.get(ident)
-        if running is not None:
-            if future is not None:
-                running.waiters.append(future)
-            return future
-        item = self._pending.get(ident)
+        item = self._running.get(ident)
         if item is None:
-            if future is None and len(self._pending) >= self._max_pending:
-                self._drop()
-                return None
-            item = _Item(handle, key, tier, priority)
-            self._pending[ident] = item
-            heapq.heappush(self._heap, (priority, next(self._sequence), ident))
-        elif priority < item.priority:
-            item.priority = priority
-            heapq.heappush(self._heap, (priority, next(self._sequence), ident))
+            item = self._pending.get(ident)
+            if item is None:
+                if future is None and len(self._pending) >= self._max_pending:
+                    self._drop()
+                    if turn is not None:
+                        turn.release()
+                    return None
+                item = _Item(handle, key, tier, priority, after=turn)
+                self._pending[ident] = item
+                heapq.heappush(self._heap, (priority, next(self._sequence), ident))
+            elif priority < item.priority:
+                item.priority = priority
+                heapq.heappush(self._heap, (priority, next(self._sequence), ident))
+            self._wakeup.set()
         if future is not None:
             item.waiters.append(future)
-        self._wakeup.set()
+        if turn is not None:
+            item.turns.append(turn)  # released when it ends
         return future
 
     def _drop(self) -> None:
@@ -201,6 +220,8 @@ class PrefetchScheduler:
                         waiter.set_result(location)
             finally:
                 self._running.pop(ident, None)
+                for turn in item.turns:
+                    turn.release()
 
     async def _transfer(self, item: _Item) -> Location:
         if item.tier == LOCAL:
@@ -209,12 +230,16 @@ class PrefetchScheduler:
                 return location
         if self._bucket is not None:
             await self._bucket.take(item.handle.manifest.shard(item.key).size)
+        if item.after is None:  # not a warm's: as any stager's ensure
+            return await self._stager.ensure(item.handle, item.key, tier=item.tier, priority=item.priority)
         return await self._stager.ensure(
-            item.handle, item.key, tier=item.tier, priority=item.priority
+            item.handle, item.key, tier=item.tier, priority=item.priority, turn=item.after
         )
 
     @staticmethod
     def _fail(item: _Item, exc: BaseException) -> None:
+        for turn in item.turns:
+            turn.release()
         for waiter in item.waiters:
             if not waiter.done():
                 waiter.set_exception(exc)

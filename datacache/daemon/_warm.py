@@ -20,6 +20,7 @@ from datacache.daemon._scheduler import PrefetchScheduler
 from datacache.errors import DatacacheError
 from datacache.manifest import Shard, listing_notices
 from datacache.staging import DatasetHandle, Location, Stager, WarmProgress
+from datacache.staging.batch import Turn
 from datacache.tiers import redact_url
 
 __all__ = ["WarmRun"]
@@ -30,10 +31,19 @@ class WarmRun:
 
     def __init__(self, stager: Stager, scheduler: PrefetchScheduler, handle: DatasetHandle, tier: str) -> None:
         self.stager, self.scheduler, self.handle, self.tier = stager, scheduler, handle, tier
+        self._last: Turn | None = None
 
     async def submit(self, shard: Shard, priority: float) -> Location:
-        """A warm's shards pass the prefetch gate: readers always find free workers."""
-        future = self.scheduler.submit(self.handle, shard.key, tier=self.tier, priority=priority, wait=True)
+        """A warm's shards pass the prefetch gate: readers always find free workers.
+
+        Each reserves its room after the one submitted before it (`Turn`, as a warm in one process
+        does): a warm bigger than the tier keeps the shards asked for first, not those whose transfer
+        worker reached the catalog first.
+        """
+        self._last = turn = Turn(self._last)
+        future = self.scheduler.submit(
+            self.handle, shard.key, tier=self.tier, priority=priority, wait=True, turn=turn
+        )
         if future is None:  # pragma: no cover - waited submissions are never dropped
             raise DatacacheError("the prefetch backlog is full")
         return await future

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from datacache._logging import FirstTime
 from datacache.catalog import CATALOG_ROOM, Catalog, CatalogEntry, Claim, Reservation, Room
@@ -29,6 +30,9 @@ from datacache.staging.shared import SharedStager, known_checksum
 from datacache.staging.transfer import Transfer
 from datacache.staging.types import LOCAL, ORIGIN, SHARED, WANTED_NOW, WARMING, DatasetHandle, Location, StagingEvent
 from datacache.tiers import LocalTier, Tier, device_free
+
+if TYPE_CHECKING:
+    from datacache.staging.batch import Turn
 
 __all__ = ["LocalStager", "reserve_for"]
 
@@ -128,11 +132,13 @@ class LocalStager:
         on_verified: Callable[[bytes | memoryview, str], None] | None = None,
         *,
         wanted_now: bool = False,
+        turn: Turn | None = None,
     ) -> Location:
         """Make the shard local (or say which lower tier to read, if eviction declines to make room).
 
         ``on_verified`` receives the shard's verified bytes before its local copy is durable
         (see `Transfer.copy`). ``wanted_now``: a reader is blocked on it (see `Residency.chooser`).
+        ``turn``: its warm's place; room is reserved after the warm's shard before has reserved.
         """
         capacity = self.tier.capacity
         if capacity is not None and shard.size > capacity:
@@ -151,9 +157,14 @@ class LocalStager:
             # write (a writer that is not datacache); the second reservation sees that.
             for attempt in (1, 2):
                 try:
+                    if turn is not None:
+                        await turn.wait()
                     reservation = await self._reserve(handle, shard, wanted_now)
                 except TierFullError as exc:  # the catalog itself found no room
                     return await self.bypass(handle, shard, str(exc))
+                finally:
+                    if turn is not None:
+                        turn.release()  # reserved, or not: the warm's next shard may
                 await self.delete_victims(reservation.victims)
                 if not reservation.granted:
                     return await self.bypass(handle, shard, reservation.reason)

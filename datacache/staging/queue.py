@@ -24,11 +24,15 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from datacache.errors import OriginPermissionError, ShardNotFoundError, StagerClosedError
 from datacache.manifest import Shard
 from datacache.staging.events import Events
 from datacache.staging.types import LOCAL, PRIORITY_URGENT, WANTED_NOW, DatasetHandle, Job, Location, StagingEvent
+
+if TYPE_CHECKING:
+    from datacache.staging.batch import Turn
 
 __all__ = ["JobQueue", "first_answer", "serve_early"]
 
@@ -87,12 +91,24 @@ class JobQueue:
         """Whether the last job for this shard and tier failed with a refusal of the origin."""
         return (handle.id, shard.key, tier) in self._refused
 
-    def submit(self, handle: DatasetHandle, shard: Shard, tier: str, priority: float) -> Job:
-        """Queue a job, or join the one already queued or running for the same shard and tier."""
+    def submit(
+        self, handle: DatasetHandle, shard: Shard, tier: str, priority: float, turn: Turn | None = None
+    ) -> Job:
+        """Queue a job, or join the one already queued or running for the same shard and tier.
+
+        ``turn``: a warm's place; a job it makes reserves room in that turn, and the turn is released
+        when the job ends however it does (a job joined reserves when it would have).
+        """
+        job = self._submit(handle, shard, tier, priority, turn)
+        if turn is not None:
+            job.future.add_done_callback(lambda _: turn.release())
+        return job
+
+    def _submit(self, handle: DatasetHandle, shard: Shard, tier: str, priority: float, turn: Turn | None) -> Job:
         ident = (handle.id, shard.key, tier)
         job = self._jobs.get(ident)
         if job is None or job.future.done():
-            job = Job(handle, shard, tier, priority, self._loop.create_future())
+            job = Job(handle, shard, tier, priority, self._loop.create_future(), after=turn)
             self._jobs[ident] = job
             job.future.add_done_callback(lambda _: self._forget(ident, job))
             # Its waiters may all be gone (a cancelled warm, Ctrl-C): the failure is theirs to see,

@@ -259,7 +259,11 @@ class Stager:
             raise StagerClosedError("the stager is not running")
         if job.tier == LOCAL:
             return await parts.local.stage(
-                job.handle, job.shard, functools.partial(serve_early, job), wanted_now=job.priority <= PRIORITY_URGENT
+                job.handle,
+                job.shard,
+                functools.partial(serve_early, job),
+                wanted_now=job.priority <= PRIORITY_URGENT,
+                turn=job.after,
             )
         if parts.shared is None:
             raise ConfigError("no shared tier is configured")
@@ -370,6 +374,7 @@ class Stager:
         tier: str = LOCAL,
         priority: float = PRIORITY_URGENT,
         early: bool = False,
+        turn: Turn | None = None,
     ) -> Location:
         """Make shard ``key`` resident on ``tier`` (waiting if it is being staged) and say where.
 
@@ -378,20 +383,27 @@ class Stager:
         With ``early`` (a reader in this process), a shard being staged onto the
         local tier may be answered as soon as its bytes are verified in memory
         (`Location.buffer`), while its local copy is still being made durable.
+        ``turn``: a warm's place (`staging.batch.Turn`; the daemon's warm): room for this shard is
+        reserved only after the warm's shard before it has reserved its own; released however this ends.
         """
-        if tier not in TIERS:
-            raise ConfigError(f"unknown tier {tier!r} (choose local or shared)")
-        if tier == SHARED and self.shared is None:
-            raise ConfigError("no shared tier is configured (set cache.shared_dir or DATACACHE_SHARED_DIR)")
-        parts = await self._ready()
-        shard = handle.manifest.shard(key)
-        if tier == LOCAL:
-            hit = await parts.local.hit(handle, shard)
-            if hit is not None:
-                self._events.hit(LOCAL)
-                self._events.emit(StagingEvent("hit", handle.id, key, LOCAL, size=shard.size))
-                return hit
-        job = parts.queue.submit(handle, shard, tier, priority)
+        job: Job | None = None
+        try:
+            if tier not in TIERS:
+                raise ConfigError(f"unknown tier {tier!r} (choose local or shared)")
+            if tier == SHARED and self.shared is None:
+                raise ConfigError("no shared tier is configured (set cache.shared_dir or DATACACHE_SHARED_DIR)")
+            parts = await self._ready()
+            shard = handle.manifest.shard(key)
+            if tier == LOCAL:
+                hit = await parts.local.hit(handle, shard)
+                if hit is not None:
+                    self._events.hit(LOCAL)
+                    self._events.emit(StagingEvent("hit", handle.id, key, LOCAL, size=shard.size))
+                    return hit
+            job = parts.queue.submit(handle, shard, tier, priority, turn)
+        finally:
+            if job is None and turn is not None:
+                turn.release()  # no job will: the warm's next shard may reserve
         if early and tier == LOCAL:
             return await first_answer(job)
         return await asyncio.shield(job.future)

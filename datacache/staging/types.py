@@ -7,9 +7,12 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from datacache.catalog import process_owner
+
+if TYPE_CHECKING:
+    from datacache.staging.batch import Turn
 from datacache.config import DatasetConfig
 from datacache.manifest import Manifest, Shard
 from datacache.tiers import Tier
@@ -174,6 +177,8 @@ class Job:
     started: bool = False
     early: asyncio.Future[Location] | None = None
     """Set once the shard's bytes are verified in memory, before its copy is durable (local tier only)."""
+    after: Turn | None = None
+    """Its warm's place (`staging.batch.Turn`): room is reserved after the warm's shard before it reserved."""
 
 
 @dataclass(frozen=True)
