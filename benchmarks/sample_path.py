@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+
 def _module_of(filename: str, root: Path) -> str | None:
     try:
         relative = Path(filename).resolve().relative_to(root)
