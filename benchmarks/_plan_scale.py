@@ -26,10 +26,10 @@ _CHILD = r"""
 import json, resource, sys, time, tracemalloc
 started = time.perf_counter()
 import numpy as np
-from datacache.loaders.datasetplans import indexed_plan
-from datacache.loaders.epoch import auto_window
-from datacache.loaders.order import Layout
-from datacache.loaders.planning import Dealing
+from datacache.loaders.plans.dataset import indexed_plan
+from datacache.loaders.plans.positions import auto_window
+from datacache.loaders.order.layout import Layout
+from datacache.loaders.plans.interface import Dealing
 from datacache.manifest import Manifest, Shard, ShardFormat
 shards, per_shard, rank, world = map(int, sys.argv[1:5])
 mb = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

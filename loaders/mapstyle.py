@@ -4,7 +4,7 @@ Sample ``i`` is the ``i``-th sample of the dataset in manifest order (the order
 `CachedIterableDataset` yields with ``shuffle=False`` on one rank): the dataset's
 unit plan says which unit (tar shard, Parquet file, plain file, row of Zarr
 chunks) holds it and where inside. Reading it opens that unit the way the
-iterable dataset does (`unit_readers.UnitReaders`): from the local tier, else the
+iterable dataset does (`reading.units.UnitReaders`): from the local tier, else the
 shared tier (while the local copy is staged), else staged from the origin
 now, verified against the manifest before any sample is served from it. A few
 units stay open (mapped) per process, so that neighbouring indexes cost no
@@ -25,15 +25,15 @@ import numpy as np
 import numpy.typing as npt
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.order.windows import exclusive_sum
+from datacache.loaders.plans.positions import EpochPlan
 from datacache.loaders.precheck import check_keywords
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime
-from datacache.loaders.sequence import exclusive_sum
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
-from datacache.loaders.unit_readers import UnitReaders
 from datacache.tiers import redact_url
 from torch.utils.data import Dataset
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from datacache.loaders.openunits import OpenUnits
-from datacache.loaders.readers import SpanCache, UnitPlan, UnitReader
+from datacache.loaders.reading.mapping import SpanCache, UnitPlan, UnitReader
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -19,8 +19,8 @@ from datacache.errors import ConfigError
 from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
-    from datacache.loaders.coldplan import CountBook
-    from datacache.loaders.mix.sources import Mix
+    from datacache.loaders.plans.cold import CountBook
+    from datacache.loaders.plans.mixsources import Mix
 
 __all__ = ["NodeFuture", "Runtime", "Units"]
 
@@ -49,7 +49,7 @@ class Runtime:
     def counted(self, plan: UnitPlan, window: int) -> None:
         """Every sample count is known: ``plan`` holds them, ``window`` is the default shuffle window.
 
-        Called by `datasetplans.DatasetPlanner.complete` only: the one switch from counts unknown to known.
+        Called by `plans.dataset.DatasetPlanner.complete` only: the one switch from counts unknown to known.
         """
         self.plan, self.window, self.book = plan, window, None
 
@@ -71,7 +71,7 @@ class Runtime:
 
 @dataclass(frozen=True)
 class NodeFuture:
-    """The node's future reads (every reader's units, from `epoch.node_unit_sequences`) and this reader's name."""
+    """The node's future reads (every reader's units, from `positions.node_unit_sequences`) and this reader's name."""
 
     reader: str
     epoch: int
@@ -111,7 +111,7 @@ class NodeFuture:
 
 
 class Units(Protocol):
-    """What walking a plan needs of the units it reads: `UnitReaders`, or `mix.readers.MixedUnitReaders`."""
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `reading.mixed.MixedUnitReaders`."""
 
     runtime: Runtime
 

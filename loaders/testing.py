@@ -1,4 +1,4 @@
-"""`PlanTests`: the contract every kind of epoch plan (`planning.Plan`) keeps, as a pytest suite.
+"""`PlanTests`: the contract every kind of epoch plan (`plans.interface.Plan`) keeps, as a pytest suite.
 
 As `datacache.tiers.testing` does for tiers, this suite ships with the package,
 so a new kind of epoch (a new first-epoch dealing, say) proves itself with the
@@ -28,9 +28,9 @@ from collections import Counter
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.planning import Dealing, Plan
-from datacache.loaders.sequence import exclusive_sum
+from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.order.windows import exclusive_sum
+from datacache.loaders.plans.interface import Dealing, Plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,7 +46,7 @@ _layouts = st.tuples(st.integers(1, 8), st.integers(1, 3), st.integers(1, 4))
 
 
 class MemoryCounts:
-    """A `coldplan.Counts` over known values: unknown until counted (or all at once, ``background``)."""
+    """A `plans.cold.Counts` over known values: unknown until counted (or all at once, ``background``)."""
 
     def __init__(self, counts: IntArray, *, background: bool = False) -> None:
         self._all = np.asarray(counts, dtype=np.int64)
@@ -81,7 +81,7 @@ class MemoryCounts:
 
 
 class CountingShelf:
-    """A `coldplan.UnitCounter` whose units hold ``counts`` samples (what opening them would say)."""
+    """A `plans.cold.UnitCounter` whose units hold ``counts`` samples (what opening them would say)."""
 
     def __init__(self, counts: IntArray) -> None:
         self._counts = np.asarray(counts, dtype=np.int64)

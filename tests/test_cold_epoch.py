@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.coldplan import ColdEpochPlan
+from datacache.loaders.plans.cold import ColdEpochPlan
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from datacache.loaders.coldorder import (
+from datacache.loaders.order.cold import (
     WINDOW_UNITS,
     cold_remaining,
     final_stream,
@@ -14,10 +14,10 @@ from datacache.loaders.coldorder import (
     node_cold_sequences,
     rank_units,
 )
-from datacache.loaders.datasetplans import cold_plan
-from datacache.loaders.order import Cursor, Layout, worker_positions
-from datacache.loaders.planning import Dealing
-from datacache.loaders.sequence import Deal
+from datacache.loaders.order.layout import Cursor, Layout, worker_positions
+from datacache.loaders.order.windows import Deal
+from datacache.loaders.plans.dataset import cold_plan
+from datacache.loaders.plans.interface import Dealing
 from datacache.loaders.testing import CountingShelf, MemoryCounts, read_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, Source
-from datacache.loaders.epoch import reader_name
-from datacache.loaders.mix.readers import SourcePlan
-from datacache.loaders.mix.sources import mix_futures, mix_plan
-from datacache.loaders.order import Layout
+from datacache.loaders.order.layout import Layout
+from datacache.loaders.plans.mixsources import mix_futures, mix_plan
+from datacache.loaders.plans.positions import reader_name
+from datacache.loaders.reading.mixed import SourcePlan
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings

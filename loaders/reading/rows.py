@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.readplan import Segmented
+from datacache.loaders.plans.indexed import Segmented
+from datacache.loaders.plans.positions import ReadPlan
 from datacache.loaders.runtime import Units
 
 from datacache.errors import ShardReadError
@@ -129,7 +129,7 @@ def ready_rows(
 
 
 def _payload(batch: Any) -> IntArray:
-    """Each row's payload bytes as `batching.sample_bytes` counts a row dict's: its binary values."""
+    """Each row's payload bytes as `reading.batching.sample_bytes` counts a row dict's: its binary values."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -1,8 +1,8 @@
 """One reader's plan for an epoch: which samples it yields, in what order, from which units.
 
 Pure arithmetic on plain values (numpy, no I/O, no torch): the global order
-and the dealing come from `datacache.loaders.sequence`, a reader's share of
-them from `datacache.loaders.readplan`, computed a segment at a time; this
+and the dealing come from `datacache.loaders.order.windows`, a reader's share of
+them from `datacache.loaders.plans.indexed`, computed a segment at a time; this
 module picks the order of an epoch (resumed after earlier layouts) and says
 every reader's units in order for the node's future. Nothing here costs more
 than the shards do.
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.readplan import EXACT_POSITIONS, LazyEpochPlan, rank_unit_sequence
-from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
+from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
+from datacache.loaders.order.windows import ArrayOrder, Deal, Order, WindowedOrder, remaining
+from datacache.loaders.plans.indexed import EXACT_POSITIONS, LazyEpochPlan, rank_unit_sequence
 
 __all__ = [
     "EpochPlan",
@@ -159,7 +159,7 @@ def plan_epoch(
 ) -> LazyEpochPlan:
     """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
 
-    ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
+    ``order`` replaces the epoch's global order (what a cold epoch left, see `order.cold.cold_remaining`).
     """
     seed, shuffle = dealing.seed, dealing.shuffle
     sequence = epoch_sequence(

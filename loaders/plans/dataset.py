@@ -1,9 +1,9 @@
 """The epochs of one dataset: a first epoch while its sample counts arrive, indexed epochs after.
 
-`DatasetPlanner` makes each reader's `planning.Plan`: a `ColdPlan` (whole shards
-dealt, `coldplan.ColdEpochPlan` growing as the reader counts the shards it
+`DatasetPlanner` makes each reader's `plans.interface.Plan`: a `ColdPlan` (whole shards
+dealt, `plans.cold.ColdEpochPlan` growing as the reader counts the shards it
 opens) while some count is unknown and the cluster decided to read the epoch
-cold, else an `IndexedPlan` (`readplan.LazyEpochPlan`), resumed after cursors of
+cold, else an `IndexedPlan` (`plans.indexed.LazyEpochPlan`), resumed after cursors of
 either kind. It is the one place where the runtime's counts go from unknown to
 known (`complete`).
 """
@@ -15,16 +15,16 @@ from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldorder import ColdRemainder, cold_remaining, node_cold_sequences
-from datacache.loaders.coldplan import ColdEpochPlan, CountBook, Counts
-from datacache.loaders.epoch import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
-from datacache.loaders.order import Cursor, Layout, reader_name
-from datacache.loaders.plan import complete, load_or_build_plan, save_plan
-from datacache.loaders.planning import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
-from datacache.loaders.readers import SpanCache
-from datacache.loaders.readplan import LazyEpochPlan
+from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
+from datacache.loaders.order.layout import Cursor, Layout, reader_name
+from datacache.loaders.plans.cold import ColdEpochPlan, CountBook, Counts
+from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
+from datacache.loaders.plans.indexed import LazyEpochPlan
+from datacache.loaders.plans.interface import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
+from datacache.loaders.plans.positions import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
+from datacache.loaders.reading.mapping import SpanCache
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
-from datacache.loaders.unit_readers import UnitReaders
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -38,7 +38,7 @@ IntArray = npt.NDArray[np.int64]
 
 
 class IndexedPlan:
-    """An epoch dealt from every sample count (`readplan.LazyEpochPlan`): whole from the start."""
+    """An epoch dealt from every sample count (`plans.indexed.LazyEpochPlan`): whole from the start."""
 
     cold = False
     sources: SourceTally = ONE_SOURCE
@@ -62,7 +62,7 @@ class IndexedPlan:
 
 
 class ColdPlan:
-    """A first epoch read while its counts arrive (`coldplan.ColdEpochPlan`): it grows as it is read."""
+    """A first epoch read while its counts arrive (`plans.cold.ColdEpochPlan`): it grows as it is read."""
 
     cold = True
     sources: SourceTally = ONE_SOURCE
@@ -110,7 +110,7 @@ def open_dataset(
 
 
 class DatasetPlanner:
-    """The `planning.Planner` of one dataset (see the module's docstring)."""
+    """The `plans.interface.Planner` of one dataset (see the module's docstring)."""
 
     def __init__(self, runtime: Runtime, shuffle_buffer: int | None) -> None:
         self.runtime = runtime

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mix.sources import Mix
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader
-from datacache.loaders.readplan import LazyEpochPlan, _UnitMap
+from datacache.loaders.plans.indexed import LazyEpochPlan, _UnitMap
+from datacache.loaders.plans.mixsources import Mix
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.unit_readers import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
 

@@ -4,7 +4,7 @@ Every source is opened as a dataset of its own (its own handle in the stager,
 so its own residency, eviction and sample counts); shard files named one by
 one read their directory's dataset filtered to their keys (`only_keys`). The
 units of all sources are numbered one after the other, source by source, so
-that `epoch.plan_epoch` deals and resumes the mixed order (`mix.order.MixedOrder`, computed per
+that `plans.positions.plan_epoch` deals and resumes the mixed order (`order.mixed.MixedOrder`, computed per
 position: O(shards + sources)) as it does one dataset's.
 """
 
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldplan import CountBook
-from datacache.loaders.datasetplans import DatasetPlanner
-from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch
-from datacache.loaders.mix.counts import source_counts
-from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.plan import complete, load_or_build_plan
-from datacache.loaders.readers import SpanCache, UnitPlan
-from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
+from datacache.loaders.order.mixed import MixedOrder
+from datacache.loaders.order.windows import Deal, Order, exclusive_sum
+from datacache.loaders.plans.cold import CountBook
+from datacache.loaders.plans.counts import complete, load_or_build_plan
+from datacache.loaders.plans.dataset import DatasetPlanner
+from datacache.loaders.plans.indexed import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.plans.mixcounts import source_counts
+from datacache.loaders.plans.positions import auto_window, epoch_sequence, plan_epoch
+from datacache.loaders.reading.mapping import SpanCache, UnitPlan
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.sequence import Deal, Order, exclusive_sum
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -199,7 +199,7 @@ def mix_futures(
 ) -> tuple[NodeFuture, ...]:
     """Each source's node future: every reader's units of it, what is left of this epoch, then the next.
 
-    Per rank and per block of positions, as one dataset's (`epoch.node_unit_sequences`): a rank's
+    Per rank and per block of positions, as one dataset's (`plans.positions.node_unit_sequences`): a rank's
     workers share its sequence. Every reader computes the same value.
     """
     mix = runtime.mixed()
