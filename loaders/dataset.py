@@ -304,7 +304,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if self.resample:
             raise ConfigError("a resample=True stream is read by DataLoader worker processes, not as workers here")
         runtime = self._prepare()
-        runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
+        runtime.opened.keep = KEEP_RELEASED if num_workers > 1 else 0
         cursors = self._cursors_for(self._epoch)
         return [self._reader(self._layout(num_workers, worker), self._epoch, cursors) for worker in range(num_workers)]
 
@@ -312,8 +312,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         """Close the shards the readers of `as_workers` kept open for each other."""
         runtime = self._runtime
         if runtime is not None:
-            runtime.units.keep = 0
-            for reader in runtime.units.close_idle():
+            runtime.opened.keep = 0
+            for reader in runtime.opened.close_idle():
                 reader.close()
 
     def _endless(self, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:

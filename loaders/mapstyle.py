@@ -26,7 +26,7 @@ import numpy.typing as npt
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.order.windows import exclusive_sum
-from datacache.loaders.plans.positions import EpochPlan
+from datacache.loaders.plans.positions import PositionTable
 from datacache.loaders.precheck import check_keywords
 from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.prefetch import PrefetchController
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _MAX_OPEN = 16
 """Units kept open (mapped and verified) per process by default."""
 _EMPTY = np.zeros(0, dtype=np.int64)
-_NO_ORDER = EpochPlan(_EMPTY, _EMPTY, _EMPTY, padded=0, first_use={}, last_use={}, unit_sequence=())
+_NO_ORDER = PositionTable(_EMPTY, _EMPTY, _EMPTY, padded=0, first_use={}, last_use={}, unit_sequence=())
 """Random access has no epoch order: the sampler's is unknown here, so nothing is prefetched."""
 
 
@@ -123,7 +123,7 @@ class CachedMapDataset(Dataset[Any]):
             return opened
         source = self._source
         runtime = source.with_all_counts()  # every sample count known: indexes must be exact
-        plan = runtime.plan
+        plan = runtime.units
         if plan.unreadable:
             key = min(plan.unreadable)
             raise ShardReadError(plan.unreadable[key])

@@ -34,24 +34,25 @@ class Runtime:
     settings: Settings
     access: ShardAccess
     handle: DatasetHandle
-    plan: UnitPlan
+    units: UnitPlan
+    """The dataset's units and their sample counts (some -1 while a first epoch counts them)."""
     window: int
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: CountBook | None = None
     """The sample counts this process knows, while some are unknown (given when made; see `counted`)."""
-    units: OpenUnits = field(default_factory=OpenUnits)
+    opened: OpenUnits = field(default_factory=OpenUnits)
     """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Mix | None = None
     """The sources of a dataset of several (or of one with an epoch size), given when made: None otherwise."""
 
-    def counted(self, plan: UnitPlan, window: int) -> None:
-        """Every sample count is known: ``plan`` holds them, ``window`` is the default shuffle window.
+    def counted(self, units: UnitPlan, window: int) -> None:
+        """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.
 
         Called by `plans.dataset.DatasetPlanner.complete` only: the one switch from counts unknown to known.
         """
-        self.plan, self.window, self.book = plan, window, None
+        self.units, self.window, self.book = units, window, None
 
     def mixed(self) -> Mix:
         """The mix this runtime reads (a mixed dataset's)."""

@@ -97,7 +97,7 @@ def read_ids(plan: Plan, counts: IntArray, upto: int | None = None) -> list[int]
     found: list[int] = []
     position = 0
     while (upto is None or position < upto) and position < plan.known(position + 1):
-        found.append(int(bounds[plan.reads.unit_of[position]]) + int(plan.reads.local[position]))
+        found.append(int(bounds[plan.positions.unit_of[position]]) + int(plan.positions.local[position]))
         position += 1
     return found
 
@@ -138,8 +138,8 @@ class PlanTests:
             rank_length = 0
             for plan in readers:
                 ids = read_ids(plan, counts)
-                padded += plan.reads.padded
-                seen.extend(ids[: len(ids) - plan.reads.padded])
+                padded += plan.positions.padded
+                seen.extend(ids[: len(ids) - plan.positions.padded])
                 rank_length += len(ids)
             lengths.append(rank_length)
         assert len(set(lengths)) == 1, f"ranks read {lengths} samples: not all as many"
@@ -158,7 +158,7 @@ class PlanTests:
         for readers in self._epoch(counts, shape, ()):
             for plan in readers:
                 length = plan.known(1 << 62)
-                reads = plan.reads
+                reads = plan.positions
                 released: dict[int, int] = {}
                 for position in range(length):
                     for unit in reads.releases_after(position):

@@ -417,7 +417,7 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
         now, following = mix_plan(runtime, layout, **common), mix_plan(runtime, layout, **{**common, "epoch": 2})
         assert len(found) == 3
         for source, future in enumerate(found):
-            offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].plan.units)
+            offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].units.units)
             sequence = future.units[reader_name(layout.rank, layout.worker)]
             assert set(SourcePlan(now, offset, units).unit_sequence) <= set(sequence[: future.split])
             assert set(SourcePlan(following, offset, units).unit_sequence) <= set(sequence[future.split :])

@@ -13,10 +13,10 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders.order.layout import Cursor, Dealing, Layout
+from datacache.loaders.order.mixcounts import apportion, source_counts, source_seed
 from datacache.loaders.order.mixed import MixedOrder
 from datacache.loaders.order.windows import Deal, WindowedOrder, exclusive_sum
-from datacache.loaders.plans.indexed import LazyEpochPlan, rank_unit_sequence
-from datacache.loaders.plans.mixcounts import apportion, source_counts, source_seed
+from datacache.loaders.plans.indexed import IndexedPositions, rank_unit_sequence
 from datacache.loaders.plans.positions import plan_epoch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -193,7 +193,7 @@ def test_resume_onto_another_layout_reads_the_rest_exactly(
     assert sum((got - expected).values()) < 3 * 8, "only padding repeats"
 
 
-def _plan(flat: np.ndarray, cursors: tuple[Cursor, ...], layout: Layout, common: dict[str, object]) -> LazyEpochPlan:
+def _plan(flat: np.ndarray, cursors: tuple[Cursor, ...], layout: Layout, common: dict[str, object]) -> IndexedPositions:
     return plan_epoch(flat, cursors=cursors, layout=layout, **common)  # type: ignore[arg-type]
 
 

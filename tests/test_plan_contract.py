@@ -39,7 +39,7 @@ class TestColdPlan(PlanTests):
         if cursors:  # resumed: every count is known by then (as `DatasetPlanner.plan` deals it)
             return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=WINDOW)
         plan = cold_plan(MemoryCounts(counts, background=self.background), layout, dealing, epoch=epoch)
-        plan.reads.count_with(CountingShelf(counts))
+        plan.positions.count_with(CountingShelf(counts))
         return plan
 
 

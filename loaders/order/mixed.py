@@ -2,7 +2,7 @@
 
 Pure arithmetic (numpy, no I/O, no torch). A `MixedOrder` is an `order.windows.Order`, so the
 dealing, equal rank lengths, resume onto another layout and the node's future of one dataset's
-epoch (`plans.positions.plan_epoch`, `plans.indexed.LazyEpochPlan`) work on a mix unchanged.
+epoch (`plans.positions.plan_epoch`, `plans.indexed.IndexedPositions`) work on a mix unchanged.
 
 **Which source a position reads** (`Interleave`): the epoch's ``E`` positions are cut into
 ``N`` blocks (about `BLOCK` positions each). Source ``s`` gives ``c_s = N*q_s + r_s`` samples;
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+from datacache.loaders.order.mixcounts import source_seed
 from datacache.loaders.order.permute import mix_key
 from datacache.loaders.order.windows import WindowedOrder, dedupe_ranges, exclusive_sum
-from datacache.loaders.plans.mixcounts import source_seed
 
 __all__ = ["BLOCK", "Interleave", "MixedOrder", "SourceDraw", "Spread"]
 
@@ -173,7 +173,7 @@ class SourceDraw:
 
     unit_counts: IntArray
     seed: int
-    """The source's own (`plans.mixcounts.source_seed`)."""
+    """The source's own (`order.mixcounts.source_seed`)."""
     epoch: int
     count: int
     shuffle: bool

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from datacache.loaders.order.layout import Layout, worker_count, worker_spots
 from datacache.loaders.order.windows import Deal, Order, dedupe_ranges, exclusive_sum
 
-__all__ = ["SEGMENT", "LazyEpochPlan", "Segmented", "rank_unit_sequence"]
+__all__ = ["SEGMENT", "IndexedPositions", "Segmented", "rank_unit_sequence"]
 
 IntArray = npt.NDArray[np.int64]
 SEGMENT = 1 << 15
@@ -147,8 +147,8 @@ def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tupl
     return tuple(units.tolist())
 
 
-class LazyEpochPlan(Segmented):
-    """What one reader reads of ``order`` (see the module's docstring); the `ReadPlan` interface."""
+class IndexedPositions(Segmented):
+    """What one reader reads of ``order`` (see the module's docstring); the `Positions` interface."""
 
     def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
         self._order = order

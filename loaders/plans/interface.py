@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, Dealing, Layout
-from datacache.loaders.plans.positions import ReadPlan
+from datacache.loaders.plans.positions import Positions
 from datacache.loaders.runtime import NodeFuture, Units
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Plan(Protocol):
     """One reader's plan of one epoch, whatever its kind."""
 
     @property
-    def reads(self) -> ReadPlan:
+    def positions(self) -> Positions:
         """Each position's unit and index in it; the unit sequence, first use and release (prefetch, closing)."""
         ...
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, Layout
-from datacache.loaders.plans.indexed import LazyEpochPlan
+from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Dealing, Opening, Plan
 from datacache.loaders.plans.mixsources import mix_futures, mix_plan
 from datacache.loaders.reading.mixed import MixedUnitReaders
@@ -51,15 +51,15 @@ class MixedPlan:
     cold = False
 
     def __init__(
-        self, runtime: Runtime | None, reads: LazyEpochPlan, futures: tuple[NodeFuture, ...] | None = None
+        self, runtime: Runtime | None, positions: IndexedPositions, futures: tuple[NodeFuture, ...] | None = None
     ) -> None:
         self._runtime = runtime
         self._futures = futures
-        self.reads = reads
+        self.positions = positions
         self.sources = _MixTally()
 
     def known(self, length: int) -> int:
-        return len(self.reads)
+        return len(self.positions)
 
     def readable(self, begin: int, size: int, known: int) -> int:
         return known
@@ -70,7 +70,7 @@ class MixedPlan:
     def open_units(self, opening: Opening) -> Units:
         if self._runtime is None:
             raise TypeError("this plan was made from plain values (a test's): it has no units to open")
-        units = MixedUnitReaders(self._runtime, self.reads, futures=self._futures, **opening.arguments())
+        units = MixedUnitReaders(self._runtime, self.positions, futures=self._futures, **opening.arguments())
         self.sources.units = units
         return units
 
@@ -84,13 +84,13 @@ class MixPlanner:
 
     def plan(self, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]) -> Plan:
         seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
-        reads = mix_plan(
+        positions = mix_plan(
             self.runtime, layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, cursors=cursors
         )
         futures = mix_futures(
             self.runtime, layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, cursors=cursors
         )
-        return MixedPlan(self.runtime, reads, futures)
+        return MixedPlan(self.runtime, positions, futures)
 
     def complete(self) -> None:
         return None  # every source's counts were awaited when the mix was opened

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.packing import BufferRing, pack_fields
-from datacache.loaders.plans.positions import ReadPlan
+from datacache.loaders.plans.positions import Positions
 from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.rows import arrow_batch
 from datacache.loaders.runtime import Units
@@ -58,7 +58,7 @@ class BatchBuilder:
     def __init__(
         self,
         units: Units,
-        epoch: ReadPlan,
+        epoch: Positions,
         *,
         decode: Decoder,
         transform: Callable[[Any], Any] | None = None,

@@ -70,7 +70,7 @@ class EpochIterator:
         self.cursors = cursors
         self.produced = 0
         self._epoch_plan = plan
-        self._plan = plan.reads
+        self._plan = plan.positions
         self._tally = plan.sources
         self.controller = self._controller()
         self._in_consumer = get_worker_info() is None
@@ -110,7 +110,7 @@ class EpochIterator:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
         dataset, runtime = self.dataset, self.runtime
         share = dataset.target_bandwidth / self.layout.num_workers if dataset.target_bandwidth else None
-        total, units = runtime.plan.total, len(runtime.plan.units)
+        total, units = runtime.units.total, len(runtime.units.units)
         return PrefetchController(
             fixed=dataset.prefetch,
             initial=initial_prefetch(max(total, units), units, runtime.window or 1, runtime.settings.concurrency),
@@ -134,7 +134,7 @@ class EpochIterator:
 
     def _skip_unreadable(self) -> None:
         """Raise, or count as skipped, the shards whose samples the plan could not count."""
-        unreadable = self.runtime.plan.unreadable
+        unreadable = self.runtime.units.unreadable
         if not unreadable:
             return
         if self.dataset.on_error != "skip":
