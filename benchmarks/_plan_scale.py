@@ -2,7 +2,7 @@
 
 Writing a million files is too slow here, so each point is a fresh process that holds what the
 loader would hold for such a dataset and plans epoch 0 the way `datasetplans.indexed_plan` does
-for an indexed dataset (the reader's `readplan.LazyEpochPlan` and the node's future: every
+for an indexed dataset (the reader's `readplan.IndexedPositions` and the node's future: every
 reader's units of this epoch and the next). Included: the interpreter and ``datacache.loaders``'
 imports, a `manifest.Manifest` of 1e6 `manifest.Shard` entries with keys, sizes, checksums and
 counts (what the catalog would give the loader), the per-shard counts array, the plan, the node
@@ -26,10 +26,10 @@ _CHILD = r"""
 import json, resource, sys, time, tracemalloc
 started = time.perf_counter()
 import numpy as np
-from datacache.loaders.datasetplans import indexed_plan
-from datacache.loaders.epoch import auto_window
-from datacache.loaders.order import Layout
-from datacache.loaders.planning import Dealing
+from datacache.loaders.plans.dataset import indexed_plan
+from datacache.loaders.plans.positions import auto_window
+from datacache.loaders.order.layout import Layout
+from datacache.loaders.plans.interface import Dealing
 from datacache.manifest import Manifest, Shard, ShardFormat
 shards, per_shard, rank, world = map(int, sys.argv[1:5])
 mb = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -44,12 +44,12 @@ window = auto_window(int(counts.sum()), shards)
 def planned():
     plan = indexed_plan(counts, Layout(world, rank, 1, 0, 64), Dealing(seed=3, shuffle=True, drop_last=False),
                         epoch=0, cursors=(), window=window)
-    return plan, (int(plan.reads.unit_of[0]), int(plan.reads.local[0]))
+    return plan, (int(plan.positions.unit_of[0]), int(plan.positions.local[0]))
 t = time.perf_counter()
 plan, first = planned()
 seconds, peak, process = time.perf_counter() - t, mb(), time.perf_counter() - started
 future = plan.future()
-units, samples = sum(len(v) for v in future.units.values()) if future else 0, len(plan.reads)
+units, samples = sum(len(v) for v in future.units.values()) if future else 0, len(plan.positions)
 del plan, future
 # Traced in a second planning, after the RSS is read: tracemalloc's own bookkeeping of the
 # plan's ~1e6 small objects would otherwise add about as much again to the RSS and the time.

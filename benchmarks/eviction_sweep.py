@@ -5,7 +5,7 @@ Run by `benchmarks.run` (``make bench`` / ``make bench-quick``) or alone::
     python -m benchmarks.eviction_sweep [--quick]
 
 No bytes move. Each cell replays one node's reads as the loader plans them
-(`datacache.loaders.epoch`: every reader's samples dealt from the seeded epoch
+(`datacache.loaders.plans.positions`: every reader's samples dealt from the seeded epoch
 order, each shard opened at its first use and closed after its last) through
 the code that decides eviction in the stager (`Residency.chooser`, hence
 `datacache.eviction.choose_victims`), with the node's future order handed over
@@ -37,8 +37,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from datacache.loaders.epoch import auto_window, initial_prefetch, node_unit_sequences, plan_epoch
-from datacache.loaders.order import Dealing, Layout
+from datacache.loaders.order.layout import Dealing, Layout
+from datacache.loaders.plans.positions import auto_window, initial_prefetch, node_unit_sequences, plan_epoch
 
 from datacache.catalog import ReaderRow
 from datacache.eviction import Candidate
@@ -54,7 +54,7 @@ SAMPLES_PER_SHARD = (20, 128, 1000)
 CAPACITIES = (0.25, 0.5, 0.75)
 READERS = ((1, 1), (2, 2), (4, 2))
 PACES = ("fast", "paced")
-HOLD_AHEAD = 4  # as `datacache.loaders.unit_readers.HOLD_AHEAD`
+HOLD_AHEAD = 4  # as `datacache.loaders.reading.units.HOLD_AHEAD`
 CONCURRENCY = 8  # the stager's default transfer slots: the prefetch is at least this deep
 DATASET = "sweep"
 

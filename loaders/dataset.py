@@ -4,7 +4,7 @@ It holds configuration only. In each process that iterates it (the main
 process, or every DataLoader worker, forked or spawned), it lazily opens its
 own event loop, stager or daemon client, and the dataset's manifest and unit
 plan (both persisted once per node). Each iteration deals this epoch's global
-order to the rank and worker it runs in (see `datacache.loaders.order`),
+order to the rank and worker it runs in (see `datacache.loaders.order.layout`),
 stages the shards it will read next before it reaches them, verifies every
 shard before serving a sample from it, and records what it delivered.
 """
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
-from datacache.loaders.iterator import EpochIterator
 from datacache.loaders.openunits import KEEP_RELEASED
-from datacache.loaders.order import Cursor, Layout, produced_from_consumed
-from datacache.loaders.planning import Dealing, Planner
+from datacache.loaders.order.layout import Cursor, Layout, produced_from_consumed
+from datacache.loaders.plans.interface import Dealing, Planner
 from datacache.loaders.precheck import check_keywords, check_options, check_sources, target_rate
 from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
+from datacache.loaders.reading.iterator import EpochIterator
 from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_epoch, with_remote
 from datacache.loaders.resume import STATE_VERSION, check_same, describe, loader_batch, read_state
 from datacache.loaders.runtime import Runtime
@@ -304,7 +304,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if self.resample:
             raise ConfigError("a resample=True stream is read by DataLoader worker processes, not as workers here")
         runtime = self._prepare()
-        runtime.units.keep = KEEP_RELEASED if num_workers > 1 else 0
+        runtime.opened.keep = KEEP_RELEASED if num_workers > 1 else 0
         cursors = self._cursors_for(self._epoch)
         return [self._reader(self._layout(num_workers, worker), self._epoch, cursors) for worker in range(num_workers)]
 
@@ -312,8 +312,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         """Close the shards the readers of `as_workers` kept open for each other."""
         runtime = self._runtime
         if runtime is not None:
-            runtime.units.keep = 0
-            for reader in runtime.units.close_idle():
+            runtime.opened.keep = 0
+            for reader in runtime.opened.close_idle():
                 reader.close()
 
     def _endless(self, layout: Layout, epoch: int, cursors: tuple[Cursor, ...]) -> Iterator[Any]:
@@ -376,7 +376,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             cursor = Cursor(world, 1, chunk, (0,))
         head = self._head()
         if not self._cursors and head["cold"]:
-            # What a cold epoch consumed is computed from its own dealing (`coldorder.cold_remaining`).
+            # What a cold epoch consumed is computed from its own dealing (`order.cold.cold_remaining`).
             cursor = Cursor(cursor.world_size, cursor.num_workers, cursor.chunk, cursor.produced, cold=True)
         return self._state((*self._cursors, cursor), head)
 

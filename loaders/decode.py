@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from datacache.loaders.readers import UnitReader
+from datacache.loaders.reading.mapping import UnitReader
 
 from datacache.errors import ConfigError, SampleDecodeError, close_match
 

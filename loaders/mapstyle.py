@@ -4,7 +4,7 @@ Sample ``i`` is the ``i``-th sample of the dataset in manifest order (the order
 `CachedIterableDataset` yields with ``shuffle=False`` on one rank): the dataset's
 unit plan says which unit (tar shard, Parquet file, plain file, row of Zarr
 chunks) holds it and where inside. Reading it opens that unit the way the
-iterable dataset does (`unit_readers.UnitReaders`): from the local tier, else the
+iterable dataset does (`reading.units.UnitReaders`): from the local tier, else the
 shared tier (while the local copy is staged), else staged from the origin
 now, verified against the manifest before any sample is served from it. A few
 units stay open (mapped) per process, so that neighbouring indexes cost no
@@ -25,15 +25,15 @@ import numpy as np
 import numpy.typing as npt
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
-from datacache.loaders.epoch import EpochPlan
+from datacache.loaders.order.windows import exclusive_sum
+from datacache.loaders.plans.positions import PositionTable
 from datacache.loaders.precheck import check_keywords
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime
-from datacache.loaders.sequence import exclusive_sum
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
-from datacache.loaders.unit_readers import UnitReaders
 from datacache.tiers import redact_url
 from torch.utils.data import Dataset
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _MAX_OPEN = 16
 """Units kept open (mapped and verified) per process by default."""
 _EMPTY = np.zeros(0, dtype=np.int64)
-_NO_ORDER = EpochPlan(_EMPTY, _EMPTY, _EMPTY, padded=0, first_use={}, last_use={}, unit_sequence=())
+_NO_ORDER = PositionTable(_EMPTY, _EMPTY, _EMPTY, padded=0, first_use={}, last_use={}, unit_sequence=())
 """Random access has no epoch order: the sampler's is unknown here, so nothing is prefetched."""
 
 
@@ -123,7 +123,7 @@ class CachedMapDataset(Dataset[Any]):
             return opened
         source = self._source
         runtime = source.with_all_counts()  # every sample count known: indexes must be exact
-        plan = runtime.plan
+        plan = runtime.units
         if plan.unreadable:
             key = min(plan.unreadable)
             raise ShardReadError(plan.unreadable[key])

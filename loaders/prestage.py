@@ -2,8 +2,8 @@
 
 A job names its dataset, seed, world size and node rank before it starts (a Slurm
 prolog, a Kubernetes init container). Epoch 0's order is a pure function of those
-and of the dataset's sample counts (`epoch.node_epoch_sequences` when every count is
-known, `coldorder.node_cold_sequences` when the first epoch is read cold), so the
+and of the dataset's sample counts (`plans.positions.node_epoch_sequences` when every count is
+known, `order.cold.node_cold_sequences` when the first epoch is read cold), so the
 shards this node's ranks open first can be staged first and the first batch is local
 when the job starts. The rest of the dataset follows in manifest order.
 
@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass, fields
 from itertools import zip_longest
 
-from datacache.loaders.coldorder import node_cold_sequences
-from datacache.loaders.epoch import auto_window, node_epoch_sequences
-from datacache.loaders.order import Layout, reader_name
-from datacache.loaders.plan import complete, load_or_build_plan
+from datacache.loaders.order.cold import node_cold_sequences
+from datacache.loaders.order.layout import Layout, reader_name
+from datacache.loaders.plans.counts import complete, load_or_build_plan
+from datacache.loaders.plans.positions import auto_window, node_epoch_sequences
 from datacache.tiers._dirfd import UnsafeFileError
 
 from datacache.access import ShardAccess
@@ -134,7 +134,7 @@ def _recorded_cold(settings: Settings, handle: DatasetHandle, seed: int) -> bool
 async def prestage_keys(access: ShardAccess, handle: DatasetHandle, settings: Settings, job: JobLayout) -> list[str]:
     """The dataset's shard keys in the order ``job``'s ranks on this node will need them.
 
-    The counts are the loader's (`plan.load_or_build_plan` without waiting: a dataset not yet
+    The counts are the loader's (`plans.counts.load_or_build_plan` without waiting: a dataset not yet
     counted is read cold in its first epoch, whole shards dealt, so only the shard count
     matters); a decision the cluster already recorded for this seed's epoch 0 is kept.
     """

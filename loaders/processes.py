@@ -12,10 +12,10 @@ import multiprocessing.util
 import os
 
 import torch
-from datacache.loaders.datasetplans import DatasetPlanner, open_dataset
-from datacache.loaders.mix.plan import MixPlanner
-from datacache.loaders.mix.sources import open_handle, open_mix
-from datacache.loaders.planning import Planner
+from datacache.loaders.plans.dataset import DatasetPlanner, open_dataset
+from datacache.loaders.plans.interface import Planner
+from datacache.loaders.plans.mixed import MixPlanner
+from datacache.loaders.plans.mixsources import open_handle, open_mix
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import SourceSpec
 from torch.utils.data import get_worker_info

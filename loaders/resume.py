@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from datacache.loaders.iterator import ITERATOR_MARK
-from datacache.loaders.order import Cursor
-from datacache.loaders.planning import Plan, Planner
+from datacache.loaders.order.layout import Cursor
+from datacache.loaders.plans.interface import Plan, Planner
+from datacache.loaders.reading.iterator import ITERATOR_MARK
 
 from datacache.errors import ConfigError
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from datacache.loaders.openunits import OpenUnits
-from datacache.loaders.readers import SpanCache, UnitPlan, UnitReader
+from datacache.loaders.reading.mapping import SpanCache, UnitPlan, UnitReader
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -19,8 +19,8 @@ from datacache.errors import ConfigError
 from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
-    from datacache.loaders.coldplan import CountBook
-    from datacache.loaders.mix.sources import Mix
+    from datacache.loaders.plans.cold import CountBook
+    from datacache.loaders.plans.mixsources import Mix
 
 __all__ = ["NodeFuture", "Runtime", "Units"]
 
@@ -34,24 +34,25 @@ class Runtime:
     settings: Settings
     access: ShardAccess
     handle: DatasetHandle
-    plan: UnitPlan
+    units: UnitPlan
+    """The dataset's units and their sample counts (some -1 while a first epoch counts them)."""
     window: int
     closed: bool = False
     spans: SpanCache = field(default_factory=SpanCache)
     """Tar indexes scanned on this node: later epochs and workers reuse them instead of scanning again."""
     book: CountBook | None = None
     """The sample counts this process knows, while some are unknown (given when made; see `counted`)."""
-    units: OpenUnits = field(default_factory=OpenUnits)
+    opened: OpenUnits = field(default_factory=OpenUnits)
     """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Mix | None = None
     """The sources of a dataset of several (or of one with an epoch size), given when made: None otherwise."""
 
-    def counted(self, plan: UnitPlan, window: int) -> None:
-        """Every sample count is known: ``plan`` holds them, ``window`` is the default shuffle window.
+    def counted(self, units: UnitPlan, window: int) -> None:
+        """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.
 
-        Called by `datasetplans.DatasetPlanner.complete` only: the one switch from counts unknown to known.
+        Called by `plans.dataset.DatasetPlanner.complete` only: the one switch from counts unknown to known.
         """
-        self.plan, self.window, self.book = plan, window, None
+        self.units, self.window, self.book = units, window, None
 
     def mixed(self) -> Mix:
         """The mix this runtime reads (a mixed dataset's)."""
@@ -71,7 +72,7 @@ class Runtime:
 
 @dataclass(frozen=True)
 class NodeFuture:
-    """The node's future reads (every reader's units, from `epoch.node_unit_sequences`) and this reader's name."""
+    """The node's future reads (every reader's units, from `positions.node_unit_sequences`) and this reader's name."""
 
     reader: str
     epoch: int
@@ -111,7 +112,7 @@ class NodeFuture:
 
 
 class Units(Protocol):
-    """What walking a plan needs of the units it reads: `UnitReaders`, or `mix.readers.MixedUnitReaders`."""
+    """What walking a plan needs of the units it reads: `UnitReaders`, or `reading.mixed.MixedUnitReaders`."""
 
     runtime: Runtime
 

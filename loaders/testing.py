@@ -1,4 +1,4 @@
-"""`PlanTests`: the contract every kind of epoch plan (`planning.Plan`) keeps, as a pytest suite.
+"""`PlanTests`: the contract every kind of epoch plan (`plans.interface.Plan`) keeps, as a pytest suite.
 
 As `datacache.tiers.testing` does for tiers, this suite ships with the package,
 so a new kind of epoch (a new first-epoch dealing, say) proves itself with the
@@ -28,9 +28,9 @@ from collections import Counter
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.planning import Dealing, Plan
-from datacache.loaders.sequence import exclusive_sum
+from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.order.windows import exclusive_sum
+from datacache.loaders.plans.interface import Dealing, Plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,7 +46,7 @@ _layouts = st.tuples(st.integers(1, 8), st.integers(1, 3), st.integers(1, 4))
 
 
 class MemoryCounts:
-    """A `coldplan.Counts` over known values: unknown until counted (or all at once, ``background``)."""
+    """A `plans.cold.Counts` over known values: unknown until counted (or all at once, ``background``)."""
 
     def __init__(self, counts: IntArray, *, background: bool = False) -> None:
         self._all = np.asarray(counts, dtype=np.int64)
@@ -81,7 +81,7 @@ class MemoryCounts:
 
 
 class CountingShelf:
-    """A `coldplan.UnitCounter` whose units hold ``counts`` samples (what opening them would say)."""
+    """A `plans.cold.UnitCounter` whose units hold ``counts`` samples (what opening them would say)."""
 
     def __init__(self, counts: IntArray) -> None:
         self._counts = np.asarray(counts, dtype=np.int64)
@@ -97,7 +97,7 @@ def read_ids(plan: Plan, counts: IntArray, upto: int | None = None) -> list[int]
     found: list[int] = []
     position = 0
     while (upto is None or position < upto) and position < plan.known(position + 1):
-        found.append(int(bounds[plan.reads.unit_of[position]]) + int(plan.reads.local[position]))
+        found.append(int(bounds[plan.positions.unit_of[position]]) + int(plan.positions.local[position]))
         position += 1
     return found
 
@@ -138,8 +138,8 @@ class PlanTests:
             rank_length = 0
             for plan in readers:
                 ids = read_ids(plan, counts)
-                padded += plan.reads.padded
-                seen.extend(ids[: len(ids) - plan.reads.padded])
+                padded += plan.positions.padded
+                seen.extend(ids[: len(ids) - plan.positions.padded])
                 rank_length += len(ids)
             lengths.append(rank_length)
         assert len(set(lengths)) == 1, f"ranks read {lengths} samples: not all as many"
@@ -158,7 +158,7 @@ class PlanTests:
         for readers in self._epoch(counts, shape, ()):
             for plan in readers:
                 length = plan.known(1 << 62)
-                reads = plan.reads
+                reads = plan.positions
                 released: dict[int, int] = {}
                 for position in range(length):
                     for unit in reads.releases_after(position):

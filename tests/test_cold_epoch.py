@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.coldplan import ColdEpochPlan
+from datacache.loaders.plans.cold import ColdPositions
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 
@@ -165,7 +165,7 @@ def test_a_cold_epoch_tells_the_stager_where_its_readers_are_in_the_node_future(
     dataset = CachedIterableDataset(str(origin), config=settings, seed=3, batch_size=4)
     iterator = iter(dataset)
     next(iterator)
-    assert isinstance(iterator._plan, ColdEpochPlan), "the first epoch is cold"
+    assert isinstance(iterator._plan, ColdPositions), "the first epoch is cold"
 
     async def readers() -> list[ReaderRow]:
         async with Stager(settings, reconcile=False) as stager:

@@ -358,8 +358,8 @@ def test_a_shard_evicted_between_its_location_and_its_count_is_counted_from_the_
     """On a small local tier another reader may evict a shard between the answer that it is local
     and the count's read of it: that is no fault of its bytes. It was recorded as uncountable for
     the cluster (a new user's 2-rank run at a third of the dataset lost a sample, then failed)."""
-    from datacache.loaders.coldplan import CountBook
-    from datacache.loaders.plan import load_or_build_plan
+    from datacache.loaders.plans.cold import CountBook
+    from datacache.loaders.plans.counts import load_or_build_plan
 
     from datacache._sync import LoopThread
 

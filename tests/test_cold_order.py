@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from datacache.loaders.coldorder import (
+from datacache.loaders.order.cold import (
     WINDOW_UNITS,
     cold_remaining,
     final_stream,
@@ -14,10 +14,10 @@ from datacache.loaders.coldorder import (
     node_cold_sequences,
     rank_units,
 )
-from datacache.loaders.datasetplans import cold_plan
-from datacache.loaders.order import Cursor, Layout, worker_positions
-from datacache.loaders.planning import Dealing
-from datacache.loaders.sequence import Deal
+from datacache.loaders.order.layout import Cursor, Layout, worker_positions
+from datacache.loaders.order.windows import Deal
+from datacache.loaders.plans.dataset import cold_plan
+from datacache.loaders.plans.interface import Dealing
 from datacache.loaders.testing import CountingShelf, MemoryCounts, read_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -142,7 +142,7 @@ def test_the_cold_node_future_is_every_readers_shards_and_the_same_from_every_re
 def test_the_growing_plan_deals_what_the_closed_form_says_position_by_position(
     counts: list[int], world: int, workers: int, chunk: int, seed: int, drop_last: bool, background: bool
 ) -> None:
-    """`ColdEpochPlan` (counts arriving as it reads) and `final_stream` (every count known) are one dealing.
+    """`ColdPositions` (counts arriving as it reads) and `final_stream` (every count known) are one dealing.
 
     Resume (`cold_remaining`) computes what a cold epoch consumed from the closed form; readers
     produce it from the growing plan: they must agree at every position, for every worker.
@@ -156,8 +156,8 @@ def test_the_growing_plan_deals_what_the_closed_form_says_position_by_position(
         for worker in range(workers):
             layout = Layout(world, rank, workers, worker, chunk)
             plan = cold_plan(MemoryCounts(sizes, background=background), layout, dealing, epoch=4)
-            plan.reads.count_with(CountingShelf(sizes))
+            plan.positions.count_with(CountingShelf(sizes))
             grown = read_ids(plan, sizes)
             assert grown == stream[worker_positions(np.arange(len(stream)), workers, worker, chunk)].tolist()
             mine = worker_positions(np.arange(len(stream)), workers, worker, chunk)
-            assert plan.reads.padded == int((mine >= len(stream) - repeats).sum())
+            assert plan.positions.padded == int((mine >= len(stream) - repeats).sum())

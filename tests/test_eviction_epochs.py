@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.coldorder import rank_units
-from datacache.loaders.epoch import plan_epoch
-from datacache.loaders.order import Dealing, Layout
+from datacache.loaders.order.cold import rank_units
+from datacache.loaders.order.layout import Dealing, Layout
+from datacache.loaders.plans.positions import plan_epoch
 from test_loader import write_wds
 
 from datacache.catalog import Catalog, ReaderRow, ShardState

@@ -23,8 +23,8 @@ import pytest
 from _daemon import start_daemon
 from _ranks import process_group, spawn_ranks
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.epoch import node_unit_sequences, plan_epoch
-from datacache.loaders.order import Dealing, Layout, reader_name
+from datacache.loaders.order.layout import Dealing, Layout, reader_name
+from datacache.loaders.plans.positions import node_unit_sequences, plan_epoch
 from test_loader import keys_of, write_wds
 from torch.utils.data import DataLoader
 

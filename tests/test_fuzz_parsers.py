@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from datacache.loaders.readers import Unit, open_unit_reader, zarr_plan
+from datacache.loaders.reading.mapping import Unit, open_unit_reader, zarr_plan
 from datacache.tiers import validate_key
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -490,7 +490,7 @@ def parquet_stager(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_parquet_footers_read_through_the_cache(
     parquet_stager: Any, edits: list[tuple[int, int]], cut: int | None, junk: bytes | None
 ) -> None:
-    from datacache.loaders.plan import plan_context
+    from datacache.loaders.plans.counts import plan_context
 
     from datacache.formats.parquet import parquet_rows
 
@@ -518,7 +518,7 @@ def test_parquet_footers_read_through_the_cache(
 
 
 def test_parquet_rows_of_an_intact_file(parquet_stager: Any) -> None:
-    from datacache.loaders.plan import plan_context
+    from datacache.loaders.plans.counts import plan_context
 
     from datacache.formats.parquet import parquet_rows
 

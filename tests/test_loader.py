@@ -14,7 +14,7 @@ import pytest
 import torch
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, PackedBytes, basic_decoders
-from datacache.loaders.sequence import epoch_order
+from datacache.loaders.order.windows import epoch_order
 from torch.utils.data import DataLoader
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
@@ -512,7 +512,7 @@ def test_epoch_order_is_a_permutation() -> None:
 def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
     tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from datacache.loaders import prefetch
+    from datacache.loaders.reading import prefetch
 
     from datacache.config import load_settings
 
@@ -526,7 +526,7 @@ def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
     dataset = CachedIterableDataset(
         str(origin), config=throttled, target_bandwidth="1GB/s", shuffle=False, shuffle_buffer=8
     )
-    with caplog.at_level("WARNING", logger="datacache.loaders.prefetch"):
+    with caplog.at_level("WARNING", logger="datacache.loaders.reading.prefetch"):
         count = sum(1 for _ in dataset)
     assert count == 60
     stats = dataset.stats()

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, Source
-from datacache.loaders.epoch import reader_name
-from datacache.loaders.mix.readers import SourcePlan
-from datacache.loaders.mix.sources import mix_futures, mix_plan
-from datacache.loaders.order import Layout
+from datacache.loaders.order.layout import Layout
+from datacache.loaders.plans.mixsources import mix_futures, mix_plan
+from datacache.loaders.plans.positions import reader_name
+from datacache.loaders.reading.mixed import SourcePlan
 from torch.utils.data import DataLoader
 
 from datacache.config import Settings
@@ -417,7 +417,7 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
         now, following = mix_plan(runtime, layout, **common), mix_plan(runtime, layout, **{**common, "epoch": 2})
         assert len(found) == 3
         for source, future in enumerate(found):
-            offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].plan.units)
+            offset, units = int(runtime.mix.unit_offsets[source]), len(runtime.mix.parts[source].units.units)
             sequence = future.units[reader_name(layout.rank, layout.worker)]
             assert set(SourcePlan(now, offset, units).unit_sequence) <= set(sequence[: future.split])
             assert set(SourcePlan(following, offset, units).unit_sequence) <= set(sequence[future.split :])

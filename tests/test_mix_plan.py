@@ -1,4 +1,4 @@
-"""A mixed epoch's plan at any scale (`loaders/mix/order.py`): exact counts per source, exactly once
+"""A mixed epoch's plan at any scale (`loaders/order/mixed.py`): exact counts per source, exactly once
 within each source's share, equal rank lengths, resume onto another layout, (seed, epoch) only.
 
 Pure arithmetic, so Hypothesis checks the properties over many mixes and layouts; memory is measured
@@ -12,12 +12,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from datacache.loaders.epoch import plan_epoch
-from datacache.loaders.mix.counts import apportion, source_counts, source_seed
-from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.order import Cursor, Dealing, Layout
-from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
-from datacache.loaders.sequence import Deal, WindowedOrder, exclusive_sum
+from datacache.loaders.order.layout import Cursor, Dealing, Layout
+from datacache.loaders.order.mixcounts import apportion, source_counts, source_seed
+from datacache.loaders.order.mixed import MixedOrder
+from datacache.loaders.order.windows import Deal, WindowedOrder, exclusive_sum
+from datacache.loaders.plans.indexed import IndexedPositions, rank_unit_sequence
+from datacache.loaders.plans.positions import plan_epoch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,7 +193,7 @@ def test_resume_onto_another_layout_reads_the_rest_exactly(
     assert sum((got - expected).values()) < 3 * 8, "only padding repeats"
 
 
-def _plan(flat: np.ndarray, cursors: tuple[Cursor, ...], layout: Layout, common: dict[str, object]) -> LazyEpochPlan:
+def _plan(flat: np.ndarray, cursors: tuple[Cursor, ...], layout: Layout, common: dict[str, object]) -> IndexedPositions:
     return plan_epoch(flat, cursors=cursors, layout=layout, **common)  # type: ignore[arg-type]
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders import Source
-from datacache.loaders.mix.counts import apportion, source_counts
-from datacache.loaders.mix.order import Interleave, MixedOrder, SourceDraw
+from datacache.loaders.order.mixcounts import apportion, source_counts
+from datacache.loaders.order.mixed import Interleave, MixedOrder, SourceDraw
 from datacache.loaders.sources import resolve_sources
 
 from datacache.config import DatasetConfig

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.datasetplans import cold_plan, indexed_plan
-from datacache.loaders.epoch import auto_window, plan_epoch
-from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.mix.plan import MixedPlan
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.planning import Dealing, Plan
-from datacache.loaders.sequence import epoch_order
+from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.order.mixed import MixedOrder
+from datacache.loaders.order.windows import epoch_order
+from datacache.loaders.plans.dataset import cold_plan, indexed_plan
+from datacache.loaders.plans.interface import Dealing, Plan
+from datacache.loaders.plans.mixed import MixedPlan
+from datacache.loaders.plans.positions import auto_window, plan_epoch
 from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests
 
 IntArray = npt.NDArray[np.int64]
@@ -39,7 +39,7 @@ class TestColdPlan(PlanTests):
         if cursors:  # resumed: every count is known by then (as `DatasetPlanner.plan` deals it)
             return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=WINDOW)
         plan = cold_plan(MemoryCounts(counts, background=self.background), layout, dealing, epoch=epoch)
-        plan.reads.count_with(CountingShelf(counts))
+        plan.positions.count_with(CountingShelf(counts))
         return plan
 
 

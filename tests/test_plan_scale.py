@@ -11,10 +11,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from datacache.loaders.epoch import node_unit_sequences, plan_epoch
-from datacache.loaders.order import Cursor, Dealing, Layout
-from datacache.loaders.permute import permute, unpermute
-from datacache.loaders.sequence import WindowedOrder, exclusive_sum
+from datacache.loaders.order.layout import Cursor, Dealing, Layout
+from datacache.loaders.order.permute import permute, unpermute
+from datacache.loaders.order.windows import WindowedOrder, exclusive_sum
+from datacache.loaders.plans.positions import node_unit_sequences, plan_epoch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.remote._pool import RayPool, Worker, Workers
 from datacache.loaders.remote._sizing import Measured, workers_needed
 from datacache.loaders.remote._worker import COUNTED, EpochKey, Made, Run

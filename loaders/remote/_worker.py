@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from datacache.loaders.order import Cursor, Layout
+from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.stats import Counter
 
 from datacache.config import Settings, load_settings
 
 if TYPE_CHECKING:
     from datacache.loaders.dataset import CachedIterableDataset
-    from datacache.loaders.iterator import EpochIterator
+    from datacache.loaders.reading.iterator import EpochIterator
 
 __all__ = ["COUNTED", "BatchMaker", "EpochKey", "Made", "Run", "make_batch"]
 

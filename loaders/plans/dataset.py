@@ -1,9 +1,9 @@
 """The epochs of one dataset: a first epoch while its sample counts arrive, indexed epochs after.
 
-`DatasetPlanner` makes each reader's `planning.Plan`: a `ColdPlan` (whole shards
-dealt, `coldplan.ColdEpochPlan` growing as the reader counts the shards it
+`DatasetPlanner` makes each reader's `plans.interface.Plan`: a `ColdPlan` (whole shards
+dealt, `plans.cold.ColdPositions` growing as the reader counts the shards it
 opens) while some count is unknown and the cluster decided to read the epoch
-cold, else an `IndexedPlan` (`readplan.LazyEpochPlan`), resumed after cursors of
+cold, else an `IndexedPlan` (`plans.indexed.IndexedPositions`), resumed after cursors of
 either kind. It is the one place where the runtime's counts go from unknown to
 known (`complete`).
 """
@@ -15,16 +15,16 @@ from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldorder import ColdRemainder, cold_remaining, node_cold_sequences
-from datacache.loaders.coldplan import ColdEpochPlan, CountBook, Counts
-from datacache.loaders.epoch import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
-from datacache.loaders.order import Cursor, Layout, reader_name
-from datacache.loaders.plan import complete, load_or_build_plan, save_plan
-from datacache.loaders.planning import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
-from datacache.loaders.readers import SpanCache
-from datacache.loaders.readplan import LazyEpochPlan
+from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
+from datacache.loaders.order.layout import Cursor, Layout, reader_name
+from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
+from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
+from datacache.loaders.plans.indexed import IndexedPositions
+from datacache.loaders.plans.interface import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
+from datacache.loaders.plans.positions import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
+from datacache.loaders.reading.mapping import SpanCache
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
-from datacache.loaders.unit_readers import UnitReaders
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -38,18 +38,18 @@ IntArray = npt.NDArray[np.int64]
 
 
 class IndexedPlan:
-    """An epoch dealt from every sample count (`readplan.LazyEpochPlan`): whole from the start."""
+    """An epoch dealt from every sample count (`plans.indexed.IndexedPositions`): whole from the start."""
 
     cold = False
     sources: SourceTally = ONE_SOURCE
 
-    def __init__(self, runtime: Runtime | None, reads: LazyEpochPlan, future: NodeFuture | None) -> None:
+    def __init__(self, runtime: Runtime | None, positions: IndexedPositions, future: NodeFuture | None) -> None:
         self._runtime = runtime
-        self.reads = reads
+        self.positions = positions
         self._future = future
 
     def known(self, length: int) -> int:
-        return len(self.reads)
+        return len(self.positions)
 
     def readable(self, begin: int, size: int, known: int) -> int:
         return known
@@ -58,25 +58,25 @@ class IndexedPlan:
         return self._future
 
     def open_units(self, opening: Opening) -> Units:
-        return UnitReaders(_runtime_of(self._runtime), self.reads, future=self._future, **opening.arguments())
+        return UnitReaders(_runtime_of(self._runtime), self.positions, future=self._future, **opening.arguments())
 
 
 class ColdPlan:
-    """A first epoch read while its counts arrive (`coldplan.ColdEpochPlan`): it grows as it is read."""
+    """A first epoch read while its counts arrive (`plans.cold.ColdPositions`): it grows as it is read."""
 
     cold = True
     sources: SourceTally = ONE_SOURCE
 
-    def __init__(self, planner: DatasetPlanner | None, reads: ColdEpochPlan, future: NodeFuture | None) -> None:
+    def __init__(self, planner: DatasetPlanner | None, positions: ColdPositions, future: NodeFuture | None) -> None:
         self._planner = planner
-        self.reads = reads
+        self.positions = positions
         self._future = future
 
     def known(self, length: int) -> int:
-        return self.reads.ensure(length)
+        return self.positions.ensure(length)
 
     def readable(self, begin: int, size: int, known: int) -> int:
-        if self.reads.final:
+        if self.positions.final:
             return known
         return begin + (known - begin) // size * size  # read ahead only whole batches laid out
 
@@ -85,8 +85,8 @@ class ColdPlan:
 
     def open_units(self, opening: Opening) -> Units:
         runtime = _runtime_of(self._planner.runtime if self._planner is not None else None)
-        units = UnitReaders(runtime, self.reads, future=self._future, **opening.arguments())
-        self.reads.count_with(units)  # the shards it reads next are counted as they are opened
+        units = UnitReaders(runtime, self.positions, future=self._future, **opening.arguments())
+        self.positions.count_with(units)  # the shards it reads next are counted as they are opened
         return units
 
 
@@ -110,7 +110,7 @@ def open_dataset(
 
 
 class DatasetPlanner:
-    """The `planning.Planner` of one dataset (see the module's docstring)."""
+    """The `plans.interface.Planner` of one dataset (see the module's docstring)."""
 
     def __init__(self, runtime: Runtime, shuffle_buffer: int | None) -> None:
         self.runtime = runtime
@@ -120,7 +120,7 @@ class DatasetPlanner:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
         runtime = self.runtime
         book = runtime.book
-        plan = runtime.plan
+        plan = runtime.units
         if book is not None:
             plan = book.completed_plan()
             runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
@@ -128,10 +128,10 @@ class DatasetPlanner:
 
     def total(self) -> int:
         self.complete()
-        return self.runtime.plan.total
+        return self.runtime.units.total
 
     def empty(self) -> bool:
-        return self.runtime.book is None and self.runtime.plan.total == 0
+        return self.runtime.book is None and self.runtime.units.total == 0
 
     def cold(self, dealing: Dealing, epoch: int) -> bool:
         """Whether this epoch is dealt cold (see `counting.cluster.decide_cold`: every process agrees)."""
@@ -151,11 +151,11 @@ class DatasetPlanner:
         runtime = self.runtime
         if not cursors and self.cold(dealing, epoch):
             book = runtime.book or CountBook(
-                runtime.plan, runtime.handle, runtime.settings, runtime.loop, runtime.access
+                runtime.units, runtime.handle, runtime.settings, runtime.loop, runtime.access
             )
             return cold_plan(book, layout, dealing, epoch=epoch, planner=self)
         self.complete()
-        counts, window = runtime.plan.counts, runtime.window
+        counts, window = runtime.units.counts, runtime.window
         return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window, runtime=runtime)
 
     def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, tuple[int, ...]] | None:
@@ -164,7 +164,7 @@ class DatasetPlanner:
         book = runtime.book
         if book is not None and not book.complete:
             return None
-        counts = runtime.plan.counts if book is None else book.counts.copy()
+        counts = runtime.units.counts if book is None else book.counts.copy()
         window = runtime.window or self._shuffle_buffer or auto_window(int(counts.sum()), len(counts))
         return node_epoch_sequences(
             counts,
@@ -182,10 +182,10 @@ def cold_plan(
 ) -> ColdPlan:
     """Reader ``layout``'s plan of cold epoch ``epoch``, counted through ``book``, and the node's future."""
     seed, shuffle = dealing.seed, dealing.shuffle
-    reads = ColdEpochPlan(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=dealing.drop_last)
+    positions = ColdPositions(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=dealing.drop_last)
     units = node_cold_sequences(len(book.counts), seed=seed, epoch=epoch, shuffle=shuffle, layout=layout)
     later = (lambda: planner.after_cold(layout, dealing, epoch + 1)) if planner is not None else None
-    return ColdPlan(planner, reads, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units, later=later))
+    return ColdPlan(planner, positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units, later=later))
 
 
 def indexed_plan(
@@ -204,10 +204,10 @@ def indexed_plan(
     if cursors and cursors[0].cold:
         order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
         cursors = cursors[1:]
-    reads = plan_epoch(
+    positions = plan_epoch(
         counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
     )
     units = node_unit_sequences(
         counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
     )
-    return IndexedPlan(runtime, reads, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))
+    return IndexedPlan(runtime, positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))

@@ -104,5 +104,5 @@ def permute(values: IntArray, n: int | IntArray, key: int | U64) -> IntArray:
 
 
 def unpermute(values: IntArray, n: int | IntArray, key: int | U64) -> IntArray:
-    """The inverse of `permute`: ``unpermute(permute(x, n, k), n, k) == x``."""
+    """The inverse of `order.permute`: ``unpermute(permute(x, n, k), n, k) == x``."""
     return _walk(values, np.asarray(n), np.asarray(key, dtype=np.uint64), inverse=True)

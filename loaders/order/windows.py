@@ -5,7 +5,7 @@ sample of the dataset:
 
 - **`WindowedOrder`**: the shards are shuffled by ``(seed, epoch)`` and their samples laid end
   to end; the samples inside each window of ``window`` consecutive positions are permuted by a
-  keyed bijection (`permute`) seeded by ``(seed, epoch, window index)``. Position ``p``'s sample
+  keyed bijection (`order.permute`) seeded by ``(seed, epoch, window index)``. Position ``p``'s sample
   is computed when asked for, from per-shard arrays only.
 - **`Deal`**: ranks read blocks of ``window`` positions round robin (rank ``r`` reads blocks
   ``r, r+R, ...``); the last partial round is dealt one position at a time; a short rank repeats
@@ -17,7 +17,7 @@ sample of the dataset:
   spread; so the remainder is a short explicit list followed by a contiguous tail of the order
   it came from, at a cost of ranks x (window + band), not of samples.
 - **`ArrayOrder`**: an order given as an array (what a cold epoch left). A mix of sources is an
-  `Order` of its own, computed per position too (`mix.order.MixedOrder`).
+  `Order` of its own, computed per position too (`order.mixed.MixedOrder`).
 
 Every order also says, conservatively, which shards a range of its positions may read
 (`units_of_ranges`): the node's future, prefetch and closing work from that, per window.
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, consumed_spots, worker_ends
-from datacache.loaders.permute import mix_key, permute
+from datacache.loaders.order.layout import Cursor, consumed_spots, worker_ends
+from datacache.loaders.order.permute import mix_key, permute
 
 __all__ = [
     "ArrayOrder",

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from datacache.loaders.readers import hash_buffer, map_file
+from datacache.loaders.reading.mapping import hash_buffer, map_file
 from datacache.loaders.runtime import Runtime
 
 from datacache.access import ShardAccess

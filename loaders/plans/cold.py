@@ -5,8 +5,8 @@ of the dataset in the background with the other nodes (`ClusterIndex`),
 through the stager: each shard is staged once for the cluster (the shared
 tier, else the local one) and counted from that copy, which the readers then
 use, so a cold epoch reads the origin once per shard.
-`ColdEpochPlan` is the reader's plan of a cold epoch (`coldorder`): it has
-the attributes of an `EpochPlan`, and `ensure` extends it, one window of its
+`ColdPositions` is the reader's plan of a cold epoch (`order.cold`): it has
+the attributes of an `PositionTable`, and `ensure` extends it, one window of its
 rank's shards at a time, counting a window's shards by opening them (they
 are read next anyway). It never places a position that settling could take
 back; when a reader gets there before the index is complete, it waits for
@@ -25,16 +25,16 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldorder import (
+from datacache.loaders.order.cold import (
     WINDOW_UNITS,
     Streams,
     lower_bound_length,
     natural_units,
     rank_units,
 )
-from datacache.loaders.order import Layout, worker_count, worker_spots
-from datacache.loaders.readers import Unit, UnitPlan
-from datacache.loaders.readplan import Segmented
+from datacache.loaders.order.layout import Layout, worker_count, worker_spots
+from datacache.loaders.plans.indexed import Segmented
+from datacache.loaders.reading.mapping import Unit, UnitPlan
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -51,7 +51,7 @@ from datacache.errors import (
 from datacache.manifest import Shard
 from datacache.staging import PRIORITY_PREFETCH, DatasetHandle
 
-__all__ = ["ColdEpochPlan", "CountBook", "Counts", "UnitCounter"]
+__all__ = ["ColdPositions", "CountBook", "Counts", "UnitCounter"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class Counts(Protocol):
         ...
 
 
-class ColdEpochPlan(Segmented):
+class ColdPositions(Segmented):
     """One reader's plan of a cold epoch, extended by `ensure` as counts become known; O(shards).
 
     Parameters
@@ -249,7 +249,7 @@ class ColdEpochPlan(Segmented):
 
     A unit whose count is unknown is counted by the `UnitCounter` given to `count_with`
     (the reader's own units, so the open is reused). A position's sample is computed when
-    asked for (`coldorder.natural_units`, then `coldorder.Streams` once settled).
+    asked for (`order.cold.natural_units`, then `order.cold.Streams` once settled).
     """
 
     def __init__(
@@ -282,7 +282,7 @@ class ColdEpochPlan(Segmented):
         """Count unknown units through ``counter`` (the units the reader opens)."""
         self._counter = counter
 
-    # -- the ReadPlan interface -------------------------------------------------------------
+    # -- the Positions interface -------------------------------------------------------------
 
     def __len__(self) -> int:
         return int(worker_count(self._layout, self._placed))

@@ -4,7 +4,7 @@ Every source is opened as a dataset of its own (its own handle in the stager,
 so its own residency, eviction and sample counts); shard files named one by
 one read their directory's dataset filtered to their keys (`only_keys`). The
 units of all sources are numbered one after the other, source by source, so
-that `epoch.plan_epoch` deals and resumes the mixed order (`mix.order.MixedOrder`, computed per
+that `plans.positions.plan_epoch` deals and resumes the mixed order (`order.mixed.MixedOrder`, computed per
 position: O(shards + sources)) as it does one dataset's.
 """
 
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.coldplan import CountBook
-from datacache.loaders.datasetplans import DatasetPlanner
-from datacache.loaders.epoch import auto_window, epoch_sequence, plan_epoch
-from datacache.loaders.mix.counts import source_counts
-from datacache.loaders.mix.order import MixedOrder
-from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.plan import complete, load_or_build_plan
-from datacache.loaders.readers import SpanCache, UnitPlan
-from datacache.loaders.readplan import LazyEpochPlan, rank_unit_sequence
+from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
+from datacache.loaders.order.mixcounts import source_counts
+from datacache.loaders.order.mixed import MixedOrder
+from datacache.loaders.order.windows import Deal, Order, exclusive_sum
+from datacache.loaders.plans.cold import CountBook
+from datacache.loaders.plans.counts import complete, load_or_build_plan
+from datacache.loaders.plans.dataset import DatasetPlanner
+from datacache.loaders.plans.indexed import IndexedPositions, rank_unit_sequence
+from datacache.loaders.plans.positions import auto_window, epoch_sequence, plan_epoch
+from datacache.loaders.reading.mapping import SpanCache, UnitPlan
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.sequence import Deal, Order, exclusive_sum
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -88,13 +88,13 @@ class Mix:
 
     @property
     def source_of_unit(self) -> IntArray:
-        sizes = [len(part.plan.units) for part in self.parts]
+        sizes = [len(part.units.units) for part in self.parts]
         return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
 
     def order(self, *, seed: int, epoch: int, shuffle: bool) -> MixedOrder:
         """Epoch ``epoch``'s mixed order, computed per position."""
         return MixedOrder.of(
-            [part.plan.counts for part in self.parts],
+            [part.units.counts for part in self.parts],
             self.counts,
             seed=seed,
             epoch=epoch,
@@ -143,12 +143,12 @@ def open_mix(
         )
         raise ConfigError(f"the sources of one dataset must have one format; found {found}")
     labels = tuple(spec.label for spec in specs)
-    counts = source_counts([part.plan.total for part in parts], [spec.mode for spec in specs], labels, epoch_size)
-    sizes = [len(part.plan.units) for part in parts]
+    counts = source_counts([part.units.total for part in parts], [spec.mode for spec in specs], labels, epoch_size)
+    sizes = [len(part.units.units) for part in parts]
     combined = UnitPlan(
-        tuple(unit for part in parts for unit in part.plan.units),
+        tuple(unit for part in parts for unit in part.units.units),
         {},
-        {key: why for part in parts for key, why in part.plan.unreadable.items()},
+        {key: why for part in parts for key, why in part.units.unreadable.items()},
     )
     total = int(counts.sum())
     window = shuffle_buffer or auto_window(total, len(combined.units))
@@ -173,11 +173,11 @@ def mix_plan(
     shuffle: bool,
     drop_last: bool,
     cursors: tuple[Cursor, ...],
-) -> LazyEpochPlan:
+) -> IndexedPositions:
     """The reader ``layout``'s share of mixed epoch ``epoch``, less what ``cursors`` consumed."""
     mix = runtime.mixed()
     return plan_epoch(
-        runtime.plan.counts,
+        runtime.units.counts,
         dealing=Dealing(seed, shuffle, drop_last),
         epoch=epoch,
         window=runtime.window,
@@ -199,14 +199,13 @@ def mix_futures(
 ) -> tuple[NodeFuture, ...]:
     """Each source's node future: every reader's units of it, what is left of this epoch, then the next.
 
-    Per rank and per block of positions, as one dataset's (`epoch.node_unit_sequences`): a rank's
+    Per rank and per block of positions, as one dataset's (`plans.positions.node_unit_sequences`): a rank's
     workers share its sequence. Every reader computes the same value.
     """
     mix = runtime.mixed()
     this = mix.order(seed=seed, epoch=epoch, shuffle=shuffle)
-    now = epoch_sequence(
-        runtime.plan.counts, seed=seed, epoch=epoch, shuffle=shuffle, window=runtime.window, cursors=cursors, order=this
-    )
+    counts, window = runtime.units.counts, runtime.window
+    now = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=this)
     following = mix.order(seed=seed, epoch=epoch + 1, shuffle=shuffle)
     sources = len(mix.parts)
     found: list[dict[str, tuple[int, ...]]] = [{} for _ in range(sources)]

@@ -1,8 +1,8 @@
 """One reader's share of an indexed epoch, computed a segment at a time: O(shards), never O(samples).
 
-The reader's position ``i`` is a spot of its rank's stream (`sequence.worker_spots`), which is
-a position of the epoch's order (`sequence.Deal`), whose sample is computed by the order
-(`sequence.Order.ids`), and whose unit and index within it come from per-unit starts. Positions
+The reader's position ``i`` is a spot of its rank's stream (`order.windows.worker_spots`), which is
+a position of the epoch's order (`order.windows.Deal`), whose sample is computed by the order
+(`order.windows.Order.ids`), and whose unit and index within it come from per-unit starts. Positions
 are computed in segments of `SEGMENT` when first asked for, and a few segments are kept.
 
 What prefetch, opening ahead and closing need is said per *piece* (the reader's part of one
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Layout, worker_count, worker_spots
-from datacache.loaders.sequence import Deal, Order, dedupe_ranges, exclusive_sum
+from datacache.loaders.order.layout import Layout, worker_count, worker_spots
+from datacache.loaders.order.windows import Deal, Order, dedupe_ranges, exclusive_sum
 
-__all__ = ["SEGMENT", "LazyEpochPlan", "Segmented", "rank_unit_sequence"]
+__all__ = ["SEGMENT", "IndexedPositions", "Segmented", "rank_unit_sequence"]
 
 IntArray = npt.NDArray[np.int64]
 SEGMENT = 1 << 15
@@ -63,7 +63,7 @@ class _UnitMap(Mapping[int, int]):
 
 
 class _Column:
-    """``plan.unit_of`` or ``plan.local``: indexable by position, computed a segment at a time."""
+    """``plans.counts.unit_of`` or ``plans.counts.local``: indexable by position, computed a segment at a time."""
 
     def __init__(self, plan: Segmented, which: int) -> None:
         self._plan = plan
@@ -147,8 +147,8 @@ def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tupl
     return tuple(units.tolist())
 
 
-class LazyEpochPlan(Segmented):
-    """What one reader reads of ``order`` (see the module's docstring); the `ReadPlan` interface."""
+class IndexedPositions(Segmented):
+    """What one reader reads of ``order`` (see the module's docstring); the `Positions` interface."""
 
     def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
         self._order = order

@@ -1,8 +1,8 @@
 """A mixed epoch's order as a function of position: O(shards + sources), never O(samples).
 
-Pure arithmetic (numpy, no I/O, no torch). A `MixedOrder` is an `sequence.Order`, so the
+Pure arithmetic (numpy, no I/O, no torch). A `MixedOrder` is an `order.windows.Order`, so the
 dealing, equal rank lengths, resume onto another layout and the node's future of one dataset's
-epoch (`epoch.plan_epoch`, `readplan.LazyEpochPlan`) work on a mix unchanged.
+epoch (`plans.positions.plan_epoch`, `plans.indexed.IndexedPositions`) work on a mix unchanged.
 
 **Which source a position reads** (`Interleave`): the epoch's ``E`` positions are cut into
 ``N`` blocks (about `BLOCK` positions each). Source ``s`` gives ``c_s = N*q_s + r_s`` samples;
@@ -17,7 +17,7 @@ sources``); inside a block, source ``s``'s ``k`` samples sit at the points ``(i 
 order (``v_s`` in ``[0, 1)``), so each block is spread evenly too. Cost: O(sources) per position.
 
 **Which sample** (`SourceDraw`): without replacement, source ``s`` reads its own
-`sequence.WindowedOrder` permutations, one pass each (pass ``k`` seeded by ``(source seed, k)``).
+`order.windows.WindowedOrder` permutations, one pass each (pass ``k`` seeded by ``(source seed, k)``).
 While ``c_s <= n_s`` a pass lasts ``m = ceil(n_s / c_s)`` epochs: epoch ``e`` is epoch
 ``j = e % m`` of pass ``e // m`` and takes its items ``[j*c_s, (j+1)*c_s)``, the last epoch of a
 pass topping up from the pass's start (items read epochs before, so none twice in the epoch). A
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mix.counts import source_seed
-from datacache.loaders.permute import mix_key
-from datacache.loaders.sequence import WindowedOrder, dedupe_ranges, exclusive_sum
+from datacache.loaders.order.mixcounts import source_seed
+from datacache.loaders.order.permute import mix_key
+from datacache.loaders.order.windows import WindowedOrder, dedupe_ranges, exclusive_sum
 
 __all__ = ["BLOCK", "Interleave", "MixedOrder", "SourceDraw", "Spread"]
 
@@ -173,7 +173,7 @@ class SourceDraw:
 
     unit_counts: IntArray
     seed: int
-    """The source's own (`mix.counts.source_seed`)."""
+    """The source's own (`order.mixcounts.source_seed`)."""
     epoch: int
     count: int
     shuffle: bool
@@ -239,7 +239,7 @@ class SourceDraw:
         return result
 
     def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
-        """``(range, unit)`` pairs as `sequence.Order.units_of_ranges` says them, for draws ``[start, stop)``."""
+        """``(range, unit)`` pairs as `order.windows.Order.units_of_ranges` says them, for draws ``[start, stop)``."""
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         size, ranges = self.size, np.arange(len(starts), dtype=np.int64)
         if self.replacement:

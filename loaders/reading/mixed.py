@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mix.sources import Mix
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader
-from datacache.loaders.readplan import LazyEpochPlan, _UnitMap
+from datacache.loaders.plans.indexed import IndexedPositions, _UnitMap
+from datacache.loaders.plans.mixsources import Mix
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.unit_readers import UnitReaders
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
 
@@ -52,7 +52,7 @@ class _Mapped:
 class SourcePlan:
     """The positions of a mixed plan that read source ``source``, its units numbered as in that source."""
 
-    def __init__(self, plan: LazyEpochPlan, offset: int, units: int) -> None:
+    def __init__(self, plan: IndexedPositions, offset: int, units: int) -> None:
         self._plan = plan
         self._offset = offset
         self._units = units
@@ -96,7 +96,7 @@ class MixedUnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: LazyEpochPlan,
+        epoch: IndexedPositions,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
@@ -116,7 +116,7 @@ class MixedUnitReaders:
         self.parts: list[UnitReaders] = []
         self._url_of_unit: dict[int, str] = {}
         for source, part in enumerate(mix.parts):
-            view = SourcePlan(epoch, int(self._offsets[source]), len(part.plan.units))
+            view = SourcePlan(epoch, int(self._offsets[source]), len(part.units.units))
             readers = UnitReaders(
                 part,
                 view,
@@ -128,7 +128,7 @@ class MixedUnitReaders:
                 future=futures[source] if futures is not None else None,
             )
             self.parts.append(readers)
-            self._url_of_unit.update((id(unit), readers.url) for unit in part.plan.units)
+            self._url_of_unit.update((id(unit), readers.url) for unit in part.units.units)
 
     @property
     def skipped_why(self) -> dict[int, str]:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.epoch import initial_prefetch
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.planning import Opening, Plan
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import sample_of
-from datacache.loaders.rowgather import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
+from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.plans.interface import Opening, Plan
+from datacache.loaders.plans.positions import initial_prefetch
+from datacache.loaders.reading.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
+from datacache.loaders.reading.mapping import sample_of
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
@@ -47,8 +47,8 @@ ITERATOR_MARK = "datacache_iterator"
 class EpochIterator:
     """One reader's pass over its share of an epoch; `Stateful` for torchdata.
 
-    The plan (a `planning.Plan`, whatever kind of epoch it is) says what to read and
-    opens its units; `batching.BatchBuilder` turns them into samples or batches.
+    The plan (a `plans.interface.Plan`, whatever kind of epoch it is) says what to read and
+    opens its units; `reading.batching.BatchBuilder` turns them into samples or batches.
     This class walks the plan and keeps the reader's counters (``rows``: its stats
     row and its per-source row, in the dataset's shared table).
     """
@@ -70,7 +70,7 @@ class EpochIterator:
         self.cursors = cursors
         self.produced = 0
         self._epoch_plan = plan
-        self._plan = plan.reads
+        self._plan = plan.positions
         self._tally = plan.sources
         self.controller = self._controller()
         self._in_consumer = get_worker_info() is None
@@ -97,7 +97,7 @@ class EpochIterator:
         self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
         self._rows_ahead = RowsAhead(self._plan, self._units)
         self._ready: list[tuple[int, Any]] = []
-        """Rows gathered ahead (`rowgather.ready_rows`), last first, each with the count produced once it is yielded."""
+        """Rows gathered ahead (`rows.ready_rows`), last first, each with the count produced once it is yielded."""
         self._fast_rows = not dataset.batch_size and self._builder.raw and self._tally.note is None
         self._chunk = CHUNK_ROWS[0]
         window = runtime.window or 256
@@ -110,7 +110,7 @@ class EpochIterator:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
         dataset, runtime = self.dataset, self.runtime
         share = dataset.target_bandwidth / self.layout.num_workers if dataset.target_bandwidth else None
-        total, units = runtime.plan.total, len(runtime.plan.units)
+        total, units = runtime.units.total, len(runtime.units.units)
         return PrefetchController(
             fixed=dataset.prefetch,
             initial=initial_prefetch(max(total, units), units, runtime.window or 1, runtime.settings.concurrency),
@@ -134,7 +134,7 @@ class EpochIterator:
 
     def _skip_unreadable(self) -> None:
         """Raise, or count as skipped, the shards whose samples the plan could not count."""
-        unreadable = self.runtime.plan.unreadable
+        unreadable = self.runtime.units.unreadable
         if not unreadable:
             return
         if self.dataset.on_error != "skip":

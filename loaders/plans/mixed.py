@@ -1,7 +1,7 @@
-"""A mixed epoch behind the `planning.Plan` interface: a thin wrapper of `mix.sources` and `mix.readers`.
+"""A mixed epoch behind the `plans.interface.Plan` interface: a thin wrapper of `plans.mixsources` and `reading.mixed`.
 
-The mix's own modules plan it (`mix.sources.mix_plan`) and open its units by source
-(`mix.readers.MixedUnitReaders`); this module only adapts them to what
+The mix's own modules plan it (`plans.mixsources.mix_plan`) and open its units by source
+(`reading.mixed.MixedUnitReaders`); this module only adapts them to what
 `EpochIterator` asks of every kind of epoch, and tallies what each source
 delivered (`stats().sources`).
 """
@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.mix.readers import MixedUnitReaders
-from datacache.loaders.mix.sources import mix_futures, mix_plan
-from datacache.loaders.order import Cursor, Layout
-from datacache.loaders.planning import Dealing, Opening, Plan
-from datacache.loaders.readplan import LazyEpochPlan
+from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.plans.indexed import IndexedPositions
+from datacache.loaders.plans.interface import Dealing, Opening, Plan
+from datacache.loaders.plans.mixsources import mix_futures, mix_plan
+from datacache.loaders.reading.mixed import MixedUnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
 
 __all__ = ["MixPlanner", "MixedPlan"]
@@ -46,37 +46,37 @@ class _MixTally:
 
 
 class MixedPlan:
-    """A reader's plan of a mixed epoch (`mix.sources.mix_plan`), and each source's node future (`mix_futures`)."""
+    """A reader's plan of a mixed epoch (`plans.mixsources.mix_plan`), and each source's node future (`mix_futures`)."""
 
     cold = False
 
     def __init__(
-        self, runtime: Runtime | None, reads: LazyEpochPlan, futures: tuple[NodeFuture, ...] | None = None
+        self, runtime: Runtime | None, positions: IndexedPositions, futures: tuple[NodeFuture, ...] | None = None
     ) -> None:
         self._runtime = runtime
         self._futures = futures
-        self.reads = reads
+        self.positions = positions
         self.sources = _MixTally()
 
     def known(self, length: int) -> int:
-        return len(self.reads)
+        return len(self.positions)
 
     def readable(self, begin: int, size: int, known: int) -> int:
         return known
 
     def future(self) -> NodeFuture | None:
-        return None  # each source's readers tell the stager their own order (`mix.readers`)
+        return None  # each source's readers tell the stager their own order (`reading.mixed`)
 
     def open_units(self, opening: Opening) -> Units:
         if self._runtime is None:
             raise TypeError("this plan was made from plain values (a test's): it has no units to open")
-        units = MixedUnitReaders(self._runtime, self.reads, futures=self._futures, **opening.arguments())
+        units = MixedUnitReaders(self._runtime, self.positions, futures=self._futures, **opening.arguments())
         self.sources.units = units
         return units
 
 
 class MixPlanner:
-    """The `planning.Planner` of a mix of sources: every source counted when it was opened (`mix.sources.open_mix`)."""
+    """The `interface.Planner` of a mix of sources: every source counted when it was opened (`mixsources.open_mix`)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -84,13 +84,13 @@ class MixPlanner:
 
     def plan(self, layout: Layout, dealing: Dealing, *, epoch: int, cursors: tuple[Cursor, ...]) -> Plan:
         seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
-        reads = mix_plan(
+        positions = mix_plan(
             self.runtime, layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, cursors=cursors
         )
         futures = mix_futures(
             self.runtime, layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, cursors=cursors
         )
-        return MixedPlan(self.runtime, reads, futures)
+        return MixedPlan(self.runtime, positions, futures)
 
     def complete(self) -> None:
         return None  # every source's counts were awaited when the mix was opened

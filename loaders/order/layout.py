@@ -4,7 +4,7 @@
 are shuffled, their samples laid end to end, and the samples permuted within
 consecutive windows of ``window`` samples by a keyed bijection (a bounded
 shuffle, so that reads stay local to a few shards at a time; see
-`datacache.loaders.sequence`, which computes all of this per position).
+`datacache.loaders.order.windows`, which computes all of this per position).
 
 **Dealing** hands that sequence to ``R`` ranks in blocks of ``window``
 positions, round robin (rank ``r`` reads blocks ``r, r+R, ...``), so that each
@@ -82,7 +82,7 @@ class Cursor:
     chunk: int
     produced: tuple[int, ...]
     cold: bool = False
-    """Whether the layout read a cold epoch (whole shards dealt, `datacache.loaders.coldorder`)."""
+    """Whether the layout read a cold epoch (whole shards dealt, `datacache.loaders.order.cold`)."""
 
     def to_json(self) -> dict[str, object]:
         document: dict[str, object] = {

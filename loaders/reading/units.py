@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.locate import close_buffers, load_verified, locate_keys, stage_missing
-from datacache.loaders.nextepoch import NextEpochStaging
-from datacache.loaders.prefetch import PrefetchController
-from datacache.loaders.readers import UnitReader
+from datacache.loaders.plans.positions import Positions
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.nextepoch import NextEpochStaging
+from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.shards import close_buffers, load_verified, locate_keys, stage_missing
 from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.stats import Counter, count_unit_open
 from datacache.tiers import redact_url
@@ -53,7 +53,7 @@ class UnitReaders:
     def __init__(
         self,
         runtime: Runtime,
-        epoch: ReadPlan,
+        epoch: Positions,
         *,
         controller: PrefetchController,
         row: npt.NDArray[np.float64],
@@ -67,9 +67,9 @@ class UnitReaders:
         self._opening: set[int] = set()
         """Units being located and mapped now (by any thread): leased with the open ones."""
         self._note_lock = threading.Lock()
-        self._positions = future.key_positions(runtime.plan) if future is not None else {}
+        self._positions = future.key_positions(runtime.units) if future is not None else {}
         self._epoch = epoch
-        self._plan = runtime.plan
+        self._plan = runtime.units
         self._kind = get_format(runtime.handle.manifest.format.value)
         self._where = f"dataset {runtime.handle.id}"
         self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
@@ -115,7 +115,7 @@ class UnitReaders:
 
     def close_all(self) -> None:
         for unit, reader in self.readers.items():
-            for closing in self.runtime.units.release(unit, reader):
+            for closing in self.runtime.opened.release(unit, reader):
                 closing.close()
         self.readers.clear()
         noter, self._noter = self._noter, None
@@ -196,7 +196,7 @@ class UnitReaders:
         reader = self.readers.pop(unit, None)
         if reader is None:
             return
-        for closing in self.runtime.units.release(unit, reader):
+        for closing in self.runtime.opened.release(unit, reader):
             if pool is not None:
                 # Unmapping 64 MB takes milliseconds: not in the consumer's thread.
                 pool.submit(closing.close)
@@ -306,7 +306,7 @@ class UnitReaders:
         if self._mark_skipped(unit, error):
             reader = self.readers.pop(unit, None)
             if reader is not None:
-                for closing in self.runtime.units.release(unit, reader):
+                for closing in self.runtime.opened.release(unit, reader):
                     closing.close()
         return True
 
@@ -320,7 +320,7 @@ class UnitReaders:
             self._opening.add(unit)
             try:
                 started = time.perf_counter()
-                reader, shared = self.runtime.units.take(unit, lambda: self._open(unit))
+                reader, shared = self.runtime.opened.take(unit, lambda: self._open(unit))
                 if shared is not None:  # another reader of this process opened it: this one's hit all the same
                     self._count_shared(shared, time.perf_counter() - started)
             except (ShardReadError, ChecksumMismatchError) as exc:

@@ -1,11 +1,11 @@
 """What an `EpochIterator` needs of an epoch's plan, whatever kind of epoch it is.
 
 Three kinds of epoch are read: an *indexed* one (every sample count known:
-`datasetplans.IndexedPlan`), a dataset's *first* one while its counts still
+`plans.dataset.IndexedPlan`), a dataset's *first* one while its counts still
 arrive (whole shards dealt, the plan growing as they are counted:
-`datasetplans.ColdPlan`), and a *mixed* one over several sources
-(`mix.plan.MixedPlan`). Each is an object with the `Plan` interface, made by
-its dataset's `Planner` (`datasetplans.DatasetPlanner`, `mix.plan.MixPlanner`);
+`plans.dataset.ColdPlan`), and a *mixed* one over several sources
+(`plans.mixed.MixedPlan`). Each is an object with the `Plan` interface, made by
+its dataset's `Planner` (`plans.dataset.DatasetPlanner`, `plans.mixed.MixPlanner`);
 the iterator talks only to these two, never asks which kind it reads.
 
 `loaders.testing.PlanTests` is the contract every kind passes: every sample
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.order import Cursor, Dealing, Layout
+from datacache.loaders.order.layout import Cursor, Dealing, Layout
+from datacache.loaders.plans.positions import Positions
 from datacache.loaders.runtime import NodeFuture, Units
 
 if TYPE_CHECKING:
-    from datacache.loaders.prefetch import PrefetchController
+    from datacache.loaders.reading.prefetch import PrefetchController
 
 __all__ = ["ONE_SOURCE", "Dealing", "Opening", "Plan", "Planner", "SourceTally"]
 
@@ -44,7 +44,7 @@ class Opening:
     in_consumer: bool
 
     def arguments(self) -> dict[str, Any]:
-        """As keyword arguments of `unit_readers.UnitReaders` (and `mix.readers.MixedUnitReaders`)."""
+        """As keyword arguments of `reading.units.UnitReaders` (and `reading.mixed.MixedUnitReaders`)."""
         return {
             "controller": self.controller,
             "row": self.row,
@@ -83,7 +83,7 @@ class Plan(Protocol):
     """One reader's plan of one epoch, whatever its kind."""
 
     @property
-    def reads(self) -> ReadPlan:
+    def positions(self) -> Positions:
         """Each position's unit and index in it; the unit sequence, first use and release (prefetch, closing)."""
         ...
 

@@ -6,7 +6,7 @@ every source's size added up) split in proportion to the weights; otherwise each
 scales those counts to it. Counts are apportioned by largest remainder, so they add up to the
 epoch exactly.
 
-Which samples, and in what order, is `mix.order.MixedOrder`: computed per position, O(shards +
+Which samples, and in what order, is `order.mixed.MixedOrder`: computed per position, O(shards +
 sources).
 """
 

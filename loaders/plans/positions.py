@@ -1,8 +1,8 @@
 """One reader's plan for an epoch: which samples it yields, in what order, from which units.
 
 Pure arithmetic on plain values (numpy, no I/O, no torch): the global order
-and the dealing come from `datacache.loaders.sequence`, a reader's share of
-them from `datacache.loaders.readplan`, computed a segment at a time; this
+and the dealing come from `datacache.loaders.order.windows`, a reader's share of
+them from `datacache.loaders.plans.indexed`, computed a segment at a time; this
 module picks the order of an epoch (resumed after earlier layouts) and says
 every reader's units in order for the node's future. Nothing here costs more
 than the shards do.
@@ -16,13 +16,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.readplan import EXACT_POSITIONS, LazyEpochPlan, rank_unit_sequence
-from datacache.loaders.sequence import ArrayOrder, Deal, Order, WindowedOrder, remaining
+from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
+from datacache.loaders.order.windows import ArrayOrder, Deal, Order, WindowedOrder, remaining
+from datacache.loaders.plans.indexed import EXACT_POSITIONS, IndexedPositions, rank_unit_sequence
 
 __all__ = [
-    "EpochPlan",
-    "ReadPlan",
+    "PositionTable",
+    "Positions",
     "auto_window",
     "epoch_sequence",
     "initial_prefetch",
@@ -42,8 +42,8 @@ class Column(Protocol):
     def __len__(self) -> int: ...
 
 
-class ReadPlan(Protocol):
-    """What readers need of a plan: a `LazyEpochPlan`, an `EpochPlan`, or a cold epoch's plan that grows."""
+class Positions(Protocol):
+    """What readers need of a plan: a `IndexedPositions`, an `PositionTable`, or a cold epoch's plan that grows."""
 
     @property
     def unit_of(self) -> Column: ...
@@ -71,7 +71,7 @@ class ReadPlan(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class EpochPlan:
+class PositionTable:
     """A reader's plan as whole arrays, position by position: a mix's (its readers split them by source)."""
 
     ids: IntArray
@@ -104,7 +104,7 @@ class EpochPlan:
         return tuple(u for u in self.unit_sequence if u in upcoming)
 
     @classmethod
-    def of(cls, plan: LazyEpochPlan) -> EpochPlan:
+    def of(cls, plan: IndexedPositions) -> PositionTable:
         """``plan`` computed whole (O(the reader's samples))."""
         unit_of, local = plan.columns(np.arange(len(plan), dtype=np.int64))
         last_use: dict[int, int] = {}
@@ -156,17 +156,17 @@ def plan_epoch(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     order: IntArray | Order | None = None,
-) -> LazyEpochPlan:
+) -> IndexedPositions:
     """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
 
-    ``order`` replaces the epoch's global order (what a cold epoch left, see `coldorder.cold_remaining`).
+    ``order`` replaces the epoch's global order (what a cold epoch left, see `order.cold.cold_remaining`).
     """
     seed, shuffle = dealing.seed, dealing.shuffle
     sequence = epoch_sequence(
         counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order
     )
     counts = np.asarray(counts, dtype=np.int64)
-    return LazyEpochPlan(sequence, counts, block=window, layout=layout, drop_last=dealing.drop_last)
+    return IndexedPositions(sequence, counts, block=window, layout=layout, drop_last=dealing.drop_last)
 
 
 def node_unit_sequences(
@@ -225,7 +225,7 @@ def _node_epoch(
         sizes = np.asarray(counts, dtype=np.int64)
         for rank in range(layout.world_size):
             stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
-            units = LazyEpochPlan(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
+            units = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
             for worker in range(layout.num_workers):
                 found[reader_name(rank, worker)] = units
         return found

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.epoch import ReadPlan
-from datacache.loaders.readplan import Segmented
+from datacache.loaders.plans.indexed import Segmented
+from datacache.loaders.plans.positions import Positions
 from datacache.loaders.runtime import Units
 
 from datacache.errors import ShardReadError
@@ -48,7 +48,7 @@ def chunk_rows(nbytes: int, rows: int) -> int:
     return int(min(max(CHUNK_BYTES // per_row, CHUNK_ROWS[0]), CHUNK_ROWS[1]))
 
 
-def _columns(plan: ReadPlan, begin: int, stop: int) -> tuple[IntArray, IntArray]:
+def _columns(plan: Positions, begin: int, stop: int) -> tuple[IntArray, IntArray]:
     if isinstance(plan, Segmented):
         return plan.span(begin, stop)  # from the segments it keeps: computed once per position
     unit_of: Any = plan.unit_of  # every plan's columns take slices (`Column` promises positions only)
@@ -59,7 +59,7 @@ def _columns(plan: ReadPlan, begin: int, stop: int) -> tuple[IntArray, IntArray]
 
 
 def arrow_batch(
-    units: Units, plan: ReadPlan, begin: int, stop: int, tally: Callable[[int, int], None] | None
+    units: Units, plan: Positions, begin: int, stop: int, tally: Callable[[int, int], None] | None
 ) -> tuple[Any, int, IntArray] | None:
     """Positions ``[begin, stop)`` as one record batch, the count skipped and each row's offset from ``begin``.
 
@@ -108,7 +108,7 @@ def arrow_batch(
 
 
 def ready_rows(
-    units: Units, plan: ReadPlan, begin: int, stop: int
+    units: Units, plan: Positions, begin: int, stop: int
 ) -> tuple[list[tuple[int, Any]], int, int, int] | None:
     """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then one ``to_pylist``).
 
@@ -129,7 +129,7 @@ def ready_rows(
 
 
 def _payload(batch: Any) -> IntArray:
-    """Each row's payload bytes as `batching.sample_bytes` counts a row dict's: its binary values."""
+    """Each row's payload bytes as `reading.batching.sample_bytes` counts a row dict's: its binary values."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -144,7 +144,7 @@ def _payload(batch: Any) -> IntArray:
 class RowsAhead:
     """Per-sample reads of table rows, a unit's rows among the next `AHEAD` positions converted together."""
 
-    def __init__(self, plan: ReadPlan, units: Units) -> None:
+    def __init__(self, plan: Positions, units: Units) -> None:
         self._plan = plan
         self._units = units
         self._rows: dict[int, dict[str, Any]] = {}

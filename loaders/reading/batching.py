@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
-from datacache.loaders.epoch import ReadPlan
 from datacache.loaders.packing import BufferRing, pack_fields
-from datacache.loaders.readers import UnitReader
-from datacache.loaders.rowgather import arrow_batch
+from datacache.loaders.plans.positions import Positions
+from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.reading.rows import arrow_batch
 from datacache.loaders.runtime import Units
 from datacache.loaders.stats import Counter
 
@@ -34,7 +34,7 @@ from datacache.formats import get_format
 from datacache.formats._rows import RowsReader
 
 if TYPE_CHECKING:
-    from datacache.loaders.planning import Opening
+    from datacache.loaders.plans.interface import Opening
 
 __all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
 
@@ -51,14 +51,14 @@ SKIPPED = object()
 class BatchBuilder:
     """Reads, decodes and packs the samples of one reader's positions.
 
-    ``opening`` is what the reader's units share with it (`planning.Opening`): its stats row, the
+    ``opening`` is what the reader's units share with it (`plans.interface.Opening`): its stats row, the
     row's lock, whether bad samples are skipped, whether it runs in the consumer.
     """
 
     def __init__(
         self,
         units: Units,
-        epoch: ReadPlan,
+        epoch: Positions,
         *,
         decode: Decoder,
         transform: Callable[[Any], Any] | None = None,
@@ -80,7 +80,7 @@ class BatchBuilder:
         runtime = units.runtime
         self._batch = get_format(runtime.handle.manifest.format.value).batch
         self._table_rows = self._batch == "arrow" and self._decoding.raw
-        """Rows as they are, into a record batch: taken by Arrow per unit (`rowgather`), never row by row."""
+        """Rows as they are, into a record batch: taken by Arrow per unit (`reading.rows`), never row by row."""
         self._ring: BufferRing | None = None
 
     @property

@@ -22,7 +22,7 @@ epoch needs only the counts of the shards a reader is about to read:
   allow), so nothing is ever produced that settling would take back.
 - **Workers** take chunks of the rank's final stream round robin, exactly as
   in an indexed epoch, so batches per rank are equal and resume arithmetic
-  (`order.produced_from_consumed`) holds.
+  (`order.layout.produced_from_consumed`) holds.
 - **Resume** (on any world size) waits for the complete index, computes from
   the cursor exactly which samples the old layout consumed, and deals the
   rest as an indexed epoch would (`cold_remaining`).
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order import Cursor, Layout, consumed_spots, reader_name, worker_ends
-from datacache.loaders.permute import mix_key, permute
-from datacache.loaders.sequence import dedupe_ranges, exclusive_sum
+from datacache.loaders.order.layout import Cursor, Layout, consumed_spots, reader_name, worker_ends
+from datacache.loaders.order.permute import mix_key, permute
+from datacache.loaders.order.windows import dedupe_ranges, exclusive_sum
 
 __all__ = [
     "WINDOW_UNITS",
@@ -79,7 +79,7 @@ def node_cold_sequences(
 
     A rank's workers take chunks of its stream, which walks its shards two at a time:
     each of them reads the rank's shards in the rank's order. Every reader computes the
-    same value, as for an indexed epoch (`epoch.node_unit_sequences`); the samples a rank
+    same value, as for an indexed epoch (`plans.positions.node_unit_sequences`); the samples a rank
     takes from another's shards once the lengths are settled are left out (a few at the end).
     """
     found: dict[str, tuple[int, ...]] = {}

@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from datacache.loaders.readers import UnitPlan
+from datacache.loaders.reading.mapping import UnitPlan
 from datacache.tiers import ByteRange
 from datacache.tiers._dirfd import Place
 from datacache.tiers._files import atomic_write
