@@ -20,7 +20,7 @@ from datacache.loaders.order.cold import node_cold_sequences
 from datacache.loaders.order.layout import Layout, reader_name
 from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.positions import auto_window, node_epoch_sequences
-from datacache.tiers._dirfd import UnsafeFileError
+from datacache.tiers.files import UnsafeFileError
 
 from datacache.access import ShardAccess
 from datacache.config import Settings

@@ -17,8 +17,7 @@ from typing import Any
 
 from datacache.loaders.reading.mapping import UnitPlan
 from datacache.tiers import ByteRange
-from datacache.tiers._dirfd import Place
-from datacache.tiers._files import atomic_write
+from datacache.tiers.files import Place, atomic_write
 
 from datacache.access import ShardAccess
 from datacache.config import Settings

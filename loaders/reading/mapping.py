@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from datacache.tiers.files import map_regular
+
 from datacache.checksum import checksum_of, new_hasher
 from datacache.counting.spantable import SpanTable
 from datacache.counting.tarindex import SampleSpan
@@ -45,18 +47,13 @@ __all__ = [
 
 
 def map_file(path: Path) -> mmap.mmap | bytes:
-    """Map a file read-only (shared with the page cache: no copy, no private memory)."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
-            return b""
-        # No MAP_POPULATE: CPython holds the GIL across mmap(), and populating 64 MB takes
-        # ~10 ms, a stall for every other thread. The checksum pass that follows faults the
-        # pages in with the GIL released; WILLNEED starts the readahead meanwhile.
-        mapping = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        with contextlib.suppress(AttributeError, OSError):
-            mapping.madvise(mmap.MADV_WILLNEED)
-        return mapping
+    """Map a copy read-only (shared with the page cache: no copy, no private memory).
+
+    Through `tiers.files.map_regular`: the last component is not followed and the open does not
+    block, so a link or a FIFO another uid put in a shared copy's place between the tier's check and
+    this open raises `UnsafeFileError` at once instead of hanging the reader or reading elsewhere.
+    """
+    return map_regular(path)
 
 
 def hash_buffer(buffer: bytes | mmap.mmap | memoryview) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from datacache.loaders.reading.mapping import hash_buffer, map_file
 from datacache.loaders.runtime import Runtime
+from datacache.tiers.files import UnsafeFileError
 
 from datacache.access import ShardAccess
 from datacache.errors import ChecksumMismatchError
@@ -27,7 +28,11 @@ def load_verified(runtime: Runtime, location: Location, where: str) -> Any:
         return location.buffer  # verified by this process's stager as it arrived
     if location.path is None:
         return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
-    buffer = map_file(location.path)
+    try:
+        buffer = map_file(location.path)
+    except UnsafeFileError as exc:
+        # As a bad copy: the next try reads the next tier (a link or FIFO is never the shard's bytes).
+        raise ChecksumMismatchError(f"{where}: {exc}") from None
     problem = None
     if len(buffer) != location.shard.size:
         problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
