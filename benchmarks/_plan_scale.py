@@ -26,7 +26,7 @@ _CHILD = r"""
 import json, resource, sys, time, tracemalloc
 started = time.perf_counter()
 import numpy as np
-from datacache.loaders.plans.dataset import indexed_plan
+from datacache.loaders.epochs.dataset import indexed_plan
 from datacache.loaders.plans.positions import auto_window
 from datacache.loaders.order.layout import Layout
 from datacache.loaders.plans.interface import Dealing

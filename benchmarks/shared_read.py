@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from datacache.loaders.reading.mapping import hash_buffer, map_file
+from datacache.loaders.shardfiles import hash_buffer, map_file
 
 from datacache.config import load_settings
 from datacache.sizes import parse_size

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.shardfiles import UnitReader
 
 from datacache.errors import ConfigError, SampleDecodeError, close_match
 
@@ -158,9 +158,7 @@ def field_decoders(name: str) -> FieldDecoders:
     if name not in DECODERS:
         close = close_match(name, ["auto", *DECODERS])
         hint = f" (did you mean {close!r}?)" if close else ""
-        raise ConfigError(
-            f"unknown decoder {name!r}{hint}: use one of {', '.join(map(repr, DECODERS))}, or a callable"
-        )
+        raise ConfigError(f"unknown decoder {name!r}{hint}: use one of {', '.join(map(repr, DECODERS))}, or a callable")
     pillow = importlib.util.find_spec("PIL") is not None
     if name in _IMAGE_DECODERS and not pillow and not (name == "torch" and _has_torchvision()):
         raise ConfigError(f"decode={name!r} decodes images with Pillow, which is not installed: {_IMAGE_EXTRA}")

@@ -28,10 +28,10 @@ from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.order.windows import exclusive_sum
 from datacache.loaders.plans.positions import PositionTable
 from datacache.loaders.precheck import check_keywords
-from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
 from datacache.tiers import redact_url

@@ -7,7 +7,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
-from datacache.loaders.reading.mapping import UnitReader
+from datacache.loaders.shardfiles import UnitReader
 
 __all__ = ["KEEP_RELEASED", "OpenUnits"]
 

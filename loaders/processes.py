@@ -12,9 +12,9 @@ import multiprocessing.util
 import os
 
 import torch
-from datacache.loaders.plans.dataset import DatasetPlanner, open_dataset
+from datacache.loaders.epochs.dataset import DatasetPlanner, open_dataset
+from datacache.loaders.epochs.mix import MixPlanner
 from datacache.loaders.plans.interface import Planner
-from datacache.loaders.plans.mixed import MixPlanner
 from datacache.loaders.plans.mixsources import open_handle, open_mix
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.sources import SourceSpec

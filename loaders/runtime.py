@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from datacache.loaders.openunits import OpenUnits
-from datacache.loaders.reading.mapping import SpanCache, UnitPlan, UnitReader
+from datacache.loaders.shardfiles import SpanCache, UnitPlan, UnitReader
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -50,7 +50,7 @@ class Runtime:
     def counted(self, units: UnitPlan, window: int) -> None:
         """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.
 
-        Called by `plans.dataset.DatasetPlanner.complete` only: the one switch from counts unknown to known.
+        Called by `epochs.dataset.DatasetPlanner.complete` only: the one switch from counts unknown to known.
         """
         self.units, self.window, self.book = units, window, None
 

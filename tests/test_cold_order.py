@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+from datacache.loaders.epochs.dataset import cold_plan
 from datacache.loaders.order.cold import (
     WINDOW_UNITS,
     cold_remaining,
@@ -16,7 +17,6 @@ from datacache.loaders.order.cold import (
 )
 from datacache.loaders.order.layout import Cursor, Layout, worker_positions
 from datacache.loaders.order.windows import Deal
-from datacache.loaders.plans.dataset import cold_plan
 from datacache.loaders.plans.interface import Dealing
 from datacache.loaders.testing import CountingShelf, MemoryCounts, read_ids
 from hypothesis import given, settings

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from datacache.loaders.reading.mapping import Unit, open_unit_reader, zarr_plan
+from datacache.loaders.shardfiles import Unit, open_unit_reader, zarr_plan
 from datacache.tiers import validate_key
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st

@@ -6,7 +6,7 @@ import mmap
 from pathlib import Path
 
 from datacache.loaders.openunits import OpenUnits
-from datacache.loaders.reading.mapping import TarReader, Unit, UnitReader
+from datacache.loaders.shardfiles import TarReader, Unit, UnitReader
 from test_loader import write_wds
 
 

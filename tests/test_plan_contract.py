@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from datacache.loaders.epochs.dataset import cold_plan, indexed_plan
+from datacache.loaders.epochs.mix import MixedPlan
 from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.order.mixed import MixedOrder
 from datacache.loaders.order.windows import epoch_order
-from datacache.loaders.plans.dataset import cold_plan, indexed_plan
 from datacache.loaders.plans.interface import Dealing, Plan
-from datacache.loaders.plans.mixed import MixedPlan
 from datacache.loaders.plans.positions import auto_window, plan_epoch
 from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests
 

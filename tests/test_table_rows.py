@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from datacache.loaders import CachedIterableDataset
-from datacache.loaders.reading.mapping import open_unit_reader
+from datacache.loaders.shardfiles import open_unit_reader
 
 from datacache.config import Settings
 from datacache.errors import ShardReadError

@@ -18,7 +18,7 @@ that fetches them from the origin):
 Nothing read here is trusted on its own: an entry whose recorded file size
 differs from the shard's is dropped as stale, two sources that disagree on a
 shard make its count unknown (it is scanned instead), and every count is
-checked again when the shard is read (`datacache.loaders.reading.mapping.TarReader`
+checked again when the shard is read (`datacache.loaders.shardfiles.TarReader`
 raises naming the source). A wrong count is reported, never served.
 """
 

@@ -34,7 +34,7 @@ from datacache.loaders.order.cold import (
 )
 from datacache.loaders.order.layout import Layout, worker_count, worker_spots
 from datacache.loaders.plans.indexed import Segmented
-from datacache.loaders.reading.mapping import Unit, UnitPlan
+from datacache.loaders.shardfiles import Unit, UnitPlan
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -153,6 +153,7 @@ class CountBook:
         with self._grew:
             if build is None or build.done():
                 return False
+
             # The background index notifies each count, and its end; the timeout only bounds a wait on
             # another node.
             def grown() -> bool:
@@ -252,9 +253,7 @@ class ColdPositions(Segmented):
     asked for (`order.cold.natural_units`, then `order.cold.Streams` once settled).
     """
 
-    def __init__(
-        self, book: Counts, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool
-    ) -> None:
+    def __init__(self, book: Counts, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool) -> None:
         super().__init__()
         self._book = book
         self._counter: UnitCounter | None = None

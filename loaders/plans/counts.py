@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from datacache.loaders.reading.mapping import UnitPlan
+from datacache.loaders.shardfiles import UnitPlan
 from datacache.tiers import ByteRange
 from datacache.tiers.files import Place, atomic_write
 

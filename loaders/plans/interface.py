@@ -1,11 +1,11 @@
 """What an `EpochIterator` needs of an epoch's plan, whatever kind of epoch it is.
 
 Three kinds of epoch are read: an *indexed* one (every sample count known:
-`plans.dataset.IndexedPlan`), a dataset's *first* one while its counts still
+`epochs.dataset.IndexedPlan`), a dataset's *first* one while its counts still
 arrive (whole shards dealt, the plan growing as they are counted:
-`plans.dataset.ColdPlan`), and a *mixed* one over several sources
-(`plans.mixed.MixedPlan`). Each is an object with the `Plan` interface, made by
-its dataset's `Planner` (`plans.dataset.DatasetPlanner`, `plans.mixed.MixPlanner`);
+`epochs.dataset.ColdPlan`), and a *mixed* one over several sources
+(`epochs.mix.MixedPlan`). Each is an object with the `Plan` interface, made by
+its dataset's `Planner` (`epochs.dataset.DatasetPlanner`, `epochs.mix.MixPlanner`);
 the iterator talks only to these two, never asks which kind it reads.
 
 `loaders.testing.PlanTests` is the contract every kind passes: every sample

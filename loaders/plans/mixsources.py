@@ -23,11 +23,10 @@ from datacache.loaders.order.mixed import MixedOrder
 from datacache.loaders.order.windows import Deal, Order, exclusive_sum
 from datacache.loaders.plans.cold import CountBook
 from datacache.loaders.plans.counts import complete, load_or_build_plan
-from datacache.loaders.plans.dataset import DatasetPlanner
 from datacache.loaders.plans.indexed import IndexedPositions, rank_unit_sequence
-from datacache.loaders.plans.positions import auto_window, epoch_sequence, plan_epoch
-from datacache.loaders.reading.mapping import SpanCache, UnitPlan
+from datacache.loaders.plans.positions import auto_window, epoch_sequence, plan_epoch, settle_counts
 from datacache.loaders.runtime import NodeFuture, Runtime
+from datacache.loaders.shardfiles import SpanCache, UnitPlan
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread
@@ -134,7 +133,7 @@ def open_mix(
             book.start()
         parts.append(part)
     for part in parts:
-        DatasetPlanner(part, shuffle_buffer).complete()  # a mix shares the epoch out by the sources' sizes
+        settle_counts(part, shuffle_buffer)  # a mix shares the epoch out by the sources' sizes
     formats = {part.handle.manifest.format for part in parts}
     if len(formats) > 1:
         found = ", ".join(

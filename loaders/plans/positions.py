@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
 from datacache.loaders.order.windows import ArrayOrder, Deal, Order, WindowedOrder, remaining
+from datacache.loaders.plans.counts import save_plan
 from datacache.loaders.plans.indexed import EXACT_POSITIONS, IndexedPositions, rank_unit_sequence
+
+if TYPE_CHECKING:
+    from datacache.loaders.runtime import Runtime
 
 __all__ = [
     "PositionTable",
@@ -252,3 +256,16 @@ def initial_prefetch(total: int, units: int, window: int, concurrency: int) -> i
     """
     per_unit = max(1.0, total / max(1, units))
     return min(64, max(int(-(-window // per_unit)) + 2, concurrency))
+
+
+def settle_counts(runtime: Runtime, shuffle_buffer: int | None) -> None:
+    """Every count known: the complete unit plan (saved for the node) and the default window.
+
+    A dataset's planner and a mix's sources call it (a mix shares its epoch out by the sizes).
+    """
+    book = runtime.book
+    plan = runtime.units
+    if book is not None:
+        plan = book.completed_plan()
+        runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
+    runtime.counted(plan, runtime.window or shuffle_buffer or auto_window(plan.total, len(plan.units)))

@@ -23,9 +23,9 @@ import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.plans.positions import Positions
-from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.rows import arrow_batch
 from datacache.loaders.runtime import Units
+from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.stats import Counter
 
 from datacache._logging import FirstFew

@@ -16,10 +16,10 @@ from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.plans.interface import Opening, Plan
 from datacache.loaders.plans.positions import initial_prefetch
 from datacache.loaders.reading.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.reading.mapping import sample_of
 from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.shardfiles import sample_of
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from torch.utils.data import get_worker_info

@@ -21,10 +21,10 @@ import numpy as np
 import numpy.typing as npt
 from datacache.loaders.plans.indexed import IndexedPositions, _UnitMap
 from datacache.loaders.plans.mixsources import Mix
-from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime
+from datacache.loaders.shardfiles import UnitReader
 
 __all__ = ["MixedUnitReaders", "SourcePlan"]
 

@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 from typing import Any
 
-from datacache.loaders.reading.mapping import hash_buffer, map_file
 from datacache.loaders.runtime import Runtime
+from datacache.loaders.shardfiles import hash_buffer, map_file
 from datacache.tiers.files import UnsafeFileError
 
 from datacache.access import ShardAccess

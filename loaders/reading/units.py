@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.plans.positions import Positions
-from datacache.loaders.reading.mapping import UnitReader
 from datacache.loaders.reading.nextepoch import NextEpochStaging
 from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.shards import close_buffers, load_verified, locate_keys, stage_missing
 from datacache.loaders.runtime import NodeFuture, Runtime
+from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.stats import Counter, count_unit_open
 from datacache.tiers import redact_url
 

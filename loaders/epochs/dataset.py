@@ -18,13 +18,19 @@ import numpy.typing as npt
 from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
 from datacache.loaders.order.layout import Cursor, Layout, reader_name
 from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
-from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
+from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
-from datacache.loaders.plans.positions import auto_window, node_epoch_sequences, node_unit_sequences, plan_epoch
-from datacache.loaders.reading.mapping import SpanCache
+from datacache.loaders.plans.positions import (
+    auto_window,
+    node_epoch_sequences,
+    node_unit_sequences,
+    plan_epoch,
+    settle_counts,
+)
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime, Units
+from datacache.loaders.shardfiles import SpanCache
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -118,13 +124,7 @@ class DatasetPlanner:
 
     def complete(self) -> None:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
-        runtime = self.runtime
-        book = runtime.book
-        plan = runtime.units
-        if book is not None:
-            plan = book.completed_plan()
-            runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
-        runtime.counted(plan, runtime.window or self._shuffle_buffer or auto_window(plan.total, len(plan.units)))
+        settle_counts(self.runtime, self._shuffle_buffer)
 
     def total(self) -> int:
         self.complete()
