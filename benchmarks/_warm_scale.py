@@ -55,6 +55,7 @@ def _warm(
                 text=True,
                 timeout=timeout,
                 check=False,
+                cwd=cache.parent,  # not a checkout: ``-m`` would import that directory's datacache first
             )
         except subprocess.TimeoutExpired:
             shutil.rmtree(cache, ignore_errors=True)
