@@ -20,9 +20,11 @@ from datacache.catalog.rows import (
     ReaderRow,
     Reservation,
     ShardState,
+    entries_of,
     entry_from_row,
     leased_shards,
     owner_alive,
+    write_reads,
 )
 from datacache.eviction import Candidate
 
@@ -249,10 +251,7 @@ class Catalog(CatalogDatabase):
 
     @staticmethod
     def _write_touches(c: sqlite3.Connection, pending: dict[tuple[str, str], float]) -> None:
-        c.executemany(
-            "UPDATE shards SET last_access=max(last_access, ?) WHERE dataset=? AND key=?",
-            [(when, dataset, key) for (dataset, key), when in pending.items()],
-        )
+        write_reads(c, pending)
 
     async def reserve(
         self,
@@ -334,12 +333,7 @@ class Catalog(CatalogDatabase):
         """The rows of ``keys`` that exist, by key (one read)."""
 
         def read(c: sqlite3.Connection) -> dict[str, CatalogEntry]:
-            found: dict[str, CatalogEntry] = {}
-            for key in keys:
-                row = c.execute(f"SELECT {COLUMNS} FROM shards WHERE dataset=? AND key=?", (dataset, key)).fetchone()
-                if row is not None:
-                    found[key] = entry_from_row(row)
-            return found
+            return entries_of(c, dataset, keys)
 
         return await self._run(read)
 
@@ -495,3 +489,7 @@ class Catalog(CatalogDatabase):
             return [e for e in map(entry_from_row, rows) if not owner_alive(e.owner)]
 
         return await self._run(read)
+
+    async def sizes(self) -> list[tuple[str, str, int, str]]:
+        """Each row's (dataset, key, size, state), as plain tuples: recovery's comparison with the files."""
+        return await self._run(lambda c: c.execute("SELECT dataset, key, size, state FROM shards").fetchall())

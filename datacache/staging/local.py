@@ -100,13 +100,11 @@ class LocalStager:
         A resident row whose file vanished or changed is left for `hit` (the one-shard way) to drop.
         """
         entries = await self.catalog.get_many(handle.id, [shard.key for shard in shards])
-        candidates = [
-            (shard, entries[shard.key])
-            for shard in shards
-            if shard.key in entries
-            and entries[shard.key].state == "resident"
-            and entries[shard.key].version == shard.version
-        ]
+        candidates: list[tuple[Shard, CatalogEntry]] = []
+        for shard in shards:
+            entry = entries.get(shard.key)
+            if entry is not None and entry.state == "resident" and entry.version == shard.version:
+                candidates.append((shard, entry))
         looked = await asyncio.to_thread(_sizes, self.tier, [handle.tier_key(shard.key) for shard, _ in candidates])
         found = {
             shard.key: Location(LOCAL, path, shard, entry.checksum)
@@ -116,6 +114,21 @@ class LocalStager:
         if touch:
             await self.catalog.touch_many(handle.id, list(found))
         return found
+
+    async def resident_keys(self, handle: DatasetHandle, shards: Sequence[Shard]) -> set[str]:
+        """Those of ``shards`` the catalog has resident at their version, in one read (no file is looked at).
+
+        What a warm asks at its end, of shards it found or placed: an eviction since goes through the
+        catalog, so its rows alone say whether one took them.
+        """
+        entries = await self.catalog.get_many(handle.id, [shard.key for shard in shards])
+        return {
+            shard.key
+            for shard in shards
+            if (entry := entries.get(shard.key)) is not None
+            and entry.state == "resident"
+            and entry.version == shard.version
+        }
 
     def lock_path(self, name: str) -> Path:
         """Where the node lock named ``name`` (`lock_name`) lives."""

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from datacache.catalog import Catalog, CatalogEntry
+from datacache.catalog import Catalog
 from datacache.checksum import checksum_of, new_hasher
 from datacache.config import Settings
 from datacache.errors import DatacacheError, InvalidKeyError
@@ -110,14 +110,14 @@ async def _repair_catalog(
     await catalog.remove_many([(entry.dataset, entry.key) for entry in stale])
     counts["stale_rows"] += len(stale)
     known: set[tuple[str, str]] = set()
-    suspects: list[CatalogEntry] = []
-    for entry in await catalog.entries():
-        known.add((entry.dataset, entry.key))
-        if entry.state == "resident" and files.get(f"{entry.dataset}/{entry.key}", -1) != entry.size:
-            suspects.append(entry)
+    suspects: list[tuple[str, str, int]] = []
+    for dataset, key, size, state in await catalog.sizes():  # tuples: 1e5 entries took a second
+        known.add((dataset, key))
+        if state == "resident" and files.get(f"{dataset}/{key}", -1) != size:
+            suspects.append((dataset, key, size))
     # Looked at again: a shard staged after the listing is in place now.
-    sizes = await asyncio.to_thread(_sizes, local, [f"{entry.dataset}/{entry.key}" for entry in suspects])
-    wrong = [(entry.dataset, entry.key) for entry, size in zip(suspects, sizes, strict=True) if size != entry.size]
+    sizes = await asyncio.to_thread(_sizes, local, [f"{dataset}/{key}" for dataset, key, _ in suspects])
+    wrong = [(dataset, key) for (dataset, key, size), now in zip(suspects, sizes, strict=True) if now != size]
     await catalog.remove_many(wrong)
     counts["missing_files"] += len(wrong)
     return known

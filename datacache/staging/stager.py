@@ -536,6 +536,7 @@ class Stager:
                 residents=lambda shards: self._residents(handle, shards, tier),
                 verify=check if verify else None,
                 why_not_kept=lambda: bypass_reason(tier, self._capacity(tier)),
+                found=(lambda shards: self._found_local(handle, shards)) if tier == LOCAL else None,
             )
             report = await run_warm(
                 handle, chosen, tier=tier, events=self._events, steps=steps, bandwidth=bandwidth, progress=progress
@@ -546,10 +547,17 @@ class Stager:
         target = self.local if tier == LOCAL else self.shared
         return target.capacity if target is not None else None
 
+    async def _found_local(self, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Location]:
+        """Those of ``shards`` resident on the local tier, in one catalog read (a read of each recorded)."""
+        found = await (await self._ready()).local.hits(handle, shards)
+        for _ in found:
+            self._events.hit(LOCAL)
+        return found
+
     async def _residents(self, handle: DatasetHandle, shards: Sequence[Shard], tier: str) -> set[str]:
         if tier == LOCAL:
             parts = await self._ready()
-            return set(await parts.local.hits(handle, shards, touch=False))
+            return await parts.local.resident_keys(handle, shards)
         found: set[str] = set()
         for shard in shards:
             info = await self.shared.stat(handle.tier_key(shard.key)) if self.shared is not None else None

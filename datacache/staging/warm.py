@@ -22,7 +22,9 @@ from datacache.sizes import format_bytes
 from datacache.staging.events import Events
 from datacache.staging.types import PRIORITY_PREFETCH, WARMING, DatasetHandle, Location, StagingEvent, WarmReport
 
-__all__ = ["Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"]
+__all__ = [
+    "FOUND_AT_ONCE", "Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"
+]
 
 Submit = Callable[[Shard, float], Awaitable[Location]]
 """Start (or join) one shard's transfer at a priority; resolve to where the shard is."""
@@ -54,6 +56,13 @@ class WarmSteps:
     """The keys of those of the shards resident on the tier now (asked once, at the end)."""
     verify: Callable[[Shard], Awaitable[bool]] | None
     why_not_kept: Callable[[], str]
+    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None = None
+    """Where those of the shards already on the tier are, asked for many at once before any is submitted
+    (`LocalStager.hits`): a resident shard then costs a share of one catalog read, not a task of its own."""
+
+
+FOUND_AT_ONCE = 8192
+"""Shards looked up in one `WarmSteps.found` call (progress is heard after each)."""
 
 
 class _Tally:
@@ -95,14 +104,18 @@ async def run_warm(
     started = time.monotonic()
     tally = _Tally(handle, tier, {shard.key for shard in shards})
     verified = await _verify(shards, steps.verify)
+    finished = _reporter(shards, tally, started, progress)
     events.add_listener(tally)
     try:
-        outcomes = await _stage(shards, steps.submit, bandwidth, _reporter(shards, tally, started, progress))
+        found = await _found(shards, steps.found, finished)
+        rest = [(index, shard) for index, shard in enumerate(shards) if shard.key not in found]
+        staged = iter(await _stage(rest, steps.submit, bandwidth, finished))
     finally:
         events.remove_listener(tally)
     failures: list[tuple[str, str]] = []
     placed: list[Shard] = []
-    for shard, outcome in zip(shards, outcomes, strict=True):
+    for shard in shards:
+        outcome = found[shard.key] if shard.key in found else next(staged)
         if isinstance(outcome, BaseException):
             failures.append((shard.key, str(outcome) or type(outcome).__name__))
         elif outcome.tier == tier:
@@ -111,7 +124,9 @@ async def run_warm(
             reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
             failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
     resident = resident_bytes = 0
-    still = await steps.residents(placed)  # honest to the end: a shard staged early may have been evicted since
+    # Honest to the end: a shard staged early (or found) may have been evicted since, by a later one.
+    # A warm that found every shard resident moved nothing and evicted nothing: no second read.
+    still = await steps.residents(placed) if rest else {shard.key for shard in placed}
     for shard in placed:
         if shard.key in still:
             resident += 1
@@ -133,6 +148,23 @@ async def run_warm(
     )
 
 
+async def _found(
+    shards: Sequence[Shard],
+    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None,
+    finished: Callable[[Sequence[Shard]], None],
+) -> dict[str, Location]:
+    """The shards already on the tier, `FOUND_AT_ONCE` a look-up; progress heard after each."""
+    if found is None:
+        return {}
+    located: dict[str, Location] = {}
+    for start in range(0, len(shards), FOUND_AT_ONCE):
+        chunk = shards[start : start + FOUND_AT_ONCE]
+        now = await found(chunk)
+        located.update(now)
+        finished([shard for shard in chunk if shard.key in now])
+    return located
+
+
 async def _verify(shards: Sequence[Shard], verify: Callable[[Shard], Awaitable[bool]] | None) -> int:
     """Re-hash resident copies (four at a time: it reads whole files); return how many were right."""
     if verify is None:
@@ -149,13 +181,15 @@ async def _verify(shards: Sequence[Shard], verify: Callable[[Shard], Awaitable[b
 
 def _reporter(
     shards: Sequence[Shard], tally: _Tally, started: float, progress: Callable[[WarmProgress], None] | None
-) -> Callable[[Shard], None]:
+) -> Callable[[Sequence[Shard]], None]:
     done = [0, 0]
     total = sum(shard.size for shard in shards)
 
-    def finished(shard: Shard) -> None:
-        done[0] += 1
-        done[1] += shard.size
+    def finished(now: Sequence[Shard]) -> None:
+        if not now:
+            return
+        done[0] += len(now)
+        done[1] += sum(shard.size for shard in now)
         if progress is not None:
             elapsed = time.monotonic() - started
             progress(WarmProgress(done[0], len(shards), done[1], total, tally.bytes, elapsed))
@@ -164,13 +198,19 @@ def _reporter(
 
 
 async def _stage(
-    shards: Sequence[Shard], submit: Submit, bandwidth: float | None, finished: Callable[[Shard], None]
+    shards: Sequence[tuple[int, Shard]],
+    submit: Submit,
+    bandwidth: float | None,
+    finished: Callable[[Sequence[Shard]], None],
 ) -> list[Location | BaseException]:
-    """Submit every shard (paced by ``bandwidth``), the first ones soonest; gather the outcomes."""
+    """Submit every shard (paced by ``bandwidth``), the first ones soonest; gather the outcomes.
+
+    ``shards``: each with its place in the warm (the first ones are the most urgent).
+    """
     bucket = TokenBucket(bandwidth) if bandwidth else None
     tasks: list[asyncio.Future[Location]] = []
     try:
-        for index, shard in enumerate(shards):
+        for index, shard in shards:
             if bucket is not None:
                 await bucket.take(shard.size)
             warming = WARMING.set(True)  # copied into the task made here, and only there
@@ -178,7 +218,7 @@ async def _stage(
                 future = asyncio.ensure_future(submit(shard, PRIORITY_PREFETCH + index * 1e-6))
             finally:
                 WARMING.reset(warming)
-            future.add_done_callback(lambda _, shard=shard: finished(shard))  # type: ignore[misc]
+            future.add_done_callback(lambda _, shard=shard: finished((shard,)))  # type: ignore[misc]
             tasks.append(future)
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     except asyncio.CancelledError:

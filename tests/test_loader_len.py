@@ -1,0 +1,49 @@
+"""`len()` of a dataset: exact where every sample count is known, at once `TypeError` where not.
+
+torch's DataLoader, tqdm, Lightning and HF's Trainer call ``len()`` for progress and take a
+`TypeError` for "no length": an un-indexed dataset's ``len()`` used to stage and count every
+shard first (1e4 shards: no answer in 150 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from datacache.loaders import CachedIterableDataset
+from test_loader import write_wds
+from torch.utils.data import DataLoader
+
+from datacache.config import Settings
+
+
+def _local_copies(settings: Settings) -> list[Path]:
+    return list((settings.local_dir).rglob("train-*.tar"))
+
+
+def test_len_of_an_unindexed_dataset_says_unknown_at_once_and_is_exact_after_an_epoch(
+    tmp_path: Path, settings: Settings
+) -> None:
+    write_wds(tmp_path / "ds", samples=60, per_shard=3)  # 20 shards, no counts beside them
+    dataset = CachedIterableDataset(f"{tmp_path / 'ds'}/", config=settings, shuffle=False)
+    try:
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)
+        with pytest.raises(TypeError):
+            len(DataLoader(dataset, batch_size=None))  # what a progress bar asks
+        assert not _local_copies(settings), "len() staged shards to count them"
+        keys = [sample["__key__"] for sample in dataset]
+        assert len(keys) == 60
+        assert len(dataset) == 60, "the epoch counted every shard: len() is exact now"
+    finally:
+        dataset.close()
+
+
+def test_len_of_a_dataset_with_its_counts_is_exact_before_any_read(tmp_path: Path, settings: Settings) -> None:
+    write_wds(tmp_path / "ds", samples=50, per_shard=4, with_counts=True)
+    dataset = CachedIterableDataset(f"{tmp_path / 'ds'}/", config=settings, shuffle=False, batch_size=8)
+    try:
+        assert len(dataset) == 7  # 50 samples in batches of 8
+        assert not _local_copies(settings)
+    finally:
+        dataset.close()
