@@ -25,7 +25,7 @@ from datacache.tiers.files import UnsafeFileError
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.counting.indexfiles import IndexFiles
-from datacache.errors import ConfigError
+from datacache.errors import ConfigError, close_match
 from datacache.formats._base import UnitPlan
 from datacache.staging import DatasetHandle
 
@@ -70,7 +70,9 @@ class JobLayout:
             name, sep, raw = part.partition("=")
             name = name.strip().replace("-", "_")
             if not sep or name not in known:
-                raise ConfigError(f"--order-for {text!r}: {part!r} is not one of {_FORM}")
+                guess = close_match(name, known) if sep else None
+                hint = f"; did you mean {guess!r}?" if guess else f" ({_FORM})"
+                raise ConfigError(f"--order-for {text!r}: {part!r} is not one of its fields{hint}")
             values[name] = _value(name, raw.strip(), text)
         missing = [name for name in ("seed", "world_size", "node_rank", "ranks_per_node") if name not in values]
         if missing:
