@@ -18,7 +18,7 @@ import numpy.typing as npt
 from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
 from datacache.loaders.order.layout import Cursor, Layout, reader_name
 from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
-from datacache.loaders.plans.counts import complete, load_or_build_plan
+from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
 from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
 from datacache.loaders.plans.positions import (
@@ -77,9 +77,14 @@ class ColdPlan:
         self._planner = planner
         self.positions = positions
         self._future = future
+        self._saved = False
 
     def known(self, length: int) -> int:
-        return self.positions.ensure(length)
+        known = self.positions.ensure(length)
+        if self.positions.final and self._planner is not None and not self._saved:
+            self._saved = True
+            self._planner.keep_counts()  # the node's later readers start indexed, without counting
+        return known
 
     def readable(self, begin: int, size: int, known: int) -> int:
         if self.positions.final:
@@ -125,6 +130,13 @@ class DatasetPlanner:
     def complete(self) -> None:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
         settle_counts(self.runtime, self._shuffle_buffer)
+
+    def keep_counts(self) -> None:
+        """Every count known at a cold epoch's end: the complete unit plan saved for the node (once)."""
+        runtime = self.runtime
+        book = runtime.book
+        if book is not None and book.complete:
+            runtime.loop.run(save_plan(runtime.settings, runtime.handle, book.completed_plan()))
 
     def total(self) -> int:
         self.complete()
