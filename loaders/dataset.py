@@ -269,7 +269,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         if self.resample:
             raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
         # Never waits to count shards (1e4 un-indexed ones: minutes); DataLoader, tqdm, Lightning take TypeError.
-        if (book := None if self._mixed else self._prepare().book) is not None and not book.complete:
+        if (book := None if self._mixed else self._prepare().book) is not None and not book.adopt_saved():
             raise TypeError(
                 f"len(): {int((book.counts < 0).sum())} of {len(book.counts)} shards have no sample count yet; "
                 "known after the first epoch, or at once with an index (datacache index URL)"

@@ -47,3 +47,18 @@ def test_len_of_a_dataset_with_its_counts_is_exact_before_any_read(tmp_path: Pat
         assert not _local_copies(settings)
     finally:
         dataset.close()
+
+
+def test_len_is_exact_after_an_epoch_read_by_worker_processes(tmp_path: Path, settings: Settings) -> None:
+    """The counts a DataLoader's workers made reach the training process's `len()` (a new user's trial:
+    it stayed `TypeError` for good after epochs with workers, so no progress bar ever had a total)."""
+    write_wds(tmp_path / "ds", samples=60, per_shard=3)
+    dataset = CachedIterableDataset(f"{tmp_path / 'ds'}/", config=settings, shuffle=False)
+    try:
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)
+        keys = [sample["__key__"] for sample in DataLoader(dataset, batch_size=None, num_workers=2)]
+        assert len(keys) == 60
+        assert len(dataset) == 60
+    finally:
+        dataset.close()

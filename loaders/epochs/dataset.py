@@ -82,8 +82,8 @@ class ColdPlan:
     def known(self, length: int) -> int:
         known = self.positions.ensure(length)
         if self.positions.final and self._planner is not None and not self._saved:
-            self._saved = True
-            self._planner.keep_counts()  # the node's later readers start indexed, without counting
+            # The node's later readers, and this training process's len(), start from these counts.
+            self._saved = self._planner.keep_counts()
         return known
 
     def readable(self, begin: int, size: int, known: int) -> int:
@@ -131,12 +131,14 @@ class DatasetPlanner:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
         settle_counts(self.runtime, self._shuffle_buffer)
 
-    def keep_counts(self) -> None:
-        """Every count known at a cold epoch's end: the complete unit plan saved for the node (once)."""
+    def keep_counts(self) -> bool:
+        """At a cold epoch's end, once every count is known: the complete unit plan saved for the node."""
         runtime = self.runtime
         book = runtime.book
-        if book is not None and book.complete:
-            runtime.loop.run(save_plan(runtime.settings, runtime.handle, book.completed_plan()))
+        if book is None or not book.complete:
+            return False
+        runtime.loop.run(save_plan(runtime.settings, runtime.handle, book.completed_plan()))
+        return True
 
     def total(self) -> int:
         self.complete()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import sys
 import threading
@@ -40,6 +41,7 @@ from datacache._sync import LoopThread
 from datacache.access import ShardAccess
 from datacache.config import Settings
 from datacache.counting.cluster import ClusterIndex
+from datacache.counting.indexfiles import node_plan_path
 from datacache.counting.tarscan import count_tar_bytes, count_tar_file, count_tar_samples
 from datacache.errors import (
     ChecksumMismatchError,
@@ -140,6 +142,23 @@ class CountBook:
         with self._lock:
             self.counts[unit] = samples
             self._grew.notify_all()
+
+    def adopt_saved(self) -> bool:
+        """Take every count from the node's saved unit plan, if one is there whole: the counts another
+        process of the node made (a DataLoader's workers, at their cold epoch's end). Whether complete now."""
+        if self.complete:
+            return True
+        path = node_plan_path(self._settings.local_dir, self._handle.manifest)
+        try:
+            saved = UnitPlan.from_json(json.loads(path.read_bytes()))
+        except (OSError, ValueError, TypeError):
+            return False
+        if len(saved.units) != len(self._plan.units) or any(unit.count < 0 for unit in saved.units):
+            return False
+        with self._lock:
+            self.counts[:] = [unit.count for unit in saved.units]
+            self._grew.notify_all()
+        return True
 
     def note_unreadable(self, unit: int, why: str) -> None:
         """``unit`` could not be read (``on_error="skip"``): it counts 0, and the plan says why."""
