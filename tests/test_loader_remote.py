@@ -15,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,14 @@ def _die_once_at(marker: str, key: str, sample: dict[str, Any]) -> dict[str, Any
             pass
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+    return _label(sample)
+
+
+def _held_after(first: frozenset[str], gate: str, sample: dict[str, Any]) -> dict[str, Any]:
+    """``_label``, but a sample not among ``first`` waits until ``gate`` exists: runs stay in flight."""
+    deadline = time.monotonic() + 120
+    while sample["__key__"] not in first and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)  # sleep-ok: a Ray worker polls for the test's go-ahead (a file), with a deadline
     return _label(sample)
 
 
@@ -349,17 +358,22 @@ def test_an_epoch_left_early_gives_its_workers_back_to_the_next(
 
 
 def test_a_worker_node_killed_mid_epoch_has_its_batches_made_on_the_node_that_replaces_it(
-    origin: Path, settings: Settings, pools: list[RayPool], ray_nodes: RayNodes
+    origin: Path, settings: Settings, pools: list[RayPool], ray_nodes: RayNodes, tmp_path: Path
 ) -> None:
     local = _batches(_dataset(origin, settings))
+    # Every batch after the first two waits for the gate: both workers hold runs when the node goes
+    # (a quiet machine had made the whole epoch before the kill, and lost no worker).
+    gate = tmp_path / "go"
+    held = functools.partial(_held_after, frozenset(key for keys, _ in local[:2] for key in keys), str(gate))
     pool = _pool(pools, workers=2)
-    dataset = _dataset(origin, settings, remote=pool)
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=5, batch_size=4, transform=held, remote=pool)
     batches = iter(dataset)
     taken = _batches(itertools.islice(batches, 2))
     victim = ray_nodes.nodes.pop(0)
     ray_nodes.cluster.remove_node(victim, allow_graceful=False)  # its raylet and workers are killed
     env = ray_nodes.envs[0]
     ray_nodes.nodes.append(ray_nodes.cluster.add_node(num_cpus=1, env_vars=env, **ray_nodes.options))
+    gate.touch()
     assert taken + _batches(batches) == local
     stats = dataset.stats().remote
     assert stats is not None and stats.lost_workers >= 1
