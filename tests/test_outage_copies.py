@@ -10,30 +10,22 @@ exclusively: never under a reader that still has it, and after a reader killed m
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import _users
-from _users import User, python_as, user_env
-from test_outage_multiuser import Node, node
+from _outage import SAY, Node, Scripted, job_env, node
+from _users import User, python_as
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
 __all__ = ["node"]
 
-_READER = """
-import asyncio, sys
+_READER = SAY + """
+import asyncio
 from datacache.access import FailoverAccess
 from datacache.client import DaemonClient
 from datacache.config import load_settings
-
-def say(word):
-    print(word, flush=True)
-    sys.stdin.readline()  # the test answers once it has looked
 
 async def main():
     settings = load_settings()
@@ -74,48 +66,18 @@ def _copies(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("datacache-*/outage-*/data/**/*.tar"))
 
 
-class _Reader:
-    def __init__(self, bob: User, env: dict[str, str], errors: Path) -> None:
-        self.errors = errors
-        with errors.open("w") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(_READER)],
-                user=bob.uid, group=bob.gid, extra_groups=list(bob.groups), env=env, cwd=bob.home,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-            )
-
-    def said(self) -> str:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline().strip()
-        assert line, f"the reader left:\n{self.errors.read_text()}"
-        return line
-
-    def go(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-
-    def end(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.communicate()
-
-
 def test_the_outage_copies_go_once_the_daemon_is_back_and_no_reader_uses_them(
     node: Node, users: dict[str, User]
 ) -> None:
     bob = users["bob"]
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700)
-    os.chown(tmp, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
+    tmp, env = job_env(bob, node)
 
     def open_once() -> None:
         opened = python_as(bob, _OPEN, env=env)
         assert opened.returncode == 0 and opened.stdout.strip() == "daemon", opened.stdout + opened.stderr
 
     daemon = None
-    reader = _Reader(bob, env, node.world / "reader.err")
+    reader = Scripted(bob, _READER, env, node.world / "reader.err")
     try:
         assert reader.said() == "staged"
         staged = _copies(tmp)
@@ -130,13 +92,12 @@ def test_the_outage_copies_go_once_the_daemon_is_back_and_no_reader_uses_them(
         assert reader.said() == "closed"
         assert not _outage_dirs(tmp), "the copies stay after the daemon is back"
         reader.go()
-        reader.process.communicate(timeout=60)
-        assert reader.process.returncode == 0, reader.errors.read_text()
+        reader.finish(timeout=60)
 
         # A second outage; its reader is killed in it: the next process that finds the daemon removes them.
         daemon.kill()
         daemon = None
-        reader = _Reader(bob, env, node.world / "reader2.err")
+        reader = Scripted(bob, _READER, env, node.world / "reader2.err")
         assert reader.said() == "staged" and len(_copies(tmp)) == 3
         reader.process.send_signal(signal.SIGKILL)
         reader.end()

@@ -22,8 +22,8 @@ from pathlib import Path
 import _users
 import pytest
 from _daemon import wait_until
-from _users import User, user_env
-from test_outage_multiuser import Node, node
+from _outage import Node, job_env, node, owned_only_by
+from _users import User
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
@@ -48,13 +48,10 @@ def test_two_gloo_ranks_of_a_job_user_read_each_epoch_once_through_the_daemons_s
     want = sorted([key, hashlib.sha256(fields["bin"]).hexdigest()] for key, fields in node.expected.items())
     bob = users["bob"]
     assert node.team in bob.groups and bob.gid != node.team and bob.uid != node.user.uid
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700)
-    os.chown(tmp, bob.uid, bob.gid)
+    tmp, env = job_env(bob, node)
     signals = bob.home / "signals"  # the test (root) writes its answers here; bob reads them
     signals.mkdir(mode=0o700)
     os.chown(signals, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
     errors = node.world / "ranks.err"
 
     daemon = node.serve()
@@ -93,8 +90,5 @@ def test_two_gloo_ranks_of_a_job_user_read_each_epoch_once_through_the_daemons_s
     assert modes == [[outage, outage, "daemon"]] * 2, "the last epoch reads through the daemon again"
     log = errors.read_text()
     assert "not writable by uid" not in log and "Traceback" not in log, log
-    for path in [node.local, *node.local.rglob("*")]:
-        assert path.lstat().st_uid == node.user.uid, f"{path} is not the daemon's"
-    for path in [tmp, *tmp.rglob("*")]:
-        info = path.lstat()
-        assert info.st_uid == bob.uid and info.st_mode & 0o077 == 0, (path, oct(info.st_mode))
+    owned_only_by(node.local, node.user.uid)
+    owned_only_by(tmp, bob.uid, private=True)

@@ -13,21 +13,15 @@ the daemon again. Before: each worker failed with "the node cache ... is not wri
 from __future__ import annotations
 
 import asyncio
-import grp
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import _users
 import pytest
-from _daemon import REPO, DaemonProcess, wait_until
+from _outage import SAY, Node, Scripted, job_env, node, owned_only_by
 from _users import User, cli_as, python_as, user_env
 from datacache.tiers.local import GROUP_READABLE
 from test_loader import write_wds
@@ -39,15 +33,12 @@ from datacache.staging import Stager
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
+__all__ = ["node"]
 
-_TRAIN = """
-import hashlib, json, sys
+_TRAIN = SAY + """
+import hashlib, json
 from torch.utils.data import DataLoader
 from datacache.loaders import CachedIterableDataset
-
-def say(word):
-    print(word, flush=True)
-    sys.stdin.readline()  # the test answers once it has done what the word asks
 
 ds = CachedIterableDataset("train", shuffle=True, seed=3)
 loader = DataLoader(ds, batch_size=None, num_workers=2)
@@ -68,83 +59,6 @@ print(json.dumps(epochs))
 """
 
 
-class Node:
-    """A node's cache, socket and config, the daemon's (alice's, group team) as deploy/slurm lays them out."""
-
-    def __init__(self, world: Path, daemon_user: User, team: int, capacity: int) -> None:
-        self.world = world
-        self.user = daemon_user
-        self.team = team
-        self.local = world / "cache"
-        self.run = world / "run"
-        for directory in (self.local, self.run):
-            directory.mkdir(mode=0o750)
-            os.chown(directory, daemon_user.uid, team)
-            directory.chmod(0o750)
-        self.socket = self.run / "daemon.sock"
-        self.origin = world / "origin"
-        self.config = world / "config.toml"
-        self.config.write_text(
-            textwrap.dedent(f"""
-            [cache]
-            local_dir = "{self.local}"
-            local_capacity = "{capacity}B"
-            [daemon]
-            socket = "{self.socket}"
-            daemon_uid = "{daemon_user.name}"
-            [datasets]
-            train = {{ url = "{self.origin}/", readers = ["@{grp.getgrgid(team).gr_name}"] }}
-            """)
-        )
-        self.starts = 0
-        self.capacity = capacity
-        self.expected: dict[str, dict[str, bytes]] = {}
-
-    def serve(self) -> DaemonProcess:
-        """The daemon as systemd runs the unit: its account, the group, UMask=0027."""
-        self.starts += 1
-        log = self.world / f"daemon-{self.starts}.log"
-        env = {"PATH": os.environ["PATH"], "HOME": str(self.user.home), "DATACACHE_CONFIG": str(self.config),
-               "PYTHONPATH": str(REPO)}
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "datacache.cli", "serve", "--metrics-address", "127.0.0.1:0"],
-                user=self.user.uid, group=self.team, extra_groups=list(self.user.groups), umask=0o027,
-                env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT,
-            )
-        daemon = DaemonProcess(process=process, local_dir=self.local, socket=self.socket, log=log, env=env)
-        wait_until(daemon.ready, timeout=90, what="the daemon to become ready")
-        return daemon
-
-    def resident(self) -> set[str]:
-        """The shard files on the node's cache now."""
-        return {path.name for path in (self.local / "data").rglob("*.tar")}
-
-
-@pytest.fixture
-def node(users: dict[str, User], world_dir: Path) -> Iterator[Node]:
-    # 12 shards, room for 5 on the node: the daemon cannot have them all resident when it is killed.
-    expected = write_wds(world_dir / "origin", samples=96, per_shard=8, with_counts=True)
-    capacity = 5 * max(path.stat().st_size for path in (world_dir / "origin").glob("*.tar"))
-    made = Node(world_dir, users["alice"], users["alice"].groups[0], capacity)
-    made.expected = expected
-    yield made
-
-
-def _answer(trainer: subprocess.Popen[str], word: str, errors: Path) -> None:
-    """Wait for the trainer to say ``word``."""
-    assert trainer.stdout is not None
-    line = trainer.stdout.readline().strip()
-    assert line == word, f"the trainer said {line!r}, not {word!r}:\n{errors.read_text()}"
-
-
-def _go(trainer: subprocess.Popen[str]) -> None:
-    stdin: IO[str] | None = trainer.stdin
-    assert stdin is not None
-    stdin.write("go\n")
-    stdin.flush()
-
-
 @pytest.mark.timeout(600)  # 4 epochs of DataLoader workers and 3 daemon starts, on a machine others load
 def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_to_it(
     node: Node, users: dict[str, User]
@@ -152,48 +66,33 @@ def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_t
     want = sorted([key, hashlib.sha256(fields["bin"]).hexdigest()] for key, fields in node.expected.items())
     bob = users["bob"]
     assert node.team in bob.groups and bob.gid != node.team  # in the daemon's group by supplementary membership
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700)
-    os.chown(tmp, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
-    errors = node.world / "trainer.err"
+    tmp, env = job_env(bob, node)
 
     daemon = node.serve()
-    trainer: subprocess.Popen[str] | None = None
     try:
-        warmed = cli_as(node.user, "warm", "train", "--shards", "0:4",
-                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:4", env=node.daemon_env())
         assert warmed.returncode == 0, warmed.stderr
-        with errors.open("w") as err:
-            trainer = subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(_TRAIN)],
-                user=bob.uid, group=bob.gid, extra_groups=list(bob.groups), env=env, cwd=bob.home,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-            )
-        _answer(trainer, "kill", errors)  # epoch 0, mid-epoch
-        daemon.kill()
-        resident_at_kill = node.resident()
-        _go(trainer)
-        _answer(trainer, "restart", errors)  # epoch 0 done without the daemon
-        private = {path.name for path in tmp.rglob("*.tar")}
-        assert private, "the shards not resident were staged in bob's own directory"
-        assert not private & resident_at_kill, "the daemon's resident shards were read where they are"
-        held = sum(path.stat().st_size for path in tmp.rglob("*.tar"))
-        assert held <= node.capacity, "bob's own copies keep within the daemon's capacity"
-        daemon = node.serve()
-        _go(trainer)
-        _answer(trainer, "kill", errors)  # epoch 2, before iter(loader)
-        daemon.kill()
-        _go(trainer)
-        _answer(trainer, "restart", errors)
-        daemon = node.serve()
-        _go(trainer)
-        out, _ = trainer.communicate(timeout=600)
-        assert trainer.returncode == 0, errors.read_text()
+        with Scripted(bob, _TRAIN, env, node.world / "trainer.err") as trainer:
+            trainer.expect("kill")  # epoch 0, mid-epoch
+            daemon.kill()
+            resident_at_kill = node.resident()
+            trainer.go()
+            trainer.expect("restart")  # epoch 0 done without the daemon
+            private = {path.name for path in tmp.rglob("*.tar")}
+            assert private, "the shards not resident were staged in bob's own directory"
+            assert not private & resident_at_kill, "the daemon's resident shards were read where they are"
+            held = sum(path.stat().st_size for path in tmp.rglob("*.tar"))
+            assert held <= node.capacity, "bob's own copies keep within the daemon's capacity"
+            daemon = node.serve()
+            trainer.go()
+            trainer.expect("kill")  # epoch 2, before iter(loader)
+            daemon.kill()
+            trainer.go()
+            trainer.expect("restart")
+            daemon = node.serve()
+            trainer.go()
+            out = trainer.finish(timeout=600)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
         daemon.kill()
     epochs = json.loads(out.strip().splitlines()[-1])
     for epoch, read in enumerate(epochs):
@@ -201,13 +100,10 @@ def test_a_job_user_of_the_group_reads_on_through_the_daemons_sigkill_and_back_t
     assert [read["mode"] for read in epochs] == [
         "embedded (daemon unavailable)", "daemon", "embedded (daemon unavailable)", "daemon"
     ], "the epochs after each restart read through the daemon again"
-    stderr = errors.read_text()
+    stderr = trainer.errors.read_text()
     assert "not writable by uid" not in stderr and "Traceback" not in stderr, stderr
-    for path in [node.local, *node.local.rglob("*")]:
-        assert path.lstat().st_uid == node.user.uid, f"{path} is not the daemon's"
-    for path in [tmp, *tmp.rglob("*")]:
-        info = path.lstat()
-        assert info.st_uid == bob.uid and info.st_mode & 0o077 == 0, (path, oct(info.st_mode))
+    owned_only_by(node.local, node.user.uid)
+    owned_only_by(tmp, bob.uid, private=True)
 
 
 def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, users: dict[str, User]) -> None:
@@ -216,8 +112,7 @@ def test_ls_as_a_job_user_reads_the_daemon_that_status_says_answers(node: Node, 
     env = user_env(bob, {"DATACACHE_CONFIG": str(node.config)})
     daemon = node.serve()
     try:
-        warmed = cli_as(node.user, "warm", "train", "--shards", "0:3",
-                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:3", env=node.daemon_env())
         assert warmed.returncode == 0, warmed.stderr
         status = cli_as(bob, "status", "--json", env=env)
         assert status.returncode == 0 and json.loads(status.stdout)["daemon"]["answers"], status.stdout + status.stderr
@@ -246,8 +141,7 @@ def test_a_mistyped_dataset_name_is_said_as_such_to_a_job_user_not_as_the_catalo
     env = user_env(users["bob"], {"DATACACHE_CONFIG": str(node.config)})
     daemon = node.serve()
     try:
-        warmed = cli_as(node.user, "warm", "train", "--shards", "0:1",
-                        env=user_env(node.user, {"DATACACHE_CONFIG": str(node.config)}))
+        warmed = cli_as(node.user, "warm", "train", "--shards", "0:1", env=node.daemon_env())
         assert warmed.returncode == 0, warmed.stderr
         mistyped = cli_as(users["bob"], "warm", "trian", env=env)
     finally:
@@ -268,10 +162,7 @@ def test_a_job_users_own_private_dataset_is_read_in_its_process_while_the_daemon
     for path in (private, *private.iterdir()):
         os.chown(path, bob.uid, bob.gid)
         path.chmod(0o700 if path.is_dir() else 0o600)
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700, exist_ok=True)
-    os.chown(tmp, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
+    tmp, env = job_env(bob, node)
     daemon = node.serve()
     try:
         read = python_as(bob, f"""

@@ -10,28 +10,20 @@ it: the daemon as its own account, the job as ``bob`` of its group (tests/test_o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import _users
 import pytest
-from _users import User, python_as, user_env
-from test_outage_multiuser import Node, node
+from _outage import SAY, Node, Scripted, job_env, node
+from _users import User, python_as
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
 __all__ = ["node"]
 
-_TRAIN = """
-import json, sys
+_TRAIN = SAY + """
+import json
 from torch.utils.data import DataLoader
 from datacache.loaders import CachedIterableDataset
-
-def say(word):
-    print(word, flush=True)
-    sys.stdin.readline()  # the test answers once it has done what the word asks
 
 ds = CachedIterableDataset("train", shuffle=True, seed=3)
 loader = DataLoader(ds, batch_size=None, num_workers=2)
@@ -56,42 +48,26 @@ def test_each_outage_is_said_once_by_a_training_process_not_by_each_worker_every
     node: Node, users: dict[str, User]
 ) -> None:
     bob = users["bob"]
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700)
-    os.chown(tmp, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
-    errors = node.world / "trainer.err"
+    tmp, env = job_env(bob, node)
     daemon = None
-    with errors.open("w") as err:
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_TRAIN)],
-            user=bob.uid, group=bob.gid, extra_groups=list(bob.groups), env=env, cwd=bob.home,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-        )
     try:
-        assert trainer.stdin is not None and trainer.stdout is not None
-        for word in ("start", "kill"):
-            line = trainer.stdout.readline().strip()
-            assert line == word, f"the trainer said {line!r}, not {word!r}:\n{errors.read_text()}"
-            if word == "start":
-                daemon = node.serve()
-            else:
-                assert daemon is not None
-                daemon.kill()
-            trainer.stdin.write("go\n")
-            trainer.stdin.flush()
-        out, _ = trainer.communicate(timeout=600)
-        assert trainer.returncode == 0, errors.read_text()
+        with Scripted(bob, _TRAIN, env, node.world / "trainer.err") as trainer:
+            for word in ("start", "kill"):
+                trainer.expect(word)
+                if word == "start":
+                    daemon = node.serve()
+                else:
+                    assert daemon is not None
+                    daemon.kill()
+                trainer.go()
+            out = trainer.finish(timeout=600)
     finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.communicate()
         if daemon is not None:
             daemon.kill()
     read = json.loads(out.strip().splitlines()[-1])
     outage = "embedded (daemon unavailable)"
     assert read == [[96, outage], [96, outage], [96, "daemon"], [96, outage], [96, outage]], read
-    log = errors.read_text()
+    log = trainer.errors.read_text()
     said = {words: log.count(words) for words in (OUTAGE, WHERE, BACK)}
     assert said == {OUTAGE: 2, WHERE: 2, BACK: 1}, f"{said}:\n{log}"
     # It ended in an outage: its markers stay until the next process that notices one removes them.

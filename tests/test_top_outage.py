@@ -12,30 +12,21 @@ were dropped (no client on screen), and the daemon's view had no word of the rea
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import _users
-from _users import User, cli_as, user_env
-from test_outage_multiuser import Node, node
+from _outage import SAY, Node, Scripted, job_env, node
+from _users import User, cli_as
 
 users = _users.users  # the fixtures, by name
 world_dir = _users.world_dir
 __all__ = ["node"]
 
-_READER = """
-import asyncio, json, sys
+_READER = SAY + """
+import asyncio, json
 from datacache.access import FailoverAccess
 from datacache.client import DaemonClient
 from datacache.config import load_settings
-
-def say(word):
-    print(word, flush=True)
-    sys.stdin.readline()  # the test answers once it has looked
 
 async def main():
     settings = load_settings()
@@ -60,19 +51,6 @@ asyncio.run(main())
 """
 
 
-def _say(reader: subprocess.Popen[str], errors: Path) -> str:
-    assert reader.stdout is not None
-    line = reader.stdout.readline().strip()
-    assert line, f"the reader left:\n{errors.read_text()}"
-    return line
-
-
-def _go(reader: subprocess.Popen[str]) -> None:
-    assert reader.stdin is not None
-    reader.stdin.write("go\n")
-    reader.stdin.flush()
-
-
 def _top(bob: User, env: dict[str, str]) -> tuple[dict[str, Any], str]:
     shown = cli_as(bob, "top", "--once", "--json", env=env)
     assert shown.returncode == 0, shown.stderr
@@ -85,20 +63,11 @@ def test_top_shows_what_a_reader_staged_itself_while_the_daemon_was_away_and_aft
     node: Node, users: dict[str, User]
 ) -> None:
     bob = users["bob"]
-    tmp = bob.home / "tmp"
-    tmp.mkdir(mode=0o700)
-    os.chown(tmp, bob.uid, bob.gid)
-    env = user_env(bob, {"DATACACHE_CONFIG": str(node.config), "TMPDIR": str(tmp)})
-    errors = node.world / "reader.err"
+    tmp, env = job_env(bob, node)
     daemon = None
-    with errors.open("w") as err:
-        reader = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_READER)],
-            user=bob.uid, group=bob.gid, extra_groups=list(bob.groups), env=env, cwd=bob.home,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-        )
+    reader = Scripted(bob, _READER, env, node.world / "reader.err")
     try:
-        staged = int(_say(reader, errors))  # the daemon never started: every shard staged in bob's own directory
+        staged = int(reader.said())  # the daemon never started: every shard staged in bob's own directory
         frame, text = _top(bob, env)
         assert frame["source"] == "embedded" and not frame["daemon"]["answers"], frame["daemon"]
         (row,) = [c for c in frame["clients"] if c.get("pid") == reader.pid]
@@ -107,20 +76,17 @@ def test_top_shows_what_a_reader_staged_itself_while_the_daemon_was_away_and_aft
         assert "STAGED BY THE READER'S OWN PROCESS" in text and "embedded (daemon unavailable)" in text, text
 
         daemon = node.serve()
-        _go(reader)
-        assert _say(reader, errors) == "back"
+        reader.go()
+        assert reader.said() == "back"
         frame, text = _top(bob, env)
         assert frame["source"] == "daemon", frame["daemon"]
         (row,) = [c for c in frame["clients"] if c.get("pid") == reader.pid]
         assert row["mode"] == "daemon" and row["own_bytes_in"] == staged, row
         assert "STAGED BY THE READER'S OWN PROCESS" in text, text
         assert not list(tmp.rglob("clients/*/*.json")), "the outage's report file goes once the daemon shows the reader"
-        _go(reader)
-        reader.communicate(timeout=120)
-        assert reader.returncode == 0, errors.read_text()
+        reader.go()
+        reader.finish(timeout=120)
     finally:
-        if reader.poll() is None:
-            reader.kill()
-            reader.communicate()
+        reader.end()
         if daemon is not None:
             daemon.kill()
