@@ -447,6 +447,8 @@ def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str],
     line = one_error_line(result)
     assert "a glob" in line and f"{origin}/)" in line and "{0000..0099}" in line, line
     assert "is empty" not in line
+    # A new user's trial: "dataset tar-a873c5b6d9ab2d86: ..." named a dataset the user never named.
+    assert line.startswith(f"datacache: error: {origin}/*.tar: "), line
     assert_nothing_written(tmp_path)
 
 
