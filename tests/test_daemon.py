@@ -299,6 +299,24 @@ def test_a_daemon_that_cannot_start_says_only_why(tmp_path: Path, cache_env: dic
         first.kill()
 
 
+def test_a_shared_tier_its_group_cannot_use_is_said_at_the_daemons_start_before_any_client(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """A new user's trial: `serve --shared-dir` on a 0755 directory said nothing; an in-process warm warned twice."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    daemon = start_daemon(cache_env, tmp_path / "cache", "--shared-dir", str(shared))
+    try:
+        lines = daemon.log_text().splitlines()
+    finally:
+        daemon.stop()
+    ready = next(i for i, line in enumerate(lines) if "daemon ready" in line)
+    said = [line for line in lines[:ready] if f"shared tier {shared}" in line]
+    assert any("its group cannot use it" in line and "chmod 2770" in line for line in said), lines
+    assert any("not setgid" in line for line in said), lines
+
+
 def test_open_access_without_a_daemon_is_embedded(tmp_path: Path, cache_env: dict[str, str]) -> None:
     settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "cache")})
     settings.local_dir.mkdir(parents=True)

@@ -607,6 +607,8 @@ class Stager:
         reconciling, this one leaves it the job.
         """
         parts = self._runtime()
+        if parts.shared is not None:
+            await parts.shared.check()  # a daemon's start-up too: say what is wrong before its first client
         if self._reconcile_wanted and self._reconciling is None:
             # Asked for before any verb: this is the stager's one reconcile, verbs wait for it.
             self._reconciling = parts.loop.create_task(self._reconcile(parts))
