@@ -258,16 +258,6 @@ class UnitReaders:
         with contextlib.suppress(Exception):
             self.reader_at(position)
 
-    def count_samples(self, unit: int) -> int:
-        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples.
-
-        A shard skipped as unreadable (``on_error="skip"``) counts 0 and is recorded as such.
-        """
-        reader = self.reader_for(unit)
-        if reader is None:
-            return 0  # the plan records why (`skipped_why`)
-        return reader.samples
-
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
         return self.reader_for(int(self._epoch.unit_of[position]))
