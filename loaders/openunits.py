@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from datacache.loaders.shardfiles import UnitReader
 
@@ -40,35 +41,51 @@ class OpenUnits:
 
     def acquire(self, unit: int, opener: Callable[[], UnitReader]) -> UnitReader:
         """The open reader of ``unit``, or ``opener()`` if none is."""
-        return self.take(unit, lambda: (opener(), "local"))[0]
+        with self.gate(unit) as waited:
+            found = self.get(unit, waited=waited)
+            if found is not None:
+                return found[0]
+            reader = opener()
+            self.add(unit, reader, "local")
+            return reader
 
-    def take(self, unit: int, opener: Callable[[], tuple[UnitReader, str]]) -> tuple[UnitReader, str | None]:
-        """The open reader of ``unit`` (or ``opener()``'s, with the tier it found the unit on), and a tier.
+    @contextlib.contextmanager
+    def gate(self, unit: int) -> Iterator[bool]:
+        """Held while ``unit`` is looked up and, if need be, opened: one opening per unit at a time.
 
-        The tier is None where ``opener`` ran; else where this reader would have found the unit had it
-        opened it itself, as a worker process would (its hit): the opener's tier when it waited for that
-        opening, "local" when the unit was open already.
+        Yields whether another reader held it first (then `get` most likely finds what it opened).
         """
         with self._lock:
             gate = self._opening.setdefault(unit, threading.Lock())
         waited = not gate.acquire(blocking=False)
         if waited:
             gate.acquire()
-        try:  # one opening per unit at a time; the others take what it opened
-            with self._lock:
-                reader = self._idle.pop(unit, None) or self._open.get(unit)
-                if reader is not None and id(reader) in self._users:
-                    self._users[id(reader)] += 1
-                    return reader, (self._tiers.get(id(reader), "local") if waited else "local")
-            reader, tier = opener()
-            with self._lock:
-                self._open[unit] = reader
-                self._users[id(reader)] = 1
-                self._tiers[id(reader)] = tier
-                weakref.finalize(reader, self._forget, id(reader))
-            return reader, None
+        try:
+            yield waited
         finally:
             gate.release()
+
+    def get(self, unit: int, *, waited: bool) -> tuple[UnitReader, str] | None:
+        """``unit``'s open reader, taken by one more reader, and the tier this one counts it as; None: not open.
+
+        The tier is where this reader would have found the unit had it opened it itself, as a
+        worker process would (its hit): the opener's tier when it ``waited`` for that opening,
+        "local" when the unit was open already.
+        """
+        with self._lock:
+            reader = self._idle.pop(unit, None) or self._open.get(unit)
+            if reader is None or id(reader) not in self._users:
+                return None
+            self._users[id(reader)] += 1
+            return reader, (self._tiers.get(id(reader), "local") if waited else "local")
+
+    def add(self, unit: int, reader: UnitReader, tier: str) -> None:
+        """``reader`` of ``unit`` was just opened (under `gate`), from ``tier``: held by one reader."""
+        with self._lock:
+            self._open[unit] = reader
+            self._users[id(reader)] = 1
+            self._tiers[id(reader)] = tier
+            weakref.finalize(reader, self._forget, id(reader))
 
     def _forget(self, ident: int) -> None:
         with self._lock:

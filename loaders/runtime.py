@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from datacache.loaders.openunits import OpenUnits
 from datacache.loaders.shardfiles import SpanCache, UnitPlan, UnitReader
+from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
+from datacache.catalog import process_owner
 from datacache.config import Settings
 from datacache.errors import ConfigError
+from datacache.formats import SampleFormat, get_format
 from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
@@ -46,6 +49,24 @@ class Runtime:
     """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Mix | None = None
     """The sources of a dataset of several (or of one with an epoch size), given when made: None otherwise."""
+    kind: SampleFormat = field(init=False)
+    """The dataset's format (`formats.get_format`), which opens a unit's reader."""
+    where: str = field(init=False)
+    """``dataset <id>``, as messages name it."""
+    url: str = field(init=False)
+    """The URL (credentials redacted: samples travel to logs and files) the shard keys are relative to."""
+    owner: str = field(init=False)
+    """This process as the stager's leases name it (``host:pid``)."""
+    unit_bytes: float = field(init=False)
+    """The mean size of a unit, in bytes (a reader's prefetch depth follows from it)."""
+
+    def __post_init__(self) -> None:
+        # Found once per process, not once per reader or note.
+        self.kind = get_format(self.handle.manifest.format.value)
+        self.where = f"dataset {self.handle.id}"
+        self.url = redact_url(self.handle.config.url).rstrip("/")
+        self.owner = process_owner()
+        self.unit_bytes = self.handle.manifest.total_bytes / max(1, len(self.units.units))
 
     def counted(self, units: UnitPlan, window: int) -> None:
         """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -34,23 +34,17 @@ FloatArray = npt.NDArray[np.float64]
 
 @dataclass(frozen=True, slots=True)
 class Opening:
-    """What the units a reader opens share with it: its prefetch controller, stats row and lock."""
+    """What the units a reader opens share with it (`reading.units.UnitReaders`, `reading.batching.BatchBuilder`).
+
+    Its prefetch controller, stats row and the lock that guards it, whether a bad unit is skipped,
+    and whether the reader runs in the training process.
+    """
 
     controller: PrefetchController
     row: FloatArray
     lock: threading.Lock
     skip_bad: bool
     in_consumer: bool
-
-    def arguments(self) -> dict[str, Any]:
-        """As keyword arguments of `reading.units.UnitReaders` (and `reading.mixed.MixedUnitReaders`)."""
-        return {
-            "controller": self.controller,
-            "row": self.row,
-            "lock": self.lock,
-            "skip_bad": self.skip_bad,
-            "in_consumer": self.in_consumer,
-        }
 
 
 class Plan(Protocol):

@@ -29,7 +29,6 @@ __all__ = [
     "Positions",
     "auto_window",
     "epoch_sequence",
-    "initial_prefetch",
     "node_epoch_sequences",
     "node_unit_sequences",
     "plan_epoch",
@@ -246,16 +245,6 @@ def auto_window(total: int, units: int) -> int:
     """Default shuffle window: two shards' worth of samples, within [256, 16384]."""
     per_unit = total / max(1, units)
     return int(min(16384, max(256, round(2 * per_unit))))
-
-
-def initial_prefetch(total: int, units: int, window: int, concurrency: int) -> int:
-    """Units to stage ahead at first.
-
-    Everything the next shuffle window will touch while this one is read, and at
-    least enough to keep every transfer slot of the stager busy.
-    """
-    per_unit = max(1.0, total / max(1, units))
-    return min(64, max(int(-(-window // per_unit)) + 2, concurrency))
 
 
 def settle_counts(runtime: Runtime, shuffle_buffer: int | None) -> None:
