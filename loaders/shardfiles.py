@@ -1,8 +1,8 @@
-"""Reading samples out of cached shards: mapping and verifying the bytes, and the format's reader.
+"""Reading samples out of cached shards: mapping the bytes, and the format's reader.
 
 What a unit is and how each format reads one are in `datacache.formats` (one
 module per format, torch-free); this module maps a local copy (``mmap``,
-shared with the page cache), checksums it, keeps tar indexes per node
+shared with the page cache), keeps tar indexes per node
 (`SpanCache`), and asks the dataset's format for a `UnitReader`.
 """
 
@@ -21,7 +21,6 @@ from typing import Any
 
 from datacache.tiers.files import map_regular
 
-from datacache.checksum import checksum_of, new_hasher
 from datacache.counting.spantable import SpanTable
 from datacache.counting.tarindex import SampleSpan
 from datacache.errors import ShardReadError
@@ -38,7 +37,6 @@ __all__ = [
     "Unit",
     "UnitPlan",
     "UnitReader",
-    "hash_buffer",
     "map_file",
     "open_unit_reader",
     "sample_of",
@@ -54,13 +52,6 @@ def map_file(path: Path) -> mmap.mmap | bytes:
     this open raises `UnsafeFileError` at once instead of hanging the reader or reading elsewhere.
     """
     return map_regular(path)
-
-
-def hash_buffer(buffer: bytes | mmap.mmap | memoryview) -> str:
-    """The manifest checksum of ``buffer``."""
-    hasher = new_hasher()
-    hasher.update(buffer)
-    return checksum_of(hasher)
 
 
 class SpanCache:

@@ -12,10 +12,11 @@ import contextlib
 from typing import Any
 
 from datacache.loaders.runtime import Runtime
-from datacache.loaders.shardfiles import hash_buffer, map_file
+from datacache.loaders.shardfiles import map_file
 from datacache.tiers.files import UnsafeFileError
 
 from datacache.access import ShardAccess
+from datacache.checksum import copy_problem
 from datacache.errors import ChecksumMismatchError
 from datacache.staging import DatasetHandle, Location, Stager
 
@@ -33,20 +34,13 @@ def load_verified(runtime: Runtime, location: Location, where: str) -> Any:
     except UnsafeFileError as exc:
         # As a bad copy: the next try reads the next tier (a link or FIFO is never the shard's bytes).
         raise ChecksumMismatchError(f"{where}: {exc}") from None
-    problem = None
-    if len(buffer) != location.shard.size:
-        problem = f"{len(buffer)} bytes on the {location.tier} tier, expected {location.shard.size}"
-    elif (
-        # Others can write the shared tier's directories: a copy there is checked whatever the setting.
-        (runtime.settings.verify_on_read or location.tier == "shared")
-        and location.checksum is not None
-        and hash_buffer(buffer) != location.checksum
-    ):
-        problem = f"the copy on the {location.tier} tier does not match its checksum"
-    if problem is not None:
+    # Others can write the shared tier's directories: a copy there is checked whatever the setting.
+    hashed = runtime.settings.verify_on_read or location.tier == "shared"
+    problem = copy_problem(buffer, location.shard.size, location.checksum, hashed=hashed)
+    if problem:
         if hasattr(buffer, "close"):
             buffer.close()
-        raise ChecksumMismatchError(f"{where}: {problem}")
+        raise ChecksumMismatchError(f"{where}: the copy on the {location.tier} tier {problem}")
     return buffer
 
 
