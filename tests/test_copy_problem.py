@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from datacache.checksum import checksum_of, copy_problem, new_hasher
 from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
@@ -45,5 +46,5 @@ def test_the_stagers_verified_read_names_the_problem_the_rule_finds() -> None:
     async def report(location: Location) -> None:
         raise AssertionError("the origin's own bytes are not reported as a bad copy")
 
-    with pytest.raises(ChecksumMismatchError, match="shard 'a.tar' from the origin does not match its checksum"):
+    with pytest.raises(ChecksumMismatchError, match=r"shard 'a\.tar' from the origin does not match its checksum"):
         asyncio.run(read_verified("d", None, locate=locate, fetch=fetch, report_corrupt=report))
