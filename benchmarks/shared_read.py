@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from datacache.loaders.shardfiles import map_file
+from datacache.loaders.reading.units import map_file
 
 from datacache.checksum import copy_problem
 from datacache.config import load_settings

@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
-from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order.layout import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plans.interface import Dealing, Planner
 from datacache.loaders.precheck import check_keywords, check_options, check_sources, target_rate
-from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
+from datacache.loaders.processes import keep_until_exit, open_runtime
 from datacache.loaders.reading.iterator import EpochIterator, ReadOptions
 from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_epoch, with_remote
 from datacache.loaders.resume import STATE_VERSION, check_same, describe, loader_batch, read_state
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.runtime import KEEP_RELEASED, Runtime, rank_and_world
 from datacache.loaders.sources import Given, names_shards, reads_a_mix, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from torch.utils.data import IterableDataset, get_worker_info

@@ -1,7 +1,7 @@
 """One rule checks a shard's bytes against its manifest entry (`datacache.checksum.copy_problem`).
 
 The stager's verified read (`staging.reading.read_verified`) and the loaders' mapped copies
-(`loaders.reading.shards.load_verified`) both ask it: the size first, then the checksum.
+(`loaders.reading.units.load_verified`) both ask it: the size first, then the checksum.
 """
 
 from __future__ import annotations

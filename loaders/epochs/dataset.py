@@ -28,8 +28,7 @@ from datacache.loaders.plans.positions import (
     plan_epoch,
     settle_counts,
 )
-from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.shardfiles import SpanCache
+from datacache.loaders.runtime import NodeFuture, Runtime, SpanCache
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
