@@ -18,7 +18,7 @@ import numpy.typing as npt
 from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
 from datacache.loaders.order.layout import Cursor, Layout, reader_name
 from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
-from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
+from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Dealing, Plan
 from datacache.loaders.plans.positions import (
@@ -127,15 +127,16 @@ class DatasetPlanner:
 
     def complete(self) -> None:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
-        settle_counts(self.runtime, self._shuffle_buffer)
+        if self.runtime.book is not None:  # else settled already (a cold epoch's end, or counts all known)
+            settle_counts(self.runtime, self._shuffle_buffer)
 
     def keep_counts(self) -> bool:
-        """At a cold epoch's end, once every count is known: the complete unit plan saved for the node."""
-        runtime = self.runtime
-        book = runtime.book
+        """At a cold epoch's end, once every count is known: the complete unit plan saved for the node,
+        and this process's runtime switched to it (the next epoch plans from it at once)."""
+        book = self.runtime.book
         if book is None or not book.complete:
             return False
-        runtime.loop.run(save_plan(runtime.settings, runtime.handle, book.completed_plan()))
+        self.complete()
         return True
 
     def total(self) -> int:
