@@ -1,17 +1,25 @@
 """Many small files written atomically at once: what `DirectoryTier.put_many` does.
 
 Each file is still written as `atomic_write` writes one (a locked ``.partial`` beside it,
-fsynced, renamed into place, its directory fsynced), but the steps are taken for the whole
-batch together: the temporary files are written in one thread job, fsynced by a few threads
-at once (the filesystem commits their journal together: 0.07 ms a file here against 0.4 ms
-one at a time), renamed in one more job, and each directory is fsynced once. A tiny shard's
-cost becomes a few system calls instead of a dozen thread round trips and two fsyncs.
+made durable, renamed into place, the rename made durable), but the steps are taken for the
+whole batch together: the temporary files are written in one thread job, made durable by one
+``syncfs(2)`` of their filesystem (0.02 ms a file here, against 0.08 ms for fsyncs by 8 threads
+at once and 0.15 ms one at a time; and one thread job, where the fsyncs took 8 of the default
+executor's 6 workers, so every other thread job of the stager waited behind them), renamed
+with their metadata written in one more job, and the renames and the metadata made durable by
+one more ``syncfs``. A tiny shard's cost becomes a few system calls and a share of two syncs.
+
+``syncfs`` also writes whatever else is dirty on that filesystem: on a device busy with other
+writers a batch waits for their bytes too. Where it is missing or fails (not Linux; a write
+error, which it reports for the filesystem, not the file), each file and directory is fsynced
+as before, so that an error is found on the file it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -23,7 +31,25 @@ from datacache.tiers._files import create_temporary
 __all__ = ["BatchItem", "write_batch"]
 
 FSYNC_THREADS = 8
-"""Threads fsyncing a batch's files at once."""
+"""Threads fsyncing a batch's files at once (where ``syncfs`` cannot be used)."""
+
+
+def _find_syncfs() -> ctypes._NamedFuncPointer | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux (or a C library without it)
+        return None
+
+
+_SYNCFS = _find_syncfs()
+
+
+def _syncfs(fds: Sequence[int]) -> bool:
+    """Make everything written to the filesystems of ``fds`` durable; False where that could not be said."""
+    if _SYNCFS is None:
+        return False
+    devices = {os.fstat(fd).st_dev: fd for fd in fds}
+    return all(_SYNCFS(fd) == 0 for fd in devices.values())
 
 
 @dataclass(frozen=True)
@@ -93,7 +119,8 @@ async def _steps(
     batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
     await asyncio.to_thread(_write_temporaries, batch, items, errors, file_mode)
-    if durable and batch.files:
+    # Durable before renamed: a name in place always names whole bytes, a crash or a power cut after.
+    if durable and batch.files and not await asyncio.to_thread(_syncfs, list(batch.dirs.values())):
         fds = [fd for _, _, fd in batch.files.values()]
         slices = [fds[start::FSYNC_THREADS] for start in range(FSYNC_THREADS)]
         await asyncio.gather(*(asyncio.to_thread(_fsync_all, part) for part in slices if part))
@@ -123,7 +150,11 @@ def _fsync_all(fds: Sequence[int]) -> None:
 def _publish(
     batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
-    """Rename each written file into place, then write its metadata; fsync each directory once."""
+    """Rename each written file into place, then write its metadata; make the renames durable at once.
+
+    Durable when this returns (with ``durable``): what the caller records next (the catalog's row
+    of each file) never names a rename a power cut could undo.
+    """
     touched: set[int] = set()
     for index, (dir_fd, temporary, fd) in list(batch.files.items()):
         if batch.cancelled:
@@ -144,7 +175,7 @@ def _publish(
             _write_meta(batch, items[index], file_mode)
         except (OSError, UnsafeFileError) as exc:
             errors[index] = exc  # its data stays, without metadata: recovery removes it
-    if durable:
+    if durable and touched and not _syncfs(list(batch.dirs.values())):
         for dir_fd in touched:
             os.fsync(dir_fd)
 
