@@ -9,6 +9,7 @@ access ACL naming the readers, and a daemon whose tier refuses ACLs does not sta
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -21,7 +22,12 @@ from pathlib import Path
 import pytest
 from _daemon import start_daemon
 from _users import User, run_as, users, world_dir
+from datacache.tiers import LocalTier, SharedTier
+from datacache.tiers.local import GROUP_READABLE
+from datacache.tiers.testing import chunks_of
 from test_loader import write_wds
+
+from datacache.posix_acl import ACL_XATTR
 
 __all__ = ["users", "world_dir"]
 
@@ -119,3 +125,37 @@ def test_a_daemon_whose_tier_refuses_acls_does_not_start_where_only_an_acl_keeps
         assert not written, "a copy written where its readers cannot be kept"
         # Readers that are the tier's own group need no ACL: the mode says it, and the daemon starts.
         start_daemon(cache_env, local, config=_config(world_dir, shared, f'"@{team}"')).stop()
+
+
+@pytest.mark.parametrize("kind", ["local", "shared"])
+def test_every_way_a_tier_writes_a_declared_datasets_file_gives_it_its_readers_acl(
+    users: dict[str, User], world_dir: Path, kind: str
+) -> None:
+    """One object (`put`), a batch of small ones (`put_many`, unnamed files linked into place), a mapped landing."""
+    alice, bob = users["alice"], users["bob"]
+    team = alice.groups[0]
+    root = _team_dir(world_dir / kind, team, 0o2770)
+    tier = LocalTier(root, modes=GROUP_READABLE) if kind == "local" else SharedTier(root)
+    tier.shared_datasets.add("ds")
+    tier.dataset_readers["ds"] = (frozenset({alice.uid}), frozenset())
+
+    async def write() -> None:
+        await tier.put("ds/one.tar", chunks_of(b"1" * 5000, 1000))
+        landed = await tier.put_many([(f"ds/many-{i}.tar", b"m" * 100, {}) for i in range(5)])
+        assert not [outcome for outcome in landed if isinstance(outcome, Exception)], landed
+        if isinstance(tier, LocalTier):
+            landing = await tier.land("ds/landed.tar", 4096)
+            assert landing is not None
+            landing.buffer[:] = b"l" * 4096
+            await landing.publish()
+
+    os.setegid(team)  # as deploy/ runs the daemon: its new directories take the group its users share
+    try:
+        asyncio.run(write())
+    finally:
+        os.setegid(0)
+    files = sorted(path for area in ("data", "meta") for path in (root / area).rglob("*") if path.is_file())
+    assert len(files) >= (7 if kind == "local" else 6) + 1, files
+    for path in files:
+        assert os.getxattr(path, ACL_XATTR), f"{path} has no ACL"
+        assert _reads(alice, path) and not _reads(bob, path), path

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -286,3 +288,84 @@ def test_a_warm_bigger_than_the_tier_keeps_the_shards_it_was_asked_for_first(
 
     assert with_stager(one, body) == ["000000.bin"]
     assert set(rows(one.local_dir)) == {"000000.bin"}
+
+
+# A warm killed by SIGKILL at the start of its first commit of a batch of at least N shards (the first
+# batches hold one shard each): that batch's files are written and in place, its rows not yet committed.
+_KILLED_AT_COMMIT = """
+import asyncio, os, signal, sys
+from datacache.config import load_settings
+from datacache.staging import Stager
+
+async def main() -> None:
+    async with Stager(load_settings()) as stager:
+        handle = await stager.open(sys.argv[1])
+        commit = stager.catalog.commit_many
+
+        async def commit_or_die(dataset, staged):
+            if len(staged) >= int(sys.argv[2]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await commit(dataset, staged)
+
+        stager.catalog.commit_many = commit_or_die
+        await stager.warm(handle)
+
+asyncio.run(main())
+"""
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_uint64), ("length", ctypes.c_uint64)]
+
+
+def unwritten_pages(path: Path) -> int:
+    """Pages of ``path`` the page cache holds and the device does not have yet: dirty or being written.
+
+    cachestat(2) (Linux 6.5): what a power cut would lose of a file a SIGKILL leaves whole in memory.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    stat, whole = _CacheStat(), _Range(0, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:  # 451: cachestat
+            raise OSError(ctypes.get_errno(), f"cachestat({path})")
+    finally:
+        os.close(fd)
+    return int(stat.dirty + stat.writeback)
+
+
+def test_a_warm_killed_between_a_batch_write_and_its_commit_left_every_file_in_place_durable(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """A batch's files are made durable once for the batch (syncfs), not one by one: every name in place
+    must still name bytes the device has (no page of it dirty) before any row calls it resident, and
+    recovery leaves the catalog and the files agreeing. Fails with the batch's syncs left out."""
+    shards = tiny_shards(1_000)
+    origin = fill_dir(tmp_path / "origin", shards)
+    local = tmp_path / "local"
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(local), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_AT_COMMIT, str(origin), "100"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    left, on_disk = rows(local), files(local)
+    staging = {key for key, (state, _) in left.items() if state == ShardState.STAGING}
+    cut = staging & set(on_disk)  # later batches may be reserved and not written yet
+    assert len(cut) >= 100, "no batch's commit was cut with its files in place"
+    for key, (state, _) in left.items():
+        if state == ShardState.RESIDENT:
+            assert on_disk.get(key) == shards[key], key
+    for key, data in on_disk.items():
+        assert data == shards[key], key
+        assert unwritten_pages(local / "data" / origin_id(env, origin) / key) == 0, f"{key} in place, not durable"
+    with_stager(load_settings(env), lambda stager: stager.reconcile(), reconcile=False)
+    assert_agree(local, shards)
+
+
+def origin_id(env: dict[str, str], origin: Path) -> str:
+    return resolve_dataset(str(origin), load_settings(env)).id

@@ -1,29 +1,63 @@
 """Many small files written atomically at once: what `DirectoryTier.put_many` does.
 
-Each file is still written as `atomic_write` writes one (a locked ``.partial`` beside it,
-fsynced, renamed into place, its directory fsynced), but the steps are taken for the whole
-batch together: the temporary files are written in one thread job, fsynced by a few threads
-at once (the filesystem commits their journal together: 0.07 ms a file here against 0.4 ms
-one at a time), renamed in one more job, and each directory is fsynced once. A tiny shard's
-cost becomes a few system calls instead of a dozen thread round trips and two fsyncs.
+Each file is still written as `atomic_write` writes one (a new file nobody can see yet, made
+durable, then given its name atomically, and that made durable), but the steps are taken for the
+whole batch together: the temporary files are written in one thread job, made durable by one
+``syncfs(2)`` of their filesystem (0.02 ms a file here, against 0.08 ms for fsyncs by 8 threads
+at once and 0.15 ms one at a time; and one thread job, where the fsyncs took 8 of the default
+executor's 6 workers, so every other thread job of the stager waited behind them), renamed
+with their metadata written in one more job, and the renames and the metadata made durable by
+one more ``syncfs``. The new file is unnamed (``O_TMPFILE``, linked into place: one change of
+its directory, not a ``.partial``'s create and rename) where the filesystem allows, which took a
+batch of 256 tiny files from 48 to 37 ms here. A tiny shard's cost becomes a few system calls and
+a share of two syncs.
+
+``syncfs`` also writes whatever else is dirty on that filesystem: on a device busy with other
+writers a batch waits for their bytes too. Where it is missing or fails (not Linux; a write
+error, which it reports for the filesystem, not the file), each file and directory is fsynced
+as before, so that an error is found on the file it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from datacache.tiers._acl import apply_mode
 from datacache.tiers._dirfd import Place, UnsafeFileError
-from datacache.tiers._files import create_temporary
+from datacache.tiers._files import create_temporary, partial_name
 
 __all__ = ["BatchItem", "write_batch"]
 
 FSYNC_THREADS = 8
-"""Threads fsyncing a batch's files at once."""
+"""Threads fsyncing a batch's files at once (where ``syncfs`` cannot be used)."""
+
+
+def _find_syncfs() -> ctypes._NamedFuncPointer | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux (or a C library without it)
+        return None
+
+
+_SYNCFS = _find_syncfs()
+
+# Linux's unnamed new files, linked into place through /proc (see `_create`); 0 where either is missing.
+_UNNAMED = getattr(os, "O_TMPFILE", 0) if os.path.isdir("/proc/self/fd") else 0
+
+
+def _syncfs(fds: Sequence[int]) -> bool:
+    """Make everything written to the filesystems of ``fds`` durable; False where that could not be said."""
+    if _SYNCFS is None:
+        return False
+    devices = {os.fstat(fd).st_dev: fd for fd in fds}
+    return all(_SYNCFS(fd) == 0 for fd in devices.values())
 
 
 @dataclass(frozen=True)
@@ -41,8 +75,8 @@ class _Open:
     """A batch in flight: directories opened once, each file's temporary name and descriptor."""
 
     dirs: dict[tuple[str, ...], int] = field(default_factory=dict)
-    files: dict[int, tuple[int, str, int]] = field(default_factory=dict)
-    """By item: (directory fd, temporary name, file fd)."""
+    files: dict[int, tuple[int, str | None, int]] = field(default_factory=dict)
+    """By item: (directory fd, temporary name or None for an unnamed file, file fd)."""
     cancelled: bool = False
     """The writer was cancelled: rename nothing more into place."""
 
@@ -55,9 +89,10 @@ class _Open:
     def discard(self) -> None:
         """Remove every temporary file still here and close everything (an error or a cancellation)."""
         for dir_fd, temporary, fd in self.files.values():
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(temporary, dir_fd=dir_fd)
+            os.close(fd)  # an unnamed file goes with it
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=dir_fd)
         self.files.clear()
         for fd in self.dirs.values():
             os.close(fd)
@@ -93,7 +128,8 @@ async def _steps(
     batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
     await asyncio.to_thread(_write_temporaries, batch, items, errors, file_mode)
-    if durable and batch.files:
+    # Durable before renamed: a name in place always names whole bytes, a crash or a power cut after.
+    if durable and batch.files and not await asyncio.to_thread(_syncfs, list(batch.dirs.values())):
         fds = [fd for _, _, fd in batch.files.values()]
         slices = [fds[start::FSYNC_THREADS] for start in range(FSYNC_THREADS)]
         await asyncio.gather(*(asyncio.to_thread(_fsync_all, part) for part in slices if part))
@@ -106,7 +142,7 @@ def _write_temporaries(
     for index, item in enumerate(items):
         try:
             dir_fd = batch.directory(item.data)
-            temporary, fd = create_temporary(dir_fd, item.data.name, file_mode)
+            temporary, fd = _create(dir_fd, item.data.name, file_mode)
             batch.files[index] = (dir_fd, temporary, fd)
             view = memoryview(item.body)
             while view:
@@ -123,13 +159,17 @@ def _fsync_all(fds: Sequence[int]) -> None:
 def _publish(
     batch: _Open, items: Sequence[BatchItem], errors: list[Exception | None], durable: bool, file_mode: int | None
 ) -> None:
-    """Rename each written file into place, then write its metadata; fsync each directory once."""
+    """Rename each written file into place, then write its metadata; make the renames durable at once.
+
+    Durable when this returns (with ``durable``): what the caller records next (the catalog's row
+    of each file) never names a rename a power cut could undo.
+    """
     touched: set[int] = set()
     for index, (dir_fd, temporary, fd) in list(batch.files.items()):
         if batch.cancelled:
             break
         try:
-            os.replace(temporary, items[index].data.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            _put_in_place(dir_fd, temporary, fd, items[index].data.name)
         except OSError as exc:
             errors[index] = exc
             continue
@@ -144,21 +184,66 @@ def _publish(
             _write_meta(batch, items[index], file_mode)
         except (OSError, UnsafeFileError) as exc:
             errors[index] = exc  # its data stays, without metadata: recovery removes it
-    if durable:
+    if durable and touched and not _syncfs(list(batch.dirs.values())):
         for dir_fd in touched:
             os.fsync(dir_fd)
 
 
 def _write_meta(batch: _Open, item: BatchItem, file_mode: int | None) -> None:
     dir_fd = batch.directory(item.meta)
-    temporary, fd = create_temporary(dir_fd, item.meta.name, file_mode)
+    temporary, fd = _create(dir_fd, item.meta.name, file_mode)
     try:
         os.write(fd, json.dumps(dict(item.metadata), sort_keys=True).encode())
+        _put_in_place(dir_fd, temporary, fd, item.meta.name)
+    except OSError:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=dir_fd)
+        raise
     finally:
         os.close(fd)
+
+
+def _create(dir_fd: int, name: str, file_mode: int | None) -> tuple[str | None, int]:
+    """A new file for ``name``'s bytes in ``dir_fd``: its temporary name (None: it has none) and descriptor.
+
+    Unnamed where the filesystem can (``O_TMPFILE``): one directory change a file instead of two
+    (its name appears once, by `_put_in_place`), none of a ``.partial``'s lock and checks, and a
+    crash leaves nothing to clean. Else a locked ``.partial`` (`create_temporary`).
+    """
+    if _UNNAMED:
+        try:
+            fd = os.open(".", _UNNAMED | os.O_WRONLY | os.O_CLOEXEC, 0o600 if file_mode is not None else 0o644,
+                         dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        else:
+            if file_mode is not None:
+                try:  # exactly the tier's mode (and its readers' ACL), whatever the umask (as `create_temporary`)
+                    apply_mode(fd, file_mode)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            return None, fd
+    return create_temporary(dir_fd, name, file_mode)
+
+
+def _put_in_place(dir_fd: int, temporary: str | None, fd: int, name: str) -> None:
+    """Give the file written through ``fd`` the name ``name`` in ``dir_fd``, atomically, over any file there."""
+    if temporary is not None:
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    own = f"/proc/self/fd/{fd}"  # linkat of an unnamed file, without the privilege AT_EMPTY_PATH asks for
     try:
-        os.replace(temporary, item.meta.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary, dir_fd=dir_fd)
-        raise
+        os.link(own, name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    except FileExistsError:
+        # A link never replaces: a file already there (an older copy) is replaced through a temporary name.
+        temporary = partial_name(name)
+        os.link(own, temporary, dst_dir_fd=dir_fd, follow_symlinks=True)
+        try:
+            os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=dir_fd)
+            raise

@@ -1,6 +1,7 @@
 """Staging: shards moved origin -> shared -> local, once each, verified, atomically.
 
-`Stager` is the facade; its parts point one way, each handed what it needs:
+`Stager` is the facade (``stager``: the warm, over ``verbs``: one shard's verbs, over
+``runtime``: the parts per event loop, open, close, recovery); its parts point one way, each handed what it needs:
 ``types`` (value types) <- ``events`` (listeners, counters) <- ``queue`` (the
 job queue), ``transfer`` (one copy in a memory budget), ``residency`` (what
 eviction keeps) <- ``shared`` (the shared tier) <- ``local`` (the local tier) <- ``batch``
