@@ -9,14 +9,16 @@ reads next are grouped by unit and each unit's rows are taken from its decoded s
   `CHUNK_BATCHES` batches' rows at once (one ``take`` and one key column per unit for all of
   them: what a call costs is paid per chunk, not per batch) and cuts the batches from it;
 - **per-sample mode**, rows passed as they are (`ready_rows`): the next chunk of positions'
-  rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts in one
-  ``to_pylist`` and are handed out from a list, counted per chunk;
+  rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts together
+  (`python_rows`: each column converted at once) and are handed out from a list, counted per chunk;
 - **per-sample mode** with a decoder, a transform or a mix (`RowsAhead`): a unit's rows among
   the next `AHEAD` positions become dicts together, kept until their positions are read.
 
-Memory: a chunk of rows as Python objects, beside the decoded slices.
+Memory: a chunk of rows as Python objects, or two chunks of Arrow batches (about `CHUNK_BYTES`
+each), beside the decoded slices.
 
-Both leave the order, the positions counted and the units opened exactly as the one-by-one path.
+Both leave the order, the positions counted and what is skipped exactly as the one-by-one path
+(a batch chunk opens the units of its later batches a little earlier).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class ArrowChunks:
                     built = arrow_batch(self._units, self._plan, begin, stop, None)
                     nbytes = built[0].nbytes if built is not None and built[0] is not None else 0
                     batches = min(CHUNK_BATCHES, CHUNK_BYTES // max(1, nbytes)) if nbytes else 1
-                    self._origin, self._span = stop, (stop - begin) * max(1, batches)
+                    self._span = (stop - begin) * max(1, batches)
+                    self._origin = stop  # set last: threads read both without the lock
                     return built
         index = (begin - self._origin) // self._span if self._span > stop - begin else -1
         start = self._origin + index * self._span
@@ -194,7 +197,7 @@ class ArrowChunks:
 def ready_rows(
     units: Units, plan: Positions, begin: int, stop: int
 ) -> tuple[list[tuple[int, Any]], int, int, int] | None:
-    """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then one ``to_pylist``).
+    """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then `python_rows`).
 
     Returns ``(items, skipped, payload bytes, Arrow bytes)``: ``items`` last first, each ``(positions
     consumed once it is delivered, row)`` (the last one consumes up to ``stop``, skipped positions
