@@ -185,7 +185,7 @@ class ArrowChunks:
                 return self._chunks[index]
             try:
                 built = arrow_batch(self._units, self._plan, start, stop, None)
-            except Exception:  # noqa: BLE001 - raised again where the batch holding its position is read
+            except Exception:  # raised again where the batch holding its position is read alone
                 built = None
             chunk = None if built is None else (start, stop, built[0], built[2])
             self._chunks[index] = chunk
