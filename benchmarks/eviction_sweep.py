@@ -38,7 +38,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from datacache.loaders.order.layout import Dealing, Layout
-from datacache.loaders.plans.positions import auto_window, initial_prefetch, node_unit_sequences, plan_epoch
+from datacache.loaders.plans.positions import auto_window, node_unit_sequences, plan_epoch
+from datacache.loaders.reading.prefetch import initial_prefetch
 
 from datacache.catalog import ReaderRow
 from datacache.eviction import Candidate

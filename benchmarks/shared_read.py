@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from datacache.loaders.shardfiles import hash_buffer, map_file
+from datacache.loaders.reading.units import map_file
 
+from datacache.checksum import copy_problem
 from datacache.config import load_settings
 from datacache.sizes import parse_size
 from datacache.staging import DatasetHandle, Stager
@@ -69,8 +70,9 @@ async def _loader_read(stager: Stager, handle: DatasetHandle, keys: list[str]) -
         if location.tier != "shared" or location.path is None or location.checksum is None:
             raise RuntimeError(f"shard {key!r} is not read from the shared tier here ({location.tier})")
         buffer = await asyncio.to_thread(map_file, location.path)
-        if await asyncio.to_thread(hash_buffer, buffer) != location.checksum:
-            raise RuntimeError(f"shard {key!r}: the shared copy does not match its checksum")
+        problem = await asyncio.to_thread(copy_problem, buffer, location.shard.size, location.checksum)
+        if problem:
+            raise RuntimeError(f"shard {key!r}: the shared copy {problem}")
         total += len(buffer)
         if hasattr(buffer, "close"):
             buffer.close()

@@ -20,16 +20,15 @@ from typing import Any
 
 import torch
 from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
-from datacache.loaders.openunits import KEEP_RELEASED
 from datacache.loaders.order.layout import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plans.interface import Dealing, Planner
 from datacache.loaders.precheck import check_keywords, check_options, check_sources, target_rate
-from datacache.loaders.processes import keep_until_exit, open_runtime, rank_and_world
-from datacache.loaders.reading.iterator import EpochIterator
+from datacache.loaders.processes import keep_until_exit, open_runtime
+from datacache.loaders.reading.iterator import EpochIterator, ReadOptions
 from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_epoch, with_remote
 from datacache.loaders.resume import STATE_VERSION, check_same, describe, loader_batch, read_state
-from datacache.loaders.runtime import Runtime
-from datacache.loaders.sources import Given, SourceSpec, resolve_sources
+from datacache.loaders.runtime import KEEP_RELEASED, Runtime, rank_and_world
+from datacache.loaders.sources import Given, names_shards, reads_a_mix, resolve_sources
 from datacache.loaders.stats import Counter, LoaderStats, StatsTable
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -39,11 +38,6 @@ from datacache.errors import ConfigError
 __all__ = ["CachedIterableDataset"]
 
 logger = logging.getLogger(__name__)
-
-
-def _reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
-    """Whether the epochs are a mix's (`mix`): several sources, a drawn epoch, or a source repeated or chosen."""
-    return len(sources) > 1 or drawn or any(spec.mode != ("repeat", 1.0) for spec in sources)
 
 
 class CachedIterableDataset(IterableDataset[Any]):
@@ -131,8 +125,8 @@ class CachedIterableDataset(IterableDataset[Any]):
         check_options(epoch_size=epoch_size, on_error=on_error, shuffle_buffer=shuffle_buffer,
                       batch_size=batch_size, prefetch=prefetch)
         self._sources = resolve_sources(dataset, weights)
-        check_sources([spec for spec in self._sources if not _names_shards(spec)], config)  # no listing
-        self._mixed = _reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
+        check_sources([spec for spec in self._sources if not names_shards(spec)], config)  # no listing
+        self._mixed = reads_a_mix(self._sources, epoch_size is not None or replacement or resample)
         self.weights = tuple(weights) if weights is not None else None
         self.epoch_size = epoch_size
         self.replacement = bool(replacement)
@@ -159,7 +153,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._runtime: Runtime | None = None
         self._planner: Planner | None = None
         self._main_iterator: EpochIterator | RemoteEpoch | None = None
-        if any(_names_shards(spec) for spec in self._sources):
+        if any(names_shards(spec) for spec in self._sources):
             # Shards named one by one (a pattern, a list, a glob) must be listed: refused here, in one line, not
             # in a DataLoader worker's traceback. Opens the runtime len() or iter() would (pickling drops it).
             self._prepare()
@@ -262,7 +256,12 @@ class CachedIterableDataset(IterableDataset[Any]):
         if get_worker_info() is not None:  # for the training process's state_dict, which then opens nothing
             self._table.heads.publish(layout.worker, describe(planner, runtime.window or None, epoch, plan))
         rows = self._table.row(layout.worker).numpy(), self._table.source_row(layout.worker).numpy()
-        return EpochIterator(self, runtime, plan, layout, epoch, cursors, rows)
+        return EpochIterator(self._options(), runtime, plan, layout, epoch, cursors, rows)
+
+    def _options(self) -> ReadOptions:
+        """What a reader takes of this configuration (frozen: `map` makes a copy with its own)."""
+        skip, rate = self.on_error == "skip", self.target_bandwidth
+        return ReadOptions(self.seed, self.batch_size, self.decode, self.transform, skip, rate, self.prefetch)
 
     def __len__(self) -> int:
         """Samples (or batches) this rank delivers per epoch; `TypeError` ("no length") while a count is unknown."""
@@ -492,9 +491,3 @@ class CachedIterableDataset(IterableDataset[Any]):
             last = got
             yield batch
 
-
-def _names_shards(spec: SourceSpec) -> bool:
-    """Whether ``spec`` names shards that may not exist: keys of a pattern or list, or a glob's last segment."""
-    if spec.keys is not None:
-        return True
-    return isinstance(spec.dataset, str) and any(char in spec.dataset.rstrip("/").rsplit("/", 1)[-1] for char in "*?[")

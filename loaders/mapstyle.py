@@ -26,6 +26,7 @@ import numpy.typing as npt
 from datacache.loaders.dataset import CachedIterableDataset
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.order.windows import exclusive_sum
+from datacache.loaders.plans.interface import Opening
 from datacache.loaders.plans.positions import PositionTable
 from datacache.loaders.precheck import check_keywords
 from datacache.loaders.reading.prefetch import PrefetchController
@@ -130,15 +131,9 @@ class CachedMapDataset(Dataset[Any]):
         counts = plan.counts
         starts = exclusive_sum(counts)
         where = f"dataset {runtime.handle.id} (random access)"
-        units = UnitReaders(
-            runtime,
-            _NO_ORDER,
-            controller=PrefetchController(fixed=0, target=None, unit_bytes=1.0, where=where),
-            row=np.zeros(Counter.WIDTH, dtype=np.float64),
-            lock=threading.Lock(),
-            skip_bad=False,
-            in_consumer=True,
-        )
+        controller = PrefetchController(fixed=0, target=None, unit_bytes=1.0, where=where)
+        row = np.zeros(Counter.WIDTH, dtype=np.float64)
+        units = UnitReaders(runtime, _NO_ORDER, Opening(controller, row, threading.Lock(), False, True))
         decoding = SampleDecoding(source.decode, source.transform, redact_url(runtime.handle.config.url))
         opened = _Opened(os.getpid(), runtime, units, starts, decoding)
         self._opened = opened

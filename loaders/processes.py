@@ -11,35 +11,19 @@ import contextlib
 import multiprocessing.util
 import os
 
-import torch
 from datacache.loaders.epochs.dataset import DatasetPlanner, open_dataset
 from datacache.loaders.epochs.mix import MixPlanner
 from datacache.loaders.plans.interface import Planner
 from datacache.loaders.plans.mixsources import open_handle, open_mix
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.runtime import Runtime, rank_and_world
 from datacache.loaders.sources import SourceSpec
 from torch.utils.data import get_worker_info
 
 from datacache._sync import LoopThread, before_thread_pools_stop
 from datacache.access import ShardAccess, open_access
 from datacache.config import Settings, load_settings
-from datacache.errors import ConfigError
 
 __all__ = ["keep_until_exit", "open_runtime", "rank_and_world"]
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size: torch.distributed's, else ``RANK`` and ``WORLD_SIZE``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ConfigError("RANK and WORLD_SIZE must be integers") from None
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world}")
-    return rank, world
 
 
 def open_runtime(

@@ -1,28 +1,234 @@
-"""What one process holds for a dataset (`Runtime`), the node's future reads (`NodeFuture`), and the
-protocol of the units a plan reads (`Units`)."""
+"""What one process holds for a dataset (`Runtime`): the units open in it (`OpenUnits`), the tar indexes
+scanned on the node (`SpanCache`); the node's future reads (`NodeFuture`), this process's rank
+(`rank_and_world`), and the protocol of the units a plan reads (`Units`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import hashlib
+import json
 import os
-from collections.abc import Callable, Mapping
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from datacache.loaders.openunits import OpenUnits
-from datacache.loaders.shardfiles import SpanCache, UnitPlan, UnitReader
+import torch
+from datacache.loaders.shardfiles import UnitPlan, UnitReader
+from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
+from datacache.catalog import process_owner
 from datacache.config import Settings
-from datacache.errors import ConfigError
+from datacache.counting.spantable import SpanTable
+from datacache.counting.tarindex import SampleSpan
+from datacache.errors import ConfigError, ShardReadError
+from datacache.formats import SampleFormat, get_format
 from datacache.staging import DatasetHandle, FutureOrder
 
 if TYPE_CHECKING:
     from datacache.loaders.plans.cold import CountBook
     from datacache.loaders.plans.mixsources import Mix
 
-__all__ = ["NodeFuture", "Runtime", "Units"]
+__all__ = ["KEEP_RELEASED", "NodeFuture", "OpenUnits", "Runtime", "SpanCache", "Units", "rank_and_world"]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: torch.distributed's, else ``RANK`` and ``WORLD_SIZE``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError("RANK and WORLD_SIZE must be integers") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world}")
+    return rank, world
+
+
+KEEP_RELEASED = 8
+"""Units no reader holds that stay open for the next reader, while several read in one process (`OpenUnits`)."""
+
+
+class OpenUnits:
+    """Units open in one process, shared by its readers of one dataset.
+
+    `dataloader.DataLoader` reads as N workers would, in one process: each of them
+    reads from most shards, and would otherwise map, verify and index each shard up
+    to N times. While ``keep`` is set, a unit no reader holds stays open until
+    ``keep`` later ones are released (the next worker to read it takes it as it is);
+    otherwise it is closed at once, as with one reader. A unit held by a reader that
+    never finished (its iterator abandoned) goes with that reader.
+    """
+
+    def __init__(self) -> None:
+        self.keep = 0
+        self._lock = threading.Lock()
+        self._open: weakref.WeakValueDictionary[int, UnitReader] = weakref.WeakValueDictionary()
+        self._users: dict[int, int] = {}
+        """id() of each open reader -> how many readers hold it."""
+        self._idle: OrderedDict[int, UnitReader] = OrderedDict()
+        """Released units kept open, by unit, the oldest first."""
+        self._opening: dict[int, threading.Lock] = {}
+        self._tiers: dict[int, str] = {}
+        """id() of each open reader -> the tier its opener found the unit on."""
+
+    def acquire(self, unit: int, opener: Callable[[], UnitReader]) -> UnitReader:
+        """The open reader of ``unit``, or ``opener()`` if none is."""
+        with self.gate(unit) as waited:
+            found = self.get(unit, waited=waited)
+            if found is not None:
+                return found[0]
+            reader = opener()
+            self.add(unit, reader, "local")
+            return reader
+
+    @contextlib.contextmanager
+    def gate(self, unit: int) -> Iterator[bool]:
+        """Held while ``unit`` is looked up and, if need be, opened: one opening per unit at a time.
+
+        Yields whether another reader held it first (then `get` most likely finds what it opened).
+        """
+        with self._lock:
+            gate = self._opening.setdefault(unit, threading.Lock())
+        waited = not gate.acquire(blocking=False)
+        if waited:
+            gate.acquire()
+        try:
+            yield waited
+        finally:
+            gate.release()
+
+    def get(self, unit: int, *, waited: bool) -> tuple[UnitReader, str] | None:
+        """``unit``'s open reader, taken by one more reader, and the tier this one counts it as; None: not open.
+
+        The tier is where this reader would have found the unit had it opened it itself, as a
+        worker process would (its hit): the opener's tier when it ``waited`` for that opening,
+        "local" when the unit was open already.
+        """
+        with self._lock:
+            reader = self._idle.pop(unit, None) or self._open.get(unit)
+            if reader is None or id(reader) not in self._users:
+                return None
+            self._users[id(reader)] += 1
+            return reader, (self._tiers.get(id(reader), "local") if waited else "local")
+
+    def add(self, unit: int, reader: UnitReader, tier: str) -> None:
+        """``reader`` of ``unit`` was just opened (under `gate`), from ``tier``: held by one reader."""
+        with self._lock:
+            self._open[unit] = reader
+            self._users[id(reader)] = 1
+            self._tiers[id(reader)] = tier
+            weakref.finalize(reader, self._forget, id(reader))
+
+    def _forget(self, ident: int) -> None:
+        with self._lock:
+            self._users.pop(ident, None)
+            self._tiers.pop(ident, None)
+
+    def release(self, unit: int, reader: UnitReader) -> list[UnitReader]:
+        """One reader is done with ``reader`` (of ``unit``); returns the units to close now."""
+        with self._lock:
+            left = self._users.get(id(reader), 1) - 1
+            self._users[id(reader)] = left
+            if left > 0:
+                return []
+            self._idle[unit] = reader
+            closing = []
+            while len(self._idle) > self.keep:
+                _, oldest = self._idle.popitem(last=False)
+                self._users.pop(id(oldest), None)
+                closing.append(oldest)
+            return closing
+
+    def close_idle(self) -> list[UnitReader]:
+        """Every released unit still open (the dataset is done with this process's readers)."""
+        with self._lock:
+            closing = list(self._idle.values())
+            for reader in closing:
+                self._users.pop(id(reader), None)
+            self._idle.clear()
+            return closing
+
+
+class SpanCache:
+    """Tar shard indexes already scanned, so a shard is scanned once per node, not once per epoch and worker.
+
+    Scanning a tar's headers in Python costs ~20-40 us per sample, as much as
+    reading the sample. Keyed by what identifies the verified bytes (key,
+    size, checksum or version). Held in memory (bounded by samples) and, when
+    ``directory`` is given, in small files there, so that new worker processes
+    and later runs on the node reuse them.
+    """
+
+    def __init__(self, max_samples: int = 1 << 19, directory: Path | None = None) -> None:
+        self._entries: OrderedDict[tuple[str, int, str | None], SpanTable] = OrderedDict()
+        self._samples = 0
+        self._max = max_samples
+        self._lock = threading.Lock()
+        self._directory = directory
+
+    def _file(self, key: tuple[str, int, str | None]) -> Path | None:
+        if self._directory is None:
+            return None
+        name = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:40]
+        return self._directory / f"{name}.spans"
+
+    def get(self, key: tuple[str, int, str | None]) -> SpanTable | None:
+        with self._lock:
+            spans = self._entries.get(key)
+            if spans is not None:
+                self._entries.move_to_end(key)
+                return spans
+        path = self._file(key)
+        if path is None:
+            return None
+        try:
+            loaded = SpanTable.from_bytes(path.read_bytes(), where=str(path))
+        except (OSError, ShardReadError):
+            return None
+        if loaded.shard_size != key[1]:
+            return None
+        self._remember(key, loaded)
+        return loaded
+
+    def put(self, key: tuple[str, int, str | None], spans: Sequence[SampleSpan]) -> None:
+        spans = SpanTable.from_spans(spans, shard_size=key[1])
+        self._remember(key, spans)
+        path = self._file(key)
+        if path is None:
+            return
+        try:
+            if path.exists():  # may raise: a daemon's private folder another user's reader cannot enter
+                return
+            for directory in reversed([path.parent, *path.parent.parents][:3]):  # indexes/spans/<id>: private
+                with contextlib.suppress(FileExistsError):
+                    directory.mkdir(mode=0o700)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(out, "wb") as handle:
+                handle.write(spans.to_bytes())
+            os.replace(temporary, path)
+        except OSError:
+            pass  # an index we could not keep is scanned again next time
+
+    def _remember(self, key: tuple[str, int, str | None], spans: SpanTable) -> None:
+        if len(spans) > self._max:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = spans
+            self._samples += len(spans)
+            while self._samples > self._max:
+                _, dropped = self._entries.popitem(last=False)
+                self._samples -= len(dropped)
 
 
 @dataclass
@@ -46,6 +252,24 @@ class Runtime:
     """Units open in this process, shared by its readers (`OpenUnits`)."""
     mix: Mix | None = None
     """The sources of a dataset of several (or of one with an epoch size), given when made: None otherwise."""
+    kind: SampleFormat = field(init=False)
+    """The dataset's format (`formats.get_format`), which opens a unit's reader."""
+    where: str = field(init=False)
+    """``dataset <id>``, as messages name it."""
+    url: str = field(init=False)
+    """The URL (credentials redacted: samples travel to logs and files) the shard keys are relative to."""
+    owner: str = field(init=False)
+    """This process as the stager's leases name it (``host:pid``)."""
+    unit_bytes: float = field(init=False)
+    """The mean size of a unit, in bytes (a reader's prefetch depth follows from it)."""
+
+    def __post_init__(self) -> None:
+        # Found once per process, not once per reader or note.
+        self.kind = get_format(self.handle.manifest.format.value)
+        self.where = f"dataset {self.handle.id}"
+        self.url = redact_url(self.handle.config.url).rstrip("/")
+        self.owner = process_owner()
+        self.unit_bytes = self.handle.manifest.total_bytes / max(1, len(self.units.units))
 
     def counted(self, units: UnitPlan, window: int) -> None:
         """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.

@@ -28,7 +28,7 @@ from datacache.errors import ConfigError
 from datacache.formats import available_formats
 from datacache.manifest import object_url
 
-__all__ = ["Source", "SourceSpec", "names_a_shard", "resolve_sources"]
+__all__ = ["Source", "SourceSpec", "names_a_shard", "names_shards", "reads_a_mix", "resolve_sources"]
 
 def names_a_shard(url: str) -> bool:
     """Whether a plain list entry is taken as one shard file (a pattern's expansions always are).
@@ -265,3 +265,15 @@ def _label_of(dataset: object) -> str:
     if isinstance(dataset, str):
         return repr(redact_url(dataset))
     return repr(dataset)
+
+
+def reads_a_mix(sources: tuple[SourceSpec, ...], drawn: bool) -> bool:
+    """Whether the epochs are a mix's (`mix`): several sources, a drawn epoch, or a source repeated or chosen."""
+    return len(sources) > 1 or drawn or any(spec.mode != ("repeat", 1.0) for spec in sources)
+
+
+def names_shards(spec: SourceSpec) -> bool:
+    """Whether ``spec`` names shards that may not exist: keys of a pattern or list, or a glob's last segment."""
+    if spec.keys is not None:
+        return True
+    return isinstance(spec.dataset, str) and any(char in spec.dataset.rstrip("/").rsplit("/", 1)[-1] for char in "*?[")

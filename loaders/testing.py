@@ -17,8 +17,8 @@ Example
         def make_plan(self, counts, layout, dealing, *, epoch, cursors):
             return my_plan(counts, layout, dealing, epoch=epoch, cursors=cursors)
 
-`MemoryCounts` and `CountingShelf` give a first-epoch plan its counts from plain
-values: the counts arrive as the plan counts the units it reads, and the rest
+`MemoryCounts` and `grown` give a first-epoch plan its counts from plain
+values: the counts arrive as the plan asks for those of the units it reads next, and the rest
 when it asks for them all (or at once, with ``background=True``).
 """
 
@@ -34,7 +34,7 @@ from datacache.loaders.plans.interface import Dealing, Plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-__all__ = ["CountingShelf", "MemoryCounts", "PlanTests"]
+__all__ = ["MemoryCounts", "PlanTests", "grown", "read_ids"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -80,15 +80,14 @@ class MemoryCounts:
         return self.counts.copy()
 
 
-class CountingShelf:
-    """A `plans.cold.UnitCounter` whose units hold ``counts`` samples (what opening them would say)."""
-
-    def __init__(self, counts: IntArray) -> None:
-        self._counts = np.asarray(counts, dtype=np.int64)
-        self.skipped_why: dict[int, str] = {}
-
-    def count_samples(self, unit: int) -> int:
-        return int(self._counts[unit])
+def grown(plan: Plan, length: int, counts: IntArray) -> int:
+    """``plan.known(length)``, handing the plan the counts it asks for as a reader would (opening the units)."""
+    known = plan.known(length)
+    while known < length and (wanted := plan.uncounted()):
+        for unit in wanted:
+            plan.counted(unit, int(counts[unit]))
+        known = plan.known(length)
+    return known
 
 
 def read_ids(plan: Plan, counts: IntArray, upto: int | None = None) -> list[int]:
@@ -96,7 +95,7 @@ def read_ids(plan: Plan, counts: IntArray, upto: int | None = None) -> list[int]
     bounds = exclusive_sum(counts)
     found: list[int] = []
     position = 0
-    while (upto is None or position < upto) and position < plan.known(position + 1):
+    while (upto is None or position < upto) and position < grown(plan, position + 1, counts):
         found.append(int(bounds[plan.positions.unit_of[position]]) + int(plan.positions.local[position]))
         position += 1
     return found
@@ -157,7 +156,7 @@ class PlanTests:
     ) -> None:
         for readers in self._epoch(counts, shape, ()):
             for plan in readers:
-                length = plan.known(1 << 62)
+                length = grown(plan, 1 << 62, counts)
                 reads = plan.positions
                 released: dict[int, int] = {}
                 for position in range(length):
@@ -179,7 +178,7 @@ class PlanTests:
         consumed: list[int] = []
         first = self._epoch(counts, before, ())
         # Every rank's workers got as far: equal rank lengths make their positions alike.
-        produced = tuple(int(plan.known(1 << 62) * fraction) for plan in first[0])
+        produced = tuple(int(grown(plan, 1 << 62, counts) * fraction) for plan in first[0])
         for readers in first:
             for worker, plan in enumerate(readers):
                 consumed.extend(read_ids(plan, counts, produced[worker]))

@@ -170,11 +170,18 @@ def start_daemon(
     log: Path | None = None,
     wait: bool = True,
     preexec_fn: Callable[[], None] | None = None,
+    config: Path | None = None,
+    group: int | None = None,
 ) -> DaemonProcess:
-    """Start ``datacache serve`` (metrics on a free loopback port) and wait until it is ready."""
+    """Start ``datacache serve`` (metrics on a free loopback port) and wait until it is ready.
+
+    ``config``: the daemon's (and its `DaemonProcess.env`'s clients') ``DATACACHE_CONFIG``; ``group``: its gid.
+    """
     socket_path = socket_path or local_dir / "daemon.sock"
     log = log or local_dir.parent / f"daemon-{local_dir.name}-{time.monotonic_ns()}.log"
     env = daemon_env(base_env, local_dir, socket_path)
+    if config is not None:
+        env["DATACACHE_CONFIG"] = str(config)
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "datacache.cli", "serve", "--metrics-address", "127.0.0.1:0", *args],
@@ -183,6 +190,7 @@ def start_daemon(
             stderr=subprocess.STDOUT,
             cwd=REPO,
             preexec_fn=preexec_fn,  # noqa: PLW1509 - only resource limits, before exec
+            group=group,
         )
     daemon = DaemonProcess(process=process, local_dir=local_dir, socket=socket_path, log=log, env=env)
     if wait:

@@ -204,3 +204,21 @@ def test_a_client_that_leaves_stops_its_listing(
         client.kill()
         client.wait()
         daemon.kill()
+
+
+def test_a_listing_that_stalls_ends_at_listing_timeout_naming_it(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str], origin: Origin
+) -> None:
+    """A listing whose origin stops answering (the third HEAD of /slow/ is never answered) ends at its bound."""
+    config = world_dir / "datacache.toml"
+    config.write_text("[staging]\nlisting_timeout = 2\n")  # a bound, not a measured duration
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"{origin.url}/", "--config", str(config))
+    try:
+        status, reply = daemon.request("POST", "/v1/open", {"dataset": f"{origin.url}/slow/"}, timeout=_WAIT)
+        message = reply["error"]["message"]
+        assert status >= 400 and "took longer than 2s" in message and "listing_timeout" in message, reply
+        assert origin.abandoned.wait(_WAIT), "the stalled request was left open after the listing ended"
+        status, reply = daemon.request("POST", "/v1/open", {"dataset": f"{origin.url}/small/"})
+        assert status == 200 and reply["shards"] == 1, reply  # the daemon serves on
+    finally:
+        daemon.kill()

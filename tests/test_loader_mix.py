@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import webdataset as wds
 from datacache.loaders import CachedIterableDataset, Source
-from datacache.loaders.order.layout import Layout
+from datacache.loaders.order.layout import Layout, reader_name
 from datacache.loaders.plans.mixsources import mix_futures, mix_plan
-from datacache.loaders.plans.positions import reader_name
 from datacache.loaders.reading.mixed import SourcePlan
 from torch.utils.data import DataLoader
 

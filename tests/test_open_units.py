@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-from datacache.loaders.openunits import OpenUnits
+from datacache.loaders.runtime import OpenUnits
 from datacache.loaders.shardfiles import TarReader, Unit, UnitReader
 from test_loader import write_wds
 

@@ -11,7 +11,7 @@ from datacache.loaders.order.mixed import MixedOrder
 from datacache.loaders.order.windows import epoch_order
 from datacache.loaders.plans.interface import Dealing, Plan
 from datacache.loaders.plans.positions import auto_window, plan_epoch
-from datacache.loaders.testing import CountingShelf, MemoryCounts, PlanTests
+from datacache.loaders.testing import MemoryCounts, PlanTests
 
 IntArray = npt.NDArray[np.int64]
 WINDOW = 4
@@ -39,7 +39,6 @@ class TestColdPlan(PlanTests):
         if cursors:  # resumed: every count is known by then (as `DatasetPlanner.plan` deals it)
             return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=WINDOW)
         plan = cold_plan(MemoryCounts(counts, background=self.background), layout, dealing, epoch=epoch)
-        plan.positions.count_with(CountingShelf(counts))
         return plan
 
 
@@ -76,7 +75,7 @@ class TestMixedPlan(PlanTests):
             layout=layout,
             order=order,
         )
-        return MixedPlan(None, reads)
+        return MixedPlan(reads)
 
 
 def test_each_epoch_orders_the_samples_inside_a_window_afresh() -> None:

@@ -21,8 +21,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Seq
 from pathlib import Path
 from typing import TypeVar
 
+from datacache.tiers._acl import ReadersIds, acl_refused, readers_mode
 from datacache.tiers._batch import BatchItem, write_batch
-from datacache.tiers._dirfd import READ_FLAGS, Place, UnsafeFileError, map_open_file, read_bounded_stat, server_now
+from datacache.tiers._dirfd import (
+    READ_FLAGS,
+    Place,
+    UnsafeFileError,
+    fill_region,
+    map_open_file,
+    read_bounded_stat,
+    server_now,
+    size_in,
+)
 from datacache.tiers._files import (
     PARTIAL_NAME,
     atomic_write,
@@ -63,6 +73,8 @@ class DirectoryTier(Tier):
         self._durable = durable
         self.shared_datasets: set[str] = set()
         """The ids of the datasets declared shared (docs/SECURITY.md, "Who may read what")."""
+        self.dataset_readers: dict[str, ReadersIds] = {}
+        """Of those, the ones declared shared with named readers: (uids, gids) their files admit."""
         self._counters = {"bytes_read": 0, "bytes_written": 0, "requests": 0, "retries": 0, "errors": 0}
 
     def __getstate__(self) -> dict[str, object]:
@@ -93,10 +105,17 @@ class DirectoryTier(Tier):
     # -- places: every file is reached by walking from the root, never by its path --------
 
     def mode_for(self, key: str) -> int | None:
-        """The mode of ``key``'s files: the tier's, or its writer's alone for a dataset not declared shared."""
-        if self.private_file_mode is None or key.split("/", 1)[0] in self.shared_datasets:
+        """The mode of ``key``'s files: its readers' (an ACL), the tier's, or its writer's alone if not shared."""
+        dataset = key.split("/", 1)[0]
+        if dataset in self.dataset_readers and self.file_mode is not None:
+            return readers_mode(self.file_mode, self.dataset_readers[dataset], self._root)
+        if self.private_file_mode is None or dataset in self.shared_datasets:
             return self.file_mode
         return self.private_file_mode
+
+    def acl_refused(self) -> list[str]:
+        """The datasets whose readers only an ACL can name, where this tier's filesystem refuses ACLs."""
+        return acl_refused(self._root, self.file_mode, self.dataset_readers)
 
     def _place(self, area: str, key: str, suffix: str = "") -> Place:
         validate_key(key)
@@ -161,7 +180,7 @@ class DirectoryTier(Tier):
                         raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
                     parents[place.parts] = fd, place.path.parent  # `Place.path` once a directory, not per key
                 parent, folder = parents[place.parts]
-                found.append((folder / place.name, _size_in(parent, place.name)))
+                found.append((folder / place.name, size_in(parent, place.name)))
         finally:
             for opened, _ in parents.values():
                 if opened is not None:
@@ -361,7 +380,7 @@ class DirectoryTier(Tier):
             offset = 0
             while offset < size:
                 end = min(offset + (8 << 20), size)
-                await asyncio.to_thread(_fill, fd, buffer[offset:end], offset, hasher)
+                await asyncio.to_thread(fill_region, fd, buffer[offset:end], offset, hasher)
                 region = buffer[offset:end]
                 offset = end
                 self._counters["bytes_read"] += len(region)
@@ -418,7 +437,7 @@ class DirectoryTier(Tier):
                 outcomes.append(batch[-1].data.path)
         self._counters["requests"] += len(batch)
         modes = {self.mode_for(key) for key, _, _ in items}
-        mode = self.file_mode if modes == {self.file_mode} else self.private_file_mode  # one mode a batch
+        mode = modes.pop() if len(modes) == 1 else self.private_file_mode  # one mode a batch: else the narrowest
         errors = iter(await write_batch(batch, durable=self._durable, file_mode=mode))
         for index, ((key, body, _), outcome) in enumerate(zip(items, outcomes, strict=True)):
             if isinstance(outcome, Exception):
@@ -476,25 +495,3 @@ class DirectoryTier(Tier):
             removed += len(await asyncio.to_thread(remove_abandoned_partials, place, min_age=min_age))
         return removed
 
-
-def _fill(fd: int, region: memoryview, offset: int, hasher: Hasher | None) -> None:
-    """Read ``region`` from ``fd`` at ``offset`` whole, then hash it (blocking: run it in a thread)."""
-    filled = 0
-    while filled < len(region):
-        count = os.preadv(fd, [region[filled:]], offset + filled)
-        if not count:
-            raise ShardNotFoundError("the file shrank while being read")
-        filled += count
-    if hasher is not None:
-        hasher.update(region)
-
-
-def _size_in(parent: int | None, name: str) -> int:
-    """The size of the regular file ``name`` in the open directory ``parent``; -1 if none is there."""
-    if parent is None:
-        return -1
-    try:
-        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return -1
-    return info.st_size if stat_module.S_ISREG(info.st_mode) else -1

@@ -29,14 +29,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from datacache.errors import InvalidKeyError
+from datacache.errors import InvalidKeyError, ShardNotFoundError
+
+if TYPE_CHECKING:
+    from datacache.tiers.base import Hasher
 
 __all__ = [
     "DirHandle",
     "Place",
     "UnsafeFileError",
+    "fill_region",
     "map_open_file",
     "map_regular",
     "open_dir_async",
@@ -45,6 +49,7 @@ __all__ = [
     "read_bounded_stat",
     "read_bounded_stat_at",
     "server_now",
+    "size_in",
 ]
 
 T = TypeVar("T")
@@ -363,3 +368,26 @@ def map_regular(path: str | os.PathLike[str]) -> mmap.mmap | bytes:
         return map_open_file(fd)
     finally:
         os.close(fd)
+
+
+def fill_region(fd: int, region: memoryview, offset: int, hasher: Hasher | None) -> None:
+    """Read ``region`` from ``fd`` at ``offset`` whole, then hash it (blocking: run it in a thread)."""
+    filled = 0
+    while filled < len(region):
+        count = os.preadv(fd, [region[filled:]], offset + filled)
+        if not count:
+            raise ShardNotFoundError("the file shrank while being read")
+        filled += count
+    if hasher is not None:
+        hasher.update(region)
+
+
+def size_in(parent: int | None, name: str) -> int:
+    """The size of the regular file ``name`` in the open directory ``parent``; -1 if none is there."""
+    if parent is None:
+        return -1
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return -1
+    return info.st_size if stat_module.S_ISREG(info.st_mode) else -1

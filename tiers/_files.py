@@ -15,6 +15,7 @@ from typing import Any
 
 import aiofiles
 import aiofiles.threadpool
+from datacache.tiers._acl import apply_mode
 from datacache.tiers._dirfd import READ_FLAGS, DirHandle, Place, UnsafeFileError, open_dir_async, server_now
 
 __all__ = [
@@ -139,7 +140,7 @@ def _create_exclusive(dir_fd: int, name: str, mode: int | None, *, readable: boo
     )
     try:
         if mode is not None:
-            os.fchmod(fd, mode)  # exactly the tier's mode, whatever the umask
+            apply_mode(fd, mode)  # exactly the tier's mode (and a dataset's readers' ACL), whatever the umask
         # Held until the file is closed: a cleaner that can take this lock knows the
         # writer is gone. Between the open and the lock a cleaner may take it first
         # and unlink the file; waiting for its lock and then finding no link tells.

@@ -151,7 +151,7 @@ async def _warm_here(
         shards = handle.manifest.select(args.shards)
     if not shards:
         raise ConfigError(f"--shards {args.shards!r} selects no shard of {handle.manifest.dataset}")
-    display = _warm_display(args, f"warm {dataset.name}", len(shards), sum(s.size for s in shards))
+    display = _warm_display(args, f"warm {_shown(dataset)}", len(shards), sum(s.size for s in shards))
 
     def follow(progress: WarmProgress) -> None:
         display.advance_to(
@@ -197,6 +197,11 @@ def _dataset_of(spec: str, settings: Settings, policy: str | None) -> DatasetCon
     return dataset
 
 
+def _shown(dataset: DatasetConfig) -> str:
+    """How a progress line names the dataset: by its config name, else by the URL given (not its id)."""
+    return dataset.name if dataset.name != dataset.id else redact_url(dataset.url)
+
+
 def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes: int) -> Progress:
     """The progress display of a warm, in-process or through the daemon alike."""
     return Progress(
@@ -239,7 +244,7 @@ async def _warm_through(
             kind = event.get("event")
             if kind == "start":
                 shards, total = event.get("shards_total", 0), event.get("bytes_total", 0)
-                progress = _warm_display(args, f"warm {dataset.name} (daemon)", int(shards), int(total))
+                progress = _warm_display(args, f"warm {_shown(dataset)} (daemon)", int(shards), int(total))
             elif kind == "progress" and progress is not None:
                 progress.advance_to(
                     done_items=int(event.get("shards_done", 0)),

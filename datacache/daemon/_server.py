@@ -41,12 +41,34 @@ from datacache.daemon.metrics import CONTENT_TYPE
 from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.staging import LOCAL, SHARED, Stager
 from datacache.tiers import validate_key
-from datacache.tiers.local import GROUP_READABLE
+from datacache.tiers.local import GROUP_READABLE, LocalTier
+from datacache.tiers.shared import SharedTier
 
 __all__ = ["Daemon", "DaemonOptions", "serve"]
 
 logger = logging.getLogger("datacache.daemon")
 
+
+
+def _refuse_unkept_readers(settings: Settings) -> None:
+    """Refuse to serve where a dataset's readers can be kept only by an ACL that its tier refuses.
+
+    docs/SECURITY.md: a declared dataset's files admit exactly its readers. Files 0640 to the
+    tier's group would admit every member: never that instead.
+    """
+    readers = {d.id: (d.readers.uids, d.readers.gids) for d in settings.datasets.values() if d.readers}
+    tiers: list[LocalTier | SharedTier] = [LocalTier(settings.local_dir, modes=GROUP_READABLE)]
+    if settings.shared_dir is not None:
+        tiers.append(SharedTier(settings.shared_dir))
+    for tier in tiers if readers else []:
+        tier.dataset_readers.update(readers)
+        refused = tier.acl_refused()
+        if refused:
+            names = ", ".join(sorted(d.name for d in settings.datasets.values() if d.id in refused))
+            raise ConfigError(
+                f"{tier.root} refuses POSIX ACLs, and only an ACL keeps the files of {names} to their readers: "
+                "mount that filesystem with acl, or make each one's readers its tier's group alone (@GROUP)"
+            )
 
 class Daemon(ReadVerbs):
     """The per-node cache daemon. `serve` runs one until SIGTERM.
@@ -64,6 +86,7 @@ class Daemon(ReadVerbs):
     async def start(self) -> None:
         """Take the node's daemon lock, bind the socket and metrics port, recover, become ready."""
         settings = self.settings
+        await asyncio.to_thread(_refuse_unkept_readers, settings)
         await self.lifecycle.bind(self._app(), self._metrics_app())
         logger.info(
             "datacache daemon %s listening on %s (metrics on http://%s), pid %d; recovering",

@@ -110,7 +110,12 @@ class SharedStager:
             return
         self._checked = True
         access = await asyncio.to_thread(self.tier.check_access)
-        if access.writable:
+        refused = await asyncio.to_thread(self.tier.acl_refused) if access.writable else []
+        if refused:  # never 0640 to the whole group instead (docs/SECURITY.md)
+            kept = ", ".join(refused)
+            self._refusal = f"{self.tier.root} refuses POSIX ACLs, which alone keep {kept} to their readers"
+            logger.warning("not using the shared tier, reading around it: %s", self._refusal)
+        elif access.writable:
             for problem in access.problems:
                 logger.warning("%s", problem)
         else:

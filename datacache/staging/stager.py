@@ -112,10 +112,11 @@ class Stager:
             if settings.shared_dir
             else None
         )
-        declared = {dataset.id for dataset in settings.datasets.values() if dataset.readers}
+        declared = {dataset.id: dataset.readers for dataset in settings.datasets.values() if dataset.readers}
         for tier in (self.local, self.shared):
             if tier is not None:
                 tier.shared_datasets.update(declared)
+                tier.dataset_readers.update({id_: (r.uids, r.gids) for id_, r in declared.items()})
         self.catalog = Catalog(settings.local_dir / "catalog.sqlite")
         manifest_dirs = [settings.local_dir / "manifests"]
         if settings.shared_dir is not None:

@@ -18,9 +18,9 @@ import numpy.typing as npt
 from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
 from datacache.loaders.order.layout import Cursor, Layout, reader_name
 from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
-from datacache.loaders.plans.counts import complete, load_or_build_plan, save_plan
+from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.indexed import IndexedPositions
-from datacache.loaders.plans.interface import ONE_SOURCE, Dealing, Opening, Plan, SourceTally
+from datacache.loaders.plans.interface import Dealing, Plan
 from datacache.loaders.plans.positions import (
     auto_window,
     node_epoch_sequences,
@@ -28,9 +28,7 @@ from datacache.loaders.plans.positions import (
     plan_epoch,
     settle_counts,
 )
-from datacache.loaders.reading.units import UnitReaders
-from datacache.loaders.runtime import NodeFuture, Runtime, Units
-from datacache.loaders.shardfiles import SpanCache
+from datacache.loaders.runtime import NodeFuture, Runtime, SpanCache
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -47,10 +45,8 @@ class IndexedPlan:
     """An epoch dealt from every sample count (`plans.indexed.IndexedPositions`): whole from the start."""
 
     cold = False
-    sources: SourceTally = ONE_SOURCE
 
-    def __init__(self, runtime: Runtime | None, positions: IndexedPositions, future: NodeFuture | None) -> None:
-        self._runtime = runtime
+    def __init__(self, positions: IndexedPositions, future: NodeFuture | None) -> None:
         self.positions = positions
         self._future = future
 
@@ -60,18 +56,23 @@ class IndexedPlan:
     def readable(self, begin: int, size: int, known: int) -> int:
         return known
 
+    def uncounted(self) -> tuple[int, ...]:
+        return ()
+
+    def counted(self, unit: int, samples: int, why: str | None = None) -> None:
+        return None  # every count was known when the plan was made
+
     def future(self) -> NodeFuture | None:
         return self._future
 
-    def open_units(self, opening: Opening) -> Units:
-        return UnitReaders(_runtime_of(self._runtime), self.positions, future=self._future, **opening.arguments())
+    def futures(self) -> tuple[NodeFuture, ...] | None:
+        return None
 
 
 class ColdPlan:
     """A first epoch read while its counts arrive (`plans.cold.ColdPositions`): it grows as it is read."""
 
     cold = True
-    sources: SourceTally = ONE_SOURCE
 
     def __init__(self, planner: DatasetPlanner | None, positions: ColdPositions, future: NodeFuture | None) -> None:
         self._planner = planner
@@ -91,20 +92,17 @@ class ColdPlan:
             return known
         return begin + (known - begin) // size * size  # read ahead only whole batches laid out
 
+    def uncounted(self) -> tuple[int, ...]:
+        return self.positions.uncounted()
+
+    def counted(self, unit: int, samples: int, why: str | None = None) -> None:
+        self.positions.counted(unit, samples, why)
+
     def future(self) -> NodeFuture | None:
         return self._future
 
-    def open_units(self, opening: Opening) -> Units:
-        runtime = _runtime_of(self._planner.runtime if self._planner is not None else None)
-        units = UnitReaders(runtime, self.positions, future=self._future, **opening.arguments())
-        self.positions.count_with(units)  # the shards it reads next are counted as they are opened
-        return units
-
-
-def _runtime_of(runtime: Runtime | None) -> Runtime:
-    if runtime is None:
-        raise TypeError("this plan was made from plain values (a test's): it has no units to open")
-    return runtime
+    def futures(self) -> tuple[NodeFuture, ...] | None:
+        return None
 
 
 def open_dataset(
@@ -129,15 +127,16 @@ class DatasetPlanner:
 
     def complete(self) -> None:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
-        settle_counts(self.runtime, self._shuffle_buffer)
+        if self.runtime.book is not None:  # else settled already (a cold epoch's end, or counts all known)
+            settle_counts(self.runtime, self._shuffle_buffer)
 
     def keep_counts(self) -> bool:
-        """At a cold epoch's end, once every count is known: the complete unit plan saved for the node."""
-        runtime = self.runtime
-        book = runtime.book
+        """At a cold epoch's end, once every count is known: the complete unit plan saved for the node,
+        and this process's runtime switched to it (the next epoch plans from it at once)."""
+        book = self.runtime.book
         if book is None or not book.complete:
             return False
-        runtime.loop.run(save_plan(runtime.settings, runtime.handle, book.completed_plan()))
+        self.complete()
         return True
 
     def total(self) -> int:
@@ -170,7 +169,7 @@ class DatasetPlanner:
             return cold_plan(book, layout, dealing, epoch=epoch, planner=self)
         self.complete()
         counts, window = runtime.units.counts, runtime.window
-        return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window, runtime=runtime)
+        return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window)
 
     def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, tuple[int, ...]] | None:
         """Every reader's units of the epoch after a cold one, once every count is known (else None)."""
@@ -210,7 +209,6 @@ def indexed_plan(
     epoch: int,
     cursors: tuple[Cursor, ...],
     window: int,
-    runtime: Runtime | None = None,
 ) -> IndexedPlan:
     """Reader ``layout``'s indexed plan of epoch ``epoch`` after ``cursors`` (a cold one's first), and its future."""
     seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
@@ -224,4 +222,4 @@ def indexed_plan(
     units = node_unit_sequences(
         counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
     )
-    return IndexedPlan(runtime, positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))
+    return IndexedPlan(positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))

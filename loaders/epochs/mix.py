@@ -1,48 +1,23 @@
-"""A mixed epoch behind the `plans.interface.Plan` interface: a thin wrapper of `plans.mixsources` and `reading.mixed`.
+"""A mixed epoch behind the `plans.interface.Plan` interface: a thin wrapper of `plans.mixsources`.
 
-The mix's own modules plan it (`plans.mixsources.mix_plan`) and open its units by source
-(`reading.mixed.MixedUnitReaders`); this module only adapts them to what
-`EpochIterator` asks of every kind of epoch, and tallies what each source
-delivered (`stats().sources`).
+The mix's own module plans it (`plans.mixsources.mix_plan`, `mix_futures`); this module only
+adapts it to what `EpochIterator` asks of every kind of epoch. Its units are opened by source
+by the reader (`reading.mixed.MixedUnitReaders`), which also tallies what each source delivered.
 """
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.plans.indexed import IndexedPositions
-from datacache.loaders.plans.interface import Dealing, Opening, Plan
+from datacache.loaders.plans.interface import Dealing, Plan
 from datacache.loaders.plans.mixsources import mix_futures, mix_plan
-from datacache.loaders.reading.mixed import MixedUnitReaders
-from datacache.loaders.runtime import NodeFuture, Runtime, Units
+from datacache.loaders.runtime import NodeFuture, Runtime
 
 __all__ = ["MixPlanner", "MixedPlan"]
 
 FloatArray = npt.NDArray[np.float64]
-
-
-class _MixTally:
-    """What each source delivered, counted by the mix's readers (`MixedUnitReaders.tally`), per segment."""
-
-    def __init__(self) -> None:
-        self.units: MixedUnitReaders | None = None
-        """The readers that know each position's source, once the units are open."""
-
-    @property
-    def note(self) -> Callable[[int, int], None] | None:
-        return self.units.tally if self.units is not None else None
-
-    def delivered(self, begin: int, stop: int, rows: FloatArray, lock: threading.Lock) -> None:
-        if self.units is None:
-            return
-        sources, nbytes = self.units.count_sources(begin, stop)
-        with lock:
-            np.add.at(rows[:, 0], sources, 1)
-            np.add.at(rows[:, 1], sources, nbytes)
 
 
 class MixedPlan:
@@ -50,13 +25,9 @@ class MixedPlan:
 
     cold = False
 
-    def __init__(
-        self, runtime: Runtime | None, positions: IndexedPositions, futures: tuple[NodeFuture, ...] | None = None
-    ) -> None:
-        self._runtime = runtime
+    def __init__(self, positions: IndexedPositions, futures: tuple[NodeFuture, ...] | None = None) -> None:
         self._futures = futures
         self.positions = positions
-        self.sources = _MixTally()
 
     def known(self, length: int) -> int:
         return len(self.positions)
@@ -64,15 +35,17 @@ class MixedPlan:
     def readable(self, begin: int, size: int, known: int) -> int:
         return known
 
-    def future(self) -> NodeFuture | None:
-        return None  # each source's readers tell the stager their own order (`reading.mixed`)
+    def uncounted(self) -> tuple[int, ...]:
+        return ()
 
-    def open_units(self, opening: Opening) -> Units:
-        if self._runtime is None:
-            raise TypeError("this plan was made from plain values (a test's): it has no units to open")
-        units = MixedUnitReaders(self._runtime, self.positions, futures=self._futures, **opening.arguments())
-        self.sources.units = units
-        return units
+    def counted(self, unit: int, samples: int, why: str | None = None) -> None:
+        return None  # every source was counted when the mix was opened
+
+    def future(self) -> NodeFuture | None:
+        return None  # each source's readers tell the stager their own order (`futures`)
+
+    def futures(self) -> tuple[NodeFuture, ...] | None:
+        return self._futures
 
 
 class MixPlanner:
@@ -90,7 +63,7 @@ class MixPlanner:
         futures = mix_futures(
             self.runtime, layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last, cursors=cursors
         )
-        return MixedPlan(self.runtime, positions, futures)
+        return MixedPlan(positions, futures)
 
     def complete(self) -> None:
         return None  # every source's counts were awaited when the mix was opened

@@ -53,7 +53,7 @@ from datacache.errors import (
 from datacache.manifest import Shard
 from datacache.staging import PRIORITY_PREFETCH, DatasetHandle
 
-__all__ = ["ColdPositions", "CountBook", "Counts", "UnitCounter"]
+__all__ = ["ColdPositions", "CountBook", "Counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,17 +219,6 @@ class _FirstUse(dict[int, int]):
         return sys.maxsize
 
 
-class UnitCounter(Protocol):
-    """What counts a cold epoch's units: opens one (it is read next anyway) and says its samples."""
-
-    @property
-    def skipped_why(self) -> dict[int, str]:
-        """Why each unit skipped as unreadable was (it counts 0)."""
-        ...
-
-    def count_samples(self, unit: int) -> int: ...
-
-
 class Counts(Protocol):
     """What a cold epoch's plan needs of the process's sample counts (`CountBook`; -1: unknown)."""
 
@@ -267,15 +256,17 @@ class ColdPositions(Segmented):
     layout, seed, epoch, shuffle, drop_last
         As for an indexed epoch.
 
-    A unit whose count is unknown is counted by the `UnitCounter` given to `count_with`
-    (the reader's own units, so the open is reused). A position's sample is computed when
-    asked for (`order.cold.natural_units`, then `order.cold.Streams` once settled).
+    It never opens a shard: where the next window holds a unit whose count is unknown,
+    `ensure` stops and `uncounted` names those units; the reader opens them (it reads them
+    next anyway) and hands each count back with `counted`. A position's sample is computed
+    when asked for (`order.cold.natural_units`, then `order.cold.Streams` once settled).
     """
 
     def __init__(self, book: Counts, *, layout: Layout, seed: int, epoch: int, shuffle: bool, drop_last: bool) -> None:
         super().__init__()
         self._book = book
-        self._counter: UnitCounter | None = None
+        self._wanted: tuple[int, ...] = ()
+        """The units of the next window whose counts `ensure` waits for (`uncounted`)."""
         self._layout = layout
         self._seed, self._epoch, self._shuffle, self._drop_last = seed, epoch, shuffle, drop_last
         self._units = rank_units(
@@ -296,9 +287,17 @@ class ColdPositions(Segmented):
         self.unit_sequence: tuple[int, ...] = tuple(int(u) for u in self._units)
         self._lock = threading.Lock()
 
-    def count_with(self, counter: UnitCounter) -> None:
-        """Count unknown units through ``counter`` (the units the reader opens)."""
-        self._counter = counter
+    def uncounted(self) -> tuple[int, ...]:
+        """The units whose sample counts the plan needs before it can lay out more positions."""
+        with self._lock:
+            return tuple(u for u in self._wanted if self._book.counts[u] < 0)
+
+    def counted(self, unit: int, samples: int, why: str | None = None) -> None:
+        """``unit`` holds ``samples`` samples; with ``why``, it could not be read and counts 0."""
+        if why is not None:
+            self._book.note_unreadable(unit, why)
+        elif self._book.counts[unit] < 0:
+            self._book.note(unit, samples)
 
     # -- the Positions interface -------------------------------------------------------------
 
@@ -333,22 +332,27 @@ class ColdPositions(Segmented):
     def ensure(self, length: int) -> int:
         """Lay out positions until there are ``length`` of them or the epoch's end; return how many there are."""
         with self._lock:
-            while len(self) < length and not self.final:
-                self._grow()
+            while len(self) < length and not self.final and self._grow():
+                pass
             return len(self)
 
-    def _grow(self) -> None:
+    def _grow(self) -> bool:
+        """Lay out more positions; False if a count of the next window is needed first (`uncounted`)."""
         if self._book.complete:
             self._settle()
-            return
+            return True
         known = int(self._bounds[-1])
         if self._placed >= known:
             window = len(self._bounds) - 1
             units = self._units[window * WINDOW_UNITS : (window + 1) * WINDOW_UNITS]
             if not len(units):
                 self._settle()
-                return
-            samples = sum(self._count(int(u)) for u in units)
+                return True
+            counts = self._book.counts[units]
+            self._wanted = tuple(int(u) for u in units[counts < 0])
+            if self._wanted:
+                return False
+            samples = int(counts.sum())
             self._bounds = np.append(self._bounds, known + samples)
             # The first window is counted: now index the rest at the origin's rate, behind the first batch.
             self._book.start()
@@ -359,22 +363,9 @@ class ColdPositions(Segmented):
         if stop <= self._placed:
             if self._placed < known and (self._book.complete or not self._book.wait_for_more(self._book.known_total())):
                 self._settle()
-            return
+            return True
         self._place(self._placed, stop)
-
-    def _count(self, unit: int) -> int:
-        known = int(self._book.counts[unit])
-        if known >= 0:
-            return known
-        if self._counter is None:
-            raise DatacacheError("a cold epoch's plan was read before it was given its unit counter")
-        samples = self._counter.count_samples(unit)
-        why = self._counter.skipped_why.get(unit)
-        if why is not None:
-            self._book.note_unreadable(unit, why)
-            return 0
-        self._book.note(unit, samples)
-        return samples
+        return True
 
     def _note(self, start: int, stop: int, units: tuple[int, ...], *, closed: bool) -> None:
         """Spots ``[start, stop)`` read ``units``: first use, and release (``closed``: whole piece)."""

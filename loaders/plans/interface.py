@@ -15,68 +15,36 @@ once across ranks and workers, equal rank lengths, resume on another layout.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, Dealing, Layout
 from datacache.loaders.plans.positions import Positions
-from datacache.loaders.runtime import NodeFuture, Units
+from datacache.loaders.runtime import NodeFuture
 
 if TYPE_CHECKING:
     from datacache.loaders.reading.prefetch import PrefetchController
 
-__all__ = ["ONE_SOURCE", "Dealing", "Opening", "Plan", "Planner", "SourceTally"]
+__all__ = ["Dealing", "Opening", "Plan", "Planner"]
 
 FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
 class Opening:
-    """What the units a reader opens share with it: its prefetch controller, stats row and lock."""
+    """What the units a reader opens share with it (`reading.units.UnitReaders`, `reading.batching.BatchBuilder`).
+
+    Its prefetch controller, stats row and the lock that guards it, whether a bad unit is skipped,
+    and whether the reader runs in the training process.
+    """
 
     controller: PrefetchController
     row: FloatArray
     lock: threading.Lock
     skip_bad: bool
     in_consumer: bool
-
-    def arguments(self) -> dict[str, Any]:
-        """As keyword arguments of `reading.units.UnitReaders` (and `reading.mixed.MixedUnitReaders`)."""
-        return {
-            "controller": self.controller,
-            "row": self.row,
-            "lock": self.lock,
-            "skip_bad": self.skip_bad,
-            "in_consumer": self.in_consumer,
-        }
-
-
-class SourceTally(Protocol):
-    """Delivered samples and bytes by source, for `stats().sources` (a mix has several)."""
-
-    @property
-    def note(self) -> Callable[[int, int], None] | None:
-        """Called with ``(position, payload bytes)`` for each sample read; None: nothing to measure."""
-        ...
-
-    def delivered(self, begin: int, stop: int, rows: FloatArray, lock: threading.Lock) -> None:
-        """Add the samples of positions ``[begin, stop)``, now delivered, to their sources' ``rows``."""
-        ...
-
-
-class _OneSource:
-    """One source: its figures are the reader's own, nothing to tally apart."""
-
-    note = None
-
-    def delivered(self, begin: int, stop: int, rows: FloatArray, lock: threading.Lock) -> None:
-        return None
-
-
-ONE_SOURCE: SourceTally = _OneSource()
 
 
 class Plan(Protocol):
@@ -92,15 +60,21 @@ class Plan(Protocol):
         """Whether a cursor saved in this epoch says so: resume then deals what the cold dealing left."""
         ...
 
-    @property
-    def sources(self) -> SourceTally: ...
-
     def known(self, length: int) -> int:
-        """Positions laid out once ``length`` of them are, or the epoch's whole length.
+        """Positions laid out once ``length`` of them are, or as many as the counts known allow.
 
-        A plan whose counts are still arriving grows here (counting the units it reads next);
-        the others are whole from the start.
+        A plan whose counts are still arriving grows here; the others are whole from the start.
+        A plan never opens a shard: where it stops short for want of a count, `uncounted` says
+        which units the reader should open and count (`counted`).
         """
+        ...
+
+    def uncounted(self) -> tuple[int, ...]:
+        """The units whose sample counts the plan needs to lay out more positions (none: it needs none)."""
+        ...
+
+    def counted(self, unit: int, samples: int, why: str | None = None) -> None:
+        """Hand the plan ``unit``'s count, found by opening it; ``why``: it could not be read (counts 0)."""
         ...
 
     def readable(self, begin: int, size: int, known: int) -> int:
@@ -114,8 +88,8 @@ class Plan(Protocol):
         """Every reader's units on this node, in order (eviction keeps what comes soonest); None: not known."""
         ...
 
-    def open_units(self, opening: Opening) -> Units:
-        """The units this plan reads, opened as they come (a growing plan counts through them)."""
+    def futures(self) -> tuple[NodeFuture, ...] | None:
+        """A mix's: each source's node future (its readers tell the stager their own order); else None."""
         ...
 
 

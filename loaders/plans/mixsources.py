@@ -25,8 +25,8 @@ from datacache.loaders.plans.cold import CountBook
 from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.indexed import IndexedPositions, rank_unit_sequence
 from datacache.loaders.plans.positions import auto_window, epoch_sequence, plan_epoch, settle_counts
-from datacache.loaders.runtime import NodeFuture, Runtime
-from datacache.loaders.shardfiles import SpanCache, UnitPlan
+from datacache.loaders.runtime import NodeFuture, Runtime, SpanCache
+from datacache.loaders.shardfiles import UnitPlan
 from datacache.loaders.sources import SourceSpec
 
 from datacache._sync import LoopThread

@@ -10,16 +10,20 @@ than the shards do.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.order.layout import Cursor, Dealing, Layout, reader_name
-from datacache.loaders.order.windows import ArrayOrder, Deal, Order, WindowedOrder, remaining
 from datacache.loaders.plans.counts import save_plan
-from datacache.loaders.plans.indexed import EXACT_POSITIONS, IndexedPositions, rank_unit_sequence
+from datacache.loaders.plans.indexed import (
+    IndexedPositions,
+    epoch_sequence,
+    node_epoch_sequences,
+    node_unit_sequences,
+    plan_epoch,
+)
 
 if TYPE_CHECKING:
     from datacache.loaders.runtime import Runtime
@@ -29,7 +33,6 @@ __all__ = [
     "Positions",
     "auto_window",
     "epoch_sequence",
-    "initial_prefetch",
     "node_epoch_sequences",
     "node_unit_sequences",
     "plan_epoch",
@@ -127,135 +130,10 @@ class PositionTable:
         )
 
 
-def epoch_sequence(
-    counts: Sequence[int] | IntArray,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    window: int,
-    cursors: tuple[Cursor, ...] = (),
-    order: IntArray | Order | None = None,
-) -> Order:
-    """Epoch ``epoch``'s order less what ``cursors`` consumed (``order`` replaces the epoch's own)."""
-    sizes = np.asarray(counts, dtype=np.int64)
-    sequence: Order
-    if order is None:
-        sequence = WindowedOrder(sizes, seed, epoch, shuffle, window)
-    elif isinstance(order, np.ndarray):
-        sequence = ArrayOrder(np.asarray(order, dtype=np.int64), sizes)
-    else:
-        sequence = order
-    for cursor in cursors:
-        sequence = remaining(sequence, cursor, window)
-    return sequence
-
-
-def plan_epoch(
-    counts: Sequence[int] | IntArray,
-    *,
-    dealing: Dealing,
-    epoch: int,
-    window: int,
-    cursors: tuple[Cursor, ...],
-    layout: Layout,
-    order: IntArray | Order | None = None,
-) -> IndexedPositions:
-    """The reader ``layout``'s plan of epoch ``epoch``, less what ``cursors`` say was consumed.
-
-    ``order`` replaces the epoch's global order (what a cold epoch left, see `order.cold.cold_remaining`).
-    """
-    seed, shuffle = dealing.seed, dealing.shuffle
-    sequence = epoch_sequence(
-        counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order
-    )
-    counts = np.asarray(counts, dtype=np.int64)
-    return IndexedPositions(sequence, counts, block=window, layout=layout, drop_last=dealing.drop_last)
-
-
-def node_unit_sequences(
-    counts: Sequence[int] | IntArray,
-    *,
-    dealing: Dealing,
-    epoch: int,
-    window: int,
-    cursors: tuple[Cursor, ...],
-    layout: Layout,
-    order: IntArray | Order | None = None,
-) -> dict[str, tuple[int, ...]]:
-    """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
-
-    This epoch's remaining units, then the next epoch's, so that eviction near the end of
-    an epoch keeps what the next one reads first. Every reader computes the same value.
-    ``order`` replaces this epoch's global order, as in `plan_epoch`. A rank's workers share
-    its sequence (each reads a part of every block of its rank): O(shards), not O(samples).
-    """
-    seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
-    now = _node_epoch(
-        epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order),
-        window,
-        layout,
-        drop_last,
-        counts,
-    )
-    following = node_epoch_sequences(
-        counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
-    )
-    return {name: (*now.get(name, ()), *following.get(name, ())) for name in {*now, *following}}
-
-
-def node_epoch_sequences(
-    counts: Sequence[int] | IntArray,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    window: int,
-    layout: Layout,
-    drop_last: bool,
-) -> dict[str, tuple[int, ...]]:
-    """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
-    sequence = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    return _node_epoch(sequence, window, layout, drop_last, counts)
-
-
-def _node_epoch(
-    sequence: Order, window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
-) -> dict[str, tuple[int, ...]]:
-    found: dict[str, tuple[int, ...]] = {}
-    if sequence.total <= EXACT_POSITIONS:
-        # Each rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
-        # eviction's steps follow what is read; its workers share it, as they share its stream.
-        sizes = np.asarray(counts, dtype=np.int64)
-        for rank in range(layout.world_size):
-            stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
-            units = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
-            for worker in range(layout.num_workers):
-                found[reader_name(rank, worker)] = units
-        return found
-    deal = Deal(sequence.total, layout.world_size, window)
-    length = deal.length(drop_last=drop_last)
-    for rank in range(layout.world_size):
-        units = rank_unit_sequence(sequence, deal, rank, length)
-        for worker in range(layout.num_workers):
-            found[reader_name(rank, worker)] = units
-    return found
-
-
 def auto_window(total: int, units: int) -> int:
     """Default shuffle window: two shards' worth of samples, within [256, 16384]."""
     per_unit = total / max(1, units)
     return int(min(16384, max(256, round(2 * per_unit))))
-
-
-def initial_prefetch(total: int, units: int, window: int, concurrency: int) -> int:
-    """Units to stage ahead at first.
-
-    Everything the next shuffle window will touch while this one is read, and at
-    least enough to keep every transfer slot of the stager busy.
-    """
-    per_unit = max(1.0, total / max(1, units))
-    return min(64, max(int(-(-window // per_unit)) + 2, concurrency))
 
 
 def settle_counts(runtime: Runtime, shuffle_buffer: int | None) -> None:

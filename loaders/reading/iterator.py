@@ -7,18 +7,22 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from datacache.loaders.decode import Decoder
 from datacache.loaders.order.layout import Cursor, Layout
+from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Opening, Plan
-from datacache.loaders.plans.positions import initial_prefetch
 from datacache.loaders.reading.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
-from datacache.loaders.reading.prefetch import PrefetchController
+from datacache.loaders.reading.mixed import MixedUnitReaders
+from datacache.loaders.reading.prefetch import PrefetchController, initial_prefetch
 from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
-from datacache.loaders.runtime import Runtime
+from datacache.loaders.reading.units import UnitReaders
+from datacache.loaders.runtime import Runtime, Units
 from datacache.loaders.shardfiles import sample_of
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
@@ -27,10 +31,7 @@ from torch.utils.data import get_worker_info
 from datacache.errors import ConfigError, ShardReadError
 from datacache.formats._rows import RowsReader
 
-if TYPE_CHECKING:
-    from datacache.loaders.dataset import CachedIterableDataset
-
-__all__ = ["ITERATOR_MARK", "EpochIterator"]
+__all__ = ["ITERATOR_MARK", "EpochIterator", "ReadOptions"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -44,6 +45,20 @@ ITERATOR_MARK = "datacache_iterator"
 """Marks an iterator's state inside a StatefulDataLoader's state (see `CachedIterableDataset.load_state_dict`)."""
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """What a reader takes of its dataset's configuration (`CachedIterableDataset`'s, the same names)."""
+
+    seed: int
+    batch_size: int | None
+    decode: Decoder
+    transform: Callable[[Any], Any] | None
+    skip_bad: bool
+    """``on_error="skip"``: a corrupt or unreadable shard, or a sample its decoder fails on, is skipped."""
+    target_bandwidth: float | None
+    prefetch: int | None
+
+
 class EpochIterator:
     """One reader's pass over its share of an epoch; `Stateful` for torchdata.
 
@@ -55,7 +70,7 @@ class EpochIterator:
 
     def __init__(
         self,
-        dataset: CachedIterableDataset,
+        options: ReadOptions,
         runtime: Runtime,
         plan: Plan,
         layout: Layout,
@@ -63,7 +78,7 @@ class EpochIterator:
         cursors: tuple[Cursor, ...],
         rows: tuple[FloatArray, FloatArray],
     ) -> None:
-        self.dataset = dataset
+        self.options = options
         self.runtime = runtime
         self.layout = layout
         self.epoch = epoch
@@ -71,7 +86,6 @@ class EpochIterator:
         self.produced = 0
         self._epoch_plan = plan
         self._plan = plan.positions
-        self._tally = plan.sources
         self.controller = self._controller()
         self._in_consumer = get_worker_info() is None
         self._row, self._source_row = rows
@@ -80,25 +94,27 @@ class EpochIterator:
         self._reported_at = time.monotonic()
         self._last_yield = time.perf_counter()
         self._lock = threading.Lock()
-        threads = _READER_THREADS if (self._in_consumer and dataset.batch_size) else 0
-        skip_bad = dataset.on_error == "skip"
-        opening = Opening(self.controller, self._row, self._lock, skip_bad, self._in_consumer)
-        self._units = plan.open_units(opening)
+        threads = _READER_THREADS if (self._in_consumer and options.batch_size) else 0
+        opening = Opening(self.controller, self._row, self._lock, options.skip_bad, self._in_consumer)
+        self._units = _open_units(runtime, plan, opening)
+        self._mixed = self._units if isinstance(self._units, MixedUnitReaders) else None
+        """A mix's units, which tally what each source delivered (`stats().sources`); None: one source."""
+        self._note = self._mixed.tally if self._mixed is not None else None
         self._builder = BatchBuilder(
             self._units,
             self._plan,
-            decode=dataset.decode,
-            transform=dataset.transform,
+            decode=options.decode,
+            transform=options.transform,
             opening=opening,
             threads=threads,
-            tally=self._tally.note,
+            tally=self._note,
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
-        self._ring = SampleRing() if not (self._in_consumer or dataset.batch_size) else None
+        self._ring = SampleRing() if not (self._in_consumer or options.batch_size) else None
         self._rows_ahead = RowsAhead(self._plan, self._units)
         self._ready: list[tuple[int, Any]] = []
         """Rows gathered ahead (`rows.ready_rows`), last first, each with the count produced once it is yielded."""
-        self._fast_rows = not dataset.batch_size and self._builder.raw and self._tally.note is None
+        self._fast_rows = not options.batch_size and self._builder.raw and self._note is None
         self._chunk = CHUNK_ROWS[0]
         window = runtime.window or 256
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
@@ -108,15 +124,15 @@ class EpochIterator:
 
     def _controller(self) -> PrefetchController:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
-        dataset, runtime = self.dataset, self.runtime
-        share = dataset.target_bandwidth / self.layout.num_workers if dataset.target_bandwidth else None
+        options, runtime = self.options, self.runtime
+        share = options.target_bandwidth / self.layout.num_workers if options.target_bandwidth else None
         total, units = runtime.units.total, len(runtime.units.units)
         return PrefetchController(
-            fixed=dataset.prefetch,
+            fixed=options.prefetch,
             initial=initial_prefetch(max(total, units), units, runtime.window or 1, runtime.settings.concurrency),
             target=share,
-            unit_bytes=runtime.handle.manifest.total_bytes / max(1, units),
-            where=f"dataset {runtime.handle.id} reader {self.layout.worker}",
+            unit_bytes=runtime.unit_bytes,
+            where=f"{runtime.where} reader {self.layout.worker}",
         )
 
     def _start_row(self) -> None:
@@ -137,7 +153,7 @@ class EpochIterator:
         unreadable = self.runtime.units.unreadable
         if not unreadable:
             return
-        if self.dataset.on_error != "skip":
+        if not self.options.skip_bad:
             raise ShardReadError(unreadable[min(unreadable)])
         if self.layout.worker == 0:
             for key in sorted(unreadable):
@@ -150,7 +166,7 @@ class EpochIterator:
         return {
             ITERATOR_MARK: 1,
             "epoch": self.epoch,
-            "seed": self.dataset.seed,
+            "seed": self.options.seed,
             "produced": self.produced,
             "cold": self._epoch_plan.cold,
             "cursors": [c.to_json() for c in self.cursors],
@@ -190,8 +206,19 @@ class EpochIterator:
         self._units.restart(self.produced)
 
     def _known(self, length: int) -> int:
-        """Positions the plan holds, once it holds ``length`` or is complete (a growing plan grows here)."""
-        return self._epoch_plan.known(length)
+        """Positions the plan holds, once it holds ``length`` or is complete (a growing plan grows here).
+
+        A plan that needs counts to grow names the units (`Plan.uncounted`): this reader opens them
+        (it reads them next) and hands their counts back; the plan itself never opens a shard.
+        """
+        plan = self._epoch_plan
+        known = plan.known(length)
+        while known < length and (wanted := plan.uncounted()):
+            for unit in wanted:
+                reader = self._units.reader_for(unit)  # None: skipped as unreadable, and why is recorded
+                plan.counted(unit, reader.samples if reader is not None else 0, self._units.skipped_why.get(unit))
+            known = plan.known(length)
+        return known
 
     # -- iteration ------------------------------------------------------------------------
 
@@ -204,8 +231,8 @@ class EpochIterator:
             return row
         started = time.perf_counter()
         try:
-            if self.dataset.batch_size:
-                return self._next_batch(self.dataset.batch_size)
+            if self.options.batch_size:
+                return self._next_batch(self.options.batch_size)
             return self._next_sample()
         finally:
             if self._in_consumer:
@@ -250,9 +277,9 @@ class EpochIterator:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
             self._account(nbytes, 1)
-            if self._tally.note is not None:
-                self._tally.note(position, nbytes)
-            self._tally.delivered(position, position + 1, self._source_row, self._lock)
+            if self._note is not None:
+                self._note(position, nbytes)
+                self._delivered(position, position + 1)
             return decoded
 
     def _gather_rows(self, position: int, known: int) -> bool | None:
@@ -269,7 +296,7 @@ class EpochIterator:
         self._units.release_range(position, stop, None)  # the rows are Python objects now
         if items:
             self._account(nbytes, len(items))
-            self._tally.delivered(position, stop, self._source_row, self._lock)
+            self._delivered(position, stop)
         else:
             self.produced = stop
         self._ready = items
@@ -294,10 +321,19 @@ class EpochIterator:
             if built is not None:
                 batch, nbytes, count = built
                 self._account(nbytes, count)
-                self._tally.delivered(begin, stop, self._source_row, self._lock)
+                self._delivered(begin, stop)
                 return batch
 
     # -- counters and reports -------------------------------------------------------------
+
+    def _delivered(self, begin: int, stop: int) -> None:
+        """A mix's: add the samples of positions ``[begin, stop)``, now delivered, to their sources' rows."""
+        if self._mixed is None:
+            return  # one source: its figures are the reader's own
+        sources, nbytes = self._mixed.count_sources(begin, stop)
+        with self._lock:
+            np.add.at(self._source_row[:, 0], sources, 1)
+            np.add.at(self._source_row[:, 1], sources, nbytes)
 
     def _account(self, nbytes: int, samples: int) -> None:
         with self._lock:
@@ -345,7 +381,7 @@ class EpochIterator:
             worker=layout.worker,
             num_workers=layout.num_workers,
             epoch=self.epoch,
-            target=self.dataset.target_bandwidth,
+            target=self.options.target_bandwidth,
             in_consumer=self._in_consumer,
         )
 
@@ -368,6 +404,14 @@ class EpochIterator:
         ahead = getattr(self, "_ahead", None)
         if ahead is not None:
             ahead.shutdown(wait=False)
+
+
+def _open_units(runtime: Runtime, plan: Plan, opening: Opening) -> Units:
+    """The units ``plan`` reads, opened as they come: a mix's by source, else the dataset's."""
+    positions = plan.positions
+    if runtime.mix is not None and isinstance(positions, IndexedPositions):  # a mix is dealt from every count
+        return MixedUnitReaders(runtime, positions, opening, plan.futures())
+    return UnitReaders(runtime, positions, opening, plan.future())
 
 
 async def _heartbeat(reader: weakref.ref[EpochIterator]) -> None:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.plans.indexed import IndexedPositions, _UnitMap
+from datacache.loaders.plans.interface import Opening
 from datacache.loaders.plans.mixsources import Mix
-from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.shardfiles import UnitReader
@@ -94,16 +93,7 @@ class MixedUnitReaders:
     """The units one reader has open, over every source of a mix (see the module's docstring)."""
 
     def __init__(
-        self,
-        runtime: Runtime,
-        epoch: IndexedPositions,
-        *,
-        controller: PrefetchController,
-        row: npt.NDArray[np.float64],
-        lock: threading.Lock,
-        skip_bad: bool,
-        in_consumer: bool,
-        futures: tuple[NodeFuture, ...] | None = None,
+        self, runtime: Runtime, epoch: IndexedPositions, opening: Opening, futures: tuple[NodeFuture, ...] | None = None
     ) -> None:
         mix: Mix = runtime.mixed()
         self.runtime = runtime
@@ -117,16 +107,7 @@ class MixedUnitReaders:
         self._url_of_unit: dict[int, str] = {}
         for source, part in enumerate(mix.parts):
             view = SourcePlan(epoch, int(self._offsets[source]), len(part.units.units))
-            readers = UnitReaders(
-                part,
-                view,
-                controller=controller,
-                row=row,
-                lock=lock,
-                skip_bad=skip_bad,
-                in_consumer=in_consumer,
-                future=futures[source] if futures is not None else None,
-            )
+            readers = UnitReaders(part, view, opening, futures[source] if futures is not None else None)
             self.parts.append(readers)
             self._url_of_unit.update((id(unit), readers.url) for unit in part.units.units)
 

@@ -1,37 +1,39 @@
-"""Opening units for one reader: prefetch ahead of use, locate, map, verify, and close after use.
+"""Opening units for one reader: lease, locate, map, verify, and close after use.
 
 A unit is what the plan deals samples from: one shard, or several files read
 together (a Zarr chunk row). `UnitReaders` keeps the units a reader has open,
-opens each once however many threads ask (the others wait for it), tells the
-stager which shards come next (prefetch) and the whole future order (for
-eviction), verifies every mapped copy against the manifest before a sample is
-served from it, and drops a bad copy so that the next try reads the next tier.
+opens each once however many threads ask (the others wait for it), leases what
+it holds and is about to open (one note to the stager), verifies every mapped
+copy against the manifest before a sample is served from it, and drops a bad
+copy so that the next try reads the next tier. What it asks for ahead of use is
+its `reading.prefetch.Prefetch`'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+from datacache.loaders.plans.interface import Opening
 from datacache.loaders.plans.positions import Positions
-from datacache.loaders.reading.nextepoch import NextEpochStaging
-from datacache.loaders.reading.prefetch import PrefetchController
-from datacache.loaders.reading.shards import close_buffers, load_verified, locate_keys, stage_missing
+from datacache.loaders.reading.prefetch import Prefetch
 from datacache.loaders.runtime import NodeFuture, Runtime
 from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.stats import Counter, count_unit_open
-from datacache.tiers import redact_url
+from datacache.tiers.files import UnsafeFileError, map_regular
 
+from datacache.access import ShardAccess
+from datacache.checksum import copy_problem
 from datacache.errors import ChecksumMismatchError, DatacacheError, ShardReadError
-from datacache.formats import get_format
-from datacache.staging import Location, ReaderProgress
+from datacache.staging import DatasetHandle, Location, ReaderProgress, Stager
 
 __all__ = ["HOLD_AHEAD", "UnitReaders"]
 
@@ -46,22 +48,11 @@ Few: a held shard cannot be evicted, and every reader of the node holds its own.
 class UnitReaders:
     """The units one reader has open this epoch, opened in plan order and closed after last use.
 
-    ``row`` is the reader's stats row; ``lock`` guards it and the bookkeeping
-    here (reader threads and the consumer share both).
+    ``opening``'s ``row`` is the reader's stats row; its ``lock`` guards it and the
+    bookkeeping here (reader threads and the consumer share both).
     """
 
-    def __init__(
-        self,
-        runtime: Runtime,
-        epoch: Positions,
-        *,
-        controller: PrefetchController,
-        row: npt.NDArray[np.float64],
-        lock: threading.Lock,
-        skip_bad: bool,
-        in_consumer: bool,
-        future: NodeFuture | None = None,
-    ) -> None:
+    def __init__(self, runtime: Runtime, epoch: Positions, opening: Opening, future: NodeFuture | None = None) -> None:
         self.runtime = runtime
         self._future = future
         self._opening: set[int] = set()
@@ -70,15 +61,15 @@ class UnitReaders:
         self._positions = future.key_positions(runtime.units) if future is not None else {}
         self._epoch = epoch
         self._plan = runtime.units
-        self._kind = get_format(runtime.handle.manifest.format.value)
-        self._where = f"dataset {runtime.handle.id}"
-        self.url = redact_url(runtime.handle.config.url).rstrip("/")  # samples travel to logs and files
+        self._kind = runtime.kind
+        self._where = runtime.where
+        self.url = runtime.url
         """The URL (credentials redacted) this dataset's shard keys are relative to."""
-        self._controller = controller
-        self._row = row
-        self._lock = lock
-        self._skip_bad = skip_bad
-        self._in_consumer = in_consumer
+        self._row = opening.row
+        self._lock = opening.lock
+        self._skip_bad = opening.skip_bad
+        self._in_consumer = opening.in_consumer
+        self._prefetch = Prefetch(runtime, epoch, opening.controller, future, opening.lock)
         self.readers: dict[int, UnitReader] = {}
         self.skipped: set[int] = set()
         self.skipped_why: dict[int, str] = {}
@@ -89,17 +80,8 @@ class UnitReaders:
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
         self._coming: dict[int, tuple[int, ...]] = {}
         """The `HOLD_AHEAD` units that follow each unit in this reader's sequence."""
-        self._local: set[str] = set()
-        """Keys a note found local: no prefetch is sent for them."""
-        self._unsent: list[str] = []
-        """Prefetches held back until the next note says which of them are local already."""
-        self._sequence = epoch.unit_sequence
-        self._next_index = 0
-        self._prefetched_until = 0
-        self._future_told = False
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
-        self._next_epoch = NextEpochStaging(runtime)
         self._noter: concurrent.futures.ThreadPoolExecutor | None = None
         """The thread that sends the notes dropping released units' leases (`_release_soon`)."""
         self._release_pending = False
@@ -109,9 +91,7 @@ class UnitReaders:
     def restart(self, produced: int) -> None:
         """Close every open unit and plan the units to read from position ``produced`` on."""
         self.close_all()
-        self._sequence = self._epoch.units_from(produced)
-        self._next_index = 0
-        self._prefetched_until = 0
+        self._prefetch.restart(self._epoch.units_from(produced))
 
     def close_all(self) -> None:
         for unit, reader in self.readers.items():
@@ -123,8 +103,8 @@ class UnitReaders:
             noter.shutdown(wait=True)  # its last note before the final one
         with self._note_lock:
             self._leased.clear()
-            self._local.clear()
-        if self._future is not None and self._future_told:
+        self._prefetch.found_local(None)
+        if self._future is not None and self._prefetch.told:
             self._note_progress(None, done=True)  # holds nothing any more
 
     def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
@@ -152,11 +132,11 @@ class UnitReaders:
                 self._position = self._positions.get(unit, 0)
             elif done:
                 self._position = sum(map(len, self._plan_keys()))
-            progress = ReaderProgress(future.reader, future.epoch, self._position, holding)
+            progress = ReaderProgress(future.reader, future.epoch, self._position, holding, runtime.owner)
             locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
             located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
-            self._local.update(key for key, loc in where.items() if loc.tier == "local")
+            self._prefetch.found_local([key for key, loc in where.items() if loc.tier == "local"])
             for u in coming:
                 found = [where[key] for key in self._plan.units[u].keys]
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
@@ -202,7 +182,7 @@ class UnitReaders:
                 pool.submit(closing.close)
             else:
                 closing.close()
-        if self._future is not None and self._future_told:
+        if self._future is not None and self._prefetch.told:
             # Its lease goes now, not at the epoch's end: the room it leaves is what
             # brings in the shards read next (those of the next epoch, near the end).
             # While units leased ahead are still to open, the note that leases the
@@ -210,7 +190,7 @@ class UnitReaders:
             with self._note_lock:
                 later = bool(self._leased)
             if later:
-                self._prefetch_again()
+                self._prefetch.again(self.readers)
             else:
                 self._release_soon()
 
@@ -235,7 +215,7 @@ class UnitReaders:
             self._release_pending = False
         try:
             self._note_progress(None)
-            self._prefetch_again()
+            self._prefetch.again(self.readers)
         except Exception as exc:  # the next note (a unit opened, the epoch's end) drops the leases
             logger.debug("%s: dropping released leases failed: %s", self._where, exc)
 
@@ -245,7 +225,8 @@ class UnitReaders:
         Opening a 64 MB shard takes tens of milliseconds, several batches' worth:
         done ahead, crossing into the next shuffle window costs no wait.
         """
-        for unit in self._sequence[self._next_index :]:
+        prefetch = self._prefetch
+        for unit in prefetch.sequence[prefetch.index :]:
             position = self._epoch.first_use[unit]
             if position >= horizon:
                 break
@@ -257,16 +238,6 @@ class UnitReaders:
         """Open the unit first used at ``position`` ahead of need; errors surface when it is used."""
         with contextlib.suppress(Exception):
             self.reader_at(position)
-
-    def count_samples(self, unit: int) -> int:
-        """A cold epoch's count of one of its shards: open it (it is read next) and count its samples.
-
-        A shard skipped as unreadable (``on_error="skip"``) counts 0 and is recorded as such.
-        """
-        reader = self.reader_for(unit)
-        if reader is None:
-            return 0  # the plan records why (`skipped_why`)
-        return reader.samples
 
     def reader_at(self, position: int) -> UnitReader | None:
         """The open reader of the unit ``position`` reads; None if that unit was skipped as bad."""
@@ -281,11 +252,12 @@ class UnitReaders:
             if unit in self.skipped:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
-            self._advance_prefetch(unit)
+            self._prefetch.advance(unit, self.readers)
+            self._coming[unit] = self._prefetch.coming(HOLD_AHEAD)
         try:
             return self._open_once(unit, unit_lock)
         finally:
-            self._send_prefetch()  # held back for the lease; sent even if another thread opened the unit
+            self._prefetch.send()  # held back for the lease; sent even if another thread opened the unit
 
     def _mark_skipped(self, unit: int, exc: Exception) -> bool:
         """Record ``unit`` as skipped as bad; False if it already was."""
@@ -318,11 +290,17 @@ class UnitReaders:
             if unit in self.skipped:
                 return None
             self._opening.add(unit)
+            opened = self.runtime.opened
             try:
                 started = time.perf_counter()
-                reader, shared = self.runtime.opened.take(unit, lambda: self._open(unit))
-                if shared is not None:  # another reader of this process opened it: this one's hit all the same
-                    self._count_shared(shared, time.perf_counter() - started)
+                with opened.gate(unit) as waited:  # one opening per unit in this process at a time
+                    found = opened.get(unit, waited=waited)
+                    if found is None:
+                        reader, tier = self._open(unit)
+                        opened.add(unit, reader, tier)
+                    else:  # another reader of this process opened it: this one's hit all the same
+                        reader, shared = found
+                        self._count_shared(shared, time.perf_counter() - started)
             except (ShardReadError, ChecksumMismatchError) as exc:
                 if not self._skip_bad:
                     raise
@@ -332,101 +310,6 @@ class UnitReaders:
                 self._opening.discard(unit)  # mapped by now (or failed): a later note may drop it
             self.readers[unit] = reader
             return reader
-
-    def _ahead(self) -> tuple[int, ...]:
-        """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
-
-        The next epoch's only once this epoch's last unit is being opened: earlier, they would
-        take room (and, cold, origin reads) that this epoch's units need first.
-        """
-        if self._future is None or self._next_index < len(self._sequence) - 1:
-            return self._sequence
-        return self._sequence + self._future.after(len(self._epoch.unit_sequence))
-
-    def _keys_ahead(self, start: int, until: int) -> tuple[list[str], list[str]]:
-        """The keys of ``_ahead()[start:until]`` not open now: this epoch's, and the next epoch's."""
-        ahead, split = self._ahead(), len(self._sequence)
-
-        def keys(units: tuple[int, ...]) -> list[str]:
-            return [key for u in units if u not in self.readers for key in self._plan.units[u].keys]
-
-        return keys(ahead[start : min(until, split)]), keys(ahead[max(start, split) : until])
-
-    def _prefetch_again(self) -> None:
-        """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
-        with self._lock:
-            now, later = self._keys_ahead(self._next_index + 1, self._prefetched_until)
-        with self._note_lock:
-            now = [key for key in now if key not in self._local]  # found local (and leased) by a note
-        if now:
-            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, now))
-        self._next_epoch.stage(later)
-
-    def _advance_prefetch(self, unit: int) -> None:
-        sequence = self._sequence
-        # A unit met before (a thread opening ahead got further) or not in this reader's sequence
-        # leaves where it stands unchanged. Walking on would leave the sequence's end, and nothing
-        # after it, the next epoch's first units included, would be prefetched.
-        with contextlib.suppress(ValueError):
-            self._next_index = sequence.index(unit, self._next_index)
-        depth = self._controller.depth
-        self._grow_future()
-        ahead = self._ahead()
-        self._coming[unit] = tuple(sequence[self._next_index + 1 : self._next_index + 1 + HOLD_AHEAD])
-        until = min(len(ahead), self._next_index + 1 + depth)
-        if until <= self._prefetched_until or depth == 0:
-            return
-        start = max(self._prefetched_until, self._next_index + 1)
-        keys, later = self._keys_ahead(start, until)
-        # The units this one's first use jumped over (the same shuffle window: their first samples
-        # come within a few), first: else each is asked for only when its first sample comes up.
-        passed = sequence[self._prefetched_until : self._next_index]
-        keys = [k for u in passed if u != unit and u not in self.readers for k in self._plan.units[u].keys] + keys
-        self._prefetched_until = until
-        runtime = self.runtime
-        if not self._future_told:
-            self._future_told = True
-            if self._future is not None:
-                # The whole node's future, the same from every reader: nothing to overwrite.
-                runtime.loop.run(runtime.access.set_future_order(runtime.handle, self._future.order(self._plan)))
-            else:
-                future = [key for u in sequence for key in self._plan.units[u].keys]
-                runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
-        if self._future is not None:
-            # Sent after the unit's lease: it says where this reader is before its prefetches
-            # ask for room, and which of them are local already (a warm epoch sends none).
-            self._unsent.extend(keys)
-        elif keys:
-            runtime.loop.submit(runtime.access.prefetch(runtime.handle, keys))
-        self._next_epoch.stage(later)
-
-    def _grow_future(self) -> None:
-        """Append the next epoch's reads to a cold epoch's future as soon as they are known, and say so.
-
-        Until then eviction sees nothing past this epoch: the shards it read first go first,
-        and the next epoch would begin with half of them gone.
-        """
-        future = self._future
-        if future is None or future.later is None:
-            return
-        grown = future.grown()
-        if grown is None:
-            return
-        self._future = grown
-        if self._future_told:
-            runtime = self.runtime
-            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
-
-    def _send_prefetch(self) -> None:
-        """Queue the held-back prefetches that no note found local."""
-        with self._lock:
-            keys, self._unsent = self._unsent, []
-        if not keys:
-            return
-        with self._note_lock:
-            keys = [key for key in keys if key not in self._local]
-        if keys:
-            self.runtime.loop.submit(self.runtime.access.prefetch(self.runtime.handle, keys))
 
     def _open(self, unit_index: int) -> tuple[UnitReader, str]:
         """The unit's reader, and the tier its shards were found on (the slowest)."""
@@ -498,3 +381,71 @@ class UnitReaders:
         if tier != "local":
             self.staged_bytes += sum(loc.shard.size for loc in locations)
             self.staging_seconds += waited + read_seconds
+
+
+def map_file(path: Path) -> mmap.mmap | bytes:
+    """Map a copy read-only (shared with the page cache: no copy, no private memory).
+
+    Through `tiers.files.map_regular`: the last component is not followed and the open does not
+    block, so a link or a FIFO another uid put in a shared copy's place between the tier's check and
+    this open raises `UnsafeFileError` at once instead of hanging the reader or reading elsewhere.
+    """
+    return map_regular(path)
+
+
+def load_verified(runtime: Runtime, location: Location, where: str) -> Any:
+    """The bytes of ``location``: the stager's buffer, a read, or a mapped copy checked against the manifest."""
+    if location.buffer is not None:
+        return location.buffer  # verified by this process's stager as it arrived
+    if location.path is None:
+        return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
+    try:
+        buffer = map_file(location.path)
+    except UnsafeFileError as exc:
+        # As a bad copy: the next try reads the next tier (a link or FIFO is never the shard's bytes).
+        raise ChecksumMismatchError(f"{where}: {exc}") from None
+    # Others can write the shared tier's directories: a copy there is checked whatever the setting.
+    hashed = runtime.settings.verify_on_read or location.tier == "shared"
+    problem = copy_problem(buffer, location.shard.size, location.checksum, hashed=hashed)
+    if problem:
+        if hasattr(buffer, "close"):
+            buffer.close()
+        raise ChecksumMismatchError(f"{where}: the copy on the {location.tier} tier {problem}")
+    return buffer
+
+
+def close_buffers(buffers: dict[str, Any]) -> None:
+    """Unmap the buffers of a unit that failed to open, now, not when the traceback is dropped."""
+    for buffer in buffers.values():
+        if hasattr(buffer, "close"):
+            with contextlib.suppress(BufferError):
+                buffer.close()
+    buffers.clear()
+
+
+async def locate_keys(access: ShardAccess, handle: DatasetHandle, keys: tuple[str, ...]) -> list[Location]:
+    """Where each of ``keys`` is now (without staging any)."""
+    return list(await asyncio.gather(*(access.locate(handle, key) for key in keys)))
+
+
+async def stage_missing(
+    access: ShardAccess, handle: DatasetHandle, located: list[Location]
+) -> tuple[list[Location], str]:
+    """Where each located shard can be read: local, else shared (its local copy goes on), else staged now.
+
+    Also returns the slowest tier the unit was found on when asked for:
+    ``"origin"`` means the reader had to wait for a transfer.
+    """
+
+    async def one(location: Location) -> Location:
+        if location.tier in ("local", "shared"):
+            return location
+        if isinstance(access, Stager):
+            # In-process: take the bytes as soon as they are verified, not after the fsync.
+            return await access.ensure(handle, location.shard.key, early=True)
+        return await access.ensure(handle, location.shard.key)
+
+    locations = list(await asyncio.gather(*(one(location) for location in located)))
+    found = {location.tier for location in located}
+    tier = "origin" if "origin" in found else "shared" if "shared" in found else "local"
+    return locations, tier
