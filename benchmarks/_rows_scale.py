@@ -13,11 +13,14 @@ a cell is the best of `REPEATS` runs, the modes taking turns:
   order) in a plain ``for`` loop adding the same value up.
 
 The targets (issue 35): batch >= 0.25x pyarrow, per sample >= 0.5x the Python loop, at every size.
+With ``DATACACHE_BENCH_BASELINE_PYTHON`` (another checkout's interpreter), its batch and per-sample
+modes take their turns in the same runs (*before* columns).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,15 +71,23 @@ elapsed = time.perf_counter() - started
 print(json.dumps({"rows": rows, "seconds": elapsed, "rows_per_s": rows / elapsed, "checksum": total}))
 """
 MODES = ("batch", "pyarrow", "sample", "loop")
+BASELINE = "DATACACHE_BENCH_BASELINE_PYTHON"
+
+
+def _modes() -> tuple[str, ...]:
+    return (*MODES, "batch@before", "sample@before") if os.environ.get(BASELINE) else MODES
 
 
 def _run(mode: str, data: Path, cache: Path, env: dict[str, str]) -> dict[str, Any]:
     env = {**env, "DATACACHE_LOCAL_DIR": str(cache / "local")}
     env.pop("DATACACHE_SHARED_DIR", None)
+    mode, _, before = mode.partition("@")
+    python = os.environ[BASELINE] if before else sys.executable
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, mode, str(data), str(BATCH), str(SECONDS)],
+            [python, "-c", _CHILD, mode, str(data), str(BATCH), str(SECONDS)],
             env=env,
+            cwd=data,  # not a checkout: each interpreter imports its own datacache
             capture_output=True,
             text=True,
             timeout=SECONDS + 240,
@@ -99,7 +110,7 @@ def measure(directories: dict[int, Path], cache: Path, env: dict[str, str]) -> l
     for rows, data in directories.items():
         point: dict[str, Any] = {"samples": rows}
         for _ in range(REPEATS):
-            for mode in MODES:
+            for mode in _modes():
                 result = _run(mode, data, cache, env)
                 print(f"rows: {rows:>13,} {mode}: {result}", flush=True)
                 if point.get(mode, {}).get("rows_per_s", -1.0) < result.get("rows_per_s", 0.0) or mode not in point:
@@ -130,10 +141,21 @@ def render(points: list[dict[str, Any]]) -> list[str]:
         "| rows | batch | pyarrow (sequential) | batch / pyarrow | per sample | Python loop | per sample / loop |",
         "|---|---|---|---|---|---|---|",
     ]
+    before = any("batch@before" in p for p in points)
+    if before:
+        lines[-2] += " batch, before | before / pyarrow | per sample, before | before / loop |"
+        lines[-1] += "---|---|---|---|"
     for p in points:
-        lines.append(
+        line = (
             f"| {p['samples']:,} | {_rate(p['batch'])} | {_rate(p['pyarrow'])} | "
             f"{_ratio(p['batch'], p['pyarrow'], 0.25)} | {_rate(p['sample'])} | {_rate(p['loop'])} | "
             f"{_ratio(p['sample'], p['loop'], 0.5)} |"
         )
+        if before:
+            old_batch, old_sample = p.get("batch@before", {}), p.get("sample@before", {})
+            line += (
+                f" {_rate(old_batch)} | {_ratio(old_batch, p['pyarrow'], 0.25)} | "
+                f"{_rate(old_sample)} | {_ratio(old_sample, p['loop'], 0.5)} |"
+            )
+        lines.append(line)
     return lines

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from datacache.loaders.order.layout import Cursor, Dealing, Layout
-from datacache.loaders.order.permute import permute, unpermute
+from datacache.loaders.order.permute import mix_key, permute, permute_windows, unpermute
 from datacache.loaders.order.windows import WindowedOrder, exclusive_sum
 from datacache.loaders.plans.positions import node_unit_sequences, plan_epoch
 from hypothesis import given, settings
@@ -45,6 +45,31 @@ def test_the_permutation_depends_on_its_key_and_shuffles() -> None:
     # each window of a whole order gets its own key: one call spans windows
     windows = permute(positions % 100, 100, positions // 100)
     assert not np.array_equal(windows[:100], windows[100:200])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(1, 700),
+    total=st.integers(1, 5000),
+    start=st.integers(0, 5000),
+    length=st.integers(0, 3000),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_a_window_at_a_time_permutes_as_one_key_per_position(
+    window: int, total: int, start: int, length: int, seed: int
+) -> None:
+    # The epoch's order asks for runs of positions of one window; computed run by run with scalar
+    # keys, each position must land where the elementwise permutation (one key each) puts it.
+    positions = np.arange(min(start, total - 1), min(start + length, total), dtype=np.int64)
+    number = positions // window
+    size = np.minimum(window, total - number * window)
+    expected = permute(positions - number * window, size, mix_key(seed, 1, number))
+    got = permute_windows(positions - number * window, number, size, lambda w: mix_key(seed, 1, w))
+    assert got.tolist() == expected.tolist()
+    shuffled = np.random.default_rng(seed % 2**32).permutation(len(positions))  # runs of one position
+    offsets, numbers = (positions - number * window)[shuffled], number[shuffled]
+    got = permute_windows(offsets, numbers, size[shuffled], lambda w: mix_key(seed, 1, w))
+    assert got.tolist() == expected[shuffled].tolist()
 
 
 def _ids(plan: object, counts: np.ndarray, upto: int | None = None) -> list[int]:

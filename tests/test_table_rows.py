@@ -116,3 +116,42 @@ def test_damaged_parquet_data_is_skipped_in_batch_mode_on_request(tmp_path: Path
     assert got == [*range(10), *range(20, 30)]
     stats = skipping.stats()
     assert stats.skipped_shards == 1 and stats.skipped_samples == 10
+
+
+def test_batch_mode_raises_damage_at_the_batch_that_reads_it_not_before(tmp_path: Path, settings: Settings) -> None:
+    # Batches are cut from chunks of several batches taken at once: a chunk holding a damaged
+    # file's rows must not raise for the batches before them.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    origin = tmp_path / "pq"
+    origin.mkdir()
+    for part in range(3):
+        pq.write_table(pa.Table.from_pylist([{"i": part * 10 + j} for j in range(10)]), origin / f"p{part}.parquet")
+    (origin / "p1.parquet").write_bytes(damaged_file(tmp_path))
+    got: list[int] = []
+    with pytest.raises(ShardReadError, match=r"p1\.parquet"):
+        for batch in CachedIterableDataset(str(origin), config=settings, shuffle=False, batch_size=4):
+            got.extend(batch.column("i").to_pylist())
+    assert got == list(range(8))  # rows 8 and 9 share their batch with p1's first rows
+
+
+def test_rows_become_the_dicts_to_pylist_makes() -> None:
+    import pyarrow as pa
+    from datacache.loaders.reading.rows import python_rows
+
+    columns = {
+        "i": pa.array([1, None, 3], pa.int32()),
+        "s": pa.array(["a", "é", None]),
+        "b": pa.array([b"x", None, b""], pa.binary()),
+        "l": pa.array([[1, 2], [], None], pa.list_(pa.int64())),
+        "t": pa.array([{"x": 1}, None, {"x": 3}], pa.struct([("x", pa.int8())])),
+    }
+    names = list(columns)
+    for width in range(1, len(names) + 1):
+        for first in range(len(names) - width + 1):
+            batch = pa.record_batch({name: columns[name] for name in names[first : first + width]})
+            assert python_rows(batch) == batch.to_pylist()
+            assert python_rows(batch.slice(1, 2)) == batch.slice(1, 2).to_pylist()
+    same = pa.RecordBatch.from_arrays([columns["i"], columns["s"]], names=["a", "a"])
+    assert python_rows(same) == same.to_pylist()

@@ -71,6 +71,13 @@ class ParquetRows:
 
     def _where(self, indices: IntArray) -> tuple[IntArray, IntArray, IntArray]:
         """(row group, slice in it, row in the slice) of each of ``indices``."""
+        if len(indices) > 1:
+            low, high = np.searchsorted(self._starts, [indices.min(), indices.max()], side="right") - 1
+            size = int(self._slice_rows[low])
+            if low == high and not size & (size - 1):  # one row group (most windows' rows), slices of 2**k rows
+                offset = indices - self._starts[low]
+                shift = size.bit_length() - 1
+                return np.full(len(indices), low, dtype=np.int64), offset >> shift, offset & (size - 1)
         group = np.searchsorted(self._starts, indices, side="right") - 1
         offset = indices - self._starts[group]
         rows = self._slice_rows[group]

@@ -122,8 +122,8 @@ class RowsReader(UnitReader):
             batch = self._rows.take(indices)
         except (*self._errors, IndexError) as exc:
             raise ShardReadError(f"{self.where}: {self._damaged} in rows {_span(indices)} ({exc})") from None
-        numbers = pc.cast(pa.array(indices), pa.string())
-        keys = pc.binary_join_element_wise(f"{self._stem}/", numbers, "")
+        # The row numbers as text, the stem put before each (replace_slice: ~3x binary_join's speed)
+        keys = pc.binary_replace_slice(pc.cast(pa.array(indices), pa.string()), 0, 0, f"{self._stem}/")
         return batch.append_column("__key__", keys)
 
     def rows(self, indices: IntArray) -> list[dict[str, Any]]:

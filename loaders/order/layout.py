@@ -119,6 +119,8 @@ def worker_spots(layout: Layout, indexes: IntArray) -> IntArray:
     """
     indexes = np.asarray(indexes, dtype=np.int64)
     chunk, workers = layout.chunk, layout.num_workers
+    if workers == 1:  # one worker reads every spot: the formula below is the identity
+        return indexes
     result: IntArray = ((indexes // chunk) * workers + layout.worker) * chunk + indexes % chunk
     return result
 

@@ -32,7 +32,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.layout import Cursor, consumed_spots, worker_ends
-from datacache.loaders.order.permute import mix_key, permute
+from datacache.loaders.order.permute import mix_key, permute_windows
 
 __all__ = [
     "ArrayOrder",
@@ -136,11 +136,14 @@ class WindowedOrder:
             window = positions // self.window
             base = window * self.window
             size = np.minimum(self.window, self.total - base)
-            pre = base + permute(positions - base, size, mix_key(self.seed, self.epoch, window))
+            pre = base + permute_windows(positions - base, window, size, self._key)
         slot = np.searchsorted(laid, pre, side="right") - 1
         unit = perm[slot]
         result: IntArray = starts[unit] + (pre - laid[slot])
         return result
+
+    def _key(self, window: IntArray) -> npt.NDArray[np.uint64]:
+        return mix_key(self.seed, self.epoch, window)
 
     def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
@@ -273,6 +276,8 @@ class Deal:
             else:
                 return extra % max(1, min(self.total, self.length(drop_last=False)))
         full = self.rounds * self.block
+        if self.world == 1:
+            return spots  # one rank reads every block in order (its head is ``full``): the identity
         blocks = rank + self.world * (spots // self.block)
         result: IntArray = np.where(
             spots < full, blocks * self.block + spots % self.block, self.head + rank + self.world * (spots - full)

@@ -23,7 +23,7 @@ import torch
 from datacache.loaders.decode import Decoder, SampleDecoding
 from datacache.loaders.packing import BufferRing, pack_fields
 from datacache.loaders.plans.positions import Positions
-from datacache.loaders.reading.rows import arrow_batch
+from datacache.loaders.reading.rows import ArrowChunks, arrow_batch
 from datacache.loaders.runtime import Units
 from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.stats import Counter
@@ -81,6 +81,7 @@ class BatchBuilder:
         self._batch = get_format(runtime.handle.manifest.format.value).batch
         self._table_rows = self._batch == "arrow" and self._decoding.raw
         """Rows as they are, into a record batch: taken by Arrow per unit (`reading.rows`), never row by row."""
+        self._chunks = ArrowChunks(units, epoch) if self._table_rows and ArrowChunks.fits(epoch, tally) else None
         self._ring: BufferRing | None = None
 
     @property
@@ -97,7 +98,10 @@ class BatchBuilder:
         """
         stop = min(begin + size, len(self._epoch))
         if self._table_rows:
-            taken = arrow_batch(self._units, self._epoch, begin, stop, self._tally)
+            if self._chunks is not None:
+                taken = self._chunks.batch(begin, stop)
+            else:
+                taken = arrow_batch(self._units, self._epoch, begin, stop, self._tally)
             if taken is not None:
                 return self._taken(*taken)
         raw: list[list[tuple[str, memoryview]]] = []

@@ -5,33 +5,49 @@ time decoded (or converted to Python) a slice of rows per sample. Here the posit
 reads next are grouped by unit and each unit's rows are taken from its decoded slices at once:
 
 - **batch mode** (`arrow_batch`): the batch is the units' ``take`` results put in position
-  order, an Arrow record batch built without a Python object per row;
+  order, an Arrow record batch built without a Python object per row; `ArrowChunks` takes
+  `CHUNK_BATCHES` batches' rows at once (one ``take`` and one key column per unit for all of
+  them: what a call costs is paid per chunk, not per batch) and cuts the batches from it;
 - **per-sample mode**, rows passed as they are (`ready_rows`): the next chunk of positions'
-  rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts in one
-  ``to_pylist`` and are handed out from a list, counted per chunk;
+  rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts together
+  (`python_rows`: each column converted at once) and are handed out from a list, counted per chunk;
 - **per-sample mode** with a decoder, a transform or a mix (`RowsAhead`): a unit's rows among
   the next `AHEAD` positions become dicts together, kept until their positions are read.
 
-Memory: a chunk of rows as Python objects, beside the decoded slices.
+Memory: a chunk of rows as Python objects, or two chunks of Arrow batches (about `CHUNK_BYTES`
+each), beside the decoded slices.
 
-Both leave the order, the positions counted and the units opened exactly as the one-by-one path.
+Both leave the order, the positions counted and what is skipped exactly as the one-by-one path
+(a batch chunk opens the units of its later batches a little earlier).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.plans.indexed import Segmented
+from datacache.loaders.plans.indexed import IndexedPositions, Segmented
 from datacache.loaders.plans.positions import Positions
 from datacache.loaders.runtime import Units
 
 from datacache.errors import ShardReadError
 from datacache.formats._rows import RowsReader
 
-__all__ = ["AHEAD", "CHUNK_ROWS", "RowsAhead", "arrow_batch", "chunk_rows", "ready_rows"]
+__all__ = [
+    "AHEAD",
+    "CHUNK_BATCHES",
+    "CHUNK_ROWS",
+    "ArrowChunks",
+    "RowsAhead",
+    "arrow_batch",
+    "chunk_rows",
+    "python_rows",
+    "ready_rows",
+]
 
 IntArray = npt.NDArray[np.int64]
 AHEAD = 256
@@ -40,6 +56,10 @@ CHUNK_ROWS = (64, 4096)
 """The fewest and most rows `ready_rows` converts together (rows passed as they are)."""
 CHUNK_BYTES = 8 << 20
 """About how many bytes of Arrow data one chunk of rows converts: big rows come fewer at a time."""
+CHUNK_BATCHES = 16
+"""Batches batch mode takes together at most (`ArrowChunks`), as long as they hold about `CHUNK_BYTES`."""
+Taken = tuple[Any, int, IntArray]
+"""A record batch (None: every row skipped), the positions skipped, each row's offset from the first position."""
 
 
 def chunk_rows(nbytes: int, rows: int) -> int:
@@ -107,10 +127,77 @@ def arrow_batch(
     return batch, skipped, taken
 
 
+class ArrowChunks:
+    """Batch mode's record batches cut from chunks of up to `CHUNK_BATCHES` batches taken at once.
+
+    Reader threads ask for batches out of order, so chunks are aligned: the first batch asked for
+    is taken alone and its bytes fix the chunk's span (`CHUNK_BYTES`); chunk ``j`` covers
+    ``span`` positions from ``origin + j * span``. A batch not inside one chunk, a chunk whose rows
+    `arrow_batch` does not take, and a chunk that raised (a damaged file, a failed open: the error
+    is raised again by its own batch, as read alone) are read batch by batch. A slice of a chunk
+    holds the rows the batch would hold alone, in the same order: the order, the positions
+    counted and what is skipped are the per-batch path's (only when a unit is opened moves ahead
+    within the chunk). The last two chunks are kept (the threads build at most `reading.batching.LOOKAHEAD`
+    batches ahead).
+    """
+
+    def __init__(self, units: Units, plan: Positions) -> None:
+        self._units = units
+        self._plan = plan
+        self._lock = threading.Lock()
+        self._origin: int | None = None
+        self._span = 0
+        self._chunks: OrderedDict[int, tuple[int, int, Any, IntArray] | None] = OrderedDict()
+
+    @staticmethod
+    def fits(plan: Positions, tally: Callable[[int, int], None] | None) -> bool:
+        """Whether ``plan``'s batches can be cut from chunks: a fixed plan, no per-source tally (a mix)."""
+        return tally is None and isinstance(plan, IndexedPositions)
+
+    def batch(self, begin: int, stop: int) -> Taken | None:
+        """What `arrow_batch` returns for positions ``[begin, stop)`` (with no tally)."""
+        if self._origin is None:
+            with self._lock:
+                if self._origin is None:
+                    built = arrow_batch(self._units, self._plan, begin, stop, None)
+                    nbytes = built[0].nbytes if built is not None and built[0] is not None else 0
+                    batches = min(CHUNK_BATCHES, CHUNK_BYTES // max(1, nbytes)) if nbytes else 1
+                    self._span = (stop - begin) * max(1, batches)
+                    self._origin = stop  # set last: threads read both without the lock
+                    return built
+        index = (begin - self._origin) // self._span if self._span > stop - begin else -1
+        start = self._origin + index * self._span
+        if index < 0 or stop > start + self._span:
+            return arrow_batch(self._units, self._plan, begin, stop, None)
+        chunk = self._chunk(index, start, min(start + self._span, len(self._plan)))
+        if chunk is None or stop > chunk[1]:
+            return arrow_batch(self._units, self._plan, begin, stop, None)
+        _, _, batch, taken = chunk
+        low, high = np.searchsorted(taken, [begin - start, stop - start]).tolist()
+        skipped = (stop - begin) - (high - low)
+        if batch is None or high == low:
+            return None, skipped, np.zeros(0, dtype=np.int64)
+        return batch.slice(low, high - low), skipped, taken[low:high] - (begin - start)
+
+    def _chunk(self, index: int, start: int, stop: int) -> tuple[int, int, Any, IntArray] | None:
+        with self._lock:
+            if index in self._chunks:
+                return self._chunks[index]
+            try:
+                built = arrow_batch(self._units, self._plan, start, stop, None)
+            except Exception:  # raised again where the batch holding its position is read alone
+                built = None
+            chunk = None if built is None else (start, stop, built[0], built[2])
+            self._chunks[index] = chunk
+            while len(self._chunks) > 2:
+                self._chunks.popitem(last=False)
+            return chunk
+
+
 def ready_rows(
     units: Units, plan: Positions, begin: int, stop: int
 ) -> tuple[list[tuple[int, Any]], int, int, int] | None:
-    """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then one ``to_pylist``).
+    """Per-sample mode's rows of ``[begin, stop)``, converted together (`arrow_batch`, then `python_rows`).
 
     Returns ``(items, skipped, payload bytes, Arrow bytes)``: ``items`` last first, each ``(positions
     consumed once it is delivered, row)`` (the last one consumes up to ``stop``, skipped positions
@@ -124,8 +211,31 @@ def ready_rows(
         return [], skipped, 0, 0
     after = taken + begin + 1
     after[-1] = stop
-    items = list(zip(after[::-1].tolist(), reversed(batch.to_pylist()), strict=True))
+    rows = python_rows(batch)
+    rows.reverse()
+    items = list(zip(after[::-1].tolist(), rows, strict=True))
     return items, skipped, int(_payload(batch).sum()), int(batch.nbytes)
+
+
+def python_rows(batch: Any) -> list[dict[str, Any]]:
+    """``batch.to_pylist()``, ~20% faster for up to four columns: each column turned into Python
+    objects at once, the dicts built by a display (what per-sample mode spends most of its time on)."""
+    names = batch.schema.names
+    if len(set(names)) != len(names) or not 1 <= len(names) <= 4:
+        rows: list[dict[str, Any]] = batch.to_pylist()
+        return rows
+    columns = [column.to_pylist() for column in batch.columns]
+    if len(names) == 1:
+        (n0,) = names
+        return [{n0: a} for a in columns[0]]
+    if len(names) == 2:
+        n0, n1 = names
+        return [{n0: a, n1: b} for a, b in zip(*columns, strict=True)]
+    if len(names) == 3:
+        n0, n1, n2 = names
+        return [{n0: a, n1: b, n2: c} for a, b, c in zip(*columns, strict=True)]
+    n0, n1, n2, n3 = names
+    return [{n0: a, n1: b, n2: c, n3: d} for a, b, c, d in zip(*columns, strict=True)]
 
 
 def _payload(batch: Any) -> IntArray:
