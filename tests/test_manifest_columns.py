@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import REPO
-from _users import User, python_as, users, world_dir
+from _users import User, python_as, users, world_dir  # noqa: F401 (the fixtures)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -51,7 +51,11 @@ def test_every_field_round_trips_through_the_mapped_file(tmp_path: Path) -> None
     assert list(loaded.shards) == list(SHARDS) and loaded.shards == SHARDS
     for got, want in zip(loaded.shards, SHARDS, strict=True):
         assert (got.key, got.size, got.version, got.checksum, got.samples) == (
-            want.key, want.size, want.version, want.checksum, want.samples
+            want.key,
+            want.size,
+            want.version,
+            want.checksum,
+            want.samples,
         )
     assert (loaded.dataset, loaded.url, loaded.format, loaded.created) == ("ds", manifest.url, ShardFormat.TAR, 1234.5)
     assert loaded.extra == manifest.extra and loaded.snapshot == manifest.snapshot
@@ -127,7 +131,11 @@ def test_two_processes_map_one_file_read_only_with_no_private_copy(tmp_path: Pat
     children = [
         subprocess.Popen(
             [sys.executable, "-c", _MAP_AND_WAIT, str(tmp_path / "manifests"), str(count)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
         for _ in range(2)
     ]
@@ -183,7 +191,10 @@ def test_a_file_others_may_write_or_a_link_is_refused(tmp_path: Path, caplog: py
 
 
 def test_a_file_planted_by_another_user_is_refused(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, users: dict[str, User], world_dir: Path
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    users: dict[str, User],  # noqa: F811
+    world_dir: Path,  # noqa: F811
 ) -> None:
     """Another uid that can write the directory makes a well-formed file: its owner is not trusted."""
     mallory = users["mallory"]

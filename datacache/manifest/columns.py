@@ -21,16 +21,14 @@ import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from datacache.errors import ConfigError
-
-if TYPE_CHECKING:
-    from datacache.manifest.model import Shard
+from datacache.manifest.shard import Shard
 
 __all__ = ["COLUMNS_MAGIC", "ShardTable", "encode", "map_table"]
 
@@ -54,13 +52,7 @@ _DTYPES = {
 """Every column and its type: a file with any other is refused."""
 
 
-def _shard_type() -> type[Shard]:
-    from datacache.manifest.model import Shard  # the model imports this module: the class is looked up late
-
-    return Shard
-
-
-class ShardTable(Sequence["Shard"]):
+class ShardTable(Sequence[Shard]):
     """The shards of a manifest, in manifest order, as columns; each item a `Shard` made on access.
 
     ``buffer`` holds the columns at the byte ranges ``layout`` gives (name -> (offset, items, dtype)).
@@ -167,7 +159,7 @@ class ShardTable(Sequence["Shard"]):
             return tuple(self[i] for i in range(*index.indices(self._count)))
         i = self._checked(index)
         samples = int(self._columns["samples"][i])
-        return _shard_type()(
+        return Shard(
             self._string("key", i) or "",
             int(self._columns["sizes"][i]),
             self._string("version", i),
