@@ -17,7 +17,7 @@ a synthetic manifest (peak RSS per rank and the time to the first planned sample
 tar shards (`benchmarks._wds_scale`), and ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards
 (seconds, per shard, and per shard beyond the bytes: `benchmarks._warm_scale`).
 
-Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|wds|rows]``; writes
+Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|manifest|wds|rows]``; writes
 ``benchmarks/RESULTS-scale.md`` and ``benchmarks/results-scale.json`` (``--only`` measures that part
 again and keeps the other parts of the last run's results). ``make bench`` runs it after the
 throughput benchmark.
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _plan_scale, _rows_scale, _warm_scale, _wds_scale
+from benchmarks import _manifest_scale, _plan_scale, _rows_scale, _warm_scale, _wds_scale
 from benchmarks._common import REPO, WORK, clean_env
 
 FILES = 100
@@ -141,6 +141,7 @@ def _beside(work: Path, env: dict[str, str], *, quick: bool, only: str | None = 
     """The parts measured beside the Parquet points (all, or ``only`` one): each with its start and load."""
     parts = {
         "plan": lambda: {"when": _when(), "points": _plan_scale.measure(env)},
+        "manifest": lambda: {"when": _when(), **_manifest_scale.measure(work, env)},
         "wds": lambda: {
             "when": _when(),
             **_wds_scale.measure(work, env, lambda urls: _point(urls, work / "cache", env, 300.0)),
@@ -270,6 +271,9 @@ def render(result: dict[str, Any]) -> str:
             _measured(result["plan"]),
             *_plan_scale.render(result["plan"]["points"]),
         ]
+    if "manifest" in result:
+        lines += ["", "## A node's manifest of 1e6 shards, mapped", "", _measured(result["manifest"])]
+        lines += _manifest_scale.render(result["manifest"])
     if "wds" in result:
         lines += ["", "## WebDataset beside datacache: time to the first sample", "", _measured(result["wds"])]
         lines += _wds_scale.render(result["wds"])
@@ -290,7 +294,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="up to 1e8 samples and 1e4 shards")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
     parser.add_argument(
-        "--only", choices=["mix", "warm", "plan", "wds", "rows"], help="measure only this part; keep the other results"
+        "--only",
+        choices=["mix", "warm", "plan", "manifest", "wds", "rows"],
+        help="measure only this part; keep the other results",
     )
     args = parser.parse_args()
     work = WORK / "scale"

@@ -182,8 +182,7 @@ def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
     if missing is not None:
         return missing
     return ShardNotFoundError(
-        f"{_named(dataset)}no objects under {origin.url} "
-        "(the prefix or directory is empty or does not exist)"
+        f"{_named(dataset)}no objects under {origin.url} (the prefix or directory is empty or does not exist)"
     )
 
 
@@ -266,9 +265,7 @@ async def take_manifest(
         ) from None
 
 
-async def _take_manifest(
-    dataset: DatasetConfig, origin: Tier, parent: Tier | None, bounds: ListingBounds
-) -> Manifest:
+async def _take_manifest(dataset: DatasetConfig, origin: Tier, parent: Tier | None, bounds: ListingBounds) -> Manifest:
     started = time.monotonic()
     infos = [info async for info in origin.list()]
     if parent is not None and _lists_itself(dataset.url, infos):

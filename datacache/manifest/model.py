@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from datacache.errors import ConfigError, ShardNotFoundError
 from datacache.format_registry import format_names, get_format
-from datacache.tiers import redact_url, validate_key
+from datacache.manifest.columns import ShardTable
+from datacache.manifest.shard import Shard
+from datacache.tiers import redact_url
 
 __all__ = [
     "MANIFEST_NAME",
@@ -66,45 +68,6 @@ else:
     ShardFormat.__doc__ = "How the samples of a dataset are laid out in its files: a format of `datacache.formats`."
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One file of a dataset, as the manifest snapshot recorded it."""
-
-    key: str
-    size: int
-    version: str | None = None
-    checksum: str | None = None
-    samples: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"key": self.key, "size": self.size}
-        for name in ("version", "checksum", "samples"):
-            value = getattr(self, name)
-            if value is not None:
-                data[name] = value
-        return data
-
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> Shard:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: a shard entry must be an object")
-        key = data.get("key")
-        size = data.get("size")
-        if not isinstance(key, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ConfigError(f"{where}: a shard entry needs a string key and a non-negative integer size")
-        validate_key(key)
-        version = data.get("version")
-        checksum = data.get("checksum")
-        samples = data.get("samples")
-        if version is not None and not isinstance(version, str):
-            raise ConfigError(f"{where}: shard {key!r}: version must be a string")
-        if checksum is not None and not (isinstance(checksum, str) and checksum.startswith("xxh3_64:")):
-            raise ConfigError(f"{where}: shard {key!r}: checksum must look like 'xxh3_64:<hex>'")
-        if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 0):
-            raise ConfigError(f"{where}: shard {key!r}: samples must be a non-negative integer")
-        return cls(key=key, size=size, version=version, checksum=checksum, samples=samples)
-
-
 TAR_BLOCK = 512
 """A tar member takes one header block at least: a tar of N bytes holds at most N // 512 samples."""
 PARQUET_MAX_ROWS_PER_BYTE = 1024
@@ -142,14 +105,27 @@ def _backed_counts(fmt: ShardFormat, shards: tuple[Shard, ...], where: str) -> t
 
 @dataclass(frozen=True)
 class Manifest:
-    """A dataset's shards at one moment; an epoch reads one manifest, never two."""
+    """A dataset's shards at one moment; an epoch reads one manifest, never two.
+
+    ``shards`` may be given as any sequence of `Shard`; it is held as a `ShardTable` (columns,
+    each `Shard` made on access), so that 1e6 shards cost their bytes, not 1e6 objects.
+    """
 
     dataset: str
     url: str
     format: ShardFormat
-    shards: tuple[Shard, ...]
+    shards: Sequence[Shard]
     created: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardTable):
+            object.__setattr__(self, "shards", ShardTable.from_shards(self.shards))
+
+    @property
+    def table(self) -> ShardTable:
+        """The shards as columns (`ShardTable.sizes`, `ShardTable.samples`, lookups by key)."""
+        return cast(ShardTable, self.shards)
 
     @cached_property
     def snapshot(self) -> str:
@@ -166,16 +142,12 @@ class Manifest:
                 digest.update(f"sidecar\0{json.dumps(entry, sort_keys=True)}\n".encode())
         return digest.hexdigest()[:16]
 
-    @cached_property
-    def _by_key(self) -> dict[str, Shard]:
-        return {shard.key: shard for shard in self.shards}
-
     def shard(self, key: str) -> Shard:
         """Return the shard ``key``; raise `ShardNotFoundError` naming the dataset if absent."""
-        try:
-            return self._by_key[key]
-        except KeyError:
-            raise ShardNotFoundError(f"dataset {self.dataset}: no shard {key!r} in its manifest") from None
+        position = self.table.position(key)
+        if position is None:
+            raise ShardNotFoundError(f"dataset {self.dataset}: no shard {key!r} in its manifest")
+        return self.table[position]
 
     def named(self, keys: Sequence[str], *, label: str, url: str) -> tuple[Shard, ...]:
         """The shards ``keys`` (in that order) that ``label``, a pattern or list the user gave, names.
@@ -183,32 +155,30 @@ class Manifest:
         A missing one is an error naming ``label``, as the user wrote it, not the first
         expanded name: the loader and ``datacache warm`` say the same.
         """
-        missing = [key for key in keys if key not in self._by_key]
+        missing = [key for key in keys if key not in self]
         where = f"{redact_url(url)} (dataset {self.dataset})"
         if keys and len(missing) == len(keys):
-            raise ShardNotFoundError(
-                f"{label} matches no shard of {where}; the names it gives start with {keys[0]!r}"
-            )
+            raise ShardNotFoundError(f"{label} matches no shard of {where}; the names it gives start with {keys[0]!r}")
         if missing:
             raise ShardNotFoundError(
                 f"{label}: {len(missing)} of its {len(keys)} shards are not in {where}, the first {missing[0]!r}"
             )
-        return tuple(self._by_key[key] for key in keys)
+        return tuple(self.shard(key) for key in keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._by_key
+        return isinstance(key, str) and self.table.position(key) is not None
 
     @property
     def total_bytes(self) -> int:
-        return sum(shard.size for shard in self.shards)
+        return int(self.table.sizes.sum())
 
     @property
     def total_samples(self) -> int | None:
         """Sum of the sample counts, or ``None`` if any shard's count is unknown."""
-        counts = [shard.samples for shard in self.shards]
-        if any(count is None for count in counts):
+        counts = self.table.samples
+        if len(counts) and int(counts.min()) < 0:
             return None
-        return sum(count for count in counts if count is not None)
+        return int(counts.sum())
 
     def select(self, spec: str | None) -> list[Shard]:
         """Return the shards a ``--shards`` spec names: ``"0:10"`` (indexes), ``"a.tar,b.tar"`` (keys) or all."""
@@ -227,10 +197,10 @@ class Manifest:
 
     def _shard_or_index(self, key: str, spec: str) -> Shard:
         """The shard named ``key``; a bare number that names no shard is an index (``--shards 3``)."""
-        if ":" in key and key not in self._by_key:
+        if ":" in key and key not in self:
             # Not a key of the dataset: most likely a range with a typo (`2:x`), so say what a range is.
             raise ConfigError(f"--shards {spec!r}: {key!r} is no shard key of the dataset; {_SHARDS_FORMS}")
-        if key in self._by_key or not key.lstrip("-").isdigit():
+        if key in self or not key.lstrip("-").isdigit():
             return self.shard(key)
         index = int(key)
         if not -len(self.shards) <= index < len(self.shards):
@@ -281,5 +251,3 @@ class Manifest:
             created=float(created),
             extra=extra,
         )
-
-

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from datacache.errors import DatacacheError, InvalidKeyError
+from datacache.manifest.mapped import COLUMNS_SUFFIX, columns_body, map_manifest
 from datacache.manifest.model import Manifest
 from datacache.tiers import LocalTier, SharedTier, validate_key
 from datacache.tiers.files import Place, atomic_write, read_bounded_stat
@@ -77,6 +78,9 @@ class ManifestStore:
 
     def _load_sync(self, dataset_id: str) -> Manifest | None:
         place = self._place(0, dataset_id)
+        mapped = map_manifest(place.sibling(dataset_id + COLUMNS_SUFFIX), self._trusted, MAX_MANIFEST_BYTES)
+        if mapped is not None and mapped.dataset == dataset_id:
+            return mapped
         raw = self._read_trusted(place)
         if raw is None:
             return None
@@ -95,7 +99,12 @@ class ManifestStore:
         return await asyncio.to_thread(self._load_sync, dataset_id)
 
     async def save(self, manifest: Manifest) -> None:
-        """Persist ``manifest`` atomically in every directory."""
+        """Persist ``manifest`` atomically in every directory; in this node's, also as the file its processes map."""
+        columns = self._place(0, manifest.dataset).sibling(manifest.dataset + COLUMNS_SUFFIX)
+        try:
+            await atomic_write(columns, columns_body(manifest), durable=False, file_mode=self._file_mode(0))
+        except (OSError, InvalidKeyError) as exc:
+            logger.warning("could not persist the columns of %s in %s: %s", manifest.dataset, columns.path, exc)
         encoded = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
 
         async def body() -> AsyncIterator[bytes]:
@@ -119,3 +128,4 @@ class ManifestStore:
 
         for position in range(len(self._directories)):
             await asyncio.to_thread(unlink, self._place(position, dataset_id))
+        await asyncio.to_thread(unlink, self._place(0, dataset_id).sibling(dataset_id + COLUMNS_SUFFIX))
