@@ -7,7 +7,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["checksum_of", "hash_file", "new_hasher"]
+__all__ = ["checksum_of", "copy_problem", "hash_file", "new_hasher"]
 
 
 def new_hasher() -> Any:
@@ -18,6 +18,23 @@ def new_hasher() -> Any:
 def checksum_of(hasher: Any) -> str:
     """The checksum string a manifest records for a finished ``hasher``."""
     return f"xxh3_64:{hasher.hexdigest()}"
+
+
+def copy_problem(data: Any, size: int, checksum: str | None, *, hashed: bool = True) -> str:
+    """What is wrong with a whole shard's bytes ``data`` (a buffer), checked against its manifest entry.
+
+    The one rule every reader of a shard applies (the stager's verified read, the loaders' mapped
+    copies): its size, then, where ``hashed`` and the manifest has one, its ``checksum``. Empty when
+    nothing is wrong; else a phrase that follows the name of the copy ("... has 5 bytes, the manifest says 9").
+    """
+    if len(data) != size:
+        return f"has {len(data)} bytes, the manifest says {size}"
+    if hashed and checksum is not None:
+        hasher = new_hasher()
+        hasher.update(data)
+        if checksum_of(hasher) != checksum:
+            return "does not match its checksum"
+    return ""
 
 
 def hash_file(path: Path) -> str:

@@ -76,11 +76,6 @@ class DatasetConfig:
         """The dataset's identity, its directory name in every tier: from its origin, never its name."""
         return dataset_id_for(self.url, self.storage_options)
 
-    @property
-    def named(self) -> str:
-        """``"dataset NAME: "`` for a dataset the config names; "" for one given by its URL (messages show that)."""
-        return f"dataset {self.name}: " if self.name != self.id else ""
-
     def __repr__(self) -> str:
         return f"DatasetConfig(name={self.name!r}, url={redact_url(self.url)!r}, policy={self.policy!r})"
 

@@ -199,7 +199,7 @@ def _dataset_of(spec: str, settings: Settings, policy: str | None) -> DatasetCon
 
 def _shown(dataset: DatasetConfig) -> str:
     """How a progress line names the dataset: by its config name, else by the URL given (not its id)."""
-    return dataset.name if dataset.named else redact_url(dataset.url)
+    return dataset.name if dataset.name != dataset.id else redact_url(dataset.url)
 
 
 def _warm_display(args: argparse.Namespace, what: str, shards: int, total_bytes: int) -> Progress:

@@ -119,6 +119,11 @@ async def _single_object(dataset: DatasetConfig, parent: Tier, bounds: ListingBo
     return Manifest(dataset=dataset.id, url=dataset.url, format=fmt, shards=(shard,), extra={OBJECT_KEY: name})
 
 
+def _named(dataset: DatasetConfig) -> str:
+    """``"dataset NAME: "`` for a dataset the config names; "" for one given by its URL (the message shows it)."""
+    return f"dataset {dataset.name}: " if dataset.name != dataset.id else ""
+
+
 def _glob_hint(url: str) -> str | None:
     """What to write instead of a glob (``*.tar``), which names nothing here; None for other URLs."""
     parent, _, last = url.rstrip("/").rpartition("/")
@@ -138,7 +143,7 @@ def _what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, infos
     """
     keys = [info.key for info in infos]
     return [
-        f"{dataset.named}{redact_url(url)} holds {len(fmt.shard_keys(infos))} "
+        f"{_named(dataset)}{redact_url(url)} holds {len(fmt.shard_keys(infos))} "
         f"{'/'.join(fmt.suffixes) or 'other'} and {len(other.shard_keys(infos))} {'/'.join(other.suffixes)} "
         f'files; reading the {fmt.name} shards only (set format = "{other.name}" for the dataset in the '
         "config file to read the others)"
@@ -172,12 +177,12 @@ def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
     """The error for an origin that lists no object, with a hint when the URL is a glob."""
     glob = _glob_hint(dataset.url)
     if glob is not None:
-        return ShardNotFoundError(f"{dataset.named}{glob}")
+        return ShardNotFoundError(f"{_named(dataset)}{glob}")
     missing = missing_local_path(dataset.url)
     if missing is not None:
         return missing
     return ShardNotFoundError(
-        f"{dataset.named}no objects under {origin.url} "
+        f"{_named(dataset)}no objects under {origin.url} "
         "(the prefix or directory is empty or does not exist)"
     )
 
@@ -195,7 +200,7 @@ async def _from_written_manifest(dataset: DatasetConfig, origin: Tier, by_key: d
         found = by_key.get(shard.key)
         if found is None or found.size != shard.size:
             raise ShardNotFoundError(
-                f"{dataset.named}{origin.url}/{MANIFEST_NAME} names {shard.key!r} "
+                f"{_named(dataset)}{origin.url}/{MANIFEST_NAME} names {shard.key!r} "
                 f"({shard.size} bytes) but the origin {'lacks it' if found is None else f'has {found.size} bytes'}"
             )
         shards.append(Shard(shard.key, shard.size, found.version, shard.checksum, shard.samples))
@@ -215,13 +220,13 @@ def _from_listing(
     for notice in notices:
         logger.warning("%s", notice)
     if not chosen:
-        raise ShardNotFoundError(f"{dataset.named}no {fmt.value} files at {origin.url}")
+        raise ShardNotFoundError(f"{_named(dataset)}no {fmt.value} files at {origin.url}")
     for info in chosen:
         # Object stores allow keys such as "a/../../x" or "a//b"; none may become a path.
         try:
             validate_key(info.key)
         except InvalidKeyError as exc:
-            raise InvalidKeyError(f"{dataset.named}refusing to cache {origin.url}: object {exc}") from None
+            raise InvalidKeyError(f"{_named(dataset)}refusing to cache {origin.url}: object {exc}") from None
     return Manifest(
         dataset=dataset.id,
         url=dataset.url,
@@ -256,7 +261,7 @@ async def take_manifest(
             return await _take_manifest(dataset, origin, parent, bounds)
     except TimeoutError:
         raise ListingTooLargeError(
-            f"{dataset.named}listing {redact_url(dataset.url)} took longer than {time_limit:g}s, this node's "
+            f"{_named(dataset)}listing {redact_url(dataset.url)} took longer than {time_limit:g}s, this node's "
             "bound (listing_timeout; raise it in the config file's [staging] table or with DATACACHE_LISTING_TIMEOUT)"
         ) from None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from datacache.checksum import checksum_of, new_hasher
+from datacache.checksum import copy_problem
 from datacache.errors import ChecksumMismatchError
 from datacache.manifest import Shard
 from datacache.staging.types import ORIGIN, Location
@@ -25,14 +25,7 @@ def _problem(data: bytes, location: Location, byte_range: ByteRange | None) -> s
     if byte_range is not None and (byte_range.start != 0 or byte_range.end is not None):
         return ""
     shard: Shard = location.shard
-    if len(data) != shard.size:
-        return f"read {len(data)} bytes, the manifest says {shard.size}"
-    if location.checksum is not None:
-        hasher = new_hasher()
-        hasher.update(data)
-        if checksum_of(hasher) != location.checksum:
-            return "does not match its checksum"
-    return ""
+    return copy_problem(data, shard.size, location.checksum)
 
 
 async def read_verified(
@@ -58,6 +51,6 @@ async def read_verified(
         problem = _problem(data, location, byte_range)
     if problem:
         raise ChecksumMismatchError(
-            f"dataset {dataset}: shard {location.shard.key!r} from the {location.tier}: {problem}"
+            f"dataset {dataset}: shard {location.shard.key!r} from the {location.tier} {problem}"
         )
     return data
