@@ -83,6 +83,19 @@ def test_a_declared_datasets_files_admit_its_readers_and_not_every_member_of_the
             assert not _reads(users["mallory"], copy)
         metas = sorted((root / "meta").rglob("*.json"))
         assert metas and not any(_reads(bob, meta) for meta in metas), "the copies' metadata is the readers' too"
+    # The dataset's manifests (its URL, shard names, sizes), the daemon's snapshots of them, and its
+    # counts are the readers' as well: every file of the dataset on either tier, not only its bytes.
+    described = [
+        path
+        for path in (*local.rglob("*.json"), *shared.rglob("*"))
+        if path.is_file() and not path.is_symlink() and str(world_dir / "origin") in path.read_text(errors="replace")
+    ]
+    wheres = {path.relative_to(world_dir).parts[:2] for path in described}
+    assert wheres >= {("cache", "manifests"), ("cache", "daemon"), ("shared", "manifests")}, wheres
+    for path in described:
+        own = path.parent == local / "manifests"  # the daemon's own record (0600): no client reads it
+        assert own or _reads(alice, path), f"the reader alice cannot read {path}"
+        assert not _reads(bob, path), f"bob, of the tier's group but not a reader, read {path}"
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ link, a FIFO, a device, too large) raises `UnsafeFileError`. This is the public 
 
 from __future__ import annotations
 
+from datacache.tiers._acl import ReadersIds, apply_mode, readers_mode
 from datacache.tiers._dirfd import (
     Place,
     UnsafeFileError,
@@ -26,13 +27,16 @@ from datacache.tiers._files import PARTIAL_NAME, atomic_write, remove_abandoned_
 __all__ = [
     "PARTIAL_NAME",
     "Place",
+    "ReadersIds",
     "UnsafeFileError",
+    "apply_mode",
     "atomic_write",
     "map_regular",
     "open_dir_async",
     "read_bounded",
     "read_bounded_at",
     "read_bounded_stat",
+    "readers_mode",
     "remove_abandoned_partials",
     "server_now",
 ]

@@ -32,6 +32,7 @@ from datacache.errors import ConfigError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.staging import DatasetHandle, Stager
 from datacache.tiers import CONFINE_REDIRECTS, redact_url, validate_key
+from datacache.tiers.files import apply_mode, readers_mode
 from datacache.tiers.local import GROUP_READABLE
 
 __all__ = ["DatasetRegistry"]
@@ -320,13 +321,23 @@ class DatasetRegistry:
             path.unlink(missing_ok=True)  # an older daemon's write cut short by a crash: make a fresh one
         raise DatacacheError(f"{path}: the daemon's snapshot-name key could not be made")
 
+    def _snapshot_mode(self, dataset_id: str) -> int:
+        for dataset in self.settings.datasets.values():
+            if dataset.id == dataset_id and dataset.readers:
+                readers = (dataset.readers.uids, dataset.readers.gids)
+                return readers_mode(GROUP_READABLE.file, readers, self.snapshot_dir)
+        return GROUP_READABLE.file
+
     def _save_snapshot(self, manifest: Manifest, held: set[str]) -> Path:
         """Write ``manifest``'s snapshot file; prune the dataset's oldest ones but ``held``."""
         path = self.snapshot_path(manifest.dataset, manifest.snapshot)
         if not path.exists():
             temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            temporary.write_bytes(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
-            temporary.chmod(GROUP_READABLE.file)  # the clients of the daemon's group read it
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                # The clients of the daemon's group read it; a declared dataset's, only its readers.
+                apply_mode(fd, self._snapshot_mode(manifest.dataset))
+                out.write(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
             temporary.replace(path)
         prefix = f"{manifest.dataset}@"  # ids hold no '@': no other dataset's file matches
         files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]

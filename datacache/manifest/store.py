@@ -7,14 +7,14 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest.mapped import COLUMNS_SUFFIX, columns_body, map_manifest
 from datacache.manifest.model import Manifest
 from datacache.tiers import LocalTier, SharedTier, validate_key
-from datacache.tiers.files import Place, atomic_write, read_bounded_stat
+from datacache.tiers.files import Place, ReadersIds, atomic_write, read_bounded_stat, readers_mode
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -47,10 +47,17 @@ class ManifestStore:
     own listing of the origin (docs/SECURITY.md).
     """
 
-    def __init__(self, *directories: Path, trusted_uids: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        *directories: Path,
+        trusted_uids: frozenset[int] | None = None,
+        readers: Mapping[str, ReadersIds] | None = None,
+    ) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
+        # A declared dataset's manifest names its URL and shards: its readers' alone, as its files are.
+        self._readers: Mapping[str, ReadersIds] = readers if readers is not None else {}
         self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
     def _place(self, position: int, dataset_id: str) -> Place:
@@ -59,8 +66,11 @@ class ManifestStore:
         dir_mode = LocalTier.dir_mode if position == 0 else SharedTier.dir_mode
         return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
 
-    def _file_mode(self, position: int) -> int | None:
-        return LocalTier.file_mode if position == 0 else SharedTier.file_mode
+    def _file_mode(self, position: int, dataset_id: str) -> int | None:
+        mode = LocalTier.file_mode if position == 0 else SharedTier.file_mode
+        if mode is None or dataset_id not in self._readers:
+            return mode
+        return readers_mode(mode, self._readers[dataset_id], self._directories[position].parent)
 
     def _read_trusted(self, place: Place) -> bytes | None:
         """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
@@ -102,7 +112,8 @@ class ManifestStore:
         """Persist ``manifest`` atomically in every directory; in this node's, also as the file its processes map."""
         columns = self._place(0, manifest.dataset).sibling(manifest.dataset + COLUMNS_SUFFIX)
         try:
-            await atomic_write(columns, columns_body(manifest), durable=False, file_mode=self._file_mode(0))
+            mode = self._file_mode(0, manifest.dataset)
+            await atomic_write(columns, columns_body(manifest), durable=False, file_mode=mode)
         except (OSError, InvalidKeyError) as exc:
             logger.warning("could not persist the columns of %s in %s: %s", manifest.dataset, columns.path, exc)
         encoded = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
@@ -113,7 +124,7 @@ class ManifestStore:
         for position, directory in enumerate(self._directories):
             place = self._place(position, manifest.dataset)
             try:
-                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position))
+                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position, manifest.dataset))
             except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 

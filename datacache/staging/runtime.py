@@ -92,7 +92,7 @@ class StagerRuntime:
         if settings.shared_dir is not None:
             manifest_dirs.append(settings.shared_dir / "manifests")
         self._trusted = settings.trusted_uids
-        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted)
+        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted, readers=self.local.dataset_readers)
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
