@@ -19,7 +19,7 @@ from typing import Any
 
 from datacache.errors import ConfigError
 
-__all__ = ["Readers", "check_not_writable_by_others", "parse_readers"]
+__all__ = ["Readers", "check_not_writable_by_others", "operator_writes", "parse_readers"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class Readers:
         names += ["@" + _name(grp.getgrgid, gid, "gr_name") for gid in sorted(self.gids)]
         return ", ".join(names) or "nobody"
 
+
+
+def operator_writes(daemon_uid: int | None) -> bool:
+    """Whether this process writes as the node's operator (root, the configured daemon account).
+
+    An undeclared dataset's metadata on the shared tier (its manifest: its URL and every shard's
+    name; its counts) is the group's only when the operator wrote it: a job user's own dataset,
+    read in its own process, keeps it 0600, as its shards are (docs/SECURITY.md).
+    """
+    return os.geteuid() in (0, daemon_uid)
 
 def _name(lookup: Any, ident: int, attribute: str) -> str:
     try:

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 from _daemon import DaemonProcess, make_shards, start_daemon
-from _users import User, cli_as, run_as, user_env, users, world_dir
+from _users import User, cli_as, python_as, run_as, user_env, users, world_dir
+from test_loader import write_wds
 
 from datacache.config import dataset_id_for
 
@@ -89,6 +90,22 @@ def test_a_private_origin_read_in_process_never_lands_group_readable_on_the_shar
     for copy in copies:
         assert stat.S_IMODE(copy.stat().st_mode) == 0o600 and copy.stat().st_uid == bob.uid, copy
         assert not _can_read_as(alice, copy), f"alice, whom the origin refuses, read {copy}"
+    # Nor its metadata: a new user's trial read bob's manifest (his URL, every shard's name) and counts.
+    tars = world_dir / "bob-tars"
+    write_wds(tars, 8, 4)
+    for path in [tars, *tars.iterdir()]:
+        os.chown(path, bob.uid, bob.gid)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    read = python_as(bob, f"""
+        from datacache.loaders import CachedIterableDataset
+        print(sum(1 for _ in CachedIterableDataset({str(tars)!r})))
+    """, env=env)
+    assert read.returncode == 0 and read.stdout.split()[-1] == "8", read.stderr
+    private_ids = {dataset_id_for(f"file://{origin}/") for origin in (private, tars)}
+    about = [p for p in shared.rglob("*") if p.is_file() and any(i in str(p) for i in private_ids)]
+    assert {"manifests", "indexes"} <= {p.relative_to(shared).parts[0] for p in about}, about
+    for path in about:
+        assert not _can_read_as(alice, path), f"alice read {path}"
     # What the operator declared shared with the team is still one copy the team reads.
     done = cli_as(bob, "warm", "common", "--tier", "shared", env={**env, "DATACACHE_CONFIG": str(config)})
     assert done.returncode == 0, done.stderr

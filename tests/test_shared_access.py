@@ -67,8 +67,9 @@ def test_group_members_share_the_tier_whatever_their_umask(users: dict[str, User
         assert st.st_gid == team, f"{path} is not the group's"
         if stat.S_ISDIR(st.st_mode):
             assert stat.S_IMODE(st.st_mode) == 0o2770, f"{path}: {stat.S_IMODE(st.st_mode):o}"
-        elif path.relative_to(shared).parts[0] in ("data", "meta"):
-            # Copies of datasets not declared shared are their reader's alone (issue 33 item 1).
+        elif path.relative_to(shared).parts[0] in ("data", "meta", "manifests"):
+            # Copies of datasets not declared shared are their reader's alone (issue 33 item 1), and so
+            # are their manifests (their URL, every shard's name), unless the operator wrote them.
             assert stat.S_IMODE(st.st_mode) == 0o600, f"{path}: {stat.S_IMODE(st.st_mode):o}"
         else:
             assert stat.S_IMODE(st.st_mode) == 0o640, f"{path}: {stat.S_IMODE(st.st_mode):o}"
@@ -264,7 +265,7 @@ def test_catalog_and_index_files_are_private_or_the_groups_under_umask_022(
     users: dict[str, User], world_dir: Path
 ) -> None:
     """Issue 23 item 8: catalog.sqlite and its -wal/-shm, indexes/*.json and indexes/spans/ are 0600/0700;
-    the cluster index's files on the shared tier 0640, whatever the umask."""
+    the cluster index's files on the shared tier 0600 (a dataset not declared shared), whatever the umask."""
     alice, bob = users["alice"], users["bob"]
     shared = _group_tier(world_dir, users)
     url = _tar_origin(world_dir)
@@ -283,8 +284,8 @@ def test_catalog_and_index_files_are_private_or_the_groups_under_umask_022(
         assert mode == (0o700 if path.is_dir() else 0o600), f"{path}: {mode:04o}"
     counts = [*shared.glob("indexes/*/*/batch-*.json"), *shared.glob("indexes/*/*/sidecars.json")]
     assert counts
-    for path in counts:
-        assert stat.S_IMODE(path.stat().st_mode) == 0o640, f"{path}: {stat.S_IMODE(path.stat().st_mode):04o}"
+    for path in counts:  # a dataset not declared shared, counted by a user, not the operator: hers alone
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, f"{path}: {stat.S_IMODE(path.stat().st_mode):04o}"
     # bob, who could list alice's cache directory were it 0755, cannot read her catalog.
     os.chmod(local, 0o755)
     peek = run_as(bob, [sys.executable, "-c", f"open({str(local / 'catalog.sqlite')!r}, 'rb').read()"])

@@ -23,7 +23,16 @@ from datacache.config import Settings, default_cache_dir
 from datacache.counting.sidecars import KnownCount
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
-from datacache.tiers.files import Place, UnsafeFileError, read_bounded, read_bounded_stat, server_now
+from datacache.ownership import operator_writes
+from datacache.tiers.files import (
+    Place,
+    UnsafeFileError,
+    apply_mode,
+    read_bounded,
+    read_bounded_stat,
+    readers_mode,
+    server_now,
+)
 
 __all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
 
@@ -85,6 +94,16 @@ _NAMED: set[Path] = set()
 _INDEX_FILE_LIMIT = 256 << 20
 
 
+def _file_mode(settings: Settings, dataset_id: str, base: Path) -> int:
+    """A count file's mode: its readers' on the shared tier, the group's if the operator writes, else 0600."""
+    if base != settings.shared_dir:
+        return 0o600
+    declared = [d.readers for d in settings.datasets.values() if d.id == dataset_id and d.readers]
+    if declared:
+        return readers_mode(0o640, (declared[0].uids, declared[0].gids), base)
+    return 0o640 if operator_writes(settings.daemon_uid) else 0o600
+
+
 class IndexFiles:
     """The files of one snapshot's cluster index, reached as the shared tier's own files are.
 
@@ -104,7 +123,7 @@ class IndexFiles:
         self._parts = self.path.relative_to(base).parts
         # The shared tier is the group's (setgid 2770); without one, the node's private cache.
         self._dir_mode = 0o2770 if base == settings.shared_dir else 0o700
-        self.file_mode = 0o640 if base == settings.shared_dir else 0o600
+        self.file_mode = _file_mode(settings, manifest.dataset, base)
         """The exact mode of the files written here, whatever the umask (the group's, or this user's)."""
         self._trusted = settings.trusted_uids
 
@@ -142,7 +161,7 @@ class IndexFiles:
         """
         try:
             st, raw = read_bounded_stat(self.place(name), _INDEX_FILE_LIMIT)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):  # none, or another user's own: counted again
             return None
         if st.st_uid not in self._trusted:
             where = self.path / name
@@ -203,7 +222,7 @@ class IndexFiles:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             out = os.open(temporary, flags, 0o600, dir_fd=fd)
             try:
-                os.fchmod(out, self.file_mode)
+                apply_mode(out, self.file_mode)
                 os.write(out, data)
             finally:
                 os.close(out)
@@ -271,6 +290,11 @@ def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int
             return None if raw is None else bool(json.loads(raw).get("cold") is True)
         except (ValueError, AttributeError, UnsafeFileError):
             logger.warning("%s is damaged; reading epoch %d cold", files.path / name, epoch)
+            return True
+        except PermissionError:
+            # Another user's own record (0600: its dataset is not declared shared), or planted: every
+            # process of this user finds the same, so every one reads the epoch cold, one way.
+            logger.info("%s is another user's; reading epoch %d cold", files.path / name, epoch)
             return True
 
     decided = recorded()

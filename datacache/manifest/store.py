@@ -52,12 +52,15 @@ class ManifestStore:
         *directories: Path,
         trusted_uids: frozenset[int] | None = None,
         readers: Mapping[str, ReadersIds] | None = None,
+        group_copies: bool = True,
     ) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
         self._directories = directories
         # A declared dataset's manifest names its URL and shards: its readers' alone, as its files are.
         self._readers: Mapping[str, ReadersIds] = readers if readers is not None else {}
+        # Else an undeclared dataset's shared copy is the writer's own (`ownership.operator_writes`).
+        self._group_copies = group_copies
         self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
 
     def _place(self, position: int, dataset_id: str) -> Place:
@@ -68,9 +71,11 @@ class ManifestStore:
 
     def _file_mode(self, position: int, dataset_id: str) -> int | None:
         mode = LocalTier.file_mode if position == 0 else SharedTier.file_mode
-        if mode is None or dataset_id not in self._readers:
+        if mode is None or position == 0:
             return mode
-        return readers_mode(mode, self._readers[dataset_id], self._directories[position].parent)
+        if dataset_id in self._readers:
+            return readers_mode(mode, self._readers[dataset_id], self._directories[position].parent)
+        return mode if self._group_copies else SharedTier.private_file_mode
 
     def _read_trusted(self, place: Place) -> bytes | None:
         """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""

@@ -23,7 +23,7 @@ from datacache.errors import (
     StagerClosedError,
 )
 from datacache.manifest import ManifestStore, object_url, reading_url, take_manifest
-from datacache.ownership import check_not_writable_by_others
+from datacache.ownership import check_not_writable_by_others, operator_writes
 from datacache.staging import recovery
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
@@ -92,7 +92,12 @@ class StagerRuntime:
         if settings.shared_dir is not None:
             manifest_dirs.append(settings.shared_dir / "manifests")
         self._trusted = settings.trusted_uids
-        self.manifests = ManifestStore(*manifest_dirs, trusted_uids=self._trusted, readers=self.local.dataset_readers)
+        self.manifests = ManifestStore(
+            *manifest_dirs,
+            trusted_uids=self._trusted,
+            readers=self.local.dataset_readers,
+            group_copies=operator_writes(settings.daemon_uid),
+        )
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
         self._events = Events()
