@@ -416,3 +416,14 @@ def test_junk_another_member_cannot_be_made_to_remove_never_evicts_a_users_copie
     for origin in (first, second):
         kept = sorted(p.name for p in (shared / "data" / dataset_id_for(str(origin))).iterdir())
         assert kept == ["shard-0000.tar", "shard-0001.tar", "shard-0002.tar"], (origin, kept)
+
+
+def test_a_local_origin_its_reader_may_not_enter_is_said_as_such_not_as_missing(
+    users: dict[str, User], world_dir: Path
+) -> None:
+    """A new user's trial: a 0700 directory the reading uid may not enter was "no such file or directory"."""
+    private, _ = _origin(world_dir, "bob-home", users["bob"])
+    refused = cli_as(users["alice"], "warm", str(private), env=user_env(users["alice"]))
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr
+    assert "permission denied" in lines[0] and "no such file" not in lines[0], lines[0]

@@ -369,10 +369,15 @@ def test_a_worker_node_killed_mid_epoch_has_its_batches_made_on_the_node_that_re
     dataset = CachedIterableDataset(str(origin), config=settings, seed=5, batch_size=4, transform=held, remote=pool)
     batches = iter(dataset)
     taken = _batches(itertools.islice(batches, 2))
-    victim = ray_nodes.nodes.pop(0)
+    # The node a worker runs on: on a busy machine both workers were once placed on one node, and
+    # the other node's removal lost none (lost_workers 0, a fresh-clone run beside another).
+    running = dataset.stats().remote
+    assert running is not None and running.nodes, running
+    index = next((i for i, node in enumerate(ray_nodes.nodes) if node.node_id in running.nodes), 0)
+    victim, env = ray_nodes.nodes.pop(index), ray_nodes.envs.pop(index)
     ray_nodes.cluster.remove_node(victim, allow_graceful=False)  # its raylet and workers are killed
-    env = ray_nodes.envs[0]
     ray_nodes.nodes.append(ray_nodes.cluster.add_node(num_cpus=1, env_vars=env, **ray_nodes.options))
+    ray_nodes.envs.append(env)  # the nodes and their environments stay in step for later tests
     gate.touch()
     assert taken + _batches(batches) == local
     stats = dataset.stats().remote

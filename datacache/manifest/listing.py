@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -168,9 +169,21 @@ def missing_local_path(url: str) -> ShardNotFoundError | None:
     shard``, ``CachedIterableDataset``): ``/data/raw: no such file or directory``.
     """
     scheme, rest = split_scheme(url)
-    if scheme != "file" or os.path.exists(os.path.expanduser(rest)):
+    if scheme != "file":
         return None
-    return ShardNotFoundError(f"{redact_url(url)}: no such file or directory")
+    path = os.path.expanduser(rest)
+    denied = ShardNotFoundError(f"{redact_url(url)}: permission denied to uid {os.geteuid()} (this process's user)")
+    try:
+        found = os.stat(path)
+    except PermissionError:  # a trial's daemon said "no such file" of a user's 0700 home it may not enter
+        return denied
+    except (FileNotFoundError, NotADirectoryError):
+        return ShardNotFoundError(f"{redact_url(url)}: no such file or directory")
+    except OSError:
+        return None
+    if stat.S_ISDIR(found.st_mode) and not os.access(path, os.R_OK | os.X_OK):
+        return denied  # listed as empty, which said "no objects under"
+    return None
 
 
 def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
