@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from datacache.errors import ConfigError
+from datacache.tiers.files import ReadersIds, readers_mode
 
-__all__ = ["Readers", "check_not_writable_by_others", "operator_writes", "parse_readers"]
+__all__ = ["Readers", "check_not_writable_by_others", "operator_writes", "parse_readers", "shared_metadata_mode"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,17 @@ def operator_writes(daemon_uid: int | None) -> bool:
     read in its own process, keeps it 0600, as its shards are (docs/SECURITY.md).
     """
     return os.geteuid() in (0, daemon_uid)
+
+
+def shared_metadata_mode(readers: ReadersIds | None, root: Path, *, operator: bool) -> int:
+    """The mode of a dataset's metadata (manifest, counts) on the shared tier at ``root``.
+
+    Its readers' (`readers_mode`) where the dataset is declared shared; else the group's only
+    when the operator writes it (`operator_writes`), and the writer's own otherwise.
+    """
+    if readers is not None:
+        return readers_mode(0o640, readers, root)
+    return 0o640 if operator else 0o600
 
 def _name(lookup: Any, ident: int, attribute: str) -> str:
     try:

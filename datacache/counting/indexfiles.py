@@ -23,14 +23,13 @@ from datacache.config import Settings, default_cache_dir
 from datacache.counting.sidecars import KnownCount
 from datacache.errors import ShardReadError
 from datacache.manifest import Manifest
-from datacache.ownership import operator_writes
+from datacache.ownership import operator_writes, shared_metadata_mode
 from datacache.tiers.files import (
     Place,
     UnsafeFileError,
     apply_mode,
     read_bounded,
     read_bounded_stat,
-    readers_mode,
     server_now,
 )
 
@@ -99,9 +98,8 @@ def _file_mode(settings: Settings, dataset_id: str, base: Path) -> int:
     if base != settings.shared_dir:
         return 0o600
     declared = [d.readers for d in settings.datasets.values() if d.id == dataset_id and d.readers]
-    if declared:
-        return readers_mode(0o640, (declared[0].uids, declared[0].gids), base)
-    return 0o640 if operator_writes(settings.daemon_uid) else 0o600
+    readers = (declared[0].uids, declared[0].gids) if declared else None
+    return shared_metadata_mode(readers, base, operator=operator_writes(settings.daemon_uid))
 
 
 class IndexFiles:

@@ -13,8 +13,9 @@ from pathlib import Path
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest.mapped import COLUMNS_SUFFIX, columns_body, map_manifest
 from datacache.manifest.model import Manifest
+from datacache.ownership import shared_metadata_mode
 from datacache.tiers import LocalTier, SharedTier, validate_key
-from datacache.tiers.files import Place, ReadersIds, atomic_write, read_bounded_stat, readers_mode
+from datacache.tiers.files import Place, ReadersIds, atomic_write, read_bounded_stat
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -70,12 +71,10 @@ class ManifestStore:
         return Place(directory.parent, (directory.name,), f"{dataset_id}.json", dir_mode)
 
     def _file_mode(self, position: int, dataset_id: str) -> int | None:
-        mode = LocalTier.file_mode if position == 0 else SharedTier.file_mode
-        if mode is None or position == 0:
-            return mode
-        if dataset_id in self._readers:
-            return readers_mode(mode, self._readers[dataset_id], self._directories[position].parent)
-        return mode if self._group_copies else SharedTier.private_file_mode
+        if position == 0:
+            return LocalTier.file_mode
+        root = self._directories[position].parent
+        return shared_metadata_mode(self._readers.get(dataset_id), root, operator=self._group_copies)
 
     def _read_trusted(self, place: Place) -> bytes | None:
         """The bytes of ``place`` if it is a regular file of a trusted owner, not too large; else None."""
