@@ -147,6 +147,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.remote = check_remote(remote, batch_size=batch_size, resample=self.resample)
         self._epoch = 0
         self._cursors: tuple[Cursor, ...] = ()
+        self._len_unknown: tuple[int, float, int] | None = None  # epoch, when, shards uncounted: `__len__`
         self._resume_epoch: int | None = None
         self._table = StatsTable(sources=len(self._sources))
         self._layout_hint: tuple[int, int] | None = None
@@ -268,11 +269,20 @@ class CachedIterableDataset(IterableDataset[Any]):
         if self.resample:
             raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
         # Never waits to count shards (1e4 un-indexed ones: minutes); DataLoader, tqdm, Lightning take TypeError.
-        if (book := None if self._mixed else self._prepare().book) is not None and not book.adopt_saved():
-            raise TypeError(
-                f"len(): {int((book.counts < 0).sum())} of {len(book.counts)} shards have no sample count yet; "
-                "known after the first epoch, or at once with an index (datacache index URL)"
-            )
+        if (book := None if self._mixed else self._prepare().book) is not None:
+            # An unknown answer holds until this dataset's epoch ends: Lightning asks several times while
+            # it sets one epoch up, starting the workers in between, and a flip there made it int(inf).
+            unknown = self._len_unknown
+            held = unknown is not None and unknown[0] == self._epoch and not self._table.ended_since(unknown[1])
+            if not held and not book.adopt_saved():
+                unknown = self._len_unknown = (self._epoch, time.time(), int((book.counts < 0).sum()))
+                held = True
+            if held and unknown is not None:
+                raise TypeError(
+                    f"len(): {unknown[2]} of {len(book.counts)} shards had no sample count yet as this epoch "
+                    "began; known after it, or at once with an index (datacache index URL)"
+                )
+            self._len_unknown = None
         total = self._plans().total()
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)

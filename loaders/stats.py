@@ -76,7 +76,8 @@ class Counter(IntEnum):
     MODE = 23  # how this reader reaches the cache: see MODES
     RETRIES = 24  # origin requests this reader's process retried (cumulative: see LoaderStats.retries)
     TAKEN = 25  # of the UNITS_*, those taken open from another reader of this process (`OpenUnits.take`)
-    WIDTH = 26
+    FINISHED = 26  # wall clock when the reader ended its epoch (0 while it runs)
+    WIDTH = 27
 
 
 MODES = ("unknown", "embedded", "daemon", "embedded (daemon unavailable)")
@@ -127,6 +128,16 @@ class StatsTable:
 
     def consumer_row(self) -> torch.Tensor:
         return self.table[_CONSUMER_ROW]
+
+    def ended_since(self, when: float) -> bool:
+        """Whether a reading of the epoch ended after ``when`` (wall clock): as many readers as it had
+        ended since, and none runs now."""
+        rows = self.table[:MAX_READERS].numpy()
+        running = (rows[:, Counter.STARTED] > 0) & (rows[:, Counter.FINISHED] < rows[:, Counter.STARTED])
+        ended = rows[:, Counter.FINISHED] > when
+        if running.any() or not ended.any():
+            return False
+        return int(ended.sum()) >= int(rows[ended, Counter.NUM_WORKERS].max())
 
     def reset(self) -> None:
         self.table[:MAX_READERS].zero_()

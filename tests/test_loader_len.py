@@ -62,3 +62,44 @@ def test_len_is_exact_after_an_epoch_read_by_worker_processes(tmp_path: Path, se
         assert len(dataset) == 60
     finally:
         dataset.close()
+
+
+def test_an_unknown_len_stays_unknown_until_this_datasets_epoch_ends(tmp_path: Path, settings: Settings) -> None:
+    """Lightning asks `len()` several times while it sets one epoch up, and starts the DataLoader's
+    workers in between: they may count every shard before the next question. An answer that turned
+    from TypeError to a number there made Lightning compute int(inf) (a CI run's OverflowError).
+    Here another reader completes the counts; this dataset's answer holds until its own epoch ends."""
+    write_wds(tmp_path / "ds", samples=60, per_shard=3)
+    url = f"{tmp_path / 'ds'}/"
+    dataset = CachedIterableDataset(url, config=settings, shuffle=False)
+    other = CachedIterableDataset(url, config=settings, shuffle=False)
+    try:
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)
+        assert len([sample["__key__"] for sample in other]) == 60  # counts every shard, saved for the node
+        assert len(other) == 60
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)
+        dataset.set_epoch(1)
+        assert len(dataset) == 60, "a new epoch takes the counts the node has"
+    finally:
+        dataset.close()
+        other.close()
+
+
+def test_an_unknown_len_turns_exact_once_this_datasets_workers_end_the_epoch(
+    tmp_path: Path, settings: Settings
+) -> None:
+    write_wds(tmp_path / "ds", samples=60, per_shard=3)
+    dataset = CachedIterableDataset(f"{tmp_path / 'ds'}/", config=settings, shuffle=False)
+    try:
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)
+        loader = iter(DataLoader(dataset, batch_size=None, num_workers=2))
+        next(loader)
+        with pytest.raises(TypeError, match="no sample count yet"):
+            len(dataset)  # mid-epoch: the answer of the epoch's start holds
+        assert len(list(loader)) == 59
+        assert len(dataset) == 60
+    finally:
+        dataset.close()

@@ -394,7 +394,7 @@ class EpochIterator:
             self._ahead.drain()
             self._ahead.shutdown(wait=True)
         self._units.close_all()
-        self._row[Counter.UPDATED] = time.time()
+        self._row[Counter.UPDATED] = self._row[Counter.FINISHED] = time.time()
         self._report()  # last: the epoch's final figures, as `stats()` reads them
 
     def __del__(self) -> None:

@@ -275,7 +275,7 @@ class RemoteEpoch:
     def _finish(self) -> None:
         self._workers.release(self._tasks)  # runs asked past the end, not needed
         self._tasks.clear()
-        self._row[Counter.UPDATED] = time.time()
+        self._row[Counter.UPDATED] = self._row[Counter.FINISHED] = time.time()
         self._row[Counter.TOTAL] = self.produced
         self._report()
 
