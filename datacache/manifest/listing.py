@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from datacache.config import DatasetConfig
-from datacache.errors import ConfigError, InvalidKeyError, ShardNotFoundError
+from datacache.errors import ConfigError, InvalidKeyError, OriginError, ShardNotFoundError
 from datacache.format_registry import available_formats, detect_format_name, get_format
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.manifest.wids import wids_manifest
@@ -280,7 +280,15 @@ async def take_manifest(
 
 async def _take_manifest(dataset: DatasetConfig, origin: Tier, parent: Tier | None, bounds: ListingBounds) -> Manifest:
     started = time.monotonic()
-    infos = [info async for info in origin.list()]
+    try:
+        infos = [info async for info in origin.list()]
+    except (OriginError, ShardNotFoundError):
+        glob = _glob_hint(dataset.url)
+        if glob is None:
+            raise
+        # A glob names nothing here whatever the origin says: a trial was told "no credentials
+        # found" first, and after setting them, that the glob was the mistake.
+        raise ShardNotFoundError(f"{_named(dataset)}{glob}") from None
     if parent is not None and _lists_itself(dataset.url, infos):
         # Listing a URL that names an object yields that object under its full path.
         whole = await _single_object(dataset, parent, bounds)
