@@ -41,6 +41,7 @@ class Progress:
         self.done_items = 0
         self.done_bytes = 0
         self.moved_bytes = 0
+        self.not_kept = 0
         self._mode = mode
         self._stream = stream
         self._interval = interval
@@ -101,8 +102,10 @@ class Progress:
             )
         self._maybe_render()
 
-    def advance_to(self, *, done_items: int, done_bytes: int, moved_bytes: int) -> None:
-        """Jump to totals reported by someone else (the daemon doing the work)."""
+    def advance_to(self, *, done_items: int, done_bytes: int, moved_bytes: int, not_kept: int = 0) -> None:
+        """Jump to totals reported by someone else (the daemon doing the work). ``not_kept``: of the
+        items done, those the tier did not keep (said beside the count: the bar still reaches 100%)."""
+        self.not_kept = not_kept
         delta = max(0, moved_bytes - self.moved_bytes)
         if delta:
             self.moved_bytes = moved_bytes
@@ -111,10 +114,14 @@ class Progress:
             self._item_meter.add(done_items - self.done_items, self._clock())
         if self._bar is not None:
             self._bar.update(max(0, done_bytes - self.done_bytes))
-            self._bar.set_postfix_str(f"{done_items}/{self.total_items} {self._item_name}", refresh=False)
+            counted = f"{done_items}/{self.total_items} {self._item_name}{self._not_kept()}"
+            self._bar.set_postfix_str(counted, refresh=False)
         self.done_items = done_items
         self.done_bytes = done_bytes
         self._maybe_render()
+
+    def _not_kept(self) -> str:
+        return f" ({self.not_kept} not kept)" if self.not_kept else ""
 
     def snapshot(self) -> dict[str, Any]:
         now = self._clock()
@@ -132,6 +139,7 @@ class Progress:
             "bytes_total": self.total_bytes,
             "bytes_transferred": self.moved_bytes,
             "rate_bytes_per_s": round(rate, 1),
+            f"{self._item_name}_not_kept": self.not_kept,
             f"{self._item_name}_per_s": round(self._item_meter.rate(now), 1),
             "eta_s": round(eta, 1) if eta is not None else None,
             "elapsed_s": round(elapsed, 3),
@@ -149,7 +157,7 @@ class Progress:
         else:
             eta = f", ETA {snap['eta_s']:.0f}s" if snap["eta_s"] is not None else ""
             self._stream.write(
-                f"{self.what}: {self.done_items}/{self.total_items} {self._item_name}, "
+                f"{self.what}: {self.done_items}/{self.total_items} {self._item_name}{self._not_kept()}, "
                 f"{format_bytes(self.done_bytes)}/{format_bytes(self.total_bytes)}, "
                 f"{format_rate(snap['rate_bytes_per_s'])}{eta}, "
                 f"{snap[f'{self._item_name}_per_s']:.0f} {self._item_name}/s\n"

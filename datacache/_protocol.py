@@ -250,4 +250,5 @@ def warm_progress_to_wire(progress: WarmProgress) -> dict[str, Any]:
         "bytes_total": progress.bytes_total,
         "bytes_transferred": progress.bytes_transferred,
         "rate_bytes_per_s": round(progress.rate, 1),
+        "shards_not_kept": progress.shards_not_kept,
     }

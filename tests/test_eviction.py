@@ -13,7 +13,7 @@ from _helpers import fill_dir, make_shards, with_stager
 
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.eviction import Candidate, choose_victims
-from datacache.staging import DatasetHandle, Stager, WarmReport
+from datacache.staging import DatasetHandle, Stager, WarmProgress, WarmReport
 
 SIZE = 10_000
 
@@ -354,12 +354,21 @@ def test_warm_larger_than_the_tier_is_honest(tmp_path: Path, settings: Settings)
     for policy in ("lru", "nothrash"):
         local = replace(small, local_dir=tmp_path / f"local-{policy}")
 
-        async def body(stager: Stager, policy: str = policy, local: Settings = local) -> WarmReport:
-            return await stager.warm(await stager.open(dataset_for(origin, local, policy)))
+        heard: list[WarmProgress] = []
+
+        async def body(
+            stager: Stager, policy: str = policy, local: Settings = local, heard: list[WarmProgress] = heard
+        ) -> WarmReport:
+            return await stager.warm(await stager.open(dataset_for(origin, local, policy)), progress=heard.append)
 
         report = with_stager(local, body)
         assert not report.complete, policy
         assert report.shards_resident == 3, policy
+        # The progress says so as it goes, not only the summary (its bar reached 100% of a cold cache).
+        # (no-thrash keeps the first three and passes two by; LRU may keep each and evict it later).
+        not_kept = sum("not kept" in why for _, why in report.failures)
+        assert (heard[-1].shards_done, heard[-1].shards_not_kept) == (5, not_kept), policy
+        assert policy == "lru" or not_kept == 2, report.failures
 
 
 def test_shared_tier_capacity_is_honest(tmp_path: Path, settings: Settings) -> None:

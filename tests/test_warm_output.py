@@ -79,6 +79,22 @@ def test_the_first_line_waits_for_a_measured_rate_and_the_last_one_is_final() ->
     assert final == (4, 4000, 0.0), "a line was shown: the last is final"
 
 
+def test_the_progress_says_how_many_shards_done_were_not_kept() -> None:
+    """A warm larger than the tier showed a bar at 100%; only the summary said 4/20 resident."""
+    clock = Clock()
+    for mode in ("lines", "json"):
+        shown, stream = progress(mode, clock)
+        clock.now += 2.5
+        shown.advance_to(done_items=4, done_bytes=4000, moved_bytes=4000, not_kept=3)
+        shown.close()
+        line = stream.getvalue().splitlines()[-1]
+        if mode == "lines":
+            assert "4/4 shards (3 not kept), " in line, line
+        else:
+            assert json.loads(line)["shards_not_kept"] == 3
+    assert warm_progress_to_wire(WarmProgress(4, 4, 4000, 4000, 4000, 2.5, 3))["shards_not_kept"] == 3
+
+
 def test_the_summary_says_what_is_resident_and_why_not_the_rest(tmp_path: Path, cache_env: dict[str, str]) -> None:
     origin = fill_dir(tmp_path / "origin", make_shards(5, 100_000))
     env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local")}

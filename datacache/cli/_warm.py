@@ -155,7 +155,10 @@ async def _warm_here(
 
     def follow(progress: WarmProgress) -> None:
         display.advance_to(
-            done_items=progress.shards_done, done_bytes=progress.bytes_done, moved_bytes=progress.bytes_transferred
+            done_items=progress.shards_done,
+            done_bytes=progress.bytes_done,
+            moved_bytes=progress.bytes_transferred,
+            not_kept=progress.shards_not_kept,
         )
 
     async def ticker() -> None:
@@ -250,6 +253,7 @@ async def _warm_through(
                     done_items=int(event.get("shards_done", 0)),
                     done_bytes=int(event.get("bytes_done", 0)),
                     moved_bytes=int(event.get("bytes_transferred", 0)),
+                    not_kept=int(event.get("shards_not_kept", 0)),
                 )
             elif kind == "done":
                 done = event

@@ -40,6 +40,8 @@ class WarmProgress:
     bytes_total: int
     bytes_transferred: int
     seconds: float
+    shards_not_kept: int = 0
+    """Of ``shards_done``, those the tier did not keep (full, refused): a bar at 100% is not a warm cache."""
 
     @property
     def rate(self) -> float:
@@ -104,7 +106,7 @@ async def run_warm(
     started = time.monotonic()
     tally = _Tally(handle, tier, {shard.key for shard in shards})
     verified = await _verify(shards, steps.verify)
-    finished = _reporter(shards, tally, started, progress)
+    finished = _reporter(shards, tier, tally, started, progress)
     events.add_listener(tally)
     try:
         found = await _found(shards, steps.found, finished)
@@ -151,7 +153,7 @@ async def run_warm(
 async def _found(
     shards: Sequence[Shard],
     found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None,
-    finished: Callable[[Sequence[Shard]], None],
+    finished: Callable[[Sequence[Shard], asyncio.Future[Location] | None], None],
 ) -> dict[str, Location]:
     """The shards already on the tier, `FOUND_AT_ONCE` a look-up; progress heard after each."""
     if found is None:
@@ -161,7 +163,7 @@ async def _found(
         chunk = shards[start : start + FOUND_AT_ONCE]
         now = await found(chunk)
         located.update(now)
-        finished([shard for shard in chunk if shard.key in now])
+        finished([shard for shard in chunk if shard.key in now], None)
     return located
 
 
@@ -180,19 +182,27 @@ async def _verify(shards: Sequence[Shard], verify: Callable[[Shard], Awaitable[b
 
 
 def _reporter(
-    shards: Sequence[Shard], tally: _Tally, started: float, progress: Callable[[WarmProgress], None] | None
-) -> Callable[[Sequence[Shard]], None]:
-    done = [0, 0]
+    shards: Sequence[Shard],
+    tier: str,
+    tally: _Tally,
+    started: float,
+    progress: Callable[[WarmProgress], None] | None,
+) -> Callable[[Sequence[Shard], asyncio.Future[Location] | None], None]:
+    done = [0, 0, 0]
     total = sum(shard.size for shard in shards)
 
-    def finished(now: Sequence[Shard]) -> None:
+    def finished(now: Sequence[Shard], outcome: asyncio.Future[Location] | None = None) -> None:
         if not now:
             return
         done[0] += len(now)
         done[1] += sum(shard.size for shard in now)
+        if outcome is not None and (
+            outcome.cancelled() or outcome.exception() is not None or outcome.result().tier != tier
+        ):
+            done[2] += len(now)
         if progress is not None:
             elapsed = time.monotonic() - started
-            progress(WarmProgress(done[0], len(shards), done[1], total, tally.bytes, elapsed))
+            progress(WarmProgress(done[0], len(shards), done[1], total, tally.bytes, elapsed, done[2]))
 
     return finished
 
@@ -201,7 +211,7 @@ async def _stage(
     shards: Sequence[tuple[int, Shard]],
     submit: Submit,
     bandwidth: float | None,
-    finished: Callable[[Sequence[Shard]], None],
+    finished: Callable[[Sequence[Shard], asyncio.Future[Location] | None], None],
 ) -> list[Location | BaseException]:
     """Submit every shard (paced by ``bandwidth``), the first ones soonest; gather the outcomes.
 
@@ -218,7 +228,7 @@ async def _stage(
                 future = asyncio.ensure_future(submit(shard, PRIORITY_PREFETCH + index * 1e-6))
             finally:
                 WARMING.reset(warming)
-            future.add_done_callback(lambda _, shard=shard: finished((shard,)))  # type: ignore[misc]
+            future.add_done_callback(lambda done, shard=shard: finished((shard,), done))  # type: ignore[misc]
             tasks.append(future)
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     except asyncio.CancelledError:
