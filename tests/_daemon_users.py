@@ -42,8 +42,13 @@ def error_code(reply: Any) -> str | None:
     return reply.get("error", {}).get("code") if isinstance(reply, dict) else None
 
 
-def serve_for(users: dict[str, User], world: Path, env: dict[str, str], *args: str) -> DaemonProcess:
-    """A root daemon whose socket the team group (alice, bob) can reach; alice is allowed in."""
+def serve_for(
+    users: dict[str, User], world: Path, env: dict[str, str], *args: str, team_gid: bool = False
+) -> DaemonProcess:
+    """A root daemon whose socket the team group (alice, bob) can reach; alice is allowed in.
+
+    ``team_gid``: the daemon runs with the team's gid (as deploy/slurm's does), so its clients read
+    the manifests it writes; without it, only the socket is theirs."""
     team = users["alice"].groups[0]
     return start_daemon(
         env,
@@ -55,4 +60,5 @@ def serve_for(users: dict[str, User], world: Path, env: dict[str, str], *args: s
         *args,
         socket_path=world / "run" / "daemon.sock",
         log=world / "daemon.log",
+        group=team if team_gid else None,
     )

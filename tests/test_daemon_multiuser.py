@@ -327,6 +327,34 @@ def test_evict_pin_and_report_corrupt_only_for_datasets_the_caller_opened(
         daemon.kill()
 
 
+def test_the_cli_evicts_a_dataset_its_user_opened_before_the_daemon_restarted(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """A daemon forgets who opened what when it restarts: `datacache evict URL` by alice then said she
+    may evict only datasets she opened in this daemon. The CLI opens it first: the daemon's read rules
+    judge her again (a uid they refuse stays refused: tests/test_access_rule.py)."""
+    data = world_dir / "data"
+    make_shards(data / "wds", 2, 10_000)
+    url = f"file://{data}/wds"
+    shard = {"dataset": dataset_id_for(url), "key": "shard-0000.tar"}
+    args = ("--allow-dataset", f"file://{data}/")
+    daemon = serve_for(users, world_dir, base_env, *args, team_gid=True)
+    try:
+        opened = ("POST", "/v1/open", {"dataset": url})
+        replies = calls_as(users["alice"], daemon, opened, ("POST", "/v1/ensure", shard))
+        assert [status for status, _ in replies] == [200, 200], replies
+    finally:
+        daemon.kill()
+    daemon = serve_for(users, world_dir, base_env, *args, team_gid=True)
+    try:
+        env = _users.user_env(users["alice"], {"DATACACHE_SOCKET": str(daemon.socket)})
+        done = _users.cli_as(users["alice"], "evict", url, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("evicted 1 shards"), done.stdout
+    finally:
+        daemon.kill()
+
+
 def test_opening_a_dataset_grants_no_authority_over_another_users_pin(
     users: dict[str, User], world_dir: Path, base_env: dict[str, str]
 ) -> None:

@@ -157,7 +157,11 @@ async def _evict(args: argparse.Namespace) -> int:
         try:
             dataset_id = args.dataset if "://" not in args.dataset and "/" not in args.dataset else None
             if dataset_id is None or dataset_id in settings.datasets:
-                dataset_id = resolve_dataset(args.dataset, settings).id
+                config = resolve_dataset(args.dataset, settings)
+                dataset_id = config.id
+                # The daemon lets a uid change only what it opened there, and forgets that when it
+                # restarts: open it again (its read rules judge this uid anew).
+                await client.open(config)
             keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
             tiers = (LOCAL, SHARED) if args.tier == "all" else (args.tier,)
             count = size = 0
