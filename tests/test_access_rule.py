@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from _daemon import DaemonProcess, make_shards, start_daemon
+from _daemon_users import calls_as
 from _users import User, cli_as, python_as, run_as, user_env, users, world_dir
 from test_loader import write_wds
 
@@ -348,20 +349,6 @@ def test_a_node_cache_another_uid_planted_on_a_world_writable_scratch_is_refused
 
 
 # -- item 8: a report of corruption is checked before a copy is dropped ---------------------------
-
-_CALLS = r"""
-import json, sys
-from _daemon import unix_request
-socket, calls = sys.argv[1], json.loads(sys.argv[2])
-print(json.dumps([list(unix_request(socket, m, t, b, timeout=120)) for m, t, b in calls]))
-"""
-
-
-def calls_as(user: User, daemon: DaemonProcess, *calls: tuple[str, str, Any]) -> list[tuple[int, Any]]:
-    done = run_as(user, [sys.executable, "-c", _CALLS, str(daemon.socket), json.dumps(calls)], timeout=300)
-    assert done.returncode == 0, done.stderr
-    return [(status, reply) for status, reply in json.loads(done.stdout)]
-
 
 def test_a_false_corruption_report_does_not_drop_another_users_pinned_copy(
     users: dict[str, User], world_dir: Path, base_env: dict[str, str]
