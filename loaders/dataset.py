@@ -268,21 +268,18 @@ class CachedIterableDataset(IterableDataset[Any]):
         """Samples (or batches) this rank delivers per epoch; `TypeError` ("no length") while a count is unknown."""
         if self.resample:
             raise TypeError("a dataset with resample=True is endless and has no len(); give epoch_size= instead")
-        # Never waits to count shards (1e4 un-indexed ones: minutes); DataLoader, tqdm, Lightning take TypeError.
+        # Never waits to count shards (DataLoader, tqdm, Lightning take TypeError); an unknown answer holds
+        # to the epoch's end (Lightning asks again after starting the workers: a flip made it int(inf)).
         if (book := None if self._mixed else self._prepare().book) is not None:
-            # An unknown answer holds until this dataset's epoch ends: Lightning asks several times while
-            # it sets one epoch up, starting the workers in between, and a flip there made it int(inf).
             unknown = self._len_unknown
-            held = unknown is not None and unknown[0] == self._epoch and not self._table.ended_since(unknown[1])
-            if not held and not book.adopt_saved():
-                unknown = self._len_unknown = (self._epoch, time.time(), int((book.counts < 0).sum()))
-                held = True
-            if held and unknown is not None:
+            if unknown is None or unknown[0] != self._epoch or self._table.ended_since(unknown[1]):
+                unknown = None if book.adopt_saved() else (self._epoch, time.time(), int((book.counts < 0).sum()))
+            self._len_unknown = unknown
+            if unknown is not None:
                 raise TypeError(
                     f"len(): {unknown[2]} of {len(book.counts)} shards had no sample count yet as this epoch "
                     "began; known after it, or at once with an index (datacache index URL)"
                 )
-            self._len_unknown = None
         total = self._plans().total()
         _, world = self._rank_world()
         per_rank = total // world if self.drop_last else -(-total // world)

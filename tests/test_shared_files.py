@@ -243,17 +243,27 @@ def test_atomic_write_fsyncs_the_file_then_renames_then_fsyncs_the_directory(
     """
     calls: list[str] = []
     real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    # Only this test's files: another test's thread left in this process renamed one of its own
+    # meanwhile (a CI run's extra "rename").
+    mine = str(tmp_path)
 
     def fsync(fd: int) -> None:
-        calls.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(mine):
+            calls.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         real_fsync(fd)
 
+    def ours(name: object, dir_fd: object) -> bool:
+        where = os.readlink(f"/proc/self/fd/{dir_fd}") if isinstance(dir_fd, int) else ""
+        return os.path.join(where, str(name)).startswith(mine)
+
     def replace(*args: object, **kwargs: object) -> None:
-        calls.append("rename")
+        if ours(args[1], kwargs.get("dst_dir_fd")):
+            calls.append("rename")
         real_replace(*args, **kwargs)  # type: ignore[arg-type]
 
     def rename(*args: object, **kwargs: object) -> None:
-        calls.append("rename")
+        if ours(args[1], kwargs.get("dst_dir_fd")):
+            calls.append("rename")
         real_rename(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "fsync", fsync)
