@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,6 +120,10 @@ class BatchBuilder:
             with self._lock:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
         return self._pack(begin // size, raw, array_rows, decoded)
+
+    def cut_later(self, begin: int, size: int, pending: Container[int]) -> bool:
+        """Whether the batch at ``begin`` is cut from a chunk built (or being built for ``pending``): inline."""
+        return self._chunks is not None and self._chunks.cut_later(begin, min(begin + size, len(self._epoch)), pending)
 
     def _taken(self, batch: Any, skipped: int, taken: Any) -> Built | None:
         if skipped:
@@ -233,7 +237,8 @@ class ReadAhead:
     def take(self, begin: int, size: int, total: int) -> Built | None:
         """The batch starting at ``begin``, scheduling the next ones first."""
         self._schedule(begin, size, total)
-        return self._pending.pop(begin).result()
+        pending = self._pending.pop(begin, None)
+        return pending.result() if pending is not None else self._builder.build(begin, size)
 
     def _schedule(self, begin: int, size: int, total: int) -> None:
         """Keep the reader threads busy on the next few batches, then open the next window's units."""
@@ -243,7 +248,7 @@ class ReadAhead:
         for _ in range(LOOKAHEAD):
             if begin >= total:
                 break
-            if begin not in self._pending:
+            if begin not in self._pending and not self._builder.cut_later(begin, size, self._pending):
                 self._pending[begin] = pool.submit(self._builder.build, begin, size)
             begin += size
         self._units.open_ahead(begin, begin + self._window, pool.submit)
