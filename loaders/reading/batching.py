@@ -232,7 +232,8 @@ class ReadAhead:
         self._threads = threads
         self._window = window
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: dict[int, concurrent.futures.Future[Built | None]] = {}
+        self._pending: dict[int, concurrent.futures.Future[Built | None] | None] = {}
+        """Batches scheduled: built on a thread, or None: cut from a chunk in the consumer (`cut_later`)."""
 
     def take(self, begin: int, size: int, total: int) -> Built | None:
         """The batch starting at ``begin``, scheduling the next ones first."""
@@ -248,17 +249,19 @@ class ReadAhead:
         for _ in range(LOOKAHEAD):
             if begin >= total:
                 break
-            if begin not in self._pending and not self._builder.cut_later(begin, size, self._pending):
-                self._pending[begin] = pool.submit(self._builder.build, begin, size)
+            if begin not in self._pending:
+                cut = self._builder.cut_later(begin, size, self._pending)
+                self._pending[begin] = None if cut else pool.submit(self._builder.build, begin, size)
             begin += size
         self._units.open_ahead(begin, begin + self._window, pool.submit)
 
     def drain(self) -> None:
         """Cancel the batches not yet started and wait for those being built."""
         pending, self._pending = self._pending, {}
-        for future in pending.values():
+        futures = [future for future in pending.values() if future is not None]
+        for future in futures:
             future.cancel()
-        for future in pending.values():
+        for future in futures:
             if not future.cancelled():
                 with contextlib.suppress(Exception):
                     future.result()
