@@ -224,7 +224,8 @@ class BatchBuilder:
 
 
 class ReadAhead:
-    """Reader threads that build the next few batches, in order, ahead of the consumer."""
+    """Reader threads that build the next few batches, in order, ahead of the consumer (a batch cut
+    from a chunk of table rows already built is cut in the consumer: a thread's hop costs more)."""
 
     def __init__(self, builder: BatchBuilder, units: Units, *, threads: int, window: int) -> None:
         self._builder = builder

@@ -131,7 +131,8 @@ def arrow_batch(
 class ArrowChunks:
     """Batch mode's record batches cut from chunks of up to `CHUNK_BATCHES` batches taken at once.
 
-    Reader threads ask for batches out of order, so chunks are aligned: the first batch asked for
+    Reader threads (and the consumer, for a batch of a chunk built: `cut_later`) ask for batches
+    out of order, so chunks are aligned: the first batch asked for
     is taken alone and its bytes fix the chunk's span (`CHUNK_BYTES`); chunk ``j`` covers
     ``span`` positions from ``origin + j * span``. A batch not inside one chunk, a chunk whose rows
     `arrow_batch` does not take, and a chunk that raised (a damaged file, a failed open: the error
