@@ -31,7 +31,10 @@ SECONDS = 5.0
 REPEATS = 2
 """Each cell is the best of this many runs, the four modes taking turns (the machine's load moves)."""
 _CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
+def cpu():
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 mode, path, batch, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 import numpy as np
 rows, total = 0, 0
@@ -53,7 +56,7 @@ else:
                                batch_size=batch if mode == "batch" else None)
     source = iter(ds)
 first = next(source)
-started = time.perf_counter()
+started, cpu_started = time.perf_counter(), cpu()
 deadline = started + seconds
 if mode in ("pyarrow", "batch"):
     for b in source:
@@ -67,8 +70,9 @@ else:
         rows += 1
         if not rows & 0x3FFF and time.perf_counter() > deadline:
             break
-elapsed = time.perf_counter() - started
-print(json.dumps({"rows": rows, "seconds": elapsed, "rows_per_s": rows / elapsed, "checksum": total}))
+elapsed, cpu_used = time.perf_counter() - started, cpu() - cpu_started
+print(json.dumps({"rows": rows, "seconds": elapsed, "rows_per_s": rows / elapsed,
+                  "cpu_ns_per_row": cpu_used / max(rows, 1) * 1e9, "checksum": total}))
 """
 MODES = ("batch", "pyarrow", "sample", "loop")
 BASELINE = "DATACACHE_BENCH_BASELINE_PYTHON"
@@ -115,6 +119,9 @@ def measure(directories: dict[int, Path], cache: Path, env: dict[str, str]) -> l
                 print(f"rows: {rows:>13,} {mode}: {result}", flush=True)
                 if point.get(mode, {}).get("rows_per_s", -1.0) < result.get("rows_per_s", 0.0) or mode not in point:
                     point[mode] = result
+                if "cpu_ns_per_row" in result:
+                    least = point.setdefault("cpu", {})
+                    least[mode] = min(least.get(mode, float("inf")), result["cpu_ns_per_row"])
         points.append(point)
     return points
 
@@ -158,4 +165,30 @@ def render(points: list[dict[str, Any]]) -> list[str]:
                 f"{_rate(old_sample)} | {_ratio(old_sample, p['loop'], 0.5)} |"
             )
         lines.append(line)
+    return lines + _cpu_table(points)
+
+
+def _cpu_table(points: list[dict[str, Any]]) -> list[str]:
+    """CPU time a row (every thread of the process), the least of the runs: less moved by the machine's load."""
+    if not any("cpu" in p for p in points):
+        return []
+    modes = [m for m in _modes() if any(m in p.get("cpu", {}) for p in points)]
+    lines = [
+        "",
+        "CPU time a row (user + system, every thread of the reading process, ns), the least of the runs, same runs;",
+        "ratio: the plain read's CPU time over datacache's (1.0x = as cheap as the plain read).",
+        "",
+        "| rows | " + " | ".join(modes) + " | batch: pyarrow / batch | per sample: loop / sample |",
+        "|---|" + "---|" * (len(modes) + 2),
+    ]
+    for p in points:
+        cpu = p.get("cpu", {})
+        cells = [f"{cpu[m]:,.0f}" if m in cpu else "-" for m in modes]
+        ratios = []
+        for ours, plain in (("batch", "pyarrow"), ("sample", "loop")):
+            mine = [f"{cpu[plain] / cpu[ours]:.2f}x"] if ours in cpu and plain in cpu else ["-"]
+            if f"{ours}@before" in cpu and plain in cpu:
+                mine.append(f"before {cpu[plain] / cpu[ours + '@before']:.2f}x")
+            ratios.append(", ".join(mine))
+        lines.append(f"| {p['samples']:,} | " + " | ".join(cells + ratios) + " |")
     return lines

@@ -118,6 +118,33 @@ def test_damaged_parquet_data_is_skipped_in_batch_mode_on_request(tmp_path: Path
     assert stats.skipped_shards == 1 and stats.skipped_samples == 10
 
 
+def test_a_state_saved_among_rows_around_a_skipped_file_resumes_at_the_next_row(
+    tmp_path: Path, settings: Settings
+) -> None:
+    # Rows read together are yielded without a count per row when none was skipped; a damaged
+    # file's positions, shuffled among the others, leave gaps that the saved count must follow.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    origin = tmp_path / "pq"
+    origin.mkdir()
+    for part in range(3):
+        pq.write_table(pa.Table.from_pylist([{"i": part * 10 + j} for j in range(10)]), origin / f"p{part}.parquet")
+    (origin / "p1.parquet").write_bytes(damaged_file(tmp_path))
+    url = str(origin)
+    whole = [s["i"] for s in CachedIterableDataset(url, config=settings, on_error="skip", seed=2)]
+    assert sorted(whole) == [*range(10), *range(20, 30)]
+    for cut in (1, 7, 13, 19):
+        dataset = CachedIterableDataset(url, config=settings, on_error="skip", seed=2)
+        iterator = iter(dataset)
+        head = [next(iterator)["i"] for _ in range(cut)]
+        state = dataset.state_dict()
+        del iterator
+        again = CachedIterableDataset(url, config=settings, on_error="skip", seed=2)
+        again.load_state_dict(state)
+        assert head + [s["i"] for s in again] == whole, cut
+
+
 def test_batch_mode_raises_damage_at_the_batch_that_reads_it_not_before(tmp_path: Path, settings: Settings) -> None:
     # Batches are cut from chunks of several batches taken at once: a chunk holding a damaged
     # file's rows must not raise for the batches before them.

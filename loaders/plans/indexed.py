@@ -180,6 +180,7 @@ class IndexedPositions(Segmented):
         self._length = int(worker_count(layout, rank_length))
         natural = min(self._deal.natural(layout.rank), rank_length)
         self.padded = self._length - int(worker_count(layout, natural))
+        self._last_release = (0, 0)  # (position, at.searchsorted(position)) asked last: `_release_span`
         super().__init__()
 
     @functools.cached_property
@@ -262,8 +263,22 @@ class IndexedPositions(Segmented):
     def releases_between(self, begin: int, stop: int) -> tuple[int, ...]:
         """`releases_after` of every position in ``[begin, stop)``, in position order (a batch's, in one search)."""
         _, _, _, units, at = self._units
-        low, high = np.searchsorted(at, [begin, stop]).tolist()
-        return tuple(units[low:high].tolist())
+        low, high = self._release_span(at, begin), self._release_span(at, stop)
+        return tuple(units[low:high].tolist()) if high > low else ()
+
+    def _release_span(self, at: IntArray, position: int) -> int:
+        """``at.searchsorted(position)``, from the last answer when batches come in order (a comparison or
+        two, ~0.3 us, where ``np.searchsorted`` cost ~6: 8% of batch mode's time holding the GIL)."""
+        last_position, index = self._last_release  # one tuple: threads read a pair that belongs together
+        if position >= last_position:
+            for _ in range(4):
+                if index >= len(at) or at[index] >= position:
+                    self._last_release = (position, index)
+                    return index
+                index += 1
+        index = int(at.searchsorted(position))
+        self._last_release = (position, index)
+        return index
 
     @functools.cached_property
     def _releases(self) -> dict[int, tuple[int, ...]]:

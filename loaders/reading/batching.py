@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -121,6 +121,10 @@ class BatchBuilder:
                 self._row[Counter.SKIPPED_SAMPLES] += skipped
         return self._pack(begin // size, raw, array_rows, decoded)
 
+    def cut_later(self, begin: int, size: int, pending: Container[int]) -> bool:
+        """Whether the batch at ``begin`` is cut from a chunk built (or being built for ``pending``): inline."""
+        return self._chunks is not None and self._chunks.cut_later(begin, min(begin + size, len(self._epoch)), pending)
+
     def _taken(self, batch: Any, skipped: int, taken: Any) -> Built | None:
         if skipped:
             with self._lock:
@@ -220,7 +224,8 @@ class BatchBuilder:
 
 
 class ReadAhead:
-    """Reader threads that build the next few batches, in order, ahead of the consumer."""
+    """Reader threads that build the next few batches, in order, ahead of the consumer (a batch cut
+    from a chunk of table rows already built is cut in the consumer: a thread's hop costs more)."""
 
     def __init__(self, builder: BatchBuilder, units: Units, *, threads: int, window: int) -> None:
         self._builder = builder
@@ -228,12 +233,14 @@ class ReadAhead:
         self._threads = threads
         self._window = window
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: dict[int, concurrent.futures.Future[Built | None]] = {}
+        self._pending: dict[int, concurrent.futures.Future[Built | None] | None] = {}
+        """Batches scheduled: built on a thread, or None: cut from a chunk in the consumer (`cut_later`)."""
 
     def take(self, begin: int, size: int, total: int) -> Built | None:
         """The batch starting at ``begin``, scheduling the next ones first."""
         self._schedule(begin, size, total)
-        return self._pending.pop(begin).result()
+        pending = self._pending.pop(begin, None)
+        return pending.result() if pending is not None else self._builder.build(begin, size)
 
     def _schedule(self, begin: int, size: int, total: int) -> None:
         """Keep the reader threads busy on the next few batches, then open the next window's units."""
@@ -244,16 +251,18 @@ class ReadAhead:
             if begin >= total:
                 break
             if begin not in self._pending:
-                self._pending[begin] = pool.submit(self._builder.build, begin, size)
+                cut = self._builder.cut_later(begin, size, self._pending)
+                self._pending[begin] = None if cut else pool.submit(self._builder.build, begin, size)
             begin += size
         self._units.open_ahead(begin, begin + self._window, pool.submit)
 
     def drain(self) -> None:
         """Cancel the batches not yet started and wait for those being built."""
         pending, self._pending = self._pending, {}
-        for future in pending.values():
+        futures = [future for future in pending.values() if future is not None]
+        for future in futures:
             future.cancel()
-        for future in pending.values():
+        for future in futures:
             if not future.cancelled():
                 with contextlib.suppress(Exception):
                     future.result()

@@ -112,8 +112,10 @@ class EpochIterator:
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
         self._ring = SampleRing() if not (self._in_consumer or options.batch_size) else None
         self._rows_ahead = RowsAhead(self._plan, self._units)
-        self._ready: list[tuple[int, Any]] = []
-        """Rows gathered ahead (`rows.ready_rows`), last first, each with the count produced once it is yielded."""
+        self._ready: list[Any] = []
+        """Rows gathered ahead (`rows.ready_rows`), last first."""
+        self._ready_after: list[int] | None = None
+        """The count produced once each of `_ready` is yielded, last first; None: one more each."""
         self._fast_rows = not options.batch_size and self._builder.raw and self._note is None
         self._chunk = CHUNK_ROWS[0]
         window = runtime.window or 256
@@ -203,6 +205,7 @@ class EpochIterator:
         self.produced = min(produced, self._known(produced))
         self._rows_ahead.clear()
         self._ready.clear()
+        self._ready_after = None
         self._units.restart(self.produced)
 
     def _known(self, length: int) -> int:
@@ -226,9 +229,14 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        if self._ready:  # rows gathered ahead: counted when gathered, yielded here at a list's cost
-            self.produced, row = self._ready.pop()
-            return row
+        ready = self._ready
+        if ready:  # rows gathered ahead: counted when gathered, yielded here at a list's cost
+            after = self._ready_after
+            if after is None:
+                self.produced += 1
+            else:
+                self.produced = after.pop()
+            return ready.pop()
         started = time.perf_counter()
         try:
             if self.options.batch_size:
@@ -254,8 +262,7 @@ class EpochIterator:
                 if gathered is not None:
                     if not self._ready:
                         continue  # every position of the chunk was skipped
-                    self.produced, row = self._ready.pop()
-                    return row
+                    return self.__next__()
             self.produced += 1
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
@@ -288,7 +295,7 @@ class EpochIterator:
         gathered = ready_rows(self._units, self._plan, position, stop)
         if gathered is None:
             return None
-        items, skipped, nbytes, arrow_bytes = gathered
+        items, after, skipped, nbytes, arrow_bytes = gathered
         if items:
             self._chunk = chunk_rows(arrow_bytes, len(items))
         if skipped:
@@ -299,7 +306,7 @@ class EpochIterator:
             self._delivered(position, stop)
         else:
             self.produced = stop
-        self._ready = items
+        self._ready, self._ready_after = items, after
         return True
 
     def _next_batch(self, size: int) -> Any:
