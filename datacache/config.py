@@ -108,6 +108,10 @@ class Settings:
     """Bytes of http(s) listing pages one listing may read."""
     listing_timeout: float = 600.0
     """Seconds one manifest may take to list (a listing page, an index, the HEADs of its shards)."""
+    shared_manifest_age: float = 3600.0
+    """Seconds this user's listing saved on the shared tier by another node is taken instead of listing
+    the origin again (0: never). An hour: a job's nodes start within minutes of each other and share one
+    listing; a job started later lists again, so an origin changed since is seen within the hour."""
     metrics_clients: bool = False
     """The daemon's metrics name each client (host, pid, rank) rather than one total: an operator's opt-in."""
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
@@ -202,6 +206,13 @@ def _seconds(value: Any, what: str) -> float:
     return number
 
 
+def _age(value: Any, what: str) -> float:
+    """Seconds, or 0 for never."""
+    if not isinstance(value, bool) and value in (0, "0"):
+        return 0.0
+    return _seconds(value, what)
+
+
 def _rate_setting(value: Any, what: str) -> float:
     return parse_bandwidth(value, what=what)
 
@@ -266,6 +277,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "listing_max_entries": ("staging", _positive_int),
     "listing_max_bytes": ("staging", _positive_size),
     "listing_timeout": ("staging", _seconds),
+    "shared_manifest_age": ("staging", _age),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
     "daemon_uid": ("daemon", _uid),
