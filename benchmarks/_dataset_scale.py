@@ -4,8 +4,8 @@ The same synthetic manifest as `benchmarks._manifest_scale` (shards of 1,000 sam
 own, saved by `ManifestStore.save` in a process of its own), but the point goes on to the first
 sample of ``CachedIterableDataset(url, shuffle=True)`` at rank 3 of 8 (``RANK``/``WORLD_SIZE``,
 ``num_workers=0``): the unit plan, the catalog, the stager, the node's future handed to it, and
-reading the first shard. The origin is a local folder whose shards are hard links to one Parquet
-file of 1,000 rows (writing 1e6 distinct files is too slow here): each is a real file the stager
+reading the first shard. The origin is a local folder whose shards are hard links to Parquet files
+of 1,000 rows (one per 60,000 shards) (writing 1e6 distinct files is too slow here): each is a real file the stager
 stats, stages and verifies. With ``DATACACHE_BENCH_BASELINE_PYTHON`` the same points by that checkout
 run in the same run, turn about, each on a fresh local tier.
 """
@@ -28,20 +28,23 @@ from datacache.config import load_settings, resolve_dataset
 from datacache.manifest import Manifest, ManifestStore, Shard, ShardFormat
 shards, per_shard, origin, local = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 origin.mkdir(parents=True, exist_ok=True)
-first = origin / "part-0000000.parquet"
-if not first.exists():
-    pq.write_table(pa.table({"x": pa.array(range(per_shard), pa.int16())}), first)
 names = [f"part-{i:07d}.parquet" for i in range(shards)]
-for name in names[1:]:
-    if not (origin / name).exists():
-        os.link(first, origin / name)
-st = first.stat()
+LINKS = 60_000  # a file takes at most 65,000 links here (ext4): one Parquet file per 60,000 shards
+versions = []
+for base in range(0, shards, LINKS):
+    first = origin / names[base]
+    if not first.exists():
+        pq.write_table(pa.table({"x": pa.array(range(per_shard), pa.int16())}), first)
+    for name in names[base + 1 : base + LINKS]:
+        if not (origin / name).exists():
+            os.link(first, origin / name)
+    st = first.stat()
+    versions.append((st.st_size, f"{int(st.st_mtime * 1e9)}:{st.st_size}"))  # as the origin tier names it (fsspec)
 url = origin.as_uri() + "/"
 settings = load_settings(overrides={"local_dir": str(local)})
 dataset = resolve_dataset(url, settings)
-version = f"{int(st.st_mtime * 1e9)}:{st.st_size}"  # as the origin tier names a file's version (fsspec)
 manifest = Manifest(dataset.id, url, ShardFormat.PARQUET,
-                    tuple(Shard(name, st.st_size, version, None, per_shard) for name in names))
+                    tuple(Shard(name, *versions[i // LINKS], None, per_shard) for i, name in enumerate(names)))
 asyncio.run(ManifestStore(local / "manifests").save(manifest))
 print('{"url": "%s"}' % url)
 """

@@ -357,25 +357,9 @@ def node_unit_sequences(
     its sequence (each reads a part of every block of its rank): O(shards), not O(samples).
     """
     seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
-    now = _node_epoch(
-        epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order),
-        window,
-        layout,
-        drop_last,
-        counts,
-    )
-    following = node_epoch_sequences(
-        counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
-    )
-    joined: dict[tuple[int, int], IntArray] = {}  # by identity: a rank's workers share one array, joined once
-    found: dict[str, IntArray] = {}
-    for name in {*now, *following}:
-        this, next_ = now.get(name, _NONE), following.get(name, _NONE)
-        key = (id(this), id(next_))  # both held by `now` and `following` meanwhile
-        if key not in joined:
-            joined[key] = _frozen(np.concatenate((this, next_)))
-        found[name] = joined[key]
-    return found
+    now = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order)
+    following = epoch_sequence(counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window)
+    return _node_epochs((now, following), window, layout, drop_last, counts)
 
 
 def node_epoch_sequences(
@@ -390,28 +374,30 @@ def node_epoch_sequences(
 ) -> dict[str, IntArray]:
     """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
     sequence = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    return _node_epoch(sequence, window, layout, drop_last, counts)
+    return _node_epochs((sequence,), window, layout, drop_last, counts)
 
 
-def _node_epoch(
-    sequence: Order, window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
+def _node_epochs(
+    sequences: tuple[Order, ...], window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
 ) -> dict[str, IntArray]:
+    """Each rank's units of ``sequences`` one after another, joined a rank at a time (one array per rank
+    alive at once, not every rank's of each epoch and then their joins), shared by the rank's workers."""
+    sizes = np.asarray(counts, dtype=np.int64)
     found: dict[str, IntArray] = {}
-    if sequence.total <= EXACT_POSITIONS:
-        # Each rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
-        # eviction's steps follow what is read; its workers share it, as they share its stream.
-        sizes = np.asarray(counts, dtype=np.int64)
-        for rank in range(layout.world_size):
-            stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
-            exact = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
-            units = _frozen(np.asarray(exact, dtype=np.int64))
-            for worker in range(layout.num_workers):
-                found[reader_name(rank, worker)] = units
-        return found
-    deal = Deal(sequence.total, layout.world_size, window)
-    length = deal.length(drop_last=drop_last)
     for rank in range(layout.world_size):
-        units = rank_unit_sequence(sequence, deal, rank, length)
+        parts = [_rank_epoch(sequence, window, layout, rank, drop_last, sizes) for sequence in sequences]
+        units = _frozen(parts[0] if len(parts) == 1 else np.concatenate(parts))
         for worker in range(layout.num_workers):
             found[reader_name(rank, worker)] = units
     return found
+
+
+def _rank_epoch(sequence: Order, window: int, layout: Layout, rank: int, drop_last: bool, sizes: IntArray) -> IntArray:
+    if sequence.total <= EXACT_POSITIONS:
+        # The rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
+        # eviction's steps follow what is read; its workers share it, as they share its stream.
+        stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
+        exact = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
+        return np.asarray(exact, dtype=np.int64)
+    deal = Deal(sequence.total, layout.world_size, window)
+    return rank_unit_sequence(sequence, deal, rank, deal.length(drop_last=drop_last))
