@@ -2,7 +2,8 @@
 
 2e4 one-sample WebDataset shards and a wids shard index (their counts) in moto's S3 server. Each
 point is a fresh process, the time from the interpreter's start to the first sample of
-``CachedIterableDataset(url, shuffle=True)`` (per-sample mode, ``num_workers=0``), and the listing
+``CachedIterableDataset(url, shuffle=True)`` (per-sample mode, ``num_workers=0``; *imports*: the part
+spent importing datacache's loader and torch), and the listing
 requests (ListObjectsV2) the server saw meanwhile. *Cold node*: empty local and shared tiers. *Second
 node*: a fresh local tier beside the same shared tier, as another node of the same job (same user)
 starts. With ``DATACACHE_BENCH_BASELINE_PYTHON`` (another checkout's interpreter) its second node runs
@@ -37,10 +38,12 @@ import json, resource, sys, time
 started = time.perf_counter()
 from datacache.config import load_settings
 from datacache.loaders import CachedIterableDataset
+import torch  # what `CachedIterableDataset` imports on first use: counted in the imports
+imported = time.perf_counter() - started
 url, local, shared = sys.argv[1:4]
 settings = load_settings(overrides={"local_dir": local, "shared_dir": shared})
 sample = next(iter(CachedIterableDataset(url, config=settings, shuffle=True, seed=3)))
-print(json.dumps({"first_s": time.perf_counter() - started, "key": sample["__key__"],
+print(json.dumps({"first_s": time.perf_counter() - started, "imports_s": imported, "key": sample["__key__"],
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -133,15 +136,16 @@ def render(result: dict[str, Any]) -> list[str]:
         f"{result['shards']:,} one-sample tar shards and a wids index in moto's S3 (uploaded in "
         f"{result['upload_s']:.0f} s), load {result['load']:.1f} at the start (2 cores).",
         "",
-        "| node | checkout | first sample (s) | listings | requests | peak RSS (MB) |",
-        "|---|---|---|---|---|---|",
+        "| node | checkout | first sample (s) | of it, imports (s) | listings | requests | peak RSS (MB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         if "error" in p:
-            lines.append(f"| {p['node']} | {p['checkout']} | {p['error']} | | | |")
+            lines.append(f"| {p['node']} | {p['checkout']} | {p['error']} | | | | |")
             continue
         lines.append(
-            f"| {p['node']} | {p['checkout']} | {p['first_s']:.2f} | {p['listings']} | {p['requests']} "
+            f"| {p['node']} | {p['checkout']} | {p['first_s']:.2f} | {p['imports_s']:.2f} | {p['listings']} "
+            f"| {p['requests']} "
             f"| {p['peak_rss_mb']:.0f} |"
         )
     return lines
