@@ -328,14 +328,14 @@ class NodeFuture:
         return np.zeros(0, dtype=np.int64) if found is None else found
 
     def order(self, plan: UnitPlan) -> FutureOrder:
-        """The same future in shard keys, as the stager takes it."""
-        return FutureOrder(
-            self.epoch,
-            {
-                name: tuple(key for u in units.tolist() for key in plan.units[u].keys)
-                for name, units in self.units.items()
-            },
-        )
+        """The same future in shard keys, as the stager takes it (a rank's workers share one tuple, as one array)."""
+        made: dict[int, tuple[str, ...]] = {}
+        keys: dict[str, tuple[str, ...]] = {}
+        for name, units in self.units.items():
+            if id(units) not in made:
+                made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
+            keys[name] = made[id(units)]
+        return FutureOrder(self.epoch, keys)
 
     def after(self, units_this_epoch: int) -> tuple[int, ...]:
         """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
