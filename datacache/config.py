@@ -108,6 +108,7 @@ class Settings:
     """Bytes of http(s) listing pages one listing may read."""
     listing_timeout: float = 600.0
     """Seconds one manifest may take to list (a listing page, an index, the HEADs of its shards)."""
+    shared_manifest_age: float = 3600.0  # this uid's listing from another node is taken so long (0: never)
     metrics_clients: bool = False
     """The daemon's metrics name each client (host, pid, rank) rather than one total: an operator's opt-in."""
     storage_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
@@ -188,7 +189,7 @@ def _policy(value: Any, what: str) -> str:
     return str(value)
 
 
-def _seconds(value: Any, what: str) -> float:
+def _seconds(value: Any, what: str, zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{what}: expected a number of seconds, got {value!r}")
     try:
@@ -197,7 +198,7 @@ def _seconds(value: Any, what: str) -> float:
         raise ConfigError(f"{what}: expected a number of seconds, got {value!r}") from None
     if not math.isfinite(number):
         raise ConfigError(f"{what}: expected a number of seconds, got {value!r}")
-    if number <= 0:
+    if number < 0 or (number == 0 and not zero):
         raise ConfigError(f"{what}: must be positive, got {value!r}")
     return number
 
@@ -266,6 +267,7 @@ _SETTINGS: dict[str, tuple[str, Any]] = {
     "listing_max_entries": ("staging", _positive_int),
     "listing_max_bytes": ("staging", _positive_size),
     "listing_timeout": ("staging", _seconds),
+    "shared_manifest_age": ("staging", lambda value, what: _seconds(value, what, zero=True)),
     "socket": ("daemon", _path),
     "metrics_address": ("daemon", _address),
     "daemon_uid": ("daemon", _uid),

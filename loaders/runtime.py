@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from datacache.loaders.shardfiles import UnitPlan, UnitReader
 from datacache.tiers import redact_url
@@ -296,12 +298,16 @@ class Runtime:
 
 @dataclass(frozen=True)
 class NodeFuture:
-    """The node's future reads (every reader's units, from `positions.node_unit_sequences`) and this reader's name."""
+    """The node's future reads (every reader's units, from `positions.node_unit_sequences`) and this reader's name.
+
+    Each reader's units are an int64 array, shared by a rank's workers: 1e6 units as tuples of
+    Python ints cost ~76 MB more a process than as arrays (`benchmarks._manifest_scale`).
+    """
 
     reader: str
     epoch: int
-    units: Mapping[str, tuple[int, ...]]
-    later: Callable[[], Mapping[str, tuple[int, ...]] | None] | None = None
+    units: Mapping[str, npt.NDArray[np.int64]]
+    later: Callable[[], Mapping[str, npt.NDArray[np.int64]] | None] | None = None
     """A cold epoch's: the next epoch's units by reader, once its sample counts are all known (else None)."""
     split: int | None = None
     """Where this reader's units of the next epoch begin, once `grown` appended them."""
@@ -311,25 +317,36 @@ class NodeFuture:
         more = self.later() if self.later is not None else None
         if more is None:
             return None
-        units = {name: (*self.units.get(name, ()), *more.get(name, ())) for name in {*self.units, *more}}
-        return NodeFuture(self.reader, self.epoch, units, split=len(self.units.get(self.reader, ())))
+        units = {
+            name: np.concatenate((self._of(self.units, name), self._of(more, name))) for name in {*self.units, *more}
+        }
+        return NodeFuture(self.reader, self.epoch, units, split=len(self._of(self.units, self.reader)))
+
+    @staticmethod
+    def _of(units: Mapping[str, npt.NDArray[np.int64]], name: str) -> npt.NDArray[np.int64]:
+        found = units.get(name)
+        return np.zeros(0, dtype=np.int64) if found is None else found
 
     def order(self, plan: UnitPlan) -> FutureOrder:
-        """The same future in shard keys, as the stager takes it."""
-        return FutureOrder(
-            self.epoch,
-            {name: tuple(key for u in units for key in plan.units[u].keys) for name, units in self.units.items()},
-        )
+        """The same future in shard keys, as the stager takes it (a rank's workers share one tuple, as one array)."""
+        made: dict[int, tuple[str, ...]] = {}
+        keys: dict[str, tuple[str, ...]] = {}
+        for name, units in self.units.items():
+            if id(units) not in made:
+                made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
+            keys[name] = made[id(units)]
+        return FutureOrder(self.epoch, keys)
 
     def after(self, units_this_epoch: int) -> tuple[int, ...]:
         """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
-        return self.units.get(self.reader, ())[units_this_epoch if self.split is None else self.split :]
+        mine = self._of(self.units, self.reader)
+        return tuple(mine[units_this_epoch if self.split is None else self.split :].tolist())
 
     def key_positions(self, plan: UnitPlan) -> dict[int, int]:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
         found: dict[int, int] = {}
         position = 0
-        for unit in self.units.get(self.reader, ()):
+        for unit in self._of(self.units, self.reader).tolist():
             found.setdefault(unit, position)
             position += len(plan.units[unit].keys)
         return found

@@ -116,7 +116,12 @@ def test_a_cursor_remembers_it_read_a_cold_epoch() -> None:
 
 def test_the_cold_node_future_is_every_readers_shards_and_the_same_from_every_reader() -> None:
     futures = [
-        node_cold_sequences(23, seed=7, epoch=0, shuffle=True, layout=Layout(3, rank, 2, worker, 4))
+        {
+            name: tuple(units.tolist())
+            for name, units in node_cold_sequences(
+                23, seed=7, epoch=0, shuffle=True, layout=Layout(3, rank, 2, worker, 4)
+            ).items()
+        }
         for rank in range(3)
         for worker in range(2)
     ]

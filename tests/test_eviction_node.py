@@ -109,7 +109,12 @@ def test_the_node_future_is_every_readers_plan_and_the_same_from_every_reader() 
     counts = [12] * 10 + [5]
     common = {"dealing": Dealing(3, True, False), "epoch": 2, "window": 8, "cursors": ()}
     futures = [
-        node_unit_sequences(counts, layout=Layout(2, rank, 2, worker, 4), **common)  # type: ignore[arg-type]
+        {
+            name: tuple(units.tolist())
+            for name, units in node_unit_sequences(
+                counts, layout=Layout(2, rank, 2, worker, 4), **common  # type: ignore[arg-type]
+            ).items()
+        }
         for rank in range(2)
         for worker in range(2)
     ]

@@ -411,7 +411,11 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
     common: dict[str, Any] = {"seed": 11, "epoch": 1, "shuffle": True, "drop_last": False, "cursors": ()}
     layouts = [Layout(2, rank, 2, worker, 4) for rank in range(2) for worker in range(2)]
     futures = {layout: mix_futures(runtime, layout, **common) for layout in layouts}
-    assert all([f.units for f in found] == [f.units for f in futures[layouts[0]]] for found in futures.values())
+
+    def listed(found: tuple[Any, ...]) -> list[dict[str, list[int]]]:
+        return [{name: units.tolist() for name, units in f.units.items()} for f in found]
+
+    assert all(listed(found) == listed(futures[layouts[0]]) for found in futures.values())
     for layout, found in futures.items():
         now, following = mix_plan(runtime, layout, **common), mix_plan(runtime, layout, **{**common, "epoch": 2})
         assert len(found) == 3

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -43,9 +44,12 @@ class ManifestStore:
     most `MAX_MANIFEST_BYTES`, reached from the tier's root without following a
     link (a FIFO or a link to ``/dev/zero`` must not hang or exhaust a reader).
     The others (on the shared tier, the group's: 2770/0640) are written for
-    tools and other nodes to inspect, never taken as a snapshot: whoever can
-    write there could name any shards and versions, so each reader takes its
-    own listing of the origin (docs/SECURITY.md).
+    tools and other nodes to inspect. `load_shared` takes one as a snapshot
+    only where it is this user's own listing (its columnar file owned by this
+    euid, writable by no one else, digest intact) made at most
+    ``shared_max_age`` seconds ago: whoever else can write there could name any
+    shards and versions, so another user's, root's or the daemon's is never
+    taken (docs/SECURITY.md).
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class ManifestStore:
         trusted_uids: frozenset[int] | None = None,
         readers: Mapping[str, ReadersIds] | None = None,
         group_copies: bool = True,
+        shared_max_age: float = 0.0,
     ) -> None:
         if not directories:
             raise ValueError("ManifestStore needs at least one directory")
@@ -63,6 +68,7 @@ class ManifestStore:
         # Else an undeclared dataset's shared copy is the writer's own (`ownership.operator_writes`).
         self._group_copies = group_copies
         self._trusted = default_trusted_uids() if trusted_uids is None else trusted_uids
+        self._shared_max_age = shared_max_age
 
     def _place(self, position: int, dataset_id: str) -> Place:
         validate_key(dataset_id)
@@ -112,23 +118,48 @@ class ManifestStore:
         """Return the manifest of ``dataset_id`` this node persisted, or ``None``."""
         return await asyncio.to_thread(self._load_sync, dataset_id)
 
-    async def save(self, manifest: Manifest) -> None:
-        """Persist ``manifest`` atomically in every directory; in this node's, also as the file its processes map."""
-        columns = self._place(0, manifest.dataset).sibling(manifest.dataset + COLUMNS_SUFFIX)
-        try:
-            mode = self._file_mode(0, manifest.dataset)
-            await atomic_write(columns, columns_body(manifest), durable=False, file_mode=mode)
-        except (OSError, InvalidKeyError) as exc:
-            logger.warning("could not persist the columns of %s in %s: %s", manifest.dataset, columns.path, exc)
+    def _load_shared_sync(self, dataset_id: str) -> Manifest | None:
+        own = frozenset({os.geteuid()})  # another node's listing by this user: nobody else's, not even root's
+        for position in range(1, len(self._directories)):
+            place = self._place(position, dataset_id).sibling(dataset_id + COLUMNS_SUFFIX)
+            found = map_manifest(place, own, MAX_MANIFEST_BYTES)
+            if found is None or found.dataset != dataset_id:
+                continue
+            age = time.time() - found.created
+            if not 0 <= age <= self._shared_max_age:
+                logger.info("not taking %s: listed %.0f s ago (shared_manifest_age %.0f s)", place.path, age,
+                            self._shared_max_age)
+                continue
+            return found
+        return None
+
+    async def load_shared(self, dataset_id: str) -> Manifest | None:
+        """This user's own listing of ``dataset_id`` saved on the shared tier by another node, if young enough."""
+        if self._shared_max_age <= 0 or len(self._directories) < 2:
+            return None
+        return await asyncio.to_thread(self._load_shared_sync, dataset_id)
+
+    async def save(self, manifest: Manifest, *, shared: bool = True) -> None:
+        """Persist ``manifest`` atomically in this node's directory and (``shared``) the others.
+
+        Each directory gets the JSON (for tools) and the columnar file (this node's processes map
+        it; another node of this user takes the shared one by `load_shared`).
+        """
         encoded = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
 
         async def body() -> AsyncIterator[bytes]:
             yield encoded
 
-        for position, directory in enumerate(self._directories):
+        for position, directory in enumerate(self._directories[: None if shared else 1]):
             place = self._place(position, manifest.dataset)
+            mode = self._file_mode(position, manifest.dataset)
+            columns = place.sibling(manifest.dataset + COLUMNS_SUFFIX)
             try:
-                await atomic_write(place, body(), durable=False, file_mode=self._file_mode(position, manifest.dataset))
+                await atomic_write(columns, columns_body(manifest), durable=False, file_mode=mode)
+            except (OSError, InvalidKeyError) as exc:
+                logger.warning("could not persist the columns of %s in %s: %s", manifest.dataset, directory, exc)
+            try:
+                await atomic_write(place, body(), durable=False, file_mode=mode)
             except (OSError, InvalidKeyError) as exc:
                 logger.warning("could not persist the manifest of %s in %s: %s", manifest.dataset, directory, exc)
 
@@ -142,5 +173,6 @@ class ManifestStore:
                     os.close(fd)
 
         for position in range(len(self._directories)):
-            await asyncio.to_thread(unlink, self._place(position, dataset_id))
-        await asyncio.to_thread(unlink, self._place(0, dataset_id).sibling(dataset_id + COLUMNS_SUFFIX))
+            place = self._place(position, dataset_id)
+            await asyncio.to_thread(unlink, place)
+            await asyncio.to_thread(unlink, place.sibling(dataset_id + COLUMNS_SUFFIX))

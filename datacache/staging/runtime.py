@@ -97,6 +97,7 @@ class StagerRuntime:
             trusted_uids=self._trusted,
             readers=self.local.dataset_readers,
             group_copies=operator_writes(settings.daemon_uid),
+            shared_max_age=settings.shared_manifest_age,
         )
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
@@ -286,6 +287,11 @@ class StagerRuntime:
             # One process per node lists the origin; the others wait and read what it saved.
             async with parts.local.node_lock("manifests", config.id).hold():
                 manifest = None if refresh else await self.manifests.load(config.id)
+                if manifest is None and not refresh:
+                    # Another node's listing by this user, young enough: the cluster lists the origin once.
+                    manifest = await self.manifests.load_shared(config.id)
+                    if manifest is not None:
+                        await self.manifests.save(manifest, shared=False)  # its age stays the listing's
                 if manifest is None:
                     split = object_url(config.url)
                     parent = self._origins.get(config, split[0]) if split is not None else None

@@ -23,6 +23,7 @@ from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Dealing, Plan
 from datacache.loaders.plans.positions import (
     auto_window,
+    epoch_sequence,
     node_epoch_sequences,
     node_unit_sequences,
     plan_epoch,
@@ -171,7 +172,7 @@ class DatasetPlanner:
         counts, window = runtime.units.counts, runtime.window
         return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window)
 
-    def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, tuple[int, ...]] | None:
+    def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, IntArray] | None:
         """Every reader's units of the epoch after a cold one, once every count is known (else None)."""
         runtime = self.runtime
         book = runtime.book
@@ -216,10 +217,14 @@ def indexed_plan(
     if cursors and cursors[0].cold:
         order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)
         cursors = cursors[1:]
+    # The epoch's order once, for the reader and the node's future (each copy of 1e6 units' costs ~24 MB).
+    sequence = epoch_sequence(
+        counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order
+    )
     positions = plan_epoch(
-        counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
+        counts, dealing=dealing, epoch=epoch, window=window, cursors=(), layout=layout, order=sequence
     )
     units = node_unit_sequences(
-        counts, dealing=dealing, epoch=epoch, window=window, cursors=cursors, layout=layout, order=order
+        counts, dealing=dealing, epoch=epoch, window=window, cursors=(), layout=layout, order=sequence
     )
     return IndexedPlan(positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units))

@@ -74,7 +74,7 @@ def rank_units(units: int, *, seed: int, epoch: int, shuffle: bool, world_size: 
 
 def node_cold_sequences(
     units: int, *, seed: int, epoch: int, shuffle: bool, layout: Layout
-) -> dict[str, tuple[int, ...]]:
+) -> dict[str, IntArray]:
     """Every reader's shards in a cold epoch (all ranks, all workers of ``layout``'s job), by reader name.
 
     A rank's workers take chunks of its stream, which walks its shards two at a time:
@@ -82,11 +82,13 @@ def node_cold_sequences(
     same value, as for an indexed epoch (`plans.positions.node_unit_sequences`); the samples a rank
     takes from another's shards once the lengths are settled are left out (a few at the end).
     """
-    found: dict[str, tuple[int, ...]] = {}
+    found: dict[str, IntArray] = {}
     for rank in range(layout.world_size):
-        mine = tuple(
-            rank_units(units, seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=rank).tolist()
+        mine = np.asarray(
+            rank_units(units, seed=seed, epoch=epoch, shuffle=shuffle, world_size=layout.world_size, rank=rank),
+            dtype=np.int64,
         )
+        mine.flags.writeable = False  # the rank's workers share it
         for worker in range(layout.num_workers):
             found[reader_name(rank, worker)] = mine
     return found

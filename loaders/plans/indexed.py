@@ -159,12 +159,22 @@ class Segmented:
         return (np.concatenate(units), np.concatenate(local)) if units else (_NONE, _NONE)
 
 
-def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> tuple[int, ...]:
-    """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says)."""
+def rank_unit_sequence(order: Order, deal: Deal, rank: int, length: int) -> IntArray:
+    """The units rank ``rank``'s stream may read, in the order it first may (what the node's future says).
+
+    An array, read-only (every worker of the rank shares it): as a tuple of Python ints, the node's
+    future of 1e6 units cost ~36 bytes a unit, twice over (this epoch and the next).
+    """
     _, _, start, stop = deal.pieces(rank, length)
     _, units = order.units_of_ranges(start, stop)
     _, units = dedupe_ranges(np.zeros_like(units), units)
-    return tuple(units.tolist())
+    return _frozen(units)
+
+
+def _frozen(units: IntArray) -> IntArray:
+    units = np.ascontiguousarray(units, dtype=np.int64)
+    units.flags.writeable = False
+    return units
 
 
 class IndexedPositions(Segmented):
@@ -353,7 +363,7 @@ def node_unit_sequences(
     cursors: tuple[Cursor, ...],
     layout: Layout,
     order: IntArray | Order | None = None,
-) -> dict[str, tuple[int, ...]]:
+) -> dict[str, IntArray]:
     """Every reader's units in order (all ranks, all workers of ``layout``'s job), by `reader_name`.
 
     This epoch's remaining units, then the next epoch's, so that eviction near the end of
@@ -362,17 +372,9 @@ def node_unit_sequences(
     its sequence (each reads a part of every block of its rank): O(shards), not O(samples).
     """
     seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
-    now = _node_epoch(
-        epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order),
-        window,
-        layout,
-        drop_last,
-        counts,
-    )
-    following = node_epoch_sequences(
-        counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window, layout=layout, drop_last=drop_last
-    )
-    return {name: (*now.get(name, ()), *following.get(name, ())) for name in {*now, *following}}
+    now = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=order)
+    following = epoch_sequence(counts, seed=seed, epoch=epoch + 1, shuffle=shuffle, window=window)
+    return _node_epochs((now, following), window, layout, drop_last, counts)
 
 
 def node_epoch_sequences(
@@ -384,30 +386,33 @@ def node_epoch_sequences(
     window: int,
     layout: Layout,
     drop_last: bool,
-) -> dict[str, tuple[int, ...]]:
+) -> dict[str, IntArray]:
     """Every reader's units of the whole epoch ``epoch``, by `reader_name` (what follows a cold epoch)."""
     sequence = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window)
-    return _node_epoch(sequence, window, layout, drop_last, counts)
+    return _node_epochs((sequence,), window, layout, drop_last, counts)
 
 
-def _node_epoch(
-    sequence: Order, window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
-) -> dict[str, tuple[int, ...]]:
-    found: dict[str, tuple[int, ...]] = {}
-    if sequence.total <= EXACT_POSITIONS:
-        # Each rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
-        # eviction's steps follow what is read; its workers share it, as they share its stream.
-        sizes = np.asarray(counts, dtype=np.int64)
-        for rank in range(layout.world_size):
-            stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
-            units = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
-            for worker in range(layout.num_workers):
-                found[reader_name(rank, worker)] = units
-        return found
-    deal = Deal(sequence.total, layout.world_size, window)
-    length = deal.length(drop_last=drop_last)
+def _node_epochs(
+    sequences: tuple[Order, ...], window: int, layout: Layout, drop_last: bool, counts: Sequence[int] | IntArray
+) -> dict[str, IntArray]:
+    """Each rank's units of ``sequences`` one after another, joined a rank at a time (one array per rank
+    alive at once, not every rank's of each epoch and then their joins), shared by the rank's workers."""
+    sizes = np.asarray(counts, dtype=np.int64)
+    found: dict[str, IntArray] = {}
     for rank in range(layout.world_size):
-        units = rank_unit_sequence(sequence, deal, rank, length)
+        parts = [_rank_epoch(sequence, window, layout, rank, drop_last, sizes) for sequence in sequences]
+        units = _frozen(parts[0] if len(parts) == 1 else np.concatenate(parts))
         for worker in range(layout.num_workers):
             found[reader_name(rank, worker)] = units
     return found
+
+
+def _rank_epoch(sequence: Order, window: int, layout: Layout, rank: int, drop_last: bool, sizes: IntArray) -> IntArray:
+    if sequence.total <= EXACT_POSITIONS:
+        # The rank's order of first reads, exact as its readers' plans are (`EXACT_POSITIONS`), so
+        # eviction's steps follow what is read; its workers share it, as they share its stream.
+        stream = Layout(layout.world_size, rank, 1, 0, layout.chunk)
+        exact = IndexedPositions(sequence, sizes, block=window, layout=stream, drop_last=drop_last).unit_sequence
+        return np.asarray(exact, dtype=np.int64)
+    deal = Deal(sequence.total, layout.world_size, window)
+    return rank_unit_sequence(sequence, deal, rank, deal.length(drop_last=drop_last))

@@ -207,14 +207,15 @@ def mix_futures(
     now = epoch_sequence(counts, seed=seed, epoch=epoch, shuffle=shuffle, window=window, cursors=cursors, order=this)
     following = mix.order(seed=seed, epoch=epoch + 1, shuffle=shuffle)
     sources = len(mix.parts)
-    found: list[dict[str, tuple[int, ...]]] = [{} for _ in range(sources)]
+    found: list[dict[str, IntArray]] = [{} for _ in range(sources)]
     splits = [0] * sources
     for rank in range(layout.world_size):
         parts = [
             _by_source(mix, _rank_units(order, runtime.window, layout, rank, drop_last)) for order in (now, following)
         ]
         for source in range(sources):
-            units = (*parts[0][source], *parts[1][source])
+            units = np.concatenate((parts[0][source], parts[1][source]))
+            units.flags.writeable = False  # the rank's workers share it
             if rank == layout.rank:
                 splits[source] = len(parts[0][source])
             for worker in range(layout.num_workers):
@@ -224,13 +225,12 @@ def mix_futures(
     return tuple(NodeFuture(me, epoch, found[s], split=splits[s]) for s in range(sources))
 
 
-def _rank_units(order: Order, window: int, layout: Layout, rank: int, drop_last: bool) -> tuple[int, ...]:
+def _rank_units(order: Order, window: int, layout: Layout, rank: int, drop_last: bool) -> IntArray:
     deal = Deal(order.total, layout.world_size, window)
     return rank_unit_sequence(order, deal, rank, deal.length(drop_last=drop_last))
 
 
-def _by_source(mix: Mix, units: tuple[int, ...]) -> list[tuple[int, ...]]:
+def _by_source(mix: Mix, units: IntArray) -> list[IntArray]:
     """``units`` (numbered across sources) split by source, in order, each numbered as in its source."""
-    flat = np.asarray(units, dtype=np.int64)
-    source = mix.source_of_unit[flat]
-    return [tuple((flat[source == s] - mix.unit_offsets[s]).tolist()) for s in range(len(mix.parts))]
+    source = mix.source_of_unit[units]
+    return [units[source == s] - mix.unit_offsets[s] for s in range(len(mix.parts))]
