@@ -7,13 +7,13 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.decode import Decoder
+from datacache.loaders.decode import SampleDecoding
 from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Opening, Plan
@@ -28,6 +28,7 @@ from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
 
+from datacache._logging import FirstFew
 from datacache.errors import ConfigError, ShardReadError
 from datacache.formats._rows import RowsReader
 
@@ -47,12 +48,15 @@ ITERATOR_MARK = "datacache_iterator"
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """What a reader takes of its dataset's configuration (`CachedIterableDataset`'s, the same names)."""
+    """What a reader takes of its dataset's configuration (`CachedIterableDataset`'s, the same names),
+    made once per dataset and process: every epoch's reader calls the same ``decoding`` and ``skips``."""
 
     seed: int
     batch_size: int | None
-    decode: Decoder
-    transform: Callable[[Any], Any] | None
+    decoding: SampleDecoding
+    """The dataset's decoder, then its transform (`decode.SampleDecoding`)."""
+    skips: FirstFew
+    """Logs the samples skipped (the first few in full, then a count), over every epoch of the dataset."""
     skip_bad: bool
     """``on_error="skip"``: a corrupt or unreadable shard, or a sample its decoder fails on, is skipped."""
     target_bandwidth: float | None
@@ -103,8 +107,8 @@ class EpochIterator:
         self._builder = BatchBuilder(
             self._units,
             self._plan,
-            decode=options.decode,
-            transform=options.transform,
+            decoding=options.decoding,
+            skips=options.skips,
             opening=opening,
             threads=threads,
             tally=self._note,
