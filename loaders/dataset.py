@@ -457,7 +457,7 @@ class CachedIterableDataset(IterableDataset[Any]):
     def stats(self) -> LoaderStats:
         """Delivered bandwidth and samples/s, data-stall fraction, hit ratio per tier, prefetch depth."""
         runtime = self._runtime
-        mode = runtime.access.mode if runtime is not None else "embedded"
+        mode = runtime.mode if runtime is not None else "embedded"
         limiting = self._main_iterator.controller.limiting_stage if self._main_iterator is not None else None
         consumer = self._table.consumer_row().clone()
         if runtime is not None and runtime.pid == os.getpid():

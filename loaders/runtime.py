@@ -22,7 +22,7 @@ from datacache.loaders.shardfiles import UnitPlan, UnitReader
 from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
-from datacache.access import ShardAccess
+from datacache.access import FailoverAccess, ShardAccess
 from datacache.catalog import process_owner
 from datacache.config import Settings
 from datacache.counting.spantable import SpanTable
@@ -262,6 +262,7 @@ class Runtime:
     """This process as the stager's leases name it (``host:pid``)."""
     unit_bytes: float = field(init=False)
     """The mean size of a unit, in bytes (a reader's prefetch depth follows from it)."""
+    _mode: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         # Found once per process, not once per reader or note.
@@ -270,6 +271,13 @@ class Runtime:
         self.url = redact_url(self.handle.config.url).rstrip("/")
         self.owner = process_owner()
         self.unit_bytes = self.handle.manifest.total_bytes / max(1, len(self.units.units))
+        # Only a daemon's client changes mode (to its fallback and back): any other access is asked once.
+        self._mode = None if isinstance(self.access, FailoverAccess) else self.access.mode
+
+    @property
+    def mode(self) -> str:
+        """How this process reaches the cache, as the stats say it (`ShardAccess.mode`)."""
+        return self.access.mode if self._mode is None else self._mode
 
     def counted(self, units: UnitPlan, window: int) -> None:
         """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.

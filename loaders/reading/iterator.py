@@ -150,7 +150,7 @@ class EpochIterator:
         row[Counter.NUM_WORKERS] = self.layout.num_workers
         row[Counter.PADDED] = self._plan.padded
         row[Counter.TOTAL] = len(self._plan)
-        row[Counter.MODE] = mode_code(self.runtime.access.mode)
+        row[Counter.MODE] = mode_code(self.runtime.mode)
 
     def _skip_unreadable(self) -> None:
         """Raise, or count as skipped, the shards whose samples the plan could not count."""
@@ -374,9 +374,8 @@ class EpochIterator:
         self.runtime.loop.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
 
     def _figures(self) -> dict[str, Any]:
-        access = self.runtime.access
         row = self._row
-        row[Counter.MODE] = mode_code(access.mode)
+        row[Counter.MODE] = mode_code(self.runtime.mode)
         layout = self.layout
         return reader_figures(
             row,
