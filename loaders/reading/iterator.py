@@ -124,7 +124,7 @@ class EpochIterator:
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
-        self._beating = runtime.loop.submit(_heartbeat(weakref.ref(self)))
+        self._beating = runtime.submit(_heartbeat(weakref.ref(self)))
 
     def _controller(self) -> PrefetchController:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
@@ -371,7 +371,7 @@ class EpochIterator:
 
     def _report(self) -> None:
         """Tell the daemon (or, embedded, `datacache top`'s report file) what this reader delivered."""
-        self.runtime.loop.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
+        self.runtime.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
 
     def _figures(self) -> dict[str, Any]:
         row = self._row
