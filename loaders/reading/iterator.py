@@ -23,7 +23,7 @@ from datacache.loaders.reading.prefetch import PrefetchController, initial_prefe
 from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime, Units
-from datacache.loaders.shardfiles import sample_of
+from datacache.loaders.shardfiles import UnitReader, sample_of
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
@@ -115,7 +115,8 @@ class EpochIterator:
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
         self._ring = SampleRing() if not (self._in_consumer or options.batch_size) else None
-        self._rows_ahead = RowsAhead(self._plan, self._units)
+        self._rows_ahead: RowsAhead | None = None
+        """Table rows read ahead, per sample: made when the first table unit is read (`_next_sample`)."""
         self._ready: list[tuple[int, Any]] = []
         """Rows gathered ahead (`rows.ready_rows`), last first, each with the count produced once it is yielded."""
         self._fast_rows = not options.batch_size and self._builder.raw and self._note is None
@@ -205,7 +206,8 @@ class EpochIterator:
         if self._ahead is not None:
             self._ahead.drain()
         self.produced = min(produced, self._known(produced))
-        self._rows_ahead.clear()
+        if self._rows_ahead is not None:
+            self._rows_ahead.clear()
         self._ready.clear()
         self._units.restart(self.produced)
 
@@ -264,16 +266,10 @@ class EpochIterator:
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
-            local = int(self._plan.local[position])
-            ring = self._ring
-            if ring and reader.packable:
-                sample = sample_of(reader.fields(local), ring.wrap)
-            else:
-                read = self._rows_ahead.sample(position, local, reader, known)
-                if read is None:  # its unit turned out damaged, skipped on request
-                    self._row[Counter.SKIPPED_SAMPLES] += 1
-                    continue
-                sample = read
+            sample = self._read(position, reader, known)
+            if sample is None:  # its unit turned out damaged, skipped on request
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)
@@ -285,6 +281,18 @@ class EpochIterator:
                 self._note(position, nbytes)
                 self._delivered(position, position + 1)
             return decoded
+
+    def _read(self, position: int, reader: UnitReader, known: int) -> dict[str, Any] | None:
+        """The sample at ``position`` of ``reader``'s unit, as read; None: the unit turned out damaged (skipped)."""
+        local = int(self._plan.local[position])
+        if self._ring and reader.packable:
+            return sample_of(reader.fields(local), self._ring.wrap)
+        if not isinstance(reader, RowsReader):  # a shard's sample, not a table row
+            sample: dict[str, Any] = reader.sample(local)
+            return sample
+        if self._rows_ahead is None:  # made for the first table unit read
+            self._rows_ahead = RowsAhead(self._plan, self._units)
+        return self._rows_ahead.sample(position, local, reader, known)
 
     def _gather_rows(self, position: int, known: int) -> bool | None:
         """Table rows passed as they are: the next chunk of positions at once (None: not for these units)."""
