@@ -261,9 +261,9 @@ class CachedIterableDataset(IterableDataset[Any]):
     def _options(self) -> ReadOptions:
         """What a reader takes of this configuration (frozen: `map` makes a copy with its own); the decoding
         and the log of skipped samples are made once per process, and every epoch's reader calls them."""
-        if self._decoding is None:  # each unit's URL is its reader's (`Units.url_of`), not the decoding's
+        if self._decoding is None:
             skips = FirstFew("skipped samples", "stats().skipped_samples")
-            self._decoding = SampleDecoding(self.decode, self.transform, ""), skips
+            self._decoding = SampleDecoding(self.decode, self.transform), skips
         skip, rate = self.on_error == "skip", self.target_bandwidth
         return ReadOptions(self.seed, self.batch_size, *self._decoding, skip, rate, self.prefetch)
 

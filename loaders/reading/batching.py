@@ -35,7 +35,7 @@ from datacache.formats._rows import RowsReader
 if TYPE_CHECKING:
     from datacache.loaders.plans.interface import Opening
 
-__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
+__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "name_sample", "sample_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class BatchBuilder:
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        self._decoding.identify(sample, reader, self._units.url_of(reader))
+        name_sample(sample, reader, self._units.url_of(reader))
         if self.raw:
             return sample
         started = time.perf_counter()
@@ -259,6 +259,15 @@ class ReadAhead:
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def name_sample(sample: dict[str, Any], reader: UnitReader, url: str) -> None:
+    """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one (a tar shard's,
+    a plain file's). ``url``: the one its unit's keys are relative to, credentials redacted (samples travel
+    to logs and files); a mix's readers know each unit's own source's.
+    """
+    if reader.packable:
+        sample["__url__"] = f"{url.rstrip('/')}/{reader.unit.keys[0]}"
 
 
 def _payload_bytes(sample: Any) -> int:
