@@ -6,12 +6,16 @@ tiers (the first is cold: counts arrive while it is read; the second is indexed 
 and records with ``sys.setprofile`` (every thread) each datacache function that runs while a sample is
 asked for. "Crossed" is a module or class with at least one function that ran in that time; a class is
 named by the qualified name of its methods. Run: ``.venv/bin/python -m benchmarks.sample_path``.
+With ``DATACACHE_BENCH_BASELINE_PYTHON`` (another checkout's ``.venv/bin/python``) that checkout's
+own count runs first, in the same run, and both are printed.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -20,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+BASELINE = "DATACACHE_BENCH_BASELINE_PYTHON"
 
 
 def _module_of(filename: str, root: Path) -> str | None:
@@ -134,15 +140,29 @@ def measure() -> dict[str, Any]:
     return report
 
 
+def _baseline(python: str) -> dict[str, Any]:
+    """The same count by another checkout (its own benchmark, in its own tree: ``<root>/.venv/bin/python``)."""
+    root = Path(python).absolute().parents[2]
+    env = {**os.environ, BASELINE: ""}
+    command = [python, "-m", "benchmarks.sample_path", "--json"]
+    ran = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True)
+    report: dict[str, Any] = json.loads(ran.stdout[ran.stdout.index("{") :])
+    return report
+
+
 def main() -> None:
-    report = measure()
-    for name, seen in report.items():
-        print(
-            f"{name} ({seen['samples']} samples): {len(seen['modules'])} modules "
-            f"({len(seen['loaders_modules'])} in loaders), {len(seen['classes'])} classes"
-        )
+    reports: dict[str, dict[str, Any]] = {}
+    if os.environ.get(BASELINE):
+        reports["baseline"] = _baseline(os.environ[BASELINE])
+    reports["branch" if reports else ""] = measure()
+    for label, report in reports.items():
+        for name, seen in report.items():
+            print(
+                f"{label + ': ' if label else ''}{name} ({seen['samples']} samples): {len(seen['modules'])} modules "
+                f"({len(seen['loaders_modules'])} in loaders), {len(seen['classes'])} classes"
+            )
     if "--json" in sys.argv:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(reports.get("", reports), indent=1))
 
 
 if __name__ == "__main__":

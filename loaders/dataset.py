@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from datacache.loaders.decode import Compose, Decoder, check_decoder, check_transform
+from datacache.loaders.decode import Compose, Decoder, SampleDecoding, check_decoder, check_transform
 from datacache.loaders.order.layout import Cursor, Layout, produced_from_consumed
 from datacache.loaders.plans.interface import Dealing, Planner
 from datacache.loaders.precheck import check_keywords, check_options, check_sources, target_rate
@@ -29,9 +29,10 @@ from datacache.loaders.remote import RayPool, RemoteEpoch, check_remote, remote_
 from datacache.loaders.resume import STATE_VERSION, check_same, describe, loader_batch, read_state
 from datacache.loaders.runtime import KEEP_RELEASED, Runtime, rank_and_world
 from datacache.loaders.sources import Given, names_shards, reads_a_mix, resolve_sources
-from datacache.loaders.stats import Counter, LoaderStats, StatsTable
+from datacache.loaders.stats import Counter, LoaderStats, StatsTable, timed
 from torch.utils.data import IterableDataset, get_worker_info
 
+from datacache._logging import FirstFew
 from datacache.config import Settings
 from datacache.errors import ConfigError
 
@@ -131,14 +132,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         self.epoch_size = epoch_size
         self.replacement = bool(replacement)
         self.resample = bool(resample)
-        decode = check_decoder(decode)
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
         self.shuffle_buffer = shuffle_buffer
         self.target_bandwidth = target_rate(target_bandwidth)
         self.prefetch = prefetch
-        self.decode = decode
+        self.decode = check_decoder(decode)
         self.drop_last = drop_last
         self.config = config
         self.batch_size = batch_size
@@ -154,6 +154,7 @@ class CachedIterableDataset(IterableDataset[Any]):
         self._runtime: Runtime | None = None
         self._planner: Planner | None = None
         self._main_iterator: EpochIterator | RemoteEpoch | None = None
+        self._decoding: tuple[SampleDecoding, FirstFew] | None = None  # made once per process: `_options`
         if any(names_shards(spec) for spec in self._sources):
             # Shards named one by one (a pattern, a list, a glob) must be listed: refused here, in one line, not
             # in a DataLoader worker's traceback. Opens the runtime len() or iter() would (pickling drops it).
@@ -163,9 +164,7 @@ class CachedIterableDataset(IterableDataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_runtime"] = None
-        state["_planner"] = None
-        state["_main_iterator"] = None
+        state.update(_runtime=None, _planner=None, _main_iterator=None, _decoding=None)
         # Captured here, in the process that hands the dataset to spawned workers,
         # where torch.distributed is initialised.
         state["_layout_hint"] = rank_and_world()
@@ -181,7 +180,7 @@ class CachedIterableDataset(IterableDataset[Any]):
             raise ConfigError(f"map() takes a callable, got {type(function).__name__}")
         mapped = copy.copy(self)
         table = StatsTable(sources=len(self._sources))
-        mapped.__dict__.update(_runtime=None, _planner=None, _main_iterator=None, _table=table)
+        mapped.__dict__.update(_runtime=None, _planner=None, _main_iterator=None, _decoding=None, _table=table)
         mapped._table.epoch = self._epoch
         mapped.transform = Compose.of(self.transform, function)
         return mapped
@@ -260,9 +259,13 @@ class CachedIterableDataset(IterableDataset[Any]):
         return EpochIterator(self._options(), runtime, plan, layout, epoch, cursors, rows)
 
     def _options(self) -> ReadOptions:
-        """What a reader takes of this configuration (frozen: `map` makes a copy with its own)."""
+        """What a reader takes of this configuration (frozen: `map` makes a copy with its own); the decoding
+        and the log of skipped samples are made once per process, and every epoch's reader calls them."""
+        if self._decoding is None:
+            skips = FirstFew("skipped samples", "stats().skipped_samples")
+            self._decoding = SampleDecoding(self.decode, self.transform), skips
         skip, rate = self.on_error == "skip", self.target_bandwidth
-        return ReadOptions(self.seed, self.batch_size, self.decode, self.transform, skip, rate, self.prefetch)
+        return ReadOptions(self.seed, self.batch_size, *self._decoding, skip, rate, self.prefetch)
 
     def __len__(self) -> int:
         """Samples (or batches) this rank delivers per epoch; `TypeError` ("no length") while a count is unknown."""
@@ -451,12 +454,11 @@ class CachedIterableDataset(IterableDataset[Any]):
     def stats(self) -> LoaderStats:
         """Delivered bandwidth and samples/s, data-stall fraction, hit ratio per tier, prefetch depth."""
         runtime = self._runtime
-        mode = runtime.access.mode if runtime is not None else "embedded"
+        mode = runtime.mode if runtime is not None else "embedded"
         limiting = self._main_iterator.controller.limiting_stage if self._main_iterator is not None else None
         consumer = self._table.consumer_row().clone()
         if runtime is not None and runtime.pid == os.getpid():
-            # This process's own origin retries (its readers, or its plan building); worker
-            # processes put theirs in their rows.
+            # This process's own origin retries (its readers, its plan building); workers put theirs in their rows.
             consumer[Counter.RETRIES] = runtime.access.origin_retries()
         stats = LoaderStats.from_table(
             self._table.snapshot(),
@@ -477,24 +479,4 @@ class CachedIterableDataset(IterableDataset[Any]):
         waits for the workers to start, is not counted). Without worker
         processes it is measured anyway.
         """
-        row = self._table.consumer_row().numpy()
-        row[:] = 0
-        iterator = iter(loader)
-        try:
-            # The first batch waits for workers to start: start-up, not a stall.
-            yield next(iterator)
-        except StopIteration:
-            return
-        last = time.perf_counter()
-        while True:
-            asked = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            got = time.perf_counter()
-            row[Counter.CONSUMER_WAIT] += got - asked
-            row[Counter.CONSUMER_TIME] += got - last
-            last = got
-            yield batch
-
+        return timed(loader, self._table.consumer_row().numpy())

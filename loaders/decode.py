@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from datacache.loaders.shardfiles import UnitReader
-
 from datacache.errors import ConfigError, SampleDecodeError, close_match
 
 __all__ = [
@@ -213,32 +211,19 @@ def check_transform(transform: Callable[[Any], Any] | None) -> Callable[[Any], A
 class SampleDecoding:
     """Applies a dataset's decoder, then its transform, to one sample; names the sample in any failure.
 
-    ``url`` is the dataset's origin URL, redacted (samples travel to logs and files): a sample
-    of a tar shard or a plain file gets its shard's URL as ``__url__``.
+    A sample's ``__url__`` is its reader's to give (`reading.batching.name_sample`), before decoding:
+    a dataset without decoder or transform (`raw`) calls nothing here per sample.
     """
 
-    def __init__(self, decode: Decoder, transform: Callable[[Any], Any] | None, url: str) -> None:
-        self._url = url.rstrip("/")
+    def __init__(self, decode: Decoder, transform: Callable[[Any], Any] | None) -> None:
         self._decode: Mapping[str, Callable[[Any], Any]] | Callable[[dict[str, Any]], Any] | None
         if isinstance(decode, str):
             self._decode = None if decode == "auto" else field_decoders(decode)
         else:
             self._decode = decode
         self._transform = transform
-
-    @property
-    def raw(self) -> bool:
+        self.raw = self._decode is None and transform is None
         """Whether samples pass unchanged (raw bytes: batch mode may pack them)."""
-        return self._decode is None and self._transform is None
-
-    def identify(self, sample: dict[str, Any], reader: UnitReader, url: str | None = None) -> None:
-        """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one.
-
-        ``url`` overrides the dataset's URL (a mix's readers know each unit's own source).
-        """
-        if reader.packable:
-            base = self._url if url is None else url.rstrip("/")
-            sample["__url__"] = f"{base}/{reader.unit.keys[0]}"
 
     def apply(self, sample: dict[str, Any], where: str) -> Any:
         """The decoded, transformed sample; raises `SampleDecodeError` naming where it failed."""

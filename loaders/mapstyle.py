@@ -29,13 +29,13 @@ from datacache.loaders.order.windows import exclusive_sum
 from datacache.loaders.plans.interface import Opening
 from datacache.loaders.plans.positions import PositionTable
 from datacache.loaders.precheck import check_keywords
+from datacache.loaders.reading.batching import name_sample
 from datacache.loaders.reading.prefetch import PrefetchController
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime
 from datacache.loaders.shardfiles import UnitReader
 from datacache.loaders.sources import Given
 from datacache.loaders.stats import Counter
-from datacache.tiers import redact_url
 from torch.utils.data import Dataset
 
 from datacache.config import DatasetConfig, Settings
@@ -134,7 +134,7 @@ class CachedMapDataset(Dataset[Any]):
         controller = PrefetchController(fixed=0, target=None, unit_bytes=1.0, where=where)
         row = np.zeros(Counter.WIDTH, dtype=np.float64)
         units = UnitReaders(runtime, _NO_ORDER, Opening(controller, row, threading.Lock(), False, True))
-        decoding = SampleDecoding(source.decode, source.transform, redact_url(runtime.handle.config.url))
+        decoding = SampleDecoding(source.decode, source.transform)
         opened = _Opened(os.getpid(), runtime, units, starts, decoding)
         self._opened = opened
         return opened
@@ -153,7 +153,7 @@ class CachedMapDataset(Dataset[Any]):
             raise IndexError(f"index {index} is out of range: the dataset holds samples 0 to {total - 1}")
         unit = int(np.searchsorted(opened.starts, index, side="right")) - 1
         reader, sample = self._read(opened, unit, int(index - opened.starts[unit]))
-        opened.decoding.identify(sample, reader)
+        name_sample(sample, reader, opened.runtime.url)
         if opened.decoding.raw:
             return sample
         return opened.decoding.apply(sample, reader.where)

@@ -4,6 +4,7 @@ scanned on the node (`SpanCache`); the node's future reads (`NodeFuture`), this 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
@@ -12,10 +13,10 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,7 @@ from datacache.loaders.shardfiles import UnitPlan, UnitReader
 from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
-from datacache.access import ShardAccess
+from datacache.access import FailoverAccess, ShardAccess
 from datacache.catalog import process_owner
 from datacache.config import Settings
 from datacache.counting.spantable import SpanTable
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from datacache.loaders.plans.cold import CountBook
     from datacache.loaders.plans.mixsources import Mix
 
+T = TypeVar("T")
 __all__ = ["KEEP_RELEASED", "NodeFuture", "OpenUnits", "Runtime", "SpanCache", "Units", "rank_and_world"]
 
 
@@ -264,6 +266,8 @@ class Runtime:
     """This process as the stager's leases name it (``host:pid``)."""
     unit_bytes: float = field(init=False)
     """The mean size of a unit, in bytes (a reader's prefetch depth follows from it)."""
+    _mode: str | None = field(init=False)
+    _event_loop: asyncio.AbstractEventLoop = field(init=False)
 
     def __post_init__(self) -> None:
         # Found once per process, not once per reader or note.
@@ -272,6 +276,23 @@ class Runtime:
         self.url = redact_url(self.handle.config.url).rstrip("/")
         self.owner = process_owner()
         self.unit_bytes = self.handle.manifest.total_bytes / max(1, len(self.units.units))
+        # Only a daemon's client changes mode (to its fallback and back): any other access is asked once.
+        self._mode = None if isinstance(self.access, FailoverAccess) else self.access.mode
+        self._event_loop = self.loop.loop  # this process's: a Runtime is never pickled, and `pid` is checked
+
+    @property
+    def mode(self) -> str:
+        """How this process reaches the cache, as the stats say it (`ShardAccess.mode`)."""
+        return self.access.mode if self._mode is None else self._mode
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on this process's event loop (`_sync.LoopThread`) and return its result."""
+        return self.submit(coroutine).result()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on this process's event loop; a future for its result."""
+        # Once closed, its LoopThread starts a loop again for what a late reader still sends (as it did).
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop.loop if self.closed else self._event_loop)
 
     def counted(self, units: UnitPlan, window: int) -> None:
         """Every sample count is known: ``units`` holds them, ``window`` is the default shuffle window.

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -40,6 +40,7 @@ __all__ = [
     "mode_code",
     "publish_reader",
     "reader_figures",
+    "timed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -417,3 +418,25 @@ def _size_of(handle: DatasetHandle, dataset: str, key: str) -> int | None:
         return handle.manifest.shard(key).size
     except (LookupError, OSError):  # not in this snapshot's manifest
         return None
+
+
+def timed(loader: Any, row: npt.NDArray[np.float64]) -> Iterator[Any]:
+    """`CachedIterableDataset.timed`: iterate ``loader``, adding to the consumer's ``row`` how long it waited."""
+    row[:] = 0
+    iterator = iter(loader)
+    try:
+        yield next(iterator)  # it waits for the workers to start: start-up, not a stall
+    except StopIteration:
+        return
+    last = time.perf_counter()
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        got = time.perf_counter()
+        row[Counter.CONSUMER_WAIT] += got - asked
+        row[Counter.CONSUMER_TIME] += got - last
+        last = got
+        yield batch

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,23 @@ def test_a_cold_epoch_is_exactly_once_with_equal_batches_on_every_rank(
     second = CachedIterableDataset(str(origin), config=settings, seed=11, batch_size=4, drop_last=drop_last)
     again = [run_rank(second, monkeypatch, rank, world, workers) for rank in range(world)]
     assert again == per_rank, "the cold epoch's order depends only on (seed, epoch) and the world size"
+
+
+def test_the_epoch_after_a_cold_one_is_decided_ahead_not_at_its_start(tmp_path: Path, settings: Settings) -> None:
+    """Once a cold epoch's counts are all known, the cluster's record of the next epoch is read (here made)
+    on a thread, not by the consumer as that epoch starts; the next epoch then reads as it records."""
+    origin = tmp_path / "origin"
+    expected = write_wds(origin, samples=60, per_shard=6)
+    dataset = CachedIterableDataset(str(origin), config=settings, seed=12, batch_size=4)
+    assert sorted(keys_of(dataset)) == sorted(expected)
+    deadline = time.monotonic() + 30
+    while not (markers := list((tmp_path / "shared" / "indexes").rglob("epoch-12-1.json"))):
+        assert time.monotonic() < deadline, "the next epoch's record was not made ahead"
+        time.sleep(0.05)  # sleep-ok: polls for a file a thread writes, with a deadline
+    assert [m.read_text() for m in markers] == ['{"cold": false}'], "every count was known: indexed"
+    dataset.set_epoch(1)
+    assert sorted(keys_of(dataset)) == sorted(expected)
+    assert dataset.state_dict()["cursors"][0].get("cold") is not True, "read as recorded: indexed"
 
 
 def test_resume_mid_cold_epoch_on_another_world_size_reads_every_sample_once(

@@ -195,6 +195,22 @@ def test_skipped_samples_are_logged_a_few_then_counted(
     assert counted and "later ones are counted" in counted[0], counted
 
 
+def test_skipped_samples_are_logged_a_few_per_dataset_not_again_every_epoch(
+    tmp_path: Path, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decoding and its log of skips are the dataset's, made once per process: every epoch's reader had
+    its own, and each epoch logged its first few skips in full again."""
+    write_wds(tmp_path / "few", samples=40, per_shard=20)  # 20 odd ones an epoch
+    decode = {"cls": _bad_odd_cls}
+    dataset = CachedIterableDataset(str(tmp_path / "few"), config=settings, decode=decode, on_error="skip")
+    with caplog.at_level(logging.WARNING, logger="datacache"):
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            assert len(keys_of(dataset)) == 20
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "skipping" in r.getMessage()]
+    assert len(lines) == 5, lines
+
+
 def test_a_mistyped_decoder_or_keyword_gets_the_guess_the_command_line_makes(
     origin: Path, settings: Settings
 ) -> None:

@@ -10,6 +10,8 @@ known (`complete`).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 from collections.abc import Mapping
 
@@ -75,10 +77,18 @@ class ColdPlan:
 
     cold = True
 
-    def __init__(self, planner: DatasetPlanner | None, positions: ColdPositions, future: NodeFuture | None) -> None:
+    def __init__(
+        self,
+        planner: DatasetPlanner | None,
+        positions: ColdPositions,
+        future: NodeFuture | None,
+        epoch: tuple[Dealing, int] | None = None,
+    ) -> None:
         self._planner = planner
         self.positions = positions
         self._future = future
+        self._epoch = epoch
+        """This epoch's dealing and number: once its counts are all known, the next epoch's is decided ahead."""
         self._saved = False
 
     def known(self, length: int) -> int:
@@ -86,6 +96,8 @@ class ColdPlan:
         if self.positions.final and self._planner is not None and not self._saved:
             # The node's later readers, and this training process's len(), start from these counts.
             self._saved = self._planner.keep_counts()
+            if self._saved and self._epoch is not None:
+                self._planner.decide_ahead(self._epoch[0], self._epoch[1] + 1)
         return known
 
     def readable(self, begin: int, size: int, known: int) -> int:
@@ -125,6 +137,8 @@ class DatasetPlanner:
     def __init__(self, runtime: Runtime, shuffle_buffer: int | None) -> None:
         self.runtime = runtime
         self._shuffle_buffer = shuffle_buffer
+        self._decided: dict[tuple[int, int], concurrent.futures.Future[bool]] = {}
+        """(seed, epoch) -> whether the cluster deals it cold (`cold`): read once per epoch by this process."""
 
     def complete(self) -> None:
         """Every count known: the complete unit plan (saved for the node) and the default window."""
@@ -148,11 +162,31 @@ class DatasetPlanner:
         return self.runtime.book is None and self.runtime.units.total == 0
 
     def cold(self, dealing: Dealing, epoch: int) -> bool:
-        """Whether this epoch is dealt cold (see `counting.cluster.decide_cold`: every process agrees)."""
+        """Whether this epoch is dealt cold (see `counting.cluster.decide_cold`: every process agrees).
+
+        Read once per epoch by this process, and ahead of it where `decide_ahead` could: the record
+        is written once and never changes, so reading it again would find the same answer.
+        """
+        decided = self._decided.get((dealing.seed, epoch))
+        if decided is None:
+            runtime = self.runtime
+            decided = concurrent.futures.Future()
+            incomplete = runtime.book is not None and not runtime.book.complete
+            manifest = runtime.handle.manifest
+            decided.set_result(decide_cold(runtime.settings, manifest, seed=dealing.seed, epoch=epoch, cold=incomplete))
+            self._decided[dealing.seed, epoch] = decided
+        return decided.result()
+
+    def decide_ahead(self, dealing: Dealing, epoch: int) -> None:
+        """Read (or make) the cluster's record of ``epoch`` on a thread now, while this process knows every count:
+        the answer it would find at that epoch's start (counts, once known, stay known), read off the consumer's
+        thread, and not at the epoch boundary, where the training loop waits for it."""
         runtime = self.runtime
-        incomplete = runtime.book is not None and not runtime.book.complete
-        manifest = runtime.handle.manifest
-        return decide_cold(runtime.settings, manifest, seed=dealing.seed, epoch=epoch, cold=incomplete)
+        if (dealing.seed, epoch) in self._decided or (runtime.book is not None and not runtime.book.complete):
+            return
+        manifest, settings = runtime.handle.manifest, runtime.settings
+        reading = asyncio.to_thread(decide_cold, settings, manifest, seed=dealing.seed, epoch=epoch, cold=False)
+        self._decided[dealing.seed, epoch] = runtime.submit(reading)
 
     def identity(self) -> tuple[str, str]:
         manifest = self.runtime.handle.manifest
@@ -170,6 +204,7 @@ class DatasetPlanner:
             return cold_plan(book, layout, dealing, epoch=epoch, planner=self)
         self.complete()
         counts, window = runtime.units.counts, runtime.window
+        self.decide_ahead(dealing, epoch + 1)
         return indexed_plan(counts, layout, dealing, epoch=epoch, cursors=cursors, window=window)
 
     def after_cold(self, layout: Layout, dealing: Dealing, epoch: int) -> Mapping[str, IntArray] | None:
@@ -199,7 +234,8 @@ def cold_plan(
     positions = ColdPositions(book, layout=layout, seed=seed, epoch=epoch, shuffle=shuffle, drop_last=dealing.drop_last)
     units = node_cold_sequences(len(book.counts), seed=seed, epoch=epoch, shuffle=shuffle, layout=layout)
     later = (lambda: planner.after_cold(layout, dealing, epoch + 1)) if planner is not None else None
-    return ColdPlan(planner, positions, NodeFuture(reader_name(layout.rank, layout.worker), epoch, units, later=later))
+    future = NodeFuture(reader_name(layout.rank, layout.worker), epoch, units, later=later)
+    return ColdPlan(planner, positions, future, (dealing, epoch))
 
 
 def indexed_plan(

@@ -145,5 +145,5 @@ def settle_counts(runtime: Runtime, shuffle_buffer: int | None) -> None:
     plan = runtime.units
     if book is not None:
         plan = book.completed_plan()
-        runtime.loop.run(save_plan(runtime.settings, runtime.handle, plan))
+        runtime.run(save_plan(runtime.settings, runtime.handle, plan))
     runtime.counted(plan, runtime.window or shuffle_buffer or auto_window(plan.total, len(plan.units)))

@@ -30,13 +30,12 @@ from datacache.loaders.stats import Counter
 
 from datacache._logging import FirstFew
 from datacache.errors import SampleDecodeError, ShardReadError
-from datacache.formats import get_format
 from datacache.formats._rows import RowsReader
 
 if TYPE_CHECKING:
     from datacache.loaders.plans.interface import Opening
 
-__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "sample_bytes"]
+__all__ = ["LOOKAHEAD", "SKIPPED", "BatchBuilder", "Built", "Decoder", "ReadAhead", "name_sample", "sample_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,9 @@ class BatchBuilder:
     """Reads, decodes and packs the samples of one reader's positions.
 
     ``opening`` is what the reader's units share with it (`plans.interface.Opening`): its stats row, the
-    row's lock, whether bad samples are skipped, whether it runs in the consumer.
+    row's lock, whether bad samples are skipped, whether it runs in the consumer. ``decoding`` and
+    ``skips`` are the dataset's, made once per process (`CachedIterableDataset`), not once per epoch;
+    the batch layout is the runtime's format's.
     """
 
     def __init__(
@@ -60,8 +61,8 @@ class BatchBuilder:
         units: Units,
         epoch: Positions,
         *,
-        decode: Decoder,
-        transform: Callable[[Any], Any] | None = None,
+        decoding: SampleDecoding,
+        skips: FirstFew,
         opening: Opening,
         threads: int,
         tally: Callable[[int, int], None] | None = None,
@@ -70,24 +71,20 @@ class BatchBuilder:
         self._tally = tally
         """Told (position, payload bytes) of every sample put in a batch: a mix counts them per source."""
         self._skip_bad = opening.skip_bad
-        self._skips = FirstFew("skipped samples", "stats().skipped_samples")
+        self._skips = skips
         self._epoch = epoch
-        self._decoding = SampleDecoding(decode, transform, "")
+        self._decoding = decoding
+        self.raw = decoding.raw
+        """Whether samples pass as read (no decoder, no transform)."""
         self._row = opening.row
         self._lock = opening.lock
         self._threads = threads
         self._in_consumer = opening.in_consumer
-        runtime = units.runtime
-        self._batch = get_format(runtime.handle.manifest.format.value).batch
-        self._table_rows = self._batch == "arrow" and self._decoding.raw
+        self._batch = units.runtime.kind.batch
+        self._table_rows = self._batch == "arrow" and self.raw
         """Rows as they are, into a record batch: taken by Arrow per unit (`reading.rows`), never row by row."""
         self._chunks = ArrowChunks(units, epoch) if self._table_rows and ArrowChunks.fits(epoch, tally) else None
         self._ring: BufferRing | None = None
-
-    @property
-    def raw(self) -> bool:
-        """Whether samples pass as read (no decoder, no transform)."""
-        return self._decoding.raw
 
     def build(self, begin: int, size: int) -> Built | None:
         """Read and pack the batch of positions ``[begin, begin + size)``; None if all were skipped.
@@ -144,12 +141,12 @@ class BatchBuilder:
         """Put the sample at ``position`` in the list its batch path takes; False if it was skipped."""
         local = int(self._epoch.local[position])
         tally = self._tally
-        if self._decoding.raw and reader.packable:
+        if self.raw and reader.packable:
             fields = reader.fields(local)
             raw.append(fields)
             if tally is not None:
                 tally(position, sum(view.nbytes for name, view in fields if not name.startswith("__")))
-        elif self._decoding.raw and self._batch == "arrays":
+        elif self.raw and self._batch == "arrays":
             array_rows.append((reader, local))
             if tally is not None:
                 tally(position, sample_bytes(reader.sample(local)))
@@ -196,7 +193,7 @@ class BatchBuilder:
         return None
 
     def _collate(self, decoded: list[Any]) -> Built:
-        if self._batch == "arrow" and self._decoding.raw:
+        if self._batch == "arrow" and self.raw:
             import pyarrow as pa
 
             record_batch = pa.RecordBatch.from_pylist(decoded)
@@ -208,8 +205,8 @@ class BatchBuilder:
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        self._decoding.identify(sample, reader, self._units.url_of(reader))
-        if self._decoding.raw:
+        name_sample(sample, reader, self._units.url_of(reader))
+        if self.raw:
             return sample
         started = time.perf_counter()
         try:
@@ -271,6 +268,15 @@ class ReadAhead:
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def name_sample(sample: dict[str, Any], reader: UnitReader, url: str) -> None:
+    """Give ``sample`` (read from ``reader``) the ``__url__`` of its shard, where it has one (a tar shard's,
+    a plain file's). ``url``: the one its unit's keys are relative to, credentials redacted (samples travel
+    to logs and files); a mix's readers know each unit's own source's.
+    """
+    if reader.packable:
+        sample["__url__"] = f"{url.rstrip('/')}/{reader.unit.keys[0]}"
 
 
 def _payload_bytes(sample: Any) -> int:

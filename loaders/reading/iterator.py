@@ -7,13 +7,13 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from datacache.loaders.decode import Decoder
+from datacache.loaders.decode import SampleDecoding
 from datacache.loaders.order.layout import Cursor, Layout
 from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Opening, Plan
@@ -23,11 +23,12 @@ from datacache.loaders.reading.prefetch import PrefetchController, initial_prefe
 from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime, Units
-from datacache.loaders.shardfiles import sample_of
+from datacache.loaders.shardfiles import UnitReader, sample_of
 from datacache.loaders.sharedbytes import SampleRing
 from datacache.loaders.stats import Counter, mode_code, publish_reader, reader_figures
 from torch.utils.data import get_worker_info
 
+from datacache._logging import FirstFew
 from datacache.errors import ConfigError, ShardReadError
 from datacache.formats._rows import RowsReader
 
@@ -47,12 +48,15 @@ ITERATOR_MARK = "datacache_iterator"
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """What a reader takes of its dataset's configuration (`CachedIterableDataset`'s, the same names)."""
+    """What a reader takes of its dataset's configuration (`CachedIterableDataset`'s, the same names),
+    made once per dataset and process: every epoch's reader calls the same ``decoding`` and ``skips``."""
 
     seed: int
     batch_size: int | None
-    decode: Decoder
-    transform: Callable[[Any], Any] | None
+    decoding: SampleDecoding
+    """The dataset's decoder, then its transform (`decode.SampleDecoding`)."""
+    skips: FirstFew
+    """Logs the samples skipped (the first few in full, then a count), over every epoch of the dataset."""
     skip_bad: bool
     """``on_error="skip"``: a corrupt or unreadable shard, or a sample its decoder fails on, is skipped."""
     target_bandwidth: float | None
@@ -103,15 +107,16 @@ class EpochIterator:
         self._builder = BatchBuilder(
             self._units,
             self._plan,
-            decode=options.decode,
-            transform=options.transform,
+            decoding=options.decoding,
+            skips=options.skips,
             opening=opening,
             threads=threads,
             tally=self._note,
         )
         # Per-sample mode in a DataLoader worker: raw fields leave through shared memory (`sharedbytes`).
         self._ring = SampleRing() if not (self._in_consumer or options.batch_size) else None
-        self._rows_ahead = RowsAhead(self._plan, self._units)
+        self._rows_ahead: RowsAhead | None = None
+        """Table rows read ahead, per sample: made when the first table unit is read (`_next_sample`)."""
         self._ready: list[Any] = []
         """Rows gathered ahead (`rows.ready_rows`), last first."""
         self._ready_after: list[int] | None = None
@@ -122,7 +127,7 @@ class EpochIterator:
         self._ahead = ReadAhead(self._builder, self._units, threads=threads, window=window) if threads else None
         self._skip_to(0)
         self._units.note_retries()
-        self._beating = runtime.loop.submit(_heartbeat(weakref.ref(self)))
+        self._beating = runtime.submit(_heartbeat(weakref.ref(self)))
 
     def _controller(self) -> PrefetchController:
         """How far ahead this reader stages: from its share of the target bandwidth and the plan's size."""
@@ -148,7 +153,7 @@ class EpochIterator:
         row[Counter.NUM_WORKERS] = self.layout.num_workers
         row[Counter.PADDED] = self._plan.padded
         row[Counter.TOTAL] = len(self._plan)
-        row[Counter.MODE] = mode_code(self.runtime.access.mode)
+        row[Counter.MODE] = mode_code(self.runtime.mode)
 
     def _skip_unreadable(self) -> None:
         """Raise, or count as skipped, the shards whose samples the plan could not count."""
@@ -203,7 +208,8 @@ class EpochIterator:
         if self._ahead is not None:
             self._ahead.drain()
         self.produced = min(produced, self._known(produced))
-        self._rows_ahead.clear()
+        if self._rows_ahead is not None:
+            self._rows_ahead.clear()
         self._ready.clear()
         self._ready_after = None
         self._units.restart(self.produced)
@@ -267,16 +273,10 @@ class EpochIterator:
             if reader is None:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue
-            local = int(self._plan.local[position])
-            ring = self._ring
-            if ring and reader.packable:
-                sample = sample_of(reader.fields(local), ring.wrap)
-            else:
-                read = self._rows_ahead.sample(position, local, reader, known)
-                if read is None:  # its unit turned out damaged, skipped on request
-                    self._row[Counter.SKIPPED_SAMPLES] += 1
-                    continue
-                sample = read
+            sample = self._read(position, reader, known)
+            if sample is None:  # its unit turned out damaged, skipped on request
+                self._row[Counter.SKIPPED_SAMPLES] += 1
+                continue
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
             decoded = self._builder.decode(sample, reader)
@@ -288,6 +288,18 @@ class EpochIterator:
                 self._note(position, nbytes)
                 self._delivered(position, position + 1)
             return decoded
+
+    def _read(self, position: int, reader: UnitReader, known: int) -> dict[str, Any] | None:
+        """The sample at ``position`` of ``reader``'s unit, as read; None: the unit turned out damaged (skipped)."""
+        local = int(self._plan.local[position])
+        if self._ring and reader.packable:
+            return sample_of(reader.fields(local), self._ring.wrap)
+        if not isinstance(reader, RowsReader):  # a shard's sample, not a table row
+            sample: dict[str, Any] = reader.sample(local)
+            return sample
+        if self._rows_ahead is None:  # made for the first table unit read
+            self._rows_ahead = RowsAhead(self._plan, self._units)
+        return self._rows_ahead.sample(position, local, reader, known)
 
     def _gather_rows(self, position: int, known: int) -> bool | None:
         """Table rows passed as they are: the next chunk of positions at once (None: not for these units)."""
@@ -374,12 +386,11 @@ class EpochIterator:
 
     def _report(self) -> None:
         """Tell the daemon (or, embedded, `datacache top`'s report file) what this reader delivered."""
-        self.runtime.loop.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
+        self.runtime.submit(publish_reader(self.runtime.access, self.runtime.handle, self._figures()))
 
     def _figures(self) -> dict[str, Any]:
-        access = self.runtime.access
         row = self._row
-        row[Counter.MODE] = mode_code(access.mode)
+        row[Counter.MODE] = mode_code(self.runtime.mode)
         layout = self.layout
         return reader_figures(
             row,

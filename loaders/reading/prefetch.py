@@ -208,7 +208,7 @@ class Prefetch:
             now, later = self._keys_ahead(self.index + 1, self._until, open_units)
         now = self._not_local(now)  # found local (and leased) by a note
         if now:
-            self._runtime.loop.submit(self._runtime.access.prefetch(self._runtime.handle, now))
+            self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, now))
         self._next_epoch.stage(later)
 
     def advance(self, unit: int, open_units: Container[int]) -> None:
@@ -238,7 +238,7 @@ class Prefetch:
             # ask for room, and which of them are local already (a warm epoch sends none).
             self._unsent.extend(keys)
         elif keys:
-            self._runtime.loop.submit(self._runtime.access.prefetch(self._runtime.handle, keys))
+            self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, keys))
         self._next_epoch.stage(later)
 
     def _tell_future(self, sequence: tuple[int, ...]) -> None:
@@ -248,10 +248,10 @@ class Prefetch:
         self.told = True
         if self.future is not None:
             # The whole node's future, the same from every reader: nothing to overwrite.
-            runtime.loop.run(runtime.access.set_future_order(runtime.handle, self.future.order(self._plan)))
+            runtime.run(runtime.access.set_future_order(runtime.handle, self.future.order(self._plan)))
         else:
             future = [key for u in sequence for key in self._plan.units[u].keys]
-            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, future))
+            runtime.submit(runtime.access.set_future_order(runtime.handle, future))
 
     def _grow_future(self) -> None:
         """Append the next epoch's reads to a cold epoch's future as soon as they are known, and say so.
@@ -268,7 +268,7 @@ class Prefetch:
         self.future = grown
         if self.told:
             runtime = self._runtime
-            runtime.loop.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
+            runtime.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
 
     def send(self) -> None:
         """Queue the held-back prefetches that no note found local."""
@@ -276,7 +276,7 @@ class Prefetch:
             keys, self._unsent = self._unsent, []
         keys = self._not_local(keys) if keys else keys
         if keys:
-            self._runtime.loop.submit(self._runtime.access.prefetch(self._runtime.handle, keys))
+            self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, keys))
 
 
 class NextEpochStaging:
@@ -305,7 +305,7 @@ class NextEpochStaging:
                 return
             self._keys = keys
             if self._task is None or self._task.done():
-                self._task = self._runtime.loop.submit(self._run())
+                self._task = self._runtime.submit(self._run())
 
     async def _run(self) -> None:
         access, handle = self._runtime.access, self._runtime.handle

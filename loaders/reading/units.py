@@ -134,7 +134,7 @@ class UnitReaders:
                 self._position = sum(map(len, self._plan_keys()))
             progress = ReaderProgress(future.reader, future.epoch, self._position, holding, runtime.owner)
             locate = tuple(dict.fromkeys(key for u in asked for key in self._plan.units[u].keys))
-            located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
+            located = runtime.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
             self._prefetch.found_local([key for key, loc in where.items() if loc.tier == "local"])
             for u in coming:
@@ -342,7 +342,7 @@ class UnitReaders:
                     self._row[Counter.CORRUPT] += 1
                     for location in locations:
                         if location.path is not None:
-                            runtime.loop.run(runtime.access.report_corrupt(runtime.handle, location))
+                            runtime.run(runtime.access.report_corrupt(runtime.handle, location))
                     if attempt == 2:
                         raise ChecksumMismatchError(f"{where}: {exc}") from exc
                     continue
@@ -366,10 +366,10 @@ class UnitReaders:
         if leased is not None and not again:
             return leased, "local"
         if self._future is None:
-            located = runtime.loop.run(locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
+            located = runtime.run(locate_keys(runtime.access, runtime.handle, self._plan.units[unit].keys))
         else:
             located = self._note_progress(unit)
-        return runtime.loop.run(stage_missing(runtime.access, runtime.handle, located))
+        return runtime.run(stage_missing(runtime.access, runtime.handle, located))
 
     def _count_shared(self, tier: str, waited: float) -> None:
         """A unit another reader of this process opened, counted as this one's open (`OpenUnits.take`)."""
@@ -398,7 +398,7 @@ def load_verified(runtime: Runtime, location: Location, where: str) -> Any:
     if location.buffer is not None:
         return location.buffer  # verified by this process's stager as it arrived
     if location.path is None:
-        return runtime.loop.run(runtime.access.read(runtime.handle, location.shard.key))
+        return runtime.run(runtime.access.read(runtime.handle, location.shard.key))
     try:
         buffer = map_file(location.path)
     except UnsafeFileError as exc:

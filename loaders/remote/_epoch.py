@@ -158,7 +158,7 @@ class RemoteEpoch:
             in_consumer=True,
         )
         figures.update(remote_workers=self._workers.size, remote_max_workers=self._workers.high)
-        runtime.loop.submit(publish_reader(runtime.access, runtime.handle, figures))
+        runtime.submit(publish_reader(runtime.access, runtime.handle, figures))
 
     # -- asking and receiving ---------------------------------------------------------------
 
