@@ -20,7 +20,14 @@ from typing import Any
 from datacache.errors import ConfigError
 from datacache.tiers.files import ReadersIds, readers_mode
 
-__all__ = ["Readers", "check_not_writable_by_others", "operator_writes", "parse_readers", "shared_metadata_mode"]
+__all__ = [
+    "Readers",
+    "check_not_writable_by_others",
+    "group_name",
+    "operator_writes",
+    "parse_readers",
+    "shared_metadata_mode",
+]
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,11 @@ def shared_metadata_mode(readers: ReadersIds | None, root: Path, *, operator: bo
     if readers is not None:
         return readers_mode(0o640, readers, root)
     return 0o640 if operator else 0o600
+
+def group_name(gid: int) -> str:
+    """A group's name, or its gid where it has none."""
+    return _name(grp.getgrgid, gid, "gr_name")
+
 
 def _name(lookup: Any, ident: int, attribute: str) -> str:
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -353,6 +354,31 @@ def test_the_cli_evicts_a_dataset_its_user_opened_before_the_daemon_restarted(
         assert done.stdout.startswith("evicted 1 shards"), done.stdout
     finally:
         daemon.kill()
+
+
+def test_a_daemon_whose_files_are_not_its_clients_group_says_so_and_so_do_they(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """A trial ran the daemon as its own account with that account's group: its clients reached the
+    socket but could not read the manifests it wrote, and were told to mount the cache directory
+    "as in the daemon's container" (there was none). The daemon warns at start; the client names the fix."""
+    data = world_dir / "data"
+    make_shards(data / "wds", 2, 10_000)
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"file://{data}/")  # root's group
+    try:
+        log = daemon.log.read_text()
+        assert "the daemon's clients cannot read the manifests and shards it writes" in log, log
+        env = _users.user_env(users["alice"], {"DATACACHE_SOCKET": str(daemon.socket)})
+        done = _users.cli_as(users["alice"], "evict", f"file://{data}/wds", env=env)
+        assert done.returncode != 0
+        assert f"permission denied to uid {users['alice'].uid}, not in its group root" in done.stderr, done.stderr
+        assert "primary group" in done.stderr and "container" not in done.stderr, done.stderr
+    finally:
+        daemon.kill()
+    shutil.rmtree(world_dir / "cache")  # what the warning says to do, with the team's group this time
+    daemon = serve_for(users, world_dir, base_env, "--allow-dataset", f"file://{data}/", team_gid=True)
+    daemon.kill()
+    assert "cannot read the manifests" not in daemon.log.read_text()
 
 
 def test_opening_a_dataset_grants_no_authority_over_another_users_pin(

@@ -22,6 +22,7 @@ from datacache._protocol import exception_from_wire
 from datacache.config import DatasetConfig
 from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError, NotServedError
 from datacache.manifest import Manifest
+from datacache.ownership import group_name
 from datacache.tiers import ByteRange, redact_url
 
 __all__ = [
@@ -148,10 +149,28 @@ def same_dataset(config: DatasetConfig, named: object) -> None:
         )
 
 
+def _group_of(path: Path) -> str:
+    """The name (or gid) of the group of ``path``'s directory, or of the nearest one this uid can stat."""
+    for place in (path, *path.parents):
+        try:
+            gid = place.stat().st_gid
+        except OSError:
+            continue
+        return group_name(gid)
+    return "unknown"
+
+
 def read_manifest_file(path: Path, snapshot: str) -> Manifest:
     """The manifest snapshot the daemon wrote for its clients at ``path`` (it must hold ``snapshot``)."""
     try:
         raw = path.read_bytes()
+    except PermissionError:
+        # A trial's daemon ran with its own account's group: its files were that group's, not its clients'.
+        raise DatacacheError(
+            f"cannot read the manifest {path} the daemon wrote: permission denied to uid {os.geteuid()}, "
+            f"not in its group {_group_of(path)}; run the daemon with its clients' group as its primary group "
+            "(systemd Group=, runuser -g GROUP; docs/SECURITY.md, 'Setting it up'), then empty its local tier"
+        ) from None
     except OSError as exc:
         raise DatacacheError(
             f"cannot read the manifest {path} the daemon wrote ({exc.strerror}); "

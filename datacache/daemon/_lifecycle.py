@@ -27,6 +27,7 @@ from datacache.config import Settings
 from datacache.daemon._http import DRAINING, STARTING, http_logger
 from datacache.daemon._limits import ConnectionGate, GatedSite, fd_budget
 from datacache.errors import DatacacheError
+from datacache.ownership import group_name
 from datacache.tiers.local import GROUP_READABLE, make_local_dirs
 
 __all__ = ["SNAPSHOT_DIR_MODE", "Lifecycle"]
@@ -179,9 +180,27 @@ class Lifecycle:
         make_local_dirs(self.snapshot_dir.parent, GROUP_READABLE.dir)
         make_local_dirs(self.snapshot_dir, SNAPSHOT_DIR_MODE)
         self.snapshot_dir.chmod(SNAPSHOT_DIR_MODE)  # one an earlier version made 0750
+        self._say_a_group_clients_lack()
         parent = self.socket_path.parent
         if not parent.exists():
             parent.mkdir(mode=0o755, parents=True)
+
+    def _say_a_group_clients_lack(self) -> None:
+        """Warn where the daemon's files are not its socket's group: its clients could reach it but
+        not read what it hands them (a trial's daemon ran with its own account's group)."""
+        made = self.snapshot_dir.parent
+        group = made.stat().st_gid
+        if self.socket_group is None or group == self.socket_group:
+            return
+        logger.warning(
+            "%s is group %s, the socket's is %s: the daemon's clients cannot read the manifests and shards "
+            "it writes; run it with its clients' group as its primary group (systemd Group=, runuser -g "
+            "GROUP) and empty %s",
+            made,
+            group_name(group),
+            group_name(self.socket_group),
+            self.settings.local_dir,
+        )
 
     def _take_lock(self) -> None:
         path = self.settings.local_dir / "locks" / "daemon.lock"
