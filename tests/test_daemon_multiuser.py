@@ -352,6 +352,15 @@ def test_the_cli_evicts_a_dataset_its_user_opened_before_the_daemon_restarted(
         done = _users.cli_as(users["alice"], "evict", url, env=env)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("evicted 1 shards"), done.stdout
+        # `--tier all`: the local copies go, the shared tier is the operator's; both are said.
+        assert [status for status, _ in calls_as(users["alice"], daemon, opened, ("POST", "/v1/ensure", shard))] == [
+            200,
+            200,
+        ]
+        both = _users.cli_as(users["alice"], "evict", url, "--tier", "all", env=env)
+        assert both.returncode != 0
+        assert both.stdout.startswith("evicted 1 shards") and "from local (daemon); not from shared:" in both.stdout
+        assert "only root or the daemon's uid may evict from the shared tier" in both.stderr, both.stderr
     finally:
         daemon.kill()
 

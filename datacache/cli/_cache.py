@@ -17,6 +17,7 @@ from datacache.cli._common import (
     daemon_tiers,
     settings_from,
 )
+from datacache.client import DaemonClient
 from datacache.config import Settings, resolve_dataset
 from datacache.daemon import dataset_rows
 from datacache.errors import ConfigError, DatacacheError
@@ -149,29 +150,41 @@ def _daemon_line(daemon: dict[str, Any]) -> str:
     return f"answers: pid {daemon['pid']}, uid {daemon['uid']}{user}, datacache {daemon['version']}"
 
 
+async def _evict_through(client: DaemonClient, args: argparse.Namespace, settings: Settings) -> int:
+    """``evict`` by the daemon that owns the node's cache, so that its state stays true."""
+    try:
+        dataset_id = args.dataset if "://" not in args.dataset and "/" not in args.dataset else None
+        if dataset_id is None or dataset_id in settings.datasets:
+            config = resolve_dataset(args.dataset, settings)
+            dataset_id = config.id
+            # The daemon lets a uid change only what it opened there, and forgets that when it
+            # restarts: open it again (its read rules judge this uid anew).
+            await client.open(config)
+        keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
+        tiers = (LOCAL, SHARED) if args.tier == "all" else (args.tier,)
+        count = size = 0
+        for done, tier in enumerate(tiers):
+            try:
+                c, s = await client.evict(dataset_id, keys, tier=tier)
+            except DatacacheError:
+                if done:  # a trial's `--tier all` evicted the local copies and said only the refusal
+                    sys.stdout.write(
+                        f"evicted {count} shards ({format_bytes(size)}) of {dataset_id} from "
+                        f"{', '.join(tiers[:done])} (daemon); not from {tier}:\n"
+                    )
+                raise
+            count, size = count + c, size + s
+    finally:
+        await client.close()
+    sys.stdout.write(f"evicted {count} shards ({format_bytes(size)}) of {dataset_id} from {args.tier} (daemon)\n")
+    return 0
+
+
 async def _evict(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     client = None if args.forget else await daemon_client(settings)
     if client is not None:
-        # The daemon owns the node's cache: let it evict, so its state stays true.
-        try:
-            dataset_id = args.dataset if "://" not in args.dataset and "/" not in args.dataset else None
-            if dataset_id is None or dataset_id in settings.datasets:
-                config = resolve_dataset(args.dataset, settings)
-                dataset_id = config.id
-                # The daemon lets a uid change only what it opened there, and forgets that when it
-                # restarts: open it again (its read rules judge this uid anew).
-                await client.open(config)
-            keys = [k.strip() for k in args.shards.split(",") if k.strip()] if args.shards else None
-            tiers = (LOCAL, SHARED) if args.tier == "all" else (args.tier,)
-            count = size = 0
-            for tier in tiers:
-                c, s = await client.evict(dataset_id, keys, tier=tier)
-                count, size = count + c, size + s
-        finally:
-            await client.close()
-        sys.stdout.write(f"evicted {count} shards ({format_bytes(size)}) of {dataset_id} from {args.tier} (daemon)\n")
-        return 0
+        return await _evict_through(client, args, settings)
     async with Stager(settings) as stager:
         records = {record.id: record for record in await stager.catalog.datasets()}
         if args.dataset in records:
