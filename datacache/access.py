@@ -217,6 +217,10 @@ class FailoverAccess:
         """``"daemon"``, or ``"embedded (daemon unavailable)"`` while the fallback answers."""
         return EMBEDDED_FALLBACK if self._down else "daemon"
 
+    def mode_of(self, dataset_id: str) -> str:
+        """`mode` for one dataset: ``"embedded"`` for a job user's own, read in this process (`_private`)."""
+        return "embedded" if dataset_id in self._private else self.mode
+
     def _fallback_stager(self) -> Stager | OutageAccess:
         if self._fallback is None:
             if cannot_stage_into(self.settings.local_dir):

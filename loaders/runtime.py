@@ -283,7 +283,10 @@ class Runtime:
     @property
     def mode(self) -> str:
         """How this process reaches the cache, as the stats say it (`ShardAccess.mode`)."""
-        return self.access.mode if self._mode is None else self._mode
+        if self._mode is not None:
+            return self._mode
+        access = self.access
+        return access.mode_of(self.handle.id) if isinstance(access, FailoverAccess) else access.mode
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on this process's event loop (`_sync.LoopThread`) and return its result."""

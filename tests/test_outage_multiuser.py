@@ -172,12 +172,13 @@ def test_a_job_users_own_private_dataset_is_read_in_its_process_while_the_daemon
             ds = CachedIterableDataset({str(private)!r}, shuffle=True, seed=3)
             loader = DataLoader(ds, batch_size=None, num_workers=2)
             got = [[s["__key__"], hashlib.sha256(s["bin"]).hexdigest()] for s in loader]
-            print(json.dumps(got))
+            print(json.dumps([got, ds.stats().mode]))
         """, env=env, timeout=300)
     finally:
         daemon.kill()
     assert read.returncode == 0, read.stderr
-    got = json.loads(read.stdout.strip().splitlines()[-1])
+    got, mode = json.loads(read.stdout.strip().splitlines()[-1])
+    assert mode == "embedded", "a trial's stats said 'daemon' of a dataset read in the user's own process"
     assert sorted(got) == sorted([k, hashlib.sha256(v["bin"]).hexdigest()] for k, v in expected.items())
     assert "reading it in this process" in read.stderr, read.stderr
     # Nothing of it reached the daemon's cache, and bob's own copies are his alone.
