@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import socket
 import time
 from collections.abc import Mapping
@@ -124,6 +125,8 @@ class IndexFiles:
         self.file_mode = _file_mode(settings, manifest.dataset, base)
         """The exact mode of the files written here, whatever the umask (the group's, or this user's)."""
         self._trusted = settings.trusted_uids
+        declared = [d.readers for d in settings.datasets.values() if d.id == manifest.dataset and d.readers]
+        self._readers = declared[0] if declared else None
 
     def place(self, name: str) -> Place:
         return Place(self._base, self._parts, name, self._dir_mode)
@@ -165,7 +168,10 @@ class IndexFiles:
             where = self.path / name
             if where not in _NAMED:
                 _NAMED.add(where)
-                logger.warning(
+                # Another declared reader's counts are what the next reader finds (a trial's noise): said
+                # quietly, and still not believed; anyone else's is a warning.
+                logger.log(
+                    logging.INFO if self._a_reader(st.st_uid) else logging.WARNING,
                     "ignoring the cluster index file %s: written by uid %d, not by this user, root or the "
                     "daemon's uid; its shards are counted again",
                     where,
@@ -173,6 +179,16 @@ class IndexFiles:
                 )
             return None
         return raw
+
+    def _a_reader(self, uid: int) -> bool:
+        """Whether ``uid`` is one of the dataset's declared readers (its groups as the system says)."""
+        if self._readers is None:
+            return False
+        try:
+            entry = pwd.getpwuid(uid)
+        except KeyError:
+            return self._readers.admits(uid, ())
+        return self._readers.admits(uid, os.getgrouplist(entry.pw_name, entry.pw_gid))
 
     def exists(self, name: str) -> bool:
         try:

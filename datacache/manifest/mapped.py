@@ -60,7 +60,7 @@ def map_manifest(place: Place, trusted: frozenset[int], limit: int) -> Manifest 
         return None
     try:
         fd = os.open(place.name, _READ_FLAGS, dir_fd=parent)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):  # none, or another user's own (0600): not this reader's
         return None
     except OSError as exc:
         reason = "a symlink; not followed" if exc.errno == errno.ELOOP else str(exc)
