@@ -31,6 +31,7 @@ from datacache.checksum import checksum_of, hash_file, new_hasher
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.errors import DatacacheError, InvalidKeyError
 from datacache.manifest import MAX_MANIFEST_BYTES, Manifest
+from datacache.sizes import format_bytes
 from datacache.staging import (
     PRIORITY_PREFETCH,
     PRIORITY_URGENT,
@@ -273,9 +274,10 @@ class OutageAccess:
         self._bad: set[str] = set()
         where = (
             "the node cache %s is the daemon's: reading its resident shards there and staging the rest "
-            "in %s (at most %d bytes) until the daemon is back"
+            "in %s (at most %s) until the daemon is back"
         )
-        where_args = (settings.local_dir, private, self.private_settings.local_capacity)
+        capacity = self.private_settings.local_capacity
+        where_args = (settings.local_dir, private, format_bytes(capacity) if capacity is not None else "no bound")
         if kind != "outage":
             logger.debug(where, *where_args)  # a dataset the daemon does not serve: said as such (FailoverAccess)
         elif notice is None:

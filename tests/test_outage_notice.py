@@ -10,6 +10,7 @@ it: the daemon as its own account, the job as ``bob`` of its group (tests/test_o
 from __future__ import annotations
 
 import json
+import re
 
 import _users
 import pytest
@@ -70,6 +71,8 @@ def test_each_outage_is_said_once_by_a_training_process_not_by_each_worker_every
     log = trainer.errors.read_text()
     said = {words: log.count(words) for words in (OUTAGE, WHERE, BACK)}
     assert said == {OUTAGE: 2, WHERE: 2, BACK: 1}, f"{said}:\n{log}"
+    # Its bound in the units the rest of the output uses (a trial read "at most 200000000 bytes").
+    assert re.search(r"\(at most \d+(\.\d+)? [kMGT]?B\) until the daemon is back", log), log
     # It ended in an outage: its markers stay until the next process that notices one removes them.
     (left,) = {marker.name.rsplit("-", 2)[1] for marker in tmp.glob("datacache-*/*.notice-*")}
     assert left == str(trainer.pid), left
