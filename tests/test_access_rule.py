@@ -202,6 +202,12 @@ def test_the_daemon_serves_a_dataset_only_to_its_readers_or_a_uid_the_origin_ans
         assert "not among its readers" in not_a_reader.get("error", ""), not_a_reader
         reader = read_through_daemon(alice, "a-wds", env_a)
         assert reader.get("shards") == {key: data.hex() for key, data in alice_bytes.items()}, reader
+        # `datacache ls` names a declared dataset, its URL and residency to its readers only (a trial's
+        # non-reader saw it listed).
+        ((_, seen_by_bob),) = calls_as(bob, daemon, ("GET", "/v1/datasets", None))
+        ((_, seen_by_alice),) = calls_as(alice, daemon, ("GET", "/v1/datasets", None))
+        assert "a-wds" not in {name for row in seen_by_bob["datasets"] for name in row["names"]}, seen_by_bob
+        assert "a-wds" in {name for row in seen_by_alice["datasets"] for name in row["names"]}, seen_by_alice
     finally:
         daemon.kill()
 

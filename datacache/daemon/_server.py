@@ -337,7 +337,12 @@ class Daemon(ReadVerbs):
         settings = self._stager().settings
         rows = await dataset_rows(self._stager(), settings)
         if not peer.is_operator:
-            configured = {config.id for config in settings.datasets.values()}
+            groups = (peer.gid, *peer.groups)  # a declared dataset is named to its readers only
+            configured = {
+                config.id
+                for config in settings.datasets.values()
+                if not config.readers or config.readers.admits(peer.uid, groups)
+            }
             visible = [row for row in rows if row["dataset"] in configured]
             rows = visible + [r for r in rows if r not in visible and self.registry.opened_by(peer, r["dataset"])]
         return web.json_response({"datasets": rows})
