@@ -161,6 +161,8 @@ class Prefetch:
         """Whether the stager was told the future order (then the reader's notes say where it is)."""
         self._unsent: list[str] = []
         """Prefetches held back until the next note says which of them are local already."""
+        self._noted = False
+        """Whether a note said where keys are since the held-back prefetches were last sent."""
         self._local: set[str] = set()
         self._next_epoch = NextEpochStaging(runtime)
 
@@ -173,11 +175,13 @@ class Prefetch:
             if keys is None:
                 self._local.clear()
             else:
+                self._noted = True
                 self._local.update(keys)
 
     def coming(self, count: int) -> tuple[int, ...]:
-        """The ``count`` units after the one opened last (the reader's note leases them)."""
-        return tuple(self.sequence[self.index + 1 : self.index + 1 + count])
+        """The units after the one opened last that the reader's note may lease: ``count``, or all those
+        prefetched already if more (a note that finds them local leaves this no prefetch to send)."""
+        return tuple(self.sequence[self.index + 1 : max(self.index + 1 + count, self._until)])
 
     def _ahead(self) -> tuple[int, ...]:
         """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
@@ -206,7 +210,8 @@ class Prefetch:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
             now, later = self._keys_ahead(self.index + 1, self._until, open_units)
-        now = self._not_local(now)  # found local (and leased) by a note
+            unsent = set(self._unsent)
+        now = [key for key in self._not_local(now) if key not in unsent]  # found local by a note, or not asked yet
         if now:
             self._runtime.loop.submit(self._runtime.access.prefetch(self._runtime.handle, now))
         self._next_epoch.stage(later)
@@ -271,7 +276,15 @@ class Prefetch:
             runtime.loop.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
 
     def send(self) -> None:
-        """Queue the held-back prefetches that no note found local."""
+        """Queue the held-back prefetches that no note found local, once a note has looked.
+
+        Without a note since (a unit an earlier note leased was opened), they wait for the next:
+        it locates them with the units it leases, and a warm epoch's are all found local.
+        """
+        with self._keys_lock:
+            if self.future is not None and not self._noted:
+                return
+            self._noted = False
         with self._lock:
             keys, self._unsent = self._unsent, []
         keys = self._not_local(keys) if keys else keys

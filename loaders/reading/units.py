@@ -42,7 +42,14 @@ logger = logging.getLogger(__name__)
 HOLD_AHEAD = 4
 """Units after the one being opened that a reader's note leases (and maps later without asking).
 
-Few: a held shard cannot be evicted, and every reader of the node holds its own."""
+Few: a held shard cannot be evicted, and every reader of the node holds its own. More where they are
+small (`HOLD_AHEAD_BYTES`)."""
+
+HOLD_AHEAD_BYTES = 64 * 2**20
+"""Past `HOLD_AHEAD` units, a note also leases the units prefetched already while so many mean units fit in this.
+
+A window of tiny shards is then leased and located in one note (one catalog transaction), and the
+prefetch finds nothing to ask for, instead of one note and one prefetch per few shards."""
 
 
 class UnitReaders:
@@ -142,6 +149,10 @@ class UnitReaders:
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
                     self._leased[u] = found
             return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
+
+    def _to_hold(self, coming: tuple[int, ...]) -> tuple[int, ...]:
+        """The first `HOLD_AHEAD` of ``coming``, more if the dataset's mean unit leaves room in `HOLD_AHEAD_BYTES`."""
+        return coming[: max(HOLD_AHEAD, int(HOLD_AHEAD_BYTES // max(self.runtime.unit_bytes, 1.0)))]
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
@@ -253,7 +264,7 @@ class UnitReaders:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
             self._prefetch.advance(unit, self.readers)
-            self._coming[unit] = self._prefetch.coming(HOLD_AHEAD)
+            self._coming[unit] = self._to_hold(self._prefetch.coming(HOLD_AHEAD))
         try:
             return self._open_once(unit, unit_lock)
         finally:
