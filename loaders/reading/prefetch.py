@@ -178,11 +178,6 @@ class Prefetch:
                 self._noted = True
                 self._local.update(keys)
 
-    def coming(self, count: int) -> tuple[int, ...]:
-        """The units after the one opened last that the reader's note may lease: ``count``, or all those
-        prefetched already if more (a note that finds them local leaves this no prefetch to send)."""
-        return tuple(self.sequence[self.index + 1 : max(self.index + 1 + count, self._until)])
-
     def _ahead(self) -> tuple[int, ...]:
         """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
 

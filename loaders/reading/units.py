@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import mmap
 import threading
@@ -46,10 +47,19 @@ Few: a held shard cannot be evicted, and every reader of the node holds its own.
 small (`HOLD_AHEAD_BYTES`)."""
 
 HOLD_AHEAD_BYTES = 64 * 2**20
-"""Past `HOLD_AHEAD` units, a note also leases the units prefetched already while so many mean units fit in this.
+"""Past `HOLD_AHEAD` units, a note leases as many more mean-sized units as fit in this (and in a
+sixteenth of a capped local tier), at most `HOLD_AHEAD_MAX`.
 
-A window of tiny shards is then leased and located in one note (one catalog transaction), and the
-prefetch finds nothing to ask for, instead of one note and one prefetch per few shards."""
+A shuffle window of tiny shards opens its units in any order: leased and located together, in one
+note (one catalog transaction), instead of a note, a catalog write and a prefetch every few shards."""
+
+HOLD_AHEAD_MAX = 16384
+
+
+def hold_ahead(unit_bytes: float, local_capacity: int | None) -> int:
+    """How many units after the one being opened a reader's note leases (see `HOLD_AHEAD_BYTES`)."""
+    budget = HOLD_AHEAD_BYTES if local_capacity is None else min(HOLD_AHEAD_BYTES, local_capacity // 16)
+    return max(HOLD_AHEAD, min(HOLD_AHEAD_MAX, int(budget // max(unit_bytes, 1.0))))
 
 
 class UnitReaders:
@@ -85,8 +95,12 @@ class UnitReaders:
         self._preopened: set[int] = set()
         self._leased: dict[int, list[Location]] = {}
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
-        self._coming: dict[int, tuple[int, ...]] = {}
-        """The `HOLD_AHEAD` units that follow each unit in this reader's sequence."""
+        self._hold = hold_ahead(runtime.unit_bytes, runtime.settings.local_capacity)
+        """How many units a note leases past the one it opens (`hold_ahead`)."""
+        self._used: set[int] = set()
+        """The units opened this epoch (from where the reader started)."""
+        self._floor = 0
+        """Where the first unit not opened yet is in the prefetch's sequence (`_to_hold` starts there)."""
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
         self._noter: concurrent.futures.ThreadPoolExecutor | None = None
@@ -99,6 +113,8 @@ class UnitReaders:
         """Close every open unit and plan the units to read from position ``produced`` on."""
         self.close_all()
         self._prefetch.restart(self._epoch.units_from(produced))
+        self._used.clear()
+        self._floor = 0
 
     def close_all(self) -> None:
         for unit, reader in self.readers.items():
@@ -131,7 +147,7 @@ class UnitReaders:
         # One note at a time, each with the holdings as they are when it is sent: a thread's
         # older note never replaces another's newer one (dropping a unit it is opening).
         with self._note_lock:
-            coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
+            coming = self._to_hold(unit) if unit is not None else []
             asked = [] if unit is None else [unit, *coming]
             units = {*self.readers, *self._opening, *self._leased, *asked}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
@@ -150,9 +166,22 @@ class UnitReaders:
                     self._leased[u] = found
             return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
 
-    def _to_hold(self, coming: tuple[int, ...]) -> tuple[int, ...]:
-        """The first `HOLD_AHEAD` of ``coming``, more if the dataset's mean unit leaves room in `HOLD_AHEAD_BYTES`."""
-        return coming[: max(HOLD_AHEAD, int(HOLD_AHEAD_BYTES // max(self.runtime.unit_bytes, 1.0)))]
+    def _to_hold(self, unit: int) -> list[int]:
+        """The units a note for ``unit`` leases with it: the first `_hold` of the reader's sequence not opened
+        yet, nor open, nor leased. From the first unit not opened, not from ``unit``: a shuffle window's
+        units open in any order, so those its first opens passed are leased too. Under ``_note_lock``."""
+        sequence, used, readers, leased = self._prefetch.sequence, self._used, self.readers, self._leased
+        floor = self._floor
+        while floor < len(sequence) and sequence[floor] in used:
+            floor += 1
+        self._floor = floor
+        held: list[int] = []
+        for u in itertools.islice(sequence, floor, None):
+            if u != unit and u not in used and u not in readers and u not in leased:
+                held.append(u)
+                if len(held) >= self._hold:
+                    break
+        return held
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
@@ -264,7 +293,6 @@ class UnitReaders:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
             self._prefetch.advance(unit, self.readers)
-            self._coming[unit] = self._to_hold(self._prefetch.coming(HOLD_AHEAD))
         try:
             return self._open_once(unit, unit_lock)
         finally:
@@ -320,6 +348,7 @@ class UnitReaders:
             finally:
                 self._opening.discard(unit)  # mapped by now (or failed): a later note may drop it
             self.readers[unit] = reader
+            self._used.add(unit)
             return reader
 
     def _open(self, unit_index: int) -> tuple[UnitReader, str]:
