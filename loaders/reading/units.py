@@ -96,7 +96,9 @@ class UnitReaders:
         self._leased: dict[int, list[Location]] = {}
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
         self._hold = hold_ahead(runtime.unit_bytes, runtime.settings.local_capacity)
-        """How many units a note leases past the one it opens (`hold_ahead`)."""
+        """How many units a note leases past the one it opens at most (`hold_ahead`)."""
+        self._holding = HOLD_AHEAD
+        """How many the next note leases: doubled while notes find every one local, halved when not."""
         self._used: set[int] = set()
         """The units opened this epoch (from where the reader started)."""
         self._floor = 0
@@ -133,8 +135,8 @@ class UnitReaders:
     def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
         """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
-        Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
-        before. One call notes, leases and locates ``unit`` and the next units, before any
+        Held: the open units, ``unit``, the next units not opened yet (`_to_hold`) and those
+        leased before. One call notes, leases and locates ``unit`` and the next units, before any
         is mapped, so eviction cannot take one between locate and map; the next units
         found local are opened later without asking again, and no prefetch goes for them.
         Through a daemon: one round trip per few units, not two per unit. Without
@@ -160,14 +162,21 @@ class UnitReaders:
             located = runtime.loop.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
             self._prefetch.found_local([key for key, loc in where.items() if loc.tier == "local"])
+            local = 0
             for u in coming:
                 found = [where[key] for key in self._plan.units[u].keys]
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
                     self._leased[u] = found
+                    local += 1
+            if coming:
+                # All found local (a warm epoch): the next note leases twice as many, up to `_hold`.
+                # Else (cold) back towards `HOLD_AHEAD`: a note locates each copy not local one by one.
+                grown = self._holding * 2 if local == len(coming) else self._holding // 2
+                self._holding = max(HOLD_AHEAD, min(self._hold, grown))
             return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
 
     def _to_hold(self, unit: int) -> list[int]:
-        """The units a note for ``unit`` leases with it: the first `_hold` of the reader's sequence not opened
+        """The units a note for ``unit`` leases with it: the first `_holding` of the reader's sequence not opened
         yet, nor open, nor leased. From the first unit not opened, not from ``unit``: a shuffle window's
         units open in any order, so those its first opens passed are leased too. Under ``_note_lock``."""
         sequence, used, readers, leased = self._prefetch.sequence, self._used, self.readers, self._leased
@@ -179,7 +188,7 @@ class UnitReaders:
         for u in itertools.islice(sequence, floor, None):
             if u != unit and u not in used and u not in readers and u not in leased:
                 held.append(u)
-                if len(held) >= self._hold:
+                if len(held) >= self._holding:
                     break
         return held
 
