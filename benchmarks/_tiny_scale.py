@@ -34,8 +34,9 @@ TARGET = 0.8
 _CHILD = r"""
 import json, os, sys, time, zlib
 mode, path = sys.argv[1], sys.argv[2]
-def crc(sample):
-    return sum(zlib.crc32(value) for name, value in sample.items() if name != "__key__")
+def crc(sample):  # the default decoding gives some fields as str or int
+    return sum(zlib.crc32(value if isinstance(value, (bytes, memoryview)) else str(value).encode())
+               for name, value in sample.items() if name != "__key__")
 total = samples = 0
 if mode == "tarfile":
     import pathlib, tarfile

@@ -172,6 +172,11 @@ class Prefetch:
         self._local: set[str] = set()
         self._next_epoch = NextEpochStaging(runtime)
 
+    @property
+    def depth(self) -> int:
+        """How many units ahead of the one opened last it asks for."""
+        return self._controller.depth
+
     def restart(self, sequence: tuple[int, ...]) -> None:
         self.sequence, self.index, self._until = sequence, 0, 0
         self._where = None
