@@ -172,10 +172,7 @@ class UnitReaders:
                 # All found local (a warm epoch): the next note leases twice as many, and at least what the
                 # prefetch asks for (a key no note found local is prefetched), up to `_hold`. Else (cold)
                 # back towards `HOLD_AHEAD`: a note locates each copy not local one by one.
-                if local == len(coming):
-                    grown = max(self._holding * 2, self._prefetch.depth)
-                else:
-                    grown = self._holding // 2
+                grown = max(self._holding * 2, self._prefetch.depth) if local == len(coming) else self._holding // 2
                 self._holding = max(HOLD_AHEAD, min(self._hold, grown))
             return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
 
