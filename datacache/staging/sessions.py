@@ -5,7 +5,7 @@ a killed process left. After a clean shutdown there is nothing to repair, so the
 close the tier leaves a marker (``locks/clean``), and the next to open it removes the marker
 (durably, before it stages anything) and skips the listing. A killed process leaves none:
 
-- every process that opens the tier holds a shared lock on ``locks/users.lock`` while it uses it
+- every process that opens the tier holds a shared lock on ``locks/users`` while it uses it
   and leaves a session file (``locks/sessions/<host:pid>``) that only a clean close removes;
 - a closing process leaves the marker only if it takes that lock exclusively (no other user is
   alive) and no other session file is left (none was killed since the tier was last recovered).
@@ -30,7 +30,7 @@ __all__ = ["TierSession", "forget_dead_sessions"]
 logger = logging.getLogger(__name__)
 
 _MARKER = "clean"
-_USERS = "users.lock"
+_USERS = "users"  # not "*.lock": those are the shards' node locks
 _SESSIONS = "sessions"
 
 
