@@ -39,16 +39,14 @@ async def reconcile(
     shard_lock: Callable[[str, str], NodeLock],
     clean: bool = False,
 ) -> dict[str, int]:
-    """Repair the local tier and its catalog; return what was repaired, by kind.
-
-    ``clean``: the tier's last user left it clean (`staging.sessions`): only the catalog's stale
-    rows are looked for, not the whole tier's files (its listing and every row: seconds at 1e5).
+    """Repair the local tier and its catalog; return what was repaired, by kind (``clean``: see below).
 
     Runs under a node lock taken without waiting: if another process is
     reconciling, this one leaves it the job. Staging goes on meanwhile, so a
     file missing from the catalog's snapshot is decided on only under its
     shard's node lock (`shard_lock`, the one a transfer holds), and only if
-    the catalog still has no row for it.
+    the catalog still has no row for it. ``clean``: the tier's last user left it clean
+    (`staging.sessions`): only stale rows are looked for, not every file and row (seconds at 1e5).
     """
     counts = {"stale_rows": 0, "missing_files": 0, "partials": 0, "orphans_adopted": 0, "orphans_removed": 0}
     try:

@@ -95,12 +95,10 @@ class UnitReaders:
         self._preopened: set[int] = set()
         self._leased: dict[int, list[Location]] = {}
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
-        self._hold = hold_ahead(runtime.unit_bytes, runtime.settings.local_capacity)
-        """How many units a note leases past the one it opens at most (`hold_ahead`)."""
+        self._hold = hold_ahead(runtime.unit_bytes, runtime.settings.local_capacity)  # the most a note leases
         self._holding = HOLD_AHEAD
         """How many the next note leases: doubled while notes find every one local, halved when not."""
-        self._used: set[int] = set()
-        """The units opened this epoch (from where the reader started)."""
+        self._used: set[int] = set()  # the units opened this epoch (from where the reader started)
         self._floor = 0
         """Where the first unit not opened yet is in the prefetch's sequence (`_to_hold` starts there)."""
         self._position = 0
