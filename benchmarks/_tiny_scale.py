@@ -159,8 +159,8 @@ def render(result: dict[str, Any]) -> list[str]:
         "",
         "Samples a second of a warm epoch (epoch 1, every shard local) of 2-sample un-indexed tar shards,",
         "`CachedIterableDataset(dir, shuffle=True, seed=3)`, `num_workers=0`, beside a plain `tarfile` loop",
-        f"over the same files; a fresh process per run, {REPEATS} turns each (all listed, the best first in the",
-        f"ratio), the consumer taking a CRC of every payload. Target: >= {TARGET}x the loop.",
+        f"over the same files; a fresh process per run, {REPEATS} turns each, the modes taking turns (all listed;",
+        f"the ratio is the best against the best), the consumer taking a CRC of every payload. Target: >= {TARGET}x.",
         "",
         "| shards | tarfile loop | datacache | datacache / loop |"
         + (" datacache before | before / loop |" if before else ""),
