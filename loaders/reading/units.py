@@ -184,7 +184,8 @@ class UnitReaders:
             floor += 1
         self._floor = floor
         held: list[int] = []
-        for u in itertools.islice(sequence, floor, None):
+        # A bounded look: in a cold window many units past the floor are open or read already.
+        for u in itertools.islice(sequence, floor, floor + 4 * self._holding + 64):
             if u != unit and u not in used and u not in readers and u not in leased:
                 held.append(u)
                 if len(held) >= self._holding:
