@@ -17,7 +17,9 @@ a synthetic manifest (peak RSS per rank and the time to the first planned sample
 tar shards (`benchmarks._wds_scale`), and ``datacache warm`` of 1e3 / 1e4 / 1e5 tiny shards
 (seconds, per shard, and per shard beyond the bytes: `benchmarks._warm_scale`).
 
-Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|manifest|wds|rows]``; writes
+A warm epoch of 1e3 / 1e4 two-sample tar shards beside a plain ``tarfile`` loop (`benchmarks._tiny_scale`).
+
+Run alone: ``python -m benchmarks.scale [--quick] [--only mix|warm|plan|manifest|wds|rows|tiny]``; writes
 ``benchmarks/RESULTS-scale.md`` and ``benchmarks/results-scale.json`` (``--only`` measures that part
 again and keeps the other parts of the last run's results). ``make bench`` runs it after the
 throughput benchmark.
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _manifest_scale, _plan_scale, _rows_scale, _warm_scale, _wds_scale
+from benchmarks import _manifest_scale, _plan_scale, _rows_scale, _tiny_scale, _warm_scale, _wds_scale
 from benchmarks._common import REPO, WORK, clean_env
 
 FILES = 100
@@ -147,6 +149,7 @@ def _beside(work: Path, env: dict[str, str], *, quick: bool, only: str | None = 
             **_wds_scale.measure(work, env, lambda urls: _point(urls, work / "cache", env, 300.0)),
         },
         "warm": lambda: _warm_scale.measure(work, env, quick=quick),
+        "tiny": lambda: _tiny_scale.measure(work, env),
         "rows": lambda: {
             "when": _when(),
             "points": _rows_scale.measure(
@@ -286,6 +289,9 @@ def render(result: dict[str, Any]) -> str:
         "Before the batch path (one catalog transaction and one directory fsync per batch, 2026-12-01):",
         "1e3 shards 4.2 s, 1e4 62 s, 1e5 not done in 300 s. `--only warm` reruns this section alone.",
     ]
+    if "tiny" in result:
+        lines += ["", "## tiny: a warm read of many 2-sample tar shards", "", _measured(result["tiny"])]
+        lines += _tiny_scale.render(result["tiny"])
     return "\n".join(lines) + "\n"
 
 
@@ -295,7 +301,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
     parser.add_argument(
         "--only",
-        choices=["mix", "warm", "plan", "manifest", "wds", "rows"],
+        choices=["mix", "warm", "plan", "manifest", "wds", "rows", "tiny"],
         help="measure only this part; keep the other results",
     )
     args = parser.parse_args()

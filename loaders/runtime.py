@@ -161,6 +161,10 @@ class OpenUnits:
             return closing
 
 
+SPAN_FILE_MIN_BYTES = 16 * 1024
+"""Shards smaller than this keep their scanned index in memory only (`SpanCache`)."""
+
+
 class SpanCache:
     """Tar shard indexes already scanned, so a shard is scanned once per node, not once per epoch and worker.
 
@@ -179,8 +183,8 @@ class SpanCache:
         self._directory = directory
 
     def _file(self, key: tuple[str, int, str | None]) -> Path | None:
-        if self._directory is None:
-            return None
+        if self._directory is None or key[1] < SPAN_FILE_MIN_BYTES:
+            return None  # a tiny shard's headers are scanned faster than its index file is read
         name = hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:40]
         return self._directory / f"{name}.spans"
 

@@ -186,7 +186,8 @@ def _tar_origin(world_dir: Path) -> str:
     origin = world_dir / "wds"
     origin.mkdir()
     for shard in range(3):
-        members = {f"s{shard}{i:03d}.txt": f"sample {shard}.{i}".encode() for i in range(4)}
+        # 4 KB a sample: a shard of 16 KiB or more keeps its tar index in a file (`SPAN_FILE_MIN_BYTES`).
+        members = {f"s{shard}{i:03d}.txt": f"sample {shard}.{i}".encode().ljust(4096) for i in range(4)}
         (origin / f"shard-{shard:04d}.tar").write_bytes(tar_of(members))
     for path in [origin, *origin.iterdir()]:
         path.chmod(0o755 if path.is_dir() else 0o644)

@@ -351,6 +351,9 @@ def test_reconcile_repairs_what_a_dead_process_left(tmp_path: Path, settings: Se
     manifest_partial.write_bytes(b"{half a manif")
     (data_dir / keys[1]).unlink()  # a resident file that vanished
     (data_dir / "stray.bin").write_bytes(b"no metadata, no row")
+    # The dead process had opened the tier: it took the clean marker and left its session (`staging.sessions`).
+    (settings.local_dir / "locks" / "clean").unlink()
+    (settings.local_dir / "locks" / "sessions" / dead).touch()
 
     counts = with_stager(settings, lambda s: s.reconcile(), reconcile=False)
     assert counts["stale_rows"] == 2

@@ -333,13 +333,17 @@ def read_bounded_stat(place: Place, limit: int) -> tuple[os.stat_result, bytes]:
 
 
 def map_open_file(fd: int) -> mmap.mmap | bytes:
-    """Map the open regular file ``fd`` read-only (shared with the page cache: no copy); b"" if empty.
+    """Map the open regular file ``fd`` read-only (shared with the page cache: no copy); b"" if empty,
+    its bytes if at most `SMALL_READ`.
 
     The mapping holds the file by itself: ``fd`` may be closed once this returns.
     """
     size = os.fstat(fd).st_size
     if size == 0:
         return b""
+    if size <= SMALL_READ:
+        # Read: a tiny shard's mapping (mmap, madvise, munmap, a page fault) costs more than its copy.
+        return _read_whole(fd, size)
     # No MAP_POPULATE: CPython holds the GIL across mmap(), and populating 64 MB takes ~10 ms,
     # a stall for every other thread. A checksum pass that follows faults the pages in with the
     # GIL released; WILLNEED starts the readahead meanwhile.
@@ -347,6 +351,22 @@ def map_open_file(fd: int) -> mmap.mmap | bytes:
     with contextlib.suppress(AttributeError, OSError):
         mapping.madvise(mmap.MADV_WILLNEED)
     return mapping
+
+
+SMALL_READ = 64 * 1024
+"""A file this small is read into memory by `map_open_file`, not mapped."""
+
+
+def _read_whole(fd: int, size: int) -> bytes:
+    """The first ``size`` bytes of ``fd`` (fewer if it was cut short meanwhile: the caller checks the size)."""
+    parts, done = [], 0
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def map_regular(path: str | os.PathLike[str]) -> mmap.mmap | bytes:

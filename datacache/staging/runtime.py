@@ -30,6 +30,7 @@ from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
 from datacache.staging.queue import DURABLE_WAIT, JobQueue, serve_early
 from datacache.staging.residency import Residency
+from datacache.staging.sessions import TierSession
 from datacache.staging.shared import SharedStager
 from datacache.staging.tier_activity import TierActivity
 from datacache.staging.transfer import Transfer
@@ -101,6 +102,9 @@ class StagerRuntime:
         )
         self._reconcile_wanted = reconcile
         self._owner = process_owner()
+        self._session = None if inspect else TierSession(settings.local_dir, self._owner, self.local.dir_mode)
+        """This process's use of the local tier (`staging.sessions`): opened with the first runtime."""
+        self._session_opened = False
         self._events = Events()
         self.activity = TierActivity()
         """Per-tier counters and the transfers in flight, for ``datacache top``."""
@@ -165,6 +169,9 @@ class StagerRuntime:
                 self._abandon_runtime(loop)
                 self._reset_runtime()
             self._loop = loop
+            if self._session is not None and not self._session_opened:
+                self._session_opened = True
+                self._session.open()  # before anything is staged: from here a crash is recovered
             self._parts = self._build_parts(loop)
         return self._parts
 
@@ -263,6 +270,8 @@ class StagerRuntime:
         await self.catalog.close()
         if parts is not None:
             parts.lock_waiters.shutdown(wait=False)
+        if self._session is not None and self._session_opened:
+            await asyncio.to_thread(self._session.close)  # the last user leaves the tier marked clean
 
     async def __aenter__(self) -> Self:
         return self
@@ -328,7 +337,13 @@ class StagerRuntime:
 
     async def _reconcile(self, parts: _Parts) -> dict[str, int]:
         counts = await recovery.reconcile(
-            self.settings, self.local, self.shared, self.catalog, owner=self._owner, shard_lock=parts.local.node_lock
+            self.settings,
+            self.local,
+            self.shared,
+            self.catalog,
+            owner=self._owner,
+            shard_lock=parts.local.node_lock,
+            clean=self._session is not None and self._session.found_clean,
         )
         counts["over_capacity_evicted"] = await parts.local.trim()
         return counts

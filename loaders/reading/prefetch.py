@@ -19,6 +19,9 @@ import time
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 from datacache.errors import DatacacheError
 from datacache.staging import PRIORITY_PREFETCH
 
@@ -156,16 +159,49 @@ class Prefetch:
         """The units this reader reads from where it (re)started, in order."""
         self.index = 0
         """Where in ``sequence`` the unit opened last is."""
+        self._where: npt.NDArray[np.int64] | None = None
+        """Each unit's first place in ``sequence`` (-1: not in it), made when first needed."""
+        self._repeats = False
         self._until = 0
         self.told = False
         """Whether the stager was told the future order (then the reader's notes say where it is)."""
-        self._unsent: list[str] = []
+        self._unsent: dict[str, None] = {}
         """Prefetches held back until the next note says which of them are local already."""
+        self._noted = False
+        """Whether a note said where keys are since the held-back prefetches were last sent."""
         self._local: set[str] = set()
         self._next_epoch = NextEpochStaging(runtime)
 
+    @property
+    def depth(self) -> int:
+        """How many units ahead of the one opened last it asks for."""
+        return self._controller.depth
+
     def restart(self, sequence: tuple[int, ...]) -> None:
         self.sequence, self.index, self._until = sequence, 0, 0
+        self._where = None
+
+    def _index_of(self, unit: int) -> int | None:
+        """Where ``unit`` is in ``sequence`` at or after ``index``; None if not there (under ``lock``).
+
+        One look-up: a shuffle window opens its units in any order, and walking the sequence
+        for each (``tuple.index``) cost O(units) a unit, most of a warm epoch of 1e4 tiny shards.
+        """
+        if self._where is None:
+            sequence = np.asarray(self.sequence, dtype=np.int64)
+            units, first = np.unique(sequence, return_index=True)
+            where = np.full(int(units[-1]) + 1 if len(units) else 0, -1, dtype=np.int64)
+            where[units] = first
+            self._where, self._repeats = where, len(units) < len(sequence)
+        where = self._where
+        found = int(where[unit]) if 0 <= unit < len(where) else -1
+        if found >= self.index:
+            return found
+        if found < 0 or not self._repeats:
+            return None
+        with contextlib.suppress(ValueError):  # a unit read again later (a repeat that evens rank lengths)
+            return self.sequence.index(unit, self.index)
+        return None
 
     def found_local(self, keys: list[str] | None) -> None:
         """Keys a note found local (and leased): no prefetch goes for them. None: forget them all."""
@@ -173,11 +209,8 @@ class Prefetch:
             if keys is None:
                 self._local.clear()
             else:
+                self._noted = True
                 self._local.update(keys)
-
-    def coming(self, count: int) -> tuple[int, ...]:
-        """The ``count`` units after the one opened last (the reader's note leases them)."""
-        return tuple(self.sequence[self.index + 1 : self.index + 1 + count])
 
     def _ahead(self) -> tuple[int, ...]:
         """The units to prefetch in order: this epoch's, then (knowing the node's future) the next epoch's.
@@ -206,6 +239,7 @@ class Prefetch:
         """Ask again for the units prefetched but not opened yet: some found no room when first asked."""
         with self._lock:
             now, later = self._keys_ahead(self.index + 1, self._until, open_units)
+            now = [key for key in now if key not in self._unsent]  # not asked yet: the next note says where
         now = self._not_local(now)  # found local (and leased) by a note
         if now:
             self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, now))
@@ -217,8 +251,9 @@ class Prefetch:
         # A unit met before (a thread opening ahead got further) or not in this reader's sequence
         # leaves where it stands unchanged. Walking on would leave the sequence's end, and nothing
         # after it, the next epoch's first units included, would be prefetched.
-        with contextlib.suppress(ValueError):
-            self.index = sequence.index(unit, self.index)
+        found = self._index_of(unit)
+        if found is not None:
+            self.index = found
         depth = self._controller.depth
         self._grow_future()
         ahead = self._ahead()
@@ -236,7 +271,7 @@ class Prefetch:
         if self.future is not None:
             # Sent after the unit's lease: it says where this reader is before its prefetches
             # ask for room, and which of them are local already (a warm epoch sends none).
-            self._unsent.extend(keys)
+            self._unsent.update(dict.fromkeys(self._not_local(keys)))
         elif keys:
             self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, keys))
         self._next_epoch.stage(later)
@@ -271,9 +306,17 @@ class Prefetch:
             runtime.submit(runtime.access.set_future_order(runtime.handle, grown.order(self._plan)))
 
     def send(self) -> None:
-        """Queue the held-back prefetches that no note found local."""
+        """Queue the held-back prefetches that no note found local, once a note has looked.
+
+        Without a note since (a unit an earlier note leased was opened), they wait for the next:
+        it locates them with the units it leases, and a warm epoch's are all found local.
+        """
+        with self._keys_lock:
+            if self.future is not None and not self._noted:
+                return
+            self._noted = False
         with self._lock:
-            keys, self._unsent = self._unsent, []
+            keys, self._unsent = list(self._unsent), {}
         keys = self._not_local(keys) if keys else keys
         if keys:
             self._runtime.submit(self._runtime.access.prefetch(self._runtime.handle, keys))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import mmap
 import threading
@@ -42,7 +43,23 @@ logger = logging.getLogger(__name__)
 HOLD_AHEAD = 4
 """Units after the one being opened that a reader's note leases (and maps later without asking).
 
-Few: a held shard cannot be evicted, and every reader of the node holds its own."""
+Few: a held shard cannot be evicted, and every reader of the node holds its own. More where they are
+small (`HOLD_AHEAD_BYTES`)."""
+
+HOLD_AHEAD_BYTES = 64 * 2**20
+"""Past `HOLD_AHEAD` units, a note leases as many more mean-sized units as fit in this (and in a
+sixteenth of a capped local tier), at most `HOLD_AHEAD_MAX`.
+
+A shuffle window of tiny shards opens its units in any order: leased and located together, in one
+note (one catalog transaction), instead of a note, a catalog write and a prefetch every few shards."""
+
+HOLD_AHEAD_MAX = 16384
+
+
+def hold_ahead(unit_bytes: float, local_capacity: int | None) -> int:
+    """How many units after the one being opened a reader's note leases (see `HOLD_AHEAD_BYTES`)."""
+    budget = HOLD_AHEAD_BYTES if local_capacity is None else min(HOLD_AHEAD_BYTES, local_capacity // 16)
+    return max(HOLD_AHEAD, min(HOLD_AHEAD_MAX, int(budget // max(unit_bytes, 1.0))))
 
 
 class UnitReaders:
@@ -78,8 +95,12 @@ class UnitReaders:
         self._preopened: set[int] = set()
         self._leased: dict[int, list[Location]] = {}
         """Units not opened yet whose local copies an earlier note leased and located: opened without asking."""
-        self._coming: dict[int, tuple[int, ...]] = {}
-        """The `HOLD_AHEAD` units that follow each unit in this reader's sequence."""
+        self._hold = hold_ahead(runtime.unit_bytes, runtime.settings.local_capacity)  # the most a note leases
+        self._holding = HOLD_AHEAD
+        """How many the next note leases: doubled while notes find every one local, halved when not."""
+        self._used: set[int] = set()  # the units opened this epoch (from where the reader started)
+        self._floor = 0
+        """Where the first unit not opened yet is in the prefetch's sequence (`_to_hold` starts there)."""
         self._position = 0
         """The position this reader last reported (`_note_progress`)."""
         self._noter: concurrent.futures.ThreadPoolExecutor | None = None
@@ -92,6 +113,8 @@ class UnitReaders:
         """Close every open unit and plan the units to read from position ``produced`` on."""
         self.close_all()
         self._prefetch.restart(self._epoch.units_from(produced))
+        self._used.clear()
+        self._floor = 0
 
     def close_all(self) -> None:
         for unit, reader in self.readers.items():
@@ -110,8 +133,8 @@ class UnitReaders:
     def _note_progress(self, unit: int | None, *, done: bool = False) -> list[Location]:
         """Tell the stager where this reader is and lease what it holds; return where ``unit`` is.
 
-        Held: the open units, ``unit``, the next `HOLD_AHEAD` units and those leased
-        before. One call notes, leases and locates ``unit`` and the next units, before any
+        Held: the open units, ``unit``, the next units not opened yet (`_to_hold`) and those
+        leased before. One call notes, leases and locates ``unit`` and the next units, before any
         is mapped, so eviction cannot take one between locate and map; the next units
         found local are opened later without asking again, and no prefetch goes for them.
         Through a daemon: one round trip per few units, not two per unit. Without
@@ -124,7 +147,7 @@ class UnitReaders:
         # One note at a time, each with the holdings as they are when it is sent: a thread's
         # older note never replaces another's newer one (dropping a unit it is opening).
         with self._note_lock:
-            coming = [u for u in self._coming.get(unit, ()) if u not in self.readers] if unit is not None else []
+            coming = self._to_hold(unit) if unit is not None else []
             asked = [] if unit is None else [unit, *coming]
             units = {*self.readers, *self._opening, *self._leased, *asked}
             holding = tuple(key for u in sorted(units) for key in self._plan.units[u].keys)
@@ -137,11 +160,37 @@ class UnitReaders:
             located = runtime.run(runtime.access.note_progress(runtime.handle, progress, locate=locate))
             where = dict(zip(locate, located, strict=True))
             self._prefetch.found_local([key for key, loc in where.items() if loc.tier == "local"])
+            local = 0
             for u in coming:
                 found = [where[key] for key in self._plan.units[u].keys]
                 if all(loc.tier == "local" and loc.path is not None for loc in found):
                     self._leased[u] = found
+                    local += 1
+            if coming:
+                # All found local (a warm epoch): the next note leases twice as many, and at least what the
+                # prefetch asks for (a key no note found local is prefetched), up to `_hold`. Else (cold)
+                # back towards `HOLD_AHEAD`: a note locates each copy not local one by one.
+                grown = max(self._holding * 2, self._prefetch.depth) if local == len(coming) else self._holding // 2
+                self._holding = max(HOLD_AHEAD, min(self._hold, grown))
             return [] if unit is None else [where[key] for key in self._plan.units[unit].keys]
+
+    def _to_hold(self, unit: int) -> list[int]:
+        """The units a note for ``unit`` leases with it: the first `_holding` of the reader's sequence not opened
+        yet, nor open, nor leased. From the first unit not opened, not from ``unit``: a shuffle window's
+        units open in any order, so those its first opens passed are leased too. Under ``_note_lock``."""
+        sequence, used, readers, leased = self._prefetch.sequence, self._used, self.readers, self._leased
+        floor = self._floor
+        while floor < len(sequence) and sequence[floor] in used:
+            floor += 1
+        self._floor = floor
+        held: list[int] = []
+        # A bounded look: in a cold window many units past the floor are open or read already.
+        for u in itertools.islice(sequence, floor, floor + 4 * self._holding + 64):
+            if u != unit and u not in used and u not in readers and u not in leased:
+                held.append(u)
+                if len(held) >= self._holding:
+                    break
+        return held
 
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
@@ -253,7 +302,6 @@ class UnitReaders:
                 return None
             unit_lock = self._unit_locks.setdefault(unit, threading.Lock())
             self._prefetch.advance(unit, self.readers)
-            self._coming[unit] = self._prefetch.coming(HOLD_AHEAD)
         try:
             return self._open_once(unit, unit_lock)
         finally:
@@ -309,6 +357,7 @@ class UnitReaders:
             finally:
                 self._opening.discard(unit)  # mapped by now (or failed): a later note may drop it
             self.readers[unit] = reader
+            self._used.add(unit)
             return reader
 
     def _open(self, unit_index: int) -> tuple[UnitReader, str]:
