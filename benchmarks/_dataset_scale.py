@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks._manifest_scale import BASELINE, PER_SHARD, RANK, SIZES, WORLD, _checkout, _run
+from benchmarks._manifest_scale import BASELINE, PER_SHARD, RANK, SIZES, WORLD, _checkout, _run, verdicts
 
 _WRITE = r"""
 import asyncio, os, sys
@@ -101,17 +101,7 @@ def render(result: dict[str, Any]) -> list[str]:
         where = f"| {p['checkout']} | {p['shards']:,} |"
         done = f"{p['error']} | |" if "error" in p else f"{p['first_s']:.2f} | {p['peak_rss_mb']:.0f} |"
         lines.append(f"{where} {done}")
-    for label in result["checkouts"]:
-        mine = {p["shards"]: p for p in result["points"] if p["checkout"] == label and "error" not in p}
-        if len(mine) == len(SIZES):
-            small, large = mine[SIZES[0]], mine[SIZES[-1]]
-            ratio, extra = large["first_s"] / small["first_s"], large["peak_rss_mb"] - small["peak_rss_mb"]
-            met = "met" if ratio <= 2 and extra <= 100 else "missed"
-            lines.append(
-                f"- {label}: 1e6 against 1e3 shards: first sample {ratio:.2f}x, peak RSS {extra:+.0f} MB "
-                f"(target 2x and +100 MB: {met})"
-            )
-    return lines
+    return [*lines, *verdicts(result, "first sample")]
 
 
 if __name__ == "__main__":
