@@ -110,12 +110,13 @@ image-if-engine: $(STAMP)
 	@if reason=$$($(ENGINE_OF) 2>&1 >/dev/null); then $(MAKE) --no-print-directory image; \
 	else echo "$$reason: the container tests will skip"; fi
 
-# Two test processes: most tests wait on subprocesses (daemons, S3, ranks), not on the 2 cores.
+# Three test processes on two cores: most tests wait on subprocesses (daemons, S3, ranks, Ray), not
+# on the CPU, and two left the cores idle (a fresh clone's run: 765 s of tests at -n 2).
 # What the suite needs is made side by side (the installs wait on disk, lint and types on the CPU):
 # on a fresh clone that is a minute less before the first test.
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target test-prerequisites
-	$(BIN)/python -m pytest -m "not faults" -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -m "not faults" -q -n 3 --dist loadgroup
 
 test-prerequisites: lint typecheck emulators tools image-if-engine
 

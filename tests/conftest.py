@@ -128,7 +128,7 @@ def settings(tmp_path: Path, cache_env: dict[str, str]) -> Settings:
     )
 
 
-# `make test` runs two test processes (pytest-xdist, `--dist loadgroup`). Each module is one group, so
+# `make test` runs three test processes (pytest-xdist, `--dist loadgroup`). Each module is one group, so
 # its module-scoped fixtures start once, as in a serial run. Modules that start a Ray instance share
 # one group: two on one machine at once meet in /tmp/ray and each misses Ray's fixed 30 s for a node
 # to register. The container modules share one too (one engine's storage, one image).

@@ -12,6 +12,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -105,6 +106,7 @@ class StagerRuntime:
         self._session = None if inspect else TierSession(settings.local_dir, self._owner, self.local.dir_mode)
         """This process's use of the local tier (`staging.sessions`): opened with the first runtime."""
         self._session_opened = False
+        self._session_lock = threading.Lock()
         self._events = Events()
         self.activity = TierActivity()
         """Per-tier counters and the transfers in flight, for ``datacache top``."""
@@ -169,9 +171,6 @@ class StagerRuntime:
                 self._abandon_runtime(loop)
                 self._reset_runtime()
             self._loop = loop
-            if self._session is not None and not self._session_opened:
-                self._session_opened = True
-                self._session.open()  # before anything is staged: from here a crash is recovered
             self._parts = self._build_parts(loop)
         return self._parts
 
@@ -193,8 +192,19 @@ class StagerRuntime:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
 
+    def _open_session(self) -> None:
+        """Register this process as the tier's user, once (a thread's job: it locks and fsyncs)."""
+        with self._session_lock:
+            if self._session is not None and not self._session_opened:
+                self._session.open()
+                self._session_opened = True
+
     async def _ready(self) -> _Parts:
         parts = self._runtime()
+        if not self._session_opened and self._session is not None:
+            # Before anything is staged (from here a crash is recovered), off the loop: its fsyncs
+            # held a stager's loop, every transfer with it, while the disk was slow.
+            await asyncio.to_thread(self._open_session)
         if parts.shared is not None:
             await parts.shared.check()  # start-up, once: warn what is wrong with the shared tier
         if self._reconcile_wanted:
@@ -327,6 +337,8 @@ class StagerRuntime:
         reconciling, this one leaves it the job.
         """
         parts = self._runtime()
+        if not self._session_opened and self._session is not None:
+            await asyncio.to_thread(self._open_session)  # its `found_clean` decides what recovery lists
         if parts.shared is not None:
             await parts.shared.check()  # a daemon's start-up too: say what is wrong before its first client
         if self._reconcile_wanted and self._reconciling is None:

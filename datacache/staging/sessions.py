@@ -58,10 +58,11 @@ class TierSession:
             self._fd = fd
             sessions = self._sessions.open_parent(create=True)
             try:
+                # Not fsynced: a kill leaves it in the page cache, and a power loss that loses it finds
+                # no marker either (its removal below is durable), so the next open recovers in full.
                 os.close(
                     os.open(self._name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=sessions)
                 )
-                os.fsync(sessions)
             finally:
                 os.close(sessions)
             try:
