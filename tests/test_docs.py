@@ -255,6 +255,9 @@ def _environment(s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str]) -> dic
         "DATACACHE_SOCKET": str(tmp_path / "run" / "daemon.sock"),
         "DATACACHE_METRICS_ADDRESS": "127.0.0.1:0",
         "PYTHONPATH": str(REPO),
+        # A recipe's RayPool() starts a Ray of its own: without it, ray.init() joins the machine's
+        # latest `ray start` cluster, another suite's beside this one (its moto: 'NoSuchBucket').
+        "RAY_ADDRESS": "local",
     }
 
 
