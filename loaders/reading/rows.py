@@ -174,7 +174,20 @@ class ArrowChunks:
         chunk = self._chunk(index, start, min(start + self._span, len(self._plan)))
         if chunk is None or stop > chunk[1]:
             return arrow_batch(self._units, self._plan, begin, stop, None)
-        _, end, batch, taken = chunk
+        return self._cut(chunk, begin, stop)
+
+    def built(self, begin: int, stop: int) -> Taken | None:
+        """`batch` of ``[begin, stop)`` if it is a cut of a chunk built already; None: not built (nothing is built here)."""
+        if self._origin is None or self._span <= stop - begin:
+            return None
+        index = (begin - self._origin) // self._span
+        start = self._origin + index * self._span
+        chunk = self._chunks.get(index) if index >= 0 and stop <= start + self._span else None
+        return None if chunk is None or stop > chunk[1] else self._cut(chunk, begin, stop)
+
+    @staticmethod
+    def _cut(chunk: tuple[int, int, Any, IntArray], begin: int, stop: int) -> Taken:
+        start, end, batch, taken = chunk
         if len(taken) == end - start:  # nothing skipped in the chunk: row i is position start + i
             low, high = begin - start, stop - start
         else:
