@@ -7,7 +7,8 @@ reads next are grouped by unit and each unit's rows are taken from its decoded s
 - **batch mode** (`arrow_batch`): the batch is the units' ``take`` results put in position
   order, an Arrow record batch built without a Python object per row; `ArrowChunks` takes
   `CHUNK_BATCHES` batches' rows at once (one ``take`` and one key column per unit for all of
-  them: what a call costs is paid per chunk, not per batch) and cuts the batches from it;
+  them: what a call costs is paid per chunk, not per batch) and cuts the batches from it
+  (`ArrowChunks.built`: the iterator hands a built chunk's batches out from a list);
 - **per-sample mode**, rows passed as they are (`ready_rows`): the next chunk of positions'
   rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts together
   (`python_rows`: each column converted at once) and are handed out from a list, counted per chunk;
@@ -177,7 +178,7 @@ class ArrowChunks:
         return self._cut(chunk, begin, stop)
 
     def built(self, begin: int, stop: int) -> Taken | None:
-        """`batch` of ``[begin, stop)`` if it is a cut of a chunk built already; None: not built (nothing is built here)."""
+        """`batch` of ``[begin, stop)`` if it is a cut of a chunk built already; None if not (builds nothing)."""
         if self._origin is None or self._span <= stop - begin:
             return None
         index = (begin - self._origin) // self._span
