@@ -102,9 +102,28 @@ def _job(
     return dict(epoch)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def _server(tmp: Path | None) -> tuple[Any, str]:
+    """moto's S3 server; with ``tmp``, its objects (spooled to temporary files above a few MB) go there.
+
+    With the anchors' layouts moto holds ~3 GB: on a nearly full disk that leaves the local tier
+    less than its reserve, and the cold rows read shards from the origin instead of staging them.
+    """
     from benchmarks.warm_vs_awscli import start_s3_server
 
+    if tmp is None:
+        return start_s3_server()
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp)
+    try:
+        return start_s3_server()
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = Sizes.quick() if args.quick else Sizes.full()
     rows = args.rows or DEFAULT_ROWS
     with_anchors = bool(ANCHORS & set(rows))
@@ -116,7 +135,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True)
     variants = _variants(args)
     runs: dict[str, list[float]] = {"get": [], "durable": []}
-    server, endpoint = start_s3_server()
+    server, endpoint = _server(args.server_tmp)
     try:
         _data.upload_all(endpoint, sizes, root, with_anchors=with_anchors)
         loads = [os.getloadavg()]
@@ -195,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", nargs="*", choices=sorted(ROWS), help="default: dataloader torch (anchors: make bench venv)"
     )
+    parser.add_argument("--server-tmp", type=Path, help="moto's temporary files there (/dev/shm: spare the disk)")
     parser.add_argument("--variant", action="append", help="NAME:ENV=VALUE,... (datacache settings)")
     parser.add_argument("--baseline", action="append", help="NAME:PATH, a tree put first on PYTHONPATH")
     parser.add_argument("--profile", type=Path, help="record py-spy profiles (collapsed stacks) into this folder")
