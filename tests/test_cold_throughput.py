@@ -274,3 +274,45 @@ def test_a_shard_within_the_keep_limit_lands_in_its_file_and_is_never_written_ag
     assert asyncio.run(stage()) == [small, large]
     assert puts == ["large.tar"], "only the shard above the keep limit was put"
     assert not list((tmp_path / "local").rglob("*.partial"))
+
+
+def test_a_large_shard_wakes_its_get_thread_once_per_mib_not_once_per_segment(
+    s3: S3Bucket, tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ``recv`` that returns takes the GIL back: with eight GET threads beside the readers,
+    those hand-overs were a third of a cold epoch's py-spy samples. The kernel now gathers up to
+    a MiB (``SO_RCVLOWAT``) before it wakes the thread; the bytes are the same, and a connection
+    goes back to the pool with the mark at 1 (else the next GET's headers would wait for a MiB)."""
+    import socket
+
+    data = os.urandom(24 << 20)
+    s3.put("big/a.tar", data)
+    s3.put("big/b.tar", data[::-1])
+    reads: list[tuple[int, int]] = []  # (the mark when the read began, bytes it returned)
+    real = socket.SocketIO.readinto
+
+    def recording(self: socket.SocketIO, buffer: Any) -> int:
+        mark = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)  # type: ignore[attr-defined]
+        count = real(self, buffer)
+        reads.append((mark, count))
+        return count
+
+    monkeypatch.setattr(socket.SocketIO, "readinto", recording)
+    settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local")})
+
+    async def stage() -> list[list[tuple[int, int]]]:
+        async with Stager(settings, reconcile=False) as stager:
+            handle = await stager.open(s3.url("big/"))
+            found = []
+            for key, expected in (("a.tar", data), ("b.tar", data[::-1])):  # b's GET may reuse a's connection
+                reads.clear()
+                assert bytes((await stager.ensure(handle, key, early=True)).buffer or b"") == expected
+                found.append(list(reads))
+            return found
+
+    size = len(data)
+    for each in asyncio.run(stage()):
+        assert each[0][0] == 1, each[:3]  # the response's headers: read with the mark at 1
+        gathered = sum(count for mark, count in each if mark >= 256 << 10)
+        assert gathered >= 0.8 * size, (gathered, size, len(each))
+        assert each[-1][0] == 1, each[-3:]  # the body's end: read with the mark at 1 again
