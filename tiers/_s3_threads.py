@@ -268,8 +268,8 @@ class _Gathered:
             remaining = self._response.length if self._sock is not None else None
             # Half of what the socket surely still holds, at most _LOWAT; and a read that leaves the
             # mark's worth on the socket, however many recv calls http.client makes for it.
-            mark = 0 if remaining is None else min(_LOWAT, (remaining - _MARGIN) // 2)
-            if remaining is not None and mark >= _MARGIN:
+            mark = min(_LOWAT, (remaining - _MARGIN) // 2) if remaining is not None else 0
+            if mark >= _MARGIN:
                 self._set(mark)
                 want = min(want, remaining - _MARGIN - mark)
             else:
