@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -231,60 +230,6 @@ def _direct_reader(body: Any) -> tuple[Callable[[memoryview], int], Any, bool]:
     return body.readinto, None, False
 
 
-_LOWAT = 1 << 20
-"""Bytes the kernel gathers on a GET's socket before it wakes the thread (``SO_RCVLOWAT``)."""
-_MARGIN = 64 << 10
-"""More than http.client's read buffer can hold (8 KiB): bytes of the body already off the socket."""
-
-
-class _Gathered:
-    """A direct body read in a few large ``recv`` calls instead of one per segment that arrived.
-
-    Each ``recv`` that returns takes the GIL back, and with eight GET threads beside the
-    readers those hand-overs were a third of a cold epoch's samples (py-spy: socket.py's
-    ``readinto``, waiting for the GIL). With ``SO_RCVLOWAT`` the kernel wakes the thread once
-    ``_LOWAT`` bytes are in. A read never asks for bytes the body does not still hold past
-    the mark (else it would wait for bytes that never come): the mark shrinks towards the end,
-    the last few ``_MARGIN`` bytes are read as before, and the mark is back at 1 before the
-    connection is reused.
-    """
-
-    def __init__(self, response: Any) -> None:
-        sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
-        usable = isinstance(sock, socket.socket) and not response.chunked and response.length is not None
-        self._response = response
-        self._sock: socket.socket | None = sock if usable else None
-        self._mark = 1
-
-    def _set(self, mark: int) -> None:
-        if self._sock is not None and mark != self._mark:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
-            self._mark = mark
-
-    def fill(self, readinto: Callable[[memoryview], int], buffer: memoryview, filled: int, stop: int) -> int:
-        """Read into ``buffer[filled:stop]`` until it is full or the body ends; return the new ``filled``."""
-        while filled < stop:
-            want = stop - filled
-            remaining = self._response.length if self._sock is not None else None
-            # Half of what the socket surely still holds, at most _LOWAT; and a read that leaves the
-            # mark's worth on the socket, however many recv calls http.client makes for it.
-            mark = min(_LOWAT, (remaining - _MARGIN) // 2) if remaining is not None else 0
-            if mark >= _MARGIN:
-                self._set(mark)
-                want = min(want, remaining - _MARGIN - mark)
-            else:
-                self._set(1)
-            count = readinto(buffer[filled : filled + want])
-            if not count:
-                break
-            filled += count
-        return filled
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # a closed socket is not reused either
-            self._set(1)
-
-
 class ThreadedGetInto:
     """One GET whose body a pool thread reads straight into a caller's buffer (one copy: socket -> buffer).
 
@@ -338,18 +283,21 @@ class ThreadedGetInto:
         offset = start = self._offset
         response = self._client.get_object(**self._request)
         body = response["Body"]
-        gathered = _Gathered(None)
         try:
             length = response.get("ContentLength")
             _check_announced(length, size - start)
             readinto, checksum, direct = _direct_reader(body)
             checksum = checksum if self._crc else None
-            gathered = _Gathered(body._raw_stream._fp if direct else None)
             while offset < size:
                 if self._abandoned.is_set():
                     return
                 stop = min(offset + step, size)
-                filled = gathered.fill(readinto, buffer, offset, stop)
+                filled = offset
+                while filled < stop:
+                    count = readinto(buffer[filled:stop])
+                    if not count:
+                        break
+                    filled += count
                 if filled > offset:
                     region = buffer[offset:filled]
                     if hasher is not None:
@@ -362,11 +310,9 @@ class ThreadedGetInto:
                     break  # the end of the body
             else:
                 _check_ended(readinto, length, size - start)
-            gathered.close()
             if direct:
                 _release_when_read(body)
         finally:
-            gathered.close()
             body.close()
         _check_length(offset - start, response)
         if checksum is not None:
