@@ -49,8 +49,18 @@ def columns_body(manifest: Manifest) -> AsyncIterator[bytes]:
     return body()
 
 
-def map_manifest(place: Place, trusted: frozenset[int], limit: int) -> Manifest | None:
-    """The manifest of the columnar file at ``place``, mapped read-only; None if absent or refused (logged)."""
+class _Untrusted(ConfigError):
+    """The file's owner is not one this reader takes a manifest from."""
+
+
+def map_manifest(
+    place: Place, trusted: frozenset[int], limit: int, *, others_expected: bool = False
+) -> Manifest | None:
+    """The manifest of the columnar file at ``place``, mapped read-only; None if absent or refused (logged).
+
+    ``others_expected``: a file of an untrusted owner is the usual case (another user's or the daemon's
+    listing on the shared tier), passed over at debug level, not warned of.
+    """
     try:
         parent = place.open_parent()
     except (FileNotFoundError, NotADirectoryError):
@@ -70,6 +80,9 @@ def map_manifest(place: Place, trusted: frozenset[int], limit: int) -> Manifest 
         os.close(parent)
     try:
         return _mapped(fd, place, trusted, limit)
+    except _Untrusted as exc:
+        logger.log(logging.DEBUG if others_expected else logging.WARNING, "ignoring manifest %s: %s", place.path, exc)
+        return None
     except ConfigError as exc:
         logger.warning("ignoring manifest %s: %s", place.path, exc)
         return None
@@ -82,7 +95,7 @@ def _mapped(fd: int, place: Place, trusted: frozenset[int], limit: int) -> Manif
     if not stat_module.S_ISREG(st.st_mode):
         raise ConfigError("not a regular file")
     if st.st_uid not in trusted:
-        raise ConfigError("not a file of this user, root or the daemon")
+        raise _Untrusted("not a file of this user, root or the daemon" if len(trusted) > 1 else "not this user's own")
     if st.st_mode & (stat_module.S_IWGRP | stat_module.S_IWOTH):
         raise ConfigError(f"writable by others (mode {stat_module.S_IMODE(st.st_mode):o})")
     if st.st_size > limit:

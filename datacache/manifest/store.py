@@ -122,7 +122,7 @@ class ManifestStore:
         own = frozenset({os.geteuid()})  # another node's listing by this user: nobody else's, not even root's
         for position in range(1, len(self._directories)):
             place = self._place(position, dataset_id).sibling(dataset_id + COLUMNS_SUFFIX)
-            found = map_manifest(place, own, MAX_MANIFEST_BYTES)
+            found = map_manifest(place, own, MAX_MANIFEST_BYTES, others_expected=True)
             if found is None or found.dataset != dataset_id:
                 continue
             age = time.time() - found.created
