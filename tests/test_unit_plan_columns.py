@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from datacache.loaders.plans.counts import complete, encode_plan, read_plan
+
 from datacache.config import Settings
 from datacache.formats import get_format
 from datacache.formats._base import PlanContext, Unit, UnitPlan
-from datacache.loaders.plans.counts import complete, encode_plan, read_plan
 from datacache.manifest import Manifest, Shard, ShardFormat
 
 SHARDS = 200_000
@@ -100,3 +101,19 @@ def test_a_plan_saved_as_json_by_an_earlier_version_is_still_read(tmp_path: Path
     path.write_bytes(__import__("json").dumps(plan.to_json()).encode())
     again = read_plan(path, manifest)
     assert again is not None and list(again.units) == list(plan.units) and again.total == plan.total
+
+
+def test_the_node_future_in_keys_is_the_same_from_columns_as_from_units(settings: Settings) -> None:
+    from datacache.loaders.runtime import NodeFuture
+
+    manifest = _manifest(300)
+    columns = _plan(manifest, settings)
+    units = UnitPlan(tuple(columns.units), {})
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 300, 500).astype(np.int64)
+    future = NodeFuture("1.0", 0, {"0.0": rng.integers(0, 300, 400).astype(np.int64), "1.0": shared, "1.1": shared})
+    assert future.order(columns) == future.order(units)
+    assert future.order(columns).readers["1.0"][:3] == tuple(f"part-{u:07d}.parquet" for u in shared[:3].tolist())
+    assert future.key_positions(columns) == future.key_positions(units)
+    picked = np.asarray([299, 0, 17, 17], dtype=np.int64)
+    assert manifest.table.keys_at(picked) == [manifest.table.key(i) for i in picked.tolist()]

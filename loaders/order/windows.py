@@ -29,7 +29,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -105,10 +105,10 @@ def _read_only(array: IntArray) -> IntArray:
     return array
 
 
-def _shard_permutation(seed: int, epoch: int, shards: int) -> npt.NDArray[np.int64] | npt.NDArray[np.int32]:
+def _shard_permutation(seed: int, epoch: int, shards: int) -> npt.NDArray[Any]:
     """``Generator.permutation(shards)``'s values (it shuffles an arange), held as int32 where they fit: 4 MB at 1e6."""
     rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch, _ORDER_TAG])
-    perm = np.arange(shards, dtype=np.int32 if shards < 2**31 else np.int64)
+    perm: npt.NDArray[Any] = np.arange(shards, dtype=np.int32 if shards < 2**31 else np.int64)
     rng.shuffle(perm)
     return perm
 
@@ -162,6 +162,7 @@ class WindowedOrder:
     def __post_init__(self) -> None:
         counts = np.asarray(self.counts, dtype=np.int64)
         object.__setattr__(self, "counts", counts)
+        perm: npt.NDArray[Any]
         if self.shuffle:
             perm = _shard_permutation(self.seed, self.epoch, len(counts))
             laid = exclusive_sum(counts[perm])
