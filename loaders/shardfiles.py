@@ -14,13 +14,14 @@ from typing import Any
 
 from datacache.counting.tarindex import SampleSpan
 from datacache.formats import get_format
-from datacache.formats._base import COUNT_SOURCES, Unit, UnitPlan, UnitReader, sample_of
+from datacache.formats._base import COUNT_SOURCES, ShardUnits, Unit, UnitPlan, UnitReader, sample_of
 from datacache.formats.tar import TarReader
 from datacache.formats.zarr import zarr_plan
 from datacache.manifest import ShardFormat
 
 __all__ = [
     "COUNT_SOURCES",
+    "ShardUnits",
     "TarReader",
     "Unit",
     "UnitPlan",

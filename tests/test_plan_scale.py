@@ -207,3 +207,25 @@ def test_a_plan_of_ten_billion_samples_costs_what_its_shards_cost(world: int) ->
     assert len(future) == world * 4 and all(len(units) for units in future.values())
     # per sample this would be 80 GB; per shard and per window it is a few MB
     assert peak < 200 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_planning_a_million_shards_at_rank_3_of_8_traces_at_most_70_bytes_a_shard() -> None:
+    # The reader's plan, this epoch's order and the next epoch's (the node's future) need the counts'
+    # running sum each: built once and shared, with the shard permutations held as int32, the plan's
+    # peak is ~60 bytes a shard; a sum built per holder and int64 permutations made it ~84.
+    from datacache.loaders.epochs.dataset import indexed_plan
+    from datacache.loaders.plans.positions import auto_window
+
+    shards = 1_000_000
+    counts = np.full(shards, 1000, dtype=np.int64)
+    tracemalloc.start()
+    try:
+        window = auto_window(int(counts.sum()), shards)
+        plan = indexed_plan(counts, Layout(8, 3, 1, 0, 64), Dealing(3, True, False), epoch=0, cursors=(), window=window)
+        future = plan.future()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert future is not None and plan.positions.unit_of[0] >= 0
+    assert counts.flags.writeable, "the caller's counts are not frozen under it"
+    assert peak <= 70 * shards, f"peak {peak / shards:.0f} bytes a shard"

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import mmap
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from datacache.errors import ShardReadError
 
 if TYPE_CHECKING:
     from datacache.config import Settings
     from datacache.manifest import Manifest
+    from datacache.manifest.columns import ShardTable
     from datacache.tiers import ByteRange, ObjectInfo, Tier
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Fields",
     "PlanContext",
     "SampleFormat",
+    "ShardUnits",
     "Unit",
     "UnitPlan",
     "UnitReader",
@@ -57,21 +60,72 @@ class Unit:
     label: str
 
 
+class ShardUnits(Sequence[Unit]):
+    """One unit per shard of a manifest, in its order, as columns: its keys and a counts array.
+
+    Each `Unit` is made on access (``((key,), count, key)``), so a plan of 1e6 shards costs its
+    8 MB of counts, not 1e6 objects of ~200 bytes each (built, saved and read back as JSON).
+    """
+
+    def __init__(self, shards: ShardTable, counts: npt.NDArray[np.int64]) -> None:
+        if len(counts) != len(shards):
+            raise ValueError(f"{len(counts)} counts for {len(shards)} shards")
+        counts = np.asarray(counts, dtype=np.int64)
+        counts.flags.writeable = False  # the plan's now: shared by every holder of it, written by none
+        self.shards = shards
+        self.counts = counts
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @overload
+    def __getitem__(self, index: int) -> Unit: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Unit, ...]: ...
+    def __getitem__(self, index: int | slice) -> Unit | tuple[Unit, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        count = int(self.counts[index])  # raises IndexError as a tuple would
+        key = self.shards.key(index if index >= 0 else index + len(self))
+        return Unit((key,), count, key)
+
+    def __iter__(self) -> Iterator[Unit]:
+        for key, count in zip(self.shards.keys(), self.counts.tolist(), strict=True):
+            yield Unit((key,), count, key)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardUnits):
+            return bool(np.array_equal(self.counts, other.counts)) and list(self.shards.keys()) == list(
+                other.shards.keys()
+            )
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardUnits({len(self)} shards)"
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     """A dataset's units in manifest order, with where each unit's samples start."""
 
-    units: tuple[Unit, ...]
+    units: Sequence[Unit]
+    """A tuple of `Unit`, or `ShardUnits` (one per shard, as columns)."""
     extra: Mapping[str, Any]
     unreadable: Mapping[str, str] = field(default_factory=dict)
     """Shard key -> why its samples could not be counted; its unit holds no samples."""
 
     @property
     def counts(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        if isinstance(self.units, ShardUnits):
+            return self.units.counts
         return np.fromiter((unit.count for unit in self.units), dtype=np.int64, count=len(self.units))
 
     @property
     def total(self) -> int:
+        if isinstance(self.units, ShardUnits):
+            return int(self.units.counts.sum())
         return sum(unit.count for unit in self.units)
 
     def to_json(self) -> dict[str, Any]:
@@ -95,7 +149,10 @@ class UnitPlan:
 
 def one_unit_per_shard(manifest: Manifest, counts: Mapping[str, int], unreadable: Mapping[str, str]) -> UnitPlan:
     """The plan of a format whose every shard is one unit (all but Zarr)."""
-    return UnitPlan(tuple(Unit((s.key,), counts[s.key], s.key) for s in manifest.shards), {}, dict(unreadable))
+    table = manifest.table
+    keys = table.keys()  # the manifest's key column, one string at a time
+    found = np.fromiter((counts[key] for key in keys), dtype=np.int64, count=len(table))
+    return UnitPlan(ShardUnits(table, found), {}, dict(unreadable))
 
 
 def sample_of(fields: Fields, payload: Callable[[memoryview], bytes] = bytes) -> dict[str, Any]:
@@ -249,7 +306,8 @@ async def count_each_shard(context: PlanContext, count: Callable[[str, int], Awa
     to skip it is each reader's ``on_error``.
     """
     manifest = context.manifest
-    known = {s.key: s.samples for s in manifest.shards if s.samples is not None}
+    table = manifest.table
+    counts = np.array(table.samples, dtype=np.int64)  # -1 where the manifest does not know it
     unreadable: dict[str, str] = {}
     gate = asyncio.Semaphore(context.settings.concurrency)
 
@@ -260,10 +318,13 @@ async def count_each_shard(context: PlanContext, count: Callable[[str, int], Awa
             except ShardReadError as exc:
                 return key, exc
 
-    for key, counted in await asyncio.gather(*(one(s.key, s.size) for s in manifest.shards if s.samples is None)):
+    unknown = np.nonzero(counts < 0)[0].tolist()
+    sizes = table.sizes
+    found = await asyncio.gather(*(one(table.key(i), int(sizes[i])) for i in unknown))
+    for index, (key, counted) in zip(unknown, found, strict=True):
         if isinstance(counted, ShardReadError):
             unreadable[key] = str(counted)
-            known[key] = 0
+            counts[index] = 0
         else:
-            known[key] = counted
-    return one_unit_per_shard(manifest, known, unreadable)
+            counts[index] = counted
+    return UnitPlan(ShardUnits(table, counts), {}, unreadable)

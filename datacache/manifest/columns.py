@@ -125,6 +125,15 @@ class ShardTable(Sequence[Shard]):
         for start, stop in itertools.pairwise(self._columns["key_at"].tolist()):
             yield blob[start:stop].tobytes().decode()
 
+    def keys_at(self, indices: npt.NDArray[np.int64]) -> list[str]:
+        """The keys of the shards at ``indices`` (each in range), one pass over the key column's blob."""
+        at = self._columns["key_at"]
+        starts, stops = at[indices].tolist(), at[np.asarray(indices) + 1].tolist()
+        blob = self._columns["key_bytes"]
+        low, high = (min(starts), max(stops)) if starts else (0, 0)
+        data = blob[low:high].tobytes()
+        return [data[a - low : b - low].decode() for a, b in zip(starts, stops, strict=True)]
+
     def position(self, key: str) -> int | None:
         """The index of the shard ``key``, or None: a binary search over the keys in sorted order."""
         order = self._columns["order"]

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from datacache.loaders.order.cold import ColdRemainder, cold_remaining, node_cold_sequences
 from datacache.loaders.order.layout import Cursor, Layout, reader_name
+from datacache.loaders.order.windows import read_only
 from datacache.loaders.plans.cold import ColdPositions, CountBook, Counts
 from datacache.loaders.plans.counts import complete, load_or_build_plan
 from datacache.loaders.plans.indexed import IndexedPositions
@@ -249,6 +250,7 @@ def indexed_plan(
 ) -> IndexedPlan:
     """Reader ``layout``'s indexed plan of epoch ``epoch`` after ``cursors`` (a cold one's first), and its future."""
     seed, shuffle, drop_last = dealing.seed, dealing.shuffle, dealing.drop_last
+    counts = read_only(counts)  # the plan, this epoch's order and the next's share one running sum of it
     order: ColdRemainder | None = None
     if cursors and cursors[0].cold:
         order = cold_remaining(counts, cursors[0], seed=seed, epoch=epoch, shuffle=shuffle, drop_last=drop_last)

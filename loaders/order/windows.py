@@ -25,9 +25,11 @@ Every order also says, conservatively, which shards a range of its positions may
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +45,9 @@ __all__ = [
     "dedupe_ranges",
     "epoch_order",
     "exclusive_sum",
+    "read_only",
     "remaining",
+    "unit_starts",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -56,6 +60,57 @@ def exclusive_sum(counts: Sequence[int] | IntArray) -> IntArray:
     sums = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(np.asarray(counts, dtype=np.int64), out=sums[1:])
     return sums
+
+
+_SHARED_STARTS: dict[int, tuple[weakref.ref[IntArray], IntArray]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def unit_starts(counts: IntArray) -> IntArray:
+    """`exclusive_sum` of ``counts``, read-only, and made once per read-only ``counts`` array.
+
+    A reader's plan, its epoch's order and the next epoch's (the node's future) each need the
+    counts' running sum: 8 MB a copy at 1e6 shards. A read-only array cannot change under the
+    shared sum (its writer would have to unfreeze it), so one sum serves every holder while the
+    array lives; a writable one gets a fresh sum each time.
+    """
+    if counts.flags.writeable:
+        return _read_only(exclusive_sum(counts))
+    with _SHARED_LOCK:
+        held = _SHARED_STARTS.get(id(counts))
+        if held is not None and held[0]() is counts:
+            return held[1]
+    sums = _read_only(exclusive_sum(counts))
+    with _SHARED_LOCK:
+        key = id(counts)
+        _SHARED_STARTS[key] = (weakref.ref(counts, lambda _: _forget(key)), sums)
+    return sums
+
+
+def _forget(key: int) -> None:
+    with _SHARED_LOCK:
+        _SHARED_STARTS.pop(key, None)
+
+
+def read_only(values: Sequence[int] | IntArray) -> IntArray:
+    """``values`` as an int64 array no one writes through (a view when already one): `unit_starts` shares its sum."""
+    array = np.asarray(values, dtype=np.int64)
+    if not array.flags.writeable:
+        return array
+    return _read_only(array.view())
+
+
+def _read_only(array: IntArray) -> IntArray:
+    array.flags.writeable = False
+    return array
+
+
+def _shard_permutation(seed: int, epoch: int, shards: int) -> npt.NDArray[Any]:
+    """``Generator.permutation(shards)``'s values (it shuffles an arange), held as int32 where they fit: 4 MB at 1e6."""
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch, _ORDER_TAG])
+    perm: npt.NDArray[Any] = np.arange(shards, dtype=np.int32 if shards < 2**31 else np.int64)
+    rng.shuffle(perm)
+    return perm
 
 
 class Order(Protocol):
@@ -107,14 +162,16 @@ class WindowedOrder:
     def __post_init__(self) -> None:
         counts = np.asarray(self.counts, dtype=np.int64)
         object.__setattr__(self, "counts", counts)
+        perm: npt.NDArray[Any]
         if self.shuffle:
-            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.seed >> 32 & 0xFFFFFFFF, self.epoch, _ORDER_TAG])
-            perm = rng.permutation(len(counts)).astype(np.int64)
+            perm = _shard_permutation(self.seed, self.epoch, len(counts))
+            laid = exclusive_sum(counts[perm])
         else:
-            perm = np.arange(len(counts), dtype=np.int64)
+            perm = np.arange(len(counts), dtype=np.int32 if len(counts) < 2**31 else np.int64)
+            laid = unit_starts(counts)
         object.__setattr__(self, "_perm", perm)
-        object.__setattr__(self, "_starts", exclusive_sum(counts))
-        object.__setattr__(self, "_laid", exclusive_sum(counts[perm]))
+        object.__setattr__(self, "_starts", unit_starts(counts))
+        object.__setattr__(self, "_laid", laid)
 
     @property
     def total(self) -> int:
@@ -157,7 +214,7 @@ class WindowedOrder:
         hi = np.searchsorted(laid, stops - 1, side="right") - 1
         hi = np.where(keep, hi, lo - 1)
         which, slots = _expand(lo, hi)
-        units = perm[slots]
+        units = perm[slots].astype(np.int64)
         nonempty = self.counts[units] > 0
         return which[nonempty], units[nonempty]
 
@@ -180,7 +237,7 @@ class ArrayOrder:
     def units_of_ranges(self, starts: IntArray, stops: IntArray) -> tuple[IntArray, IntArray]:
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         which, positions = _expand(starts, stops - 1)
-        units = np.searchsorted(exclusive_sum(self.counts), self.order[positions], side="right") - 1
+        units = np.searchsorted(unit_starts(self.counts), self.order[positions], side="right") - 1
         return dedupe_ranges(which, units.astype(np.int64))
 
 

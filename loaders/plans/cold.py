@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,8 +34,9 @@ from datacache.loaders.order.cold import (
     rank_units,
 )
 from datacache.loaders.order.layout import Layout, worker_count, worker_spots
+from datacache.loaders.plans.counts import complete, read_plan
 from datacache.loaders.plans.indexed import Segmented
-from datacache.loaders.shardfiles import Unit, UnitPlan
+from datacache.loaders.shardfiles import ShardUnits, Unit, UnitPlan
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -72,7 +73,7 @@ class CountBook:
         self._settings = settings
         self._loop = loop
         self._unit_of = {unit.keys[0]: i for i, unit in enumerate(plan.units)}
-        self.counts = np.asarray([unit.count for unit in plan.units], dtype=np.int64)
+        self.counts = np.array(plan.counts, dtype=np.int64)
         self._lock = threading.Lock()
         self._grew = threading.Condition(self._lock)
         self._build: concurrent.futures.Future[Any] | None = None
@@ -150,13 +151,13 @@ class CountBook:
             return True
         path = node_plan_path(self._settings.local_dir, self._handle.manifest)
         try:
-            saved = UnitPlan.from_json(json.loads(path.read_bytes()))
+            saved = read_plan(path, self._handle.manifest)
         except (OSError, ValueError, TypeError):
             return False
-        if len(saved.units) != len(self._plan.units) or any(unit.count < 0 for unit in saved.units):
+        if saved is None or len(saved.units) != len(self._plan.units) or not complete(saved):
             return False
         with self._lock:
-            self.counts[:] = [unit.count for unit in saved.units]
+            self.counts[:] = saved.counts
             self._grew.notify_all()
         return True
 
@@ -208,7 +209,11 @@ class CountBook:
 
     def completed_plan(self) -> UnitPlan:
         counts = self.wait_complete()
-        units = tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self._plan.units, counts))
+        units: Sequence[Unit]
+        if isinstance(self._plan.units, ShardUnits):
+            units = ShardUnits(self._plan.units.shards, counts)
+        else:
+            units = tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self._plan.units, counts, strict=True))
         return UnitPlan(units, self._plan.extra, {**self._plan.unreadable, **self.unreadable})
 
 

@@ -31,8 +31,8 @@ from datacache.loaders.order.windows import (
     Order,
     WindowedOrder,
     dedupe_ranges,
-    exclusive_sum,
     remaining,
+    unit_starts,
 )
 
 __all__ = [
@@ -182,7 +182,7 @@ class IndexedPositions(Segmented):
 
     def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
         self._order = order
-        self._bounds = exclusive_sum(counts)
+        self._bounds = unit_starts(np.asarray(counts, dtype=np.int64))
         self._layout = layout
         self._deal = Deal(order.total, layout.world_size, block)
         rank_length = self._deal.length(drop_last=drop_last)
