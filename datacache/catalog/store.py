@@ -52,11 +52,15 @@ _COMMIT = (
 
 @dataclass(frozen=True)
 class CatalogWrites:
-    """What this process's catalog wrote so far: write transactions, and the longest one took, waits included."""
+    """What this process's catalog wrote so far: write transactions, and the longest one took, waits included.
+
+    ``runs``: every query job, reads and writes (``runs - writes`` are its reads).
+    """
 
     writes: int
     longest_wait: float
     touches: int
+    runs: int = 0
 
 
 class Catalog(CatalogDatabase):
@@ -73,7 +77,7 @@ class Catalog(CatalogDatabase):
 
     def writes(self) -> CatalogWrites:
         """Write transactions this process made so far, the longest one's duration, and the shard reads it saw."""
-        return CatalogWrites(self._writes, self._longest_write, self._touched)
+        return CatalogWrites(self._writes, self._longest_write, self._touched, self._runs)
 
     async def close(self) -> None:
         if self._executor is not None and self._pid == os.getpid():
