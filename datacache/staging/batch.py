@@ -123,8 +123,9 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
     which of its shards the tier holds. Returns the shards and bytes evicted.
     """
     wanted = {shard.key for shard in shards}
-    if all(shard.key in wanted for shard in handle.manifest.shards):
-        return 0, 0  # the whole dataset: none of its shards was left out
+    table = handle.manifest.table
+    if len(wanted) >= len(table) and all(key in wanted for key in table.keys()):
+        return 0, 0  # the whole dataset: none of its shards was left out (its keys read, no `Shard` made)
     catalog = local.catalog
     used, _ = await catalog.usage()
     room: list[int] = []  # what is free of the capacity, and of the device

@@ -23,7 +23,7 @@ from datacache.staging.events import Events
 from datacache.staging.types import PRIORITY_PREFETCH, WARMING, DatasetHandle, Location, StagingEvent, WarmReport
 
 __all__ = [
-    "FOUND_AT_ONCE", "Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"
+    "Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"
 ]
 
 Submit = Callable[[Shard, float], Awaitable[Location]]
@@ -58,13 +58,9 @@ class WarmSteps:
     """The keys of those of the shards resident on the tier now (asked once, at the end)."""
     verify: Callable[[Shard], Awaitable[bool]] | None
     why_not_kept: Callable[[], str]
-    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None = None
-    """Where those of the shards already on the tier are, asked for many at once before any is submitted
-    (`LocalStager.hits`): a resident shard then costs a share of one catalog read, not a task of its own."""
-
-
-FOUND_AT_ONCE = 8192
-"""Shards looked up in one `WarmSteps.found` call (progress is heard after each)."""
+    found: Callable[[Sequence[Shard]], Awaitable[set[str]]] | None = None
+    """The keys of those of the shards already on the tier, asked for all at once before any is submitted
+    (`LocalStager.present`): a resident shard then costs a share of one catalog read, not a task of its own."""
 
 
 class _Tally:
@@ -117,7 +113,10 @@ async def run_warm(
     failures: list[tuple[str, str]] = []
     placed: list[Shard] = []
     for shard in shards:
-        outcome = found[shard.key] if shard.key in found else next(staged)
+        if shard.key in found:
+            placed.append(shard)
+            continue
+        outcome = next(staged)
         if isinstance(outcome, BaseException):
             failures.append((shard.key, str(outcome) or type(outcome).__name__))
         elif outcome.tier == tier:
@@ -152,18 +151,14 @@ async def run_warm(
 
 async def _found(
     shards: Sequence[Shard],
-    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None,
+    found: Callable[[Sequence[Shard]], Awaitable[set[str]]] | None,
     finished: Callable[[Sequence[Shard], asyncio.Future[Location] | None], None],
-) -> dict[str, Location]:
-    """The shards already on the tier, `FOUND_AT_ONCE` a look-up; progress heard after each."""
+) -> set[str]:
+    """The keys of the shards already on the tier, in one look-up (one catalog read); progress heard once."""
     if found is None:
-        return {}
-    located: dict[str, Location] = {}
-    for start in range(0, len(shards), FOUND_AT_ONCE):
-        chunk = shards[start : start + FOUND_AT_ONCE]
-        now = await found(chunk)
-        located.update(now)
-        finished([shard for shard in chunk if shard.key in now], None)
+        return set()
+    located = await found(shards)
+    finished([shard for shard in shards if shard.key in located], None)
     return located
 
 
