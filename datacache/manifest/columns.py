@@ -182,7 +182,8 @@ class ShardTable(Sequence[Shard]):
             blob = self._columns[f"{name}_bytes"][at[0] : at[-1]].tobytes()
             texts: list[str | None] = [blob[a - at[0] : b - at[0]].decode() for a, b in itertools.pairwise(at)]
             if name != "key":
-                texts = [t if isset else None for t, isset in zip(texts, self._columns[f"{name}_set"][start:stop].tolist())]
+                given = self._columns[f"{name}_set"][start:stop].tolist()
+                texts = [text if isset else None for text, isset in zip(texts, given, strict=True)]
             strings.append(texts)
         sizes, samples = self._columns["sizes"][start:stop].tolist(), self._columns["samples"][start:stop].tolist()
         return [

@@ -124,8 +124,9 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
     """
     wanted = {shard.key for shard in shards}
     table = handle.manifest.table
-    if len(wanted) >= len(table) and all(key in wanted for key in table.keys()):
-        return 0, 0  # the whole dataset: none of its shards was left out (its keys read, no `Shard` made)
+    keys = table.keys()  # each key decoded from the columns, no `Shard` made
+    if len(wanted) >= len(table) and all(key in wanted for key in keys):
+        return 0, 0  # the whole dataset: none of its shards was left out
     catalog = local.catalog
     used, _ = await catalog.usage()
     room: list[int] = []  # what is free of the capacity, and of the device

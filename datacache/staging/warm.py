@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from datacache._rate import TokenBucket
@@ -110,20 +110,9 @@ async def run_warm(
         staged = iter(await _stage(rest, steps.submit, bandwidth, finished))
     finally:
         events.remove_listener(tally)
-    failures: list[tuple[str, str]] = []
-    placed: list[Shard] = []
-    for shard in shards:
-        if shard.key in found:
-            placed.append(shard)
-            continue
-        outcome = next(staged)
-        if isinstance(outcome, BaseException):
-            failures.append((shard.key, str(outcome) or type(outcome).__name__))
-        elif outcome.tier == tier:
-            placed.append(shard)
-        else:
-            reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
-            failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
+    placed, failures = _sorted_out(
+        shards, found, staged, tier, lambda key: tally.bypassed.get(key) or steps.why_not_kept()
+    )
     resident = resident_bytes = 0
     # Honest to the end: a shard staged early (or found) may have been evicted since, by a later one.
     # A warm that found every shard resident moved nothing and evicted nothing: no second read.
@@ -147,6 +136,28 @@ async def run_warm(
         failures=tuple(failures),
         bytes_resident=resident_bytes,
     )
+
+
+def _sorted_out(
+    shards: Sequence[Shard],
+    found: set[str],
+    staged: Iterator[Location | BaseException],
+    tier: str,
+    why_not_kept: Callable[[str], str],
+) -> tuple[list[Shard], list[tuple[str, str]]]:
+    """The shards found or placed on ``tier``, and each other's (key, why not): ``staged`` holds the
+    outcomes of those not ``found``, in order."""
+    placed: list[Shard] = []
+    failures: list[tuple[str, str]] = []
+    for shard in shards:
+        outcome = None if shard.key in found else next(staged)
+        if outcome is None or (not isinstance(outcome, BaseException) and outcome.tier == tier):
+            placed.append(shard)
+        elif isinstance(outcome, BaseException):
+            failures.append((shard.key, str(outcome) or type(outcome).__name__))
+        else:
+            failures.append((shard.key, f"not kept on the {tier} tier: {why_not_kept(shard.key)}"))
+    return placed, failures
 
 
 async def _found(
