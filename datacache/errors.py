@@ -15,6 +15,7 @@ __all__ = [
     "DaemonUnavailableError",
     "DatacacheError",
     "DatasetTooLargeError",
+    "GlobURLError",
     "InvalidKeyError",
     "NotServedError",
     "OriginChangedError",
@@ -70,6 +71,13 @@ class InvalidKeyError(DatacacheError, ValueError):
 
 class ShardNotFoundError(DatacacheError, FileNotFoundError):
     """A shard, object, bucket or prefix does not exist where it was looked for."""
+
+
+class GlobURLError(ConfigError, ShardNotFoundError):
+    """A dataset URL holds a glob (``*.tar``), which names nothing here.
+
+    A mistake in what was written (a command exits 2 for it), and nothing found, as it was said before.
+    """
 
 
 class OriginError(DatacacheError, OSError):

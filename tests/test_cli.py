@@ -380,7 +380,7 @@ def test_missing_credentials(s3: S3Bucket, env: dict[str, str], tmp_path: Path) 
     assert "no credentials found" in one_error_line(result)
     # A glob is said as the mistake it is before the credentials are (they would not make it work).
     result = run_cli(["warm", s3.url("ds/*.tar")], no_credentials, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a mistake in the command line, as the README's exit statuses say
     assert "a glob ('*', '?', '[') is not a pattern here" in one_error_line(result)
     assert_nothing_written(tmp_path)
 

@@ -396,3 +396,24 @@ def test_a_listing_that_mixes_formats_is_told_to_the_client_through_the_daemon(
     assert len(said) == 1 and "holds 2 .tar and 1 .parquet files" in said[0], done.stderr
     opened = [r.getMessage() for r in caplog.records if "reading the tar shards only" in r.getMessage()]
     assert len(opened) == 1 and 'set format = "parquet"' in opened[0], opened
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--allow-dataset", "htp://host/ok/", "did you mean http://"),
+        ("--allow-dataset", "S3://bucket/", "write the scheme in lower case"),
+        ("--allow-endpoint", "127.0.0.1:9000", "expected an http:// or https:// endpoint URL"),
+    ],
+)
+def test_serve_refuses_a_mistyped_allow_flag_before_it_listens(
+    tmp_path: Path, cache_env: dict[str, str], flag: str, value: str, named: str
+) -> None:
+    """A trial's ``--allow-dataset htp://x/`` started a daemon that matched nothing and said nothing."""
+    socket_path = tmp_path / "d.sock"
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(tmp_path / "local"), "DATACACHE_SOCKET": str(socket_path)}
+    result = run(env, "serve", flag, value)
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"datacache: error: {flag} ") and named in line, line
+    assert not socket_path.exists()

@@ -182,3 +182,33 @@ def test_rows_become_the_dicts_to_pylist_makes() -> None:
             assert python_rows(batch.slice(1, 2)) == batch.slice(1, 2).to_pylist()
     same = pa.RecordBatch.from_arrays([columns["i"], columns["s"]], names=["a", "a"])
     assert python_rows(same) == same.to_pylist()
+
+
+def test_batch_mode_yields_a_built_chunks_batches_from_a_list_not_each_through_the_read_ahead(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datacache.loaders.reading.batching import ReadAhead
+
+    origin = tmp_path / "small"
+    origin.mkdir()
+    for part in range(2):
+        ids = np.arange(part * 20_000, (part + 1) * 20_000, dtype=np.int32)
+        pq.write_table(pa.table({"id": ids}), origin / f"part-{part}.parquet", row_group_size=1 << 14)
+    url = str(origin)
+    samples = ids_of(list(CachedIterableDataset(url, config=settings, seed=4)))
+    calls: list[int] = []
+    schedule = ReadAhead.schedule
+
+    def counted(self: ReadAhead, begin: int, size: int, total: int) -> None:
+        calls.append(begin)
+        schedule(self, begin, size, total)
+
+    monkeypatch.setattr(ReadAhead, "schedule", counted)
+    batches = list(CachedIterableDataset(url, config=settings, seed=4, batch_size=256))
+    assert ids_of(batches) == samples  # the per-sample order, whichever way the batches are handed out
+    assert len(batches) == 157
+    # Small rows: chunks of 16 batches. Handing each batch through the read-ahead (scheduling, release
+    # look-ups, counters) cost more CPU than its rows; a chunk built is cut and handed out from a list.
+    assert 0 < len(calls) <= len(batches) // 4, len(calls)

@@ -33,7 +33,7 @@ from datacache.tiers.memory import MemoryTier
 from datacache.tiers.object import CONFINE_REDIRECTS, ObjectTier
 from datacache.tiers.shared import SharedTier
 
-from datacache.errors import ConfigError, UnsupportedURLError
+from datacache.errors import ConfigError, UnsupportedURLError, close_match
 
 __all__ = [
     "CONFINE_REDIRECTS",
@@ -52,6 +52,7 @@ __all__ = [
     "Tier",
     "TierStats",
     "TierUsage",
+    "check_scheme",
     "check_scheme_case",
     "device_free",
     "known_schemes",
@@ -110,6 +111,25 @@ def check_scheme_case(url: str) -> None:
         )
 
 
+def check_scheme(url: str) -> None:
+    """Refuse a URL whose scheme is not lower case or that no backend reads (``htp://``), naming a close one.
+
+    No I/O and no import of a backend: a daemon checks its ``--allow-dataset`` prefixes with it at start.
+    """
+    check_scheme_case(url)
+    scheme, _ = split_scheme(url)
+    from fsspec.registry import known_implementations
+
+    if scheme in _REGISTRY or scheme in known_implementations or scheme in known_schemes():
+        return
+    close = close_match(scheme, known_schemes())
+    hint = f"did you mean {close}://? " if close else ""
+    raise UnsupportedURLError(
+        f"unsupported URL scheme {scheme!r} in {redact_url(url)!r} "
+        f"({hint}supported: {', '.join(s + '://' for s in known_schemes())}, or a local path)"
+    )
+
+
 def known_schemes() -> list[str]:
     """Every scheme `open_origin` accepts without fsspec's generic fallback."""
     schemes = set(_REGISTRY)
@@ -157,11 +177,7 @@ def open_origin(
                 return tier
         from fsspec.registry import known_implementations
 
-        if scheme not in known_implementations:
-            raise UnsupportedURLError(
-                f"unsupported URL scheme {scheme!r} in {redact_url(url)!r} "
-                f"(supported: {', '.join(s + '://' for s in known_schemes())}, or a local path)"
-            )
+        check_scheme(url)
         entry = (_OBJECT_TIER, None, known_implementations[scheme].get("err", ""))
     import_string, needs, hint = entry
     if needs is not None:

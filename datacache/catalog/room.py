@@ -186,8 +186,8 @@ def _need(
 def _why_full(device_short: bool, free: int | None, used: int, room: Room) -> str:
     if device_short and free is not None:
         where = (
-            f"no space left on the local device ({format_bytes(free)} free, "
-            f"{format_bytes(room.reserve_free)} kept for the catalog and the system)"
+            f"the local device is nearly full ({format_bytes(free)} free; datacache leaves "
+            f"{format_bytes(room.reserve_free)} free for the catalog and the system)"
         )
     else:
         where = f"the local tier is full ({format_bytes(used)} of its {format_bytes(room.capacity or 0)})"

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from datacache.errors import ConfigError
+from datacache.identity import check_origin_form
+from datacache.tiers import check_scheme, redact_url, split_scheme
+
 __all__ = ["DaemonOptions"]
 
 
@@ -62,3 +66,18 @@ class DaemonOptions:
     client_ttl: float = 300.0
     opens_per_client: int = 16
 
+    def __post_init__(self) -> None:
+        # A mistyped prefix (htp://) matched no URL and said nothing: the daemon ran refusing what it meant to allow.
+        for prefix in self.allow_datasets:
+            try:
+                if not isinstance(prefix, str) or not prefix.strip():
+                    raise ConfigError("expected an origin URL prefix (s3://bucket/datasets/, file:///data/)")
+                check_scheme(prefix)
+                check_origin_form(prefix)
+            except ConfigError as exc:
+                raise ConfigError(f"--allow-dataset {redact_url(str(prefix))!r}: {exc}") from None
+        for endpoint in self.allow_endpoints:
+            if split_scheme(endpoint)[0] not in ("http", "https") or "://" not in endpoint:
+                raise ConfigError(
+                    f"--allow-endpoint {redact_url(endpoint)!r}: expected an http:// or https:// endpoint URL"
+                )

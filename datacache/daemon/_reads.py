@@ -156,7 +156,7 @@ class ReadVerbs(DaemonBase):
             progress = dataclasses.replace(progress, owner=owner, holding=tuple(held))
             await self._stager().note_progress(handle, progress)
         # Leased before located (so a reader maps them later without asking again); located outside the lock.
-        located = [await self._stager().locate(handle, key) for key in wanted]
+        located = await self._stager().locate_many(handle, wanted)
         if len(held) < len(sizes) and self.leases.first_refusal(peer.uid, handle.id):
             logger.warning(
                 "dataset %s: uid %d's readers hold more than one uid may lease while other uids use the tier "

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from datacache.config import DatasetConfig
-from datacache.errors import ConfigError, InvalidKeyError, OriginError, ShardNotFoundError
+from datacache.errors import ConfigError, GlobURLError, InvalidKeyError, OriginError, ShardNotFoundError
 from datacache.format_registry import available_formats, detect_format_name, get_format
 from datacache.manifest.model import MANIFEST_NAME, Manifest, Shard, ShardFormat
 from datacache.manifest.wids import wids_manifest
@@ -190,7 +190,7 @@ def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
     """The error for an origin that lists no object, with a hint when the URL is a glob."""
     glob = _glob_hint(dataset.url)
     if glob is not None:
-        return ShardNotFoundError(f"{_named(dataset)}{glob}")
+        return GlobURLError(f"{_named(dataset)}{glob}")
     missing = missing_local_path(dataset.url)
     if missing is not None:
         return missing
@@ -288,7 +288,7 @@ async def _take_manifest(dataset: DatasetConfig, origin: Tier, parent: Tier | No
             raise
         # A glob names nothing here whatever the origin says: a trial was told "no credentials
         # found" first, and after setting them, that the glob was the mistake.
-        raise ShardNotFoundError(f"{_named(dataset)}{glob}") from None
+        raise GlobURLError(f"{_named(dataset)}{glob}") from None
     if parent is not None and _lists_itself(dataset.url, infos):
         # Listing a URL that names an object yields that object under its full path.
         whole = await _single_object(dataset, parent, bounds)

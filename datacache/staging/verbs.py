@@ -73,12 +73,17 @@ class StagerVerbs(StagerRuntime):
             position=progress.position,
             holding=progress.holding,
         )
-        if not locate:
+        return await self.locate_many(handle, locate)
+
+    async def locate_many(self, handle: DatasetHandle, keys: Sequence[str]) -> list[Location]:
+        """`locate` of each of ``keys``, the local copies found in one catalog read (and one touch).
+
+        A window of tiny shards asked one by one paid a catalog read, a stat and a touch each.
+        """
+        if not keys:
             return []
-        # The local copies in one catalog read (and one touch): a window of tiny shards asked
-        # one by one paid a catalog read, a stat and a touch each. The rest one by one, as `locate`.
-        local = await (await self._ready()).local.hits(handle, [handle.manifest.shard(key) for key in locate])
-        return [local[key] if key in local else await self.locate(handle, key) for key in locate]
+        local = await (await self._ready()).local.hits(handle, [handle.manifest.shard(key) for key in keys])
+        return [local[key] if key in local else await self.locate(handle, key) for key in keys]
 
     # -- the public verbs -----------------------------------------------------------------
 

@@ -122,6 +122,14 @@ class BatchBuilder:
         """Whether the batch at ``begin`` is cut from a chunk built (or being built for ``pending``): inline."""
         return self._chunks is not None and self._chunks.cut_later(begin, min(begin + size, len(self._epoch)), pending)
 
+    def cut_built(self, begin: int, stop: int) -> Built | None:
+        """Positions ``[begin, stop)`` as a cut of a chunk of table rows built already, none of them skipped;
+        None otherwise (`build` reads them). Counts nothing: the caller counts what it keeps."""
+        taken = self._chunks.built(begin, stop) if self._chunks is not None else None
+        if taken is None or taken[1] or taken[0] is None or not taken[0].num_rows:
+            return None
+        return taken[0], taken[0].nbytes, taken[0].num_rows
+
     def _taken(self, batch: Any, skipped: int, taken: Any) -> Built | None:
         if skipped:
             with self._lock:
@@ -235,11 +243,18 @@ class ReadAhead:
 
     def take(self, begin: int, size: int, total: int) -> Built | None:
         """The batch starting at ``begin``, scheduling the next ones first."""
-        self._schedule(begin, size, total)
+        self.schedule(begin, size, total)
         pending = self._pending.pop(begin, None)
         return pending.result() if pending is not None else self._builder.build(begin, size)
 
-    def _schedule(self, begin: int, size: int, total: int) -> None:
+    def claim(self, begin: int) -> bool:
+        """Whether the batch at ``begin`` may be cut by the caller (no thread builds it); forgets it if so."""
+        if self._pending.get(begin) is not None:
+            return False
+        self._pending.pop(begin, None)
+        return True
+
+    def schedule(self, begin: int, size: int, total: int) -> None:
         """Keep the reader threads busy on the next few batches, then open the next window's units."""
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="datacache-reader")

@@ -20,7 +20,7 @@ from datacache.loaders.plans.interface import Opening, Plan
 from datacache.loaders.reading.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
 from datacache.loaders.reading.mixed import MixedUnitReaders
 from datacache.loaders.reading.prefetch import PrefetchController, initial_prefetch
-from datacache.loaders.reading.rows import CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
+from datacache.loaders.reading.rows import CHUNK_BATCHES, CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime, Units
 from datacache.loaders.shardfiles import UnitReader, sample_of
@@ -341,7 +341,37 @@ class EpochIterator:
                 batch, nbytes, count = built
                 self._account(nbytes, count)
                 self._delivered(begin, stop)
+                self._cut_ahead(stop, size)
                 return batch
+
+    def _cut_ahead(self, begin: int, size: int) -> None:
+        """The batches from ``begin`` on that are cuts of a chunk of table rows built already, into `_ready`:
+        yielded at a list's cost, counted and their units released now, as per-sample mode's chunks are
+        (a batch's scheduling, release and counters cost more CPU than its rows: ~1/3 of batch mode's)."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        batches: list[Any] = []
+        stops: list[int] = []
+        nbytes, stop = 0, begin
+        while len(batches) < CHUNK_BATCHES:
+            end = min(stop + size, self._epoch_plan.readable(stop, size, self._known(stop + size)))
+            cut = self._builder.cut_built(stop, end) if end > stop else None
+            if cut is None or not ahead.claim(stop):
+                break
+            batches.append(cut[0])
+            nbytes += cut[1]
+            stop = end
+            stops.append(stop)
+        if not batches:
+            return
+        # The next chunk is built on a thread while these are yielded (`take` would ask for it only once due).
+        ahead.schedule(stop, size, self._epoch_plan.readable(stop, size, self._known(stop + size)))
+        self._units.release_range(begin, stop, ahead.pool)
+        self._account(nbytes, stop - begin)
+        batches.reverse()
+        stops.reverse()
+        self._ready, self._ready_after = batches, stops
 
     # -- counters and reports -------------------------------------------------------------
 

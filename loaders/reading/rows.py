@@ -7,7 +7,8 @@ reads next are grouped by unit and each unit's rows are taken from its decoded s
 - **batch mode** (`arrow_batch`): the batch is the units' ``take`` results put in position
   order, an Arrow record batch built without a Python object per row; `ArrowChunks` takes
   `CHUNK_BATCHES` batches' rows at once (one ``take`` and one key column per unit for all of
-  them: what a call costs is paid per chunk, not per batch) and cuts the batches from it;
+  them: what a call costs is paid per chunk, not per batch) and cuts the batches from it
+  (`ArrowChunks.built`: the iterator hands a built chunk's batches out from a list);
 - **per-sample mode**, rows passed as they are (`ready_rows`): the next chunk of positions'
   rows (`chunk_rows`: up to 4,096, about `CHUNK_BYTES` of Arrow data) become dicts together
   (`python_rows`: each column converted at once) and are handed out from a list, counted per chunk;
@@ -174,7 +175,20 @@ class ArrowChunks:
         chunk = self._chunk(index, start, min(start + self._span, len(self._plan)))
         if chunk is None or stop > chunk[1]:
             return arrow_batch(self._units, self._plan, begin, stop, None)
-        _, end, batch, taken = chunk
+        return self._cut(chunk, begin, stop)
+
+    def built(self, begin: int, stop: int) -> Taken | None:
+        """`batch` of ``[begin, stop)`` if it is a cut of a chunk built already; None if not (builds nothing)."""
+        if self._origin is None or self._span <= stop - begin:
+            return None
+        index = (begin - self._origin) // self._span
+        start = self._origin + index * self._span
+        chunk = self._chunks.get(index) if index >= 0 and stop <= start + self._span else None
+        return None if chunk is None or stop > chunk[1] else self._cut(chunk, begin, stop)
+
+    @staticmethod
+    def _cut(chunk: tuple[int, int, Any, IntArray], begin: int, stop: int) -> Taken:
+        start, end, batch, taken = chunk
         if len(taken) == end - start:  # nothing skipped in the chunk: row i is position start + i
             low, high = begin - start, stop - start
         else:
