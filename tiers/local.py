@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.tiers._directory import DirectoryTier
-from datacache.tiers._dirfd import UnsafeFileError
+from datacache.tiers._dirfd import UnsafeFileError, size_in
 from datacache.tiers._landing import Landing, open_landing
-from datacache.tiers.base import ObjectInfo
+from datacache.tiers.base import ObjectInfo, validate_key
 
 from datacache.errors import InvalidKeyError
 
@@ -109,6 +109,34 @@ class LocalTier(DirectoryTier):
         self.file_mode = modes.file
         # The daemon's group reads its files: only those of datasets declared shared with it.
         self.private_file_mode = PRIVATE.file if modes.file != PRIVATE.file else None
+
+    def file_sizes(self, keys: Sequence[str]) -> list[int]:
+        """Each key's file size, -1 if no regular file is there: `sizes` without the paths (blocking).
+
+        What a warm of resident shards asks. Each directory on the way is walked once for all its
+        keys, without following a link, and each file is looked at from it; no `Place` nor path is
+        made a key (they were ~2 s of a warm of 1e5 resident shards).
+        """
+        found: list[int] = []
+        parents: dict[str, int | None] = {}
+        try:
+            for key in keys:
+                validate_key(key)
+                folder, _, name = key.rpartition("/")
+                if folder not in parents:
+                    parents[folder] = None  # closed in the end even if the walk fails
+                    try:
+                        parents[folder] = self._data_place(key).open_parent()
+                    except (FileNotFoundError, NotADirectoryError):
+                        pass
+                    except UnsafeFileError as exc:
+                        raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
+                found.append(size_in(parents[folder], name))
+        finally:
+            for fd in parents.values():
+                if fd is not None:
+                    os.close(fd)
+        return found
 
     async def land(self, key: str, size: int) -> Landing | None:
         """``key``'s temporary file of ``size`` bytes, allocated and mapped for writing (see `Landing`)."""

@@ -97,6 +97,7 @@ class CatalogDatabase:
     def _reset_counts(self) -> None:
         self._writes = 0
         self._longest_write = 0.0
+        self._runs = 0  # every query job, reads and writes: what a test counts reads by
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_path": self._path, "_executor": None, "_connection": None, "_pid": None}
@@ -170,6 +171,7 @@ class CatalogDatabase:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datacache-catalog")
             self._connection = None
             self._pid = os.getpid()
+        self._runs += 1
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self._call, function)

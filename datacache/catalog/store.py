@@ -24,6 +24,7 @@ from datacache.catalog.rows import (
     entry_from_row,
     leased_shards,
     owner_alive,
+    resident_versions_of,
     write_reads,
 )
 from datacache.eviction import Candidate
@@ -52,11 +53,15 @@ _COMMIT = (
 
 @dataclass(frozen=True)
 class CatalogWrites:
-    """What this process's catalog wrote so far: write transactions, and the longest one took, waits included."""
+    """What this process's catalog wrote so far: write transactions, and the longest one took, waits included.
+
+    ``runs``: every query job, reads and writes (``runs - writes`` are its reads).
+    """
 
     writes: int
     longest_wait: float
     touches: int
+    runs: int = 0
 
 
 class Catalog(CatalogDatabase):
@@ -73,7 +78,7 @@ class Catalog(CatalogDatabase):
 
     def writes(self) -> CatalogWrites:
         """Write transactions this process made so far, the longest one's duration, and the shard reads it saw."""
-        return CatalogWrites(self._writes, self._longest_write, self._touched)
+        return CatalogWrites(self._writes, self._longest_write, self._touched, self._runs)
 
     async def close(self) -> None:
         if self._executor is not None and self._pid == os.getpid():
@@ -83,7 +88,7 @@ class Catalog(CatalogDatabase):
                 # At interpreter exit the executor refuses work; its thread is idle: write here.
                 if self._connection is not None and self._touches:
                     with contextlib.suppress(sqlite3.OperationalError), self._transaction(self._connection):
-                        self._write_touches(self._connection, self._touches)
+                        write_reads(self._connection, self._touches)
                     self._touches = {}
             except sqlite3.OperationalError as exc:
                 logger.debug("catalog %s: %d reads not recorded: %s", self._path, len(self._touches), exc)
@@ -240,7 +245,7 @@ class Catalog(CatalogDatabase):
 
         def write(c: sqlite3.Connection) -> None:
             with self._transaction(c):  # one commit for them all: alone, each UPDATE was its own
-                self._write_touches(c, pending)
+                write_reads(c, pending)
 
         try:
             await self._write(write)
@@ -248,10 +253,6 @@ class Catalog(CatalogDatabase):
             for shard, when in pending.items():
                 self._touches.setdefault(shard, when)
             raise
-
-    @staticmethod
-    def _write_touches(c: sqlite3.Connection, pending: dict[tuple[str, str], float]) -> None:
-        write_reads(c, pending)
 
     async def reserve(
         self,
@@ -283,7 +284,7 @@ class Catalog(CatalogDatabase):
 
         def write(c: sqlite3.Connection) -> list[Reservation]:
             with self._transaction(c):
-                self._write_touches(c, reads)  # this process's reads first: its eviction must see them
+                write_reads(c, reads)  # this process's reads first: its eviction must see them
                 return reserve_in(c, dataset, claims, room)
 
         try:
@@ -336,6 +337,10 @@ class Catalog(CatalogDatabase):
             return entries_of(c, dataset, keys)
 
         return await self._run(read)
+
+    async def resident_versions(self, dataset: str, keys: Sequence[str]) -> dict[str, str | None]:
+        """The version of each of ``keys`` resident, by key (one read: `resident_versions_of`)."""
+        return await self._run(lambda c: resident_versions_of(c, dataset, keys))
 
     async def remove_many(self, shards: Sequence[tuple[str, str]]) -> None:
         """`remove` each ``(dataset, key)``, in one transaction."""

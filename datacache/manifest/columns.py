@@ -39,6 +39,7 @@ _DIGEST = 16
 _ALIGN = 8
 _STRINGS = ("key", "version", "checksum")
 _CHUNK = 4 << 20
+_CHUNK_SHARDS = 4096  # decoded at a time by `ShardTable.__iter__`: lazy still, for a walk that stops early
 
 
 _DTYPES = {
@@ -177,8 +178,27 @@ class ShardTable(Sequence[Shard]):
         )
 
     def __iter__(self) -> Iterator[Shard]:
-        for i in range(self._count):
-            yield self[i]
+        # A block of whole columns to Python values at a time: a `Shard` made through `self[i]` was
+        # ~13 us, 1.4 s of each walk of 1e5 shards (a warm walks them twice).
+        for start in range(0, self._count, _CHUNK_SHARDS):
+            yield from self._block(start, min(start + _CHUNK_SHARDS, self._count))
+
+    def _block(self, start: int, stop: int) -> list[Shard]:
+        """The shards ``start:stop``, decoded column by column."""
+        strings: list[list[str | None]] = []
+        for name in _STRINGS:
+            at = self._columns[f"{name}_at"][start : stop + 1].tolist()
+            blob = self._columns[f"{name}_bytes"][at[0] : at[-1]].tobytes()
+            texts: list[str | None] = [blob[a - at[0] : b - at[0]].decode() for a, b in itertools.pairwise(at)]
+            if name != "key":
+                given = self._columns[f"{name}_set"][start:stop].tolist()
+                texts = [text if isset else None for text, isset in zip(texts, given, strict=True)]
+            strings.append(texts)
+        sizes, samples = self._columns["sizes"][start:stop].tolist(), self._columns["samples"][start:stop].tolist()
+        return [
+            Shard(key or "", size, version, checksum, None if count < 0 else count)
+            for key, size, version, checksum, count in zip(*strings[:1], sizes, *strings[1:], samples, strict=True)
+        ]
 
     def __contains__(self, shard: object) -> bool:
         position = self.position(getattr(shard, "key", ""))

@@ -123,7 +123,9 @@ async def make_room_for(local: LocalStager, handle: DatasetHandle, shards: Seque
     which of its shards the tier holds. Returns the shards and bytes evicted.
     """
     wanted = {shard.key for shard in shards}
-    if all(shard.key in wanted for shard in handle.manifest.shards):
+    table = handle.manifest.table
+    keys = table.keys()  # each key decoded from the columns, no `Shard` made
+    if len(wanted) >= len(table) and all(key in wanted for key in keys):
         return 0, 0  # the whole dataset: none of its shards was left out
     catalog = local.catalog
     used, _ = await catalog.usage()

@@ -115,6 +115,21 @@ class LocalStager:
             await self.catalog.touch_many(handle.id, list(found))
         return found
 
+    async def present(self, handle: DatasetHandle, shards: Sequence[Shard]) -> set[str]:
+        """The keys of those of ``shards`` resident at their version whose file is whole: a warm's look-up.
+
+        One catalog read for them all (`Catalog.resident_versions`), one thread job of file sizes, and
+        their reads recorded; no `Location` is made (a warm asks only whether each is there). A file
+        removed or cut short behind the catalog's back is not present: the warm stages it again.
+        """
+        versions = await self.catalog.resident_versions(handle.id, [shard.key for shard in shards])
+        candidates = [shard for shard in shards if shard.key in versions and versions[shard.key] == shard.version]
+        keys = [handle.tier_key(shard.key) for shard in candidates]
+        sizes = await asyncio.to_thread(self.tier.file_sizes, keys)
+        found = [shard.key for shard, size in zip(candidates, sizes, strict=True) if size == shard.size]
+        await self.catalog.touch_many(handle.id, found)
+        return set(found)
+
     async def resident_keys(self, handle: DatasetHandle, shards: Sequence[Shard]) -> set[str]:
         """Those of ``shards`` the catalog has resident at their version, in one read (no file is looked at).
 

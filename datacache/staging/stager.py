@@ -105,9 +105,9 @@ class Stager(StagerVerbs):
         target = self.local if tier == LOCAL else self.shared
         return target.capacity if target is not None else None
 
-    async def _found_local(self, handle: DatasetHandle, shards: Sequence[Shard]) -> dict[str, Location]:
-        """Those of ``shards`` resident on the local tier, in one catalog read (a read of each recorded)."""
-        found = await (await self._ready()).local.hits(handle, shards)
+    async def _found_local(self, handle: DatasetHandle, shards: Sequence[Shard]) -> set[str]:
+        """The keys of those of ``shards`` resident on the local tier, in one catalog read (a read of each recorded)."""
+        found = await (await self._ready()).local.present(handle, shards)
         for _ in found:
             self._events.hit(LOCAL)
         return found

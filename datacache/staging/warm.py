@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from datacache._rate import TokenBucket
@@ -23,7 +23,7 @@ from datacache.staging.events import Events
 from datacache.staging.types import PRIORITY_PREFETCH, WARMING, DatasetHandle, Location, StagingEvent, WarmReport
 
 __all__ = [
-    "FOUND_AT_ONCE", "Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"
+    "Submit", "WarmProgress", "WarmSteps", "bypass_reason", "check_fits", "displaced_for", "run_warm"
 ]
 
 Submit = Callable[[Shard, float], Awaitable[Location]]
@@ -58,13 +58,9 @@ class WarmSteps:
     """The keys of those of the shards resident on the tier now (asked once, at the end)."""
     verify: Callable[[Shard], Awaitable[bool]] | None
     why_not_kept: Callable[[], str]
-    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None = None
-    """Where those of the shards already on the tier are, asked for many at once before any is submitted
-    (`LocalStager.hits`): a resident shard then costs a share of one catalog read, not a task of its own."""
-
-
-FOUND_AT_ONCE = 8192
-"""Shards looked up in one `WarmSteps.found` call (progress is heard after each)."""
+    found: Callable[[Sequence[Shard]], Awaitable[set[str]]] | None = None
+    """The keys of those of the shards already on the tier, asked for all at once before any is submitted
+    (`LocalStager.present`): a resident shard then costs a share of one catalog read, not a task of its own."""
 
 
 class _Tally:
@@ -114,17 +110,9 @@ async def run_warm(
         staged = iter(await _stage(rest, steps.submit, bandwidth, finished))
     finally:
         events.remove_listener(tally)
-    failures: list[tuple[str, str]] = []
-    placed: list[Shard] = []
-    for shard in shards:
-        outcome = found[shard.key] if shard.key in found else next(staged)
-        if isinstance(outcome, BaseException):
-            failures.append((shard.key, str(outcome) or type(outcome).__name__))
-        elif outcome.tier == tier:
-            placed.append(shard)
-        else:
-            reason = tally.bypassed.get(shard.key) or steps.why_not_kept()
-            failures.append((shard.key, f"not kept on the {tier} tier: {reason}"))
+    placed, failures = _sorted_out(
+        shards, found, staged, tier, lambda key: tally.bypassed.get(key) or steps.why_not_kept()
+    )
     resident = resident_bytes = 0
     # Honest to the end: a shard staged early (or found) may have been evicted since, by a later one.
     # A warm that found every shard resident moved nothing and evicted nothing: no second read.
@@ -150,20 +138,38 @@ async def run_warm(
     )
 
 
+def _sorted_out(
+    shards: Sequence[Shard],
+    found: set[str],
+    staged: Iterator[Location | BaseException],
+    tier: str,
+    why_not_kept: Callable[[str], str],
+) -> tuple[list[Shard], list[tuple[str, str]]]:
+    """The shards found or placed on ``tier``, and each other's (key, why not): ``staged`` holds the
+    outcomes of those not ``found``, in order."""
+    placed: list[Shard] = []
+    failures: list[tuple[str, str]] = []
+    for shard in shards:
+        outcome = None if shard.key in found else next(staged)
+        if outcome is None or (not isinstance(outcome, BaseException) and outcome.tier == tier):
+            placed.append(shard)
+        elif isinstance(outcome, BaseException):
+            failures.append((shard.key, str(outcome) or type(outcome).__name__))
+        else:
+            failures.append((shard.key, f"not kept on the {tier} tier: {why_not_kept(shard.key)}"))
+    return placed, failures
+
+
 async def _found(
     shards: Sequence[Shard],
-    found: Callable[[Sequence[Shard]], Awaitable[dict[str, Location]]] | None,
+    found: Callable[[Sequence[Shard]], Awaitable[set[str]]] | None,
     finished: Callable[[Sequence[Shard], asyncio.Future[Location] | None], None],
-) -> dict[str, Location]:
-    """The shards already on the tier, `FOUND_AT_ONCE` a look-up; progress heard after each."""
+) -> set[str]:
+    """The keys of the shards already on the tier, in one look-up (one catalog read); progress heard once."""
     if found is None:
-        return {}
-    located: dict[str, Location] = {}
-    for start in range(0, len(shards), FOUND_AT_ONCE):
-        chunk = shards[start : start + FOUND_AT_ONCE]
-        now = await found(chunk)
-        located.update(now)
-        finished([shard for shard in chunk if shard.key in now], None)
+        return set()
+    located = await found(shards)
+    finished([shard for shard in shards if shard.key in located], None)
     return located
 
 
