@@ -105,12 +105,8 @@ class DaemonClient:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["settings"],
-            client_name=state["client_name"],
-            connect_timeout=state["connect_timeout"],
-            request_timeout=state["request_timeout"],
-        )
+        settings = state.pop("settings")
+        self.__init__(settings, **state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"DaemonClient(socket={str(self.socket_path)!r})"
