@@ -295,9 +295,6 @@ class OutageAccess:
     def mode(self) -> str:
         return OUTAGE_MODE
 
-    def mode_of(self, dataset_id: str) -> str:
-        return OUTAGE_MODE
-
     # -- the daemon's resident copies -----------------------------------------------------
 
     async def _resident(self, handle: DatasetHandle, key: str) -> Location | None:

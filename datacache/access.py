@@ -55,10 +55,6 @@ class ShardAccess(Protocol):
         """``"embedded"``, ``"daemon"``, or ``"embedded (daemon unavailable)"`` during a failover."""
         ...
 
-    def mode_of(self, dataset_id: str) -> str:
-        """`mode` for one dataset, asked again each time: a daemon's client may read some datasets itself."""
-        ...
-
     async def open(self, dataset: DatasetConfig | str, *, refresh: bool = False) -> DatasetHandle:
         """The dataset's handle, with the manifest snapshot to read."""
         ...

@@ -25,7 +25,7 @@ from datacache.loaders.shardfiles import ShardUnits, UnitPlan, UnitReader
 from datacache.tiers import redact_url
 
 from datacache._sync import LoopThread
-from datacache.access import ShardAccess
+from datacache.access import FailoverAccess, ShardAccess
 from datacache.catalog import process_owner
 from datacache.config import Settings
 from datacache.counting.spantable import SpanTable
@@ -280,12 +280,17 @@ class Runtime:
         self.url = redact_url(self.handle.config.url).rstrip("/")
         self.owner = process_owner()
         self.unit_bytes = self.handle.manifest.total_bytes / max(1, len(self.units.units))
+        # Only a daemon's client changes mode (to its fallback and back): any other access is asked once.
+        self._mode = None if isinstance(self.access, FailoverAccess) else self.access.mode
         self._event_loop = self.loop.loop  # this process's: a Runtime is never pickled, and `pid` is checked
 
     @property
     def mode(self) -> str:
         """How this process reaches the cache, as the stats say it (`ShardAccess.mode`)."""
-        return self.access.mode_of(self.handle.id)
+        if self._mode is not None:
+            return self._mode
+        access = self.access
+        return access.mode_of(self.handle.id) if isinstance(access, FailoverAccess) else access.mode
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on this process's event loop (`_sync.LoopThread`) and return its result."""

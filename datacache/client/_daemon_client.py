@@ -116,9 +116,6 @@ class DaemonClient:
         """The daemon answers this client's requests."""
         return "daemon"
 
-    def mode_of(self, dataset_id: str) -> str:
-        return "daemon"
-
     # -- transport ------------------------------------------------------------------------
 
     def _http(self) -> aiohttp.ClientSession:

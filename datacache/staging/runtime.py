@@ -135,9 +135,6 @@ class StagerRuntime:
         """This stager runs in the reader's own process."""
         return "embedded"
 
-    def mode_of(self, dataset_id: str) -> str:
-        return "embedded"
-
     # -- listeners and stats --------------------------------------------------------------
 
     def add_listener(self, listener: Listener) -> None:
