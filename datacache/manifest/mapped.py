@@ -95,7 +95,8 @@ def _mapped(fd: int, place: Place, trusted: frozenset[int], limit: int) -> Manif
     if not stat_module.S_ISREG(st.st_mode):
         raise ConfigError("not a regular file")
     if st.st_uid not in trusted:
-        raise _Untrusted("not a file of this user, root or the daemon" if len(trusted) > 1 else "not this user's own")
+        whose = "this user, root or the daemon" if len(trusted) > 1 else "this user (only its own listing is taken)"
+        raise _Untrusted(f"not a file of {whose}")
     if st.st_mode & (stat_module.S_IWGRP | stat_module.S_IWOTH):
         raise ConfigError(f"writable by others (mode {stat_module.S_IMODE(st.st_mode):o})")
     if st.st_size > limit:
