@@ -20,13 +20,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from datacache.errors import ConfigError, close_match
+from datacache.errors import ConfigError, GlobURLError, close_match
 from datacache.eviction import POLICIES
 from datacache.format_registry import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
 from datacache.ownership import Readers, check_not_writable_by_others, parse_readers
 from datacache.sizes import parse_bandwidth, parse_size, unit_hint
-from datacache.tiers import RetryPolicy, redact_url, split_scheme
+from datacache.tiers import RetryPolicy, glob_hint, redact_url, split_scheme
 
 __all__ = [
     "POLICIES",
@@ -478,6 +478,10 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
     else:
         scheme, _ = split_scheme(spec)
         looks_like_path = "://" in spec or spec.startswith(("/", ".", "~")) or os.path.exists(spec)
+        glob = glob_hint(spec)
+        if glob is not None and not looks_like_path:
+            # A trial's `warm 'dir/*.tar'` of a relative path was told "unknown dataset", not what to write.
+            raise GlobURLError(glob)
         if not looks_like_path:
             known = ", ".join(sorted(settings.datasets)) or "none configured"
             raise ConfigError(

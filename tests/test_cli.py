@@ -453,6 +453,11 @@ def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str],
     assert "is empty" not in line
     # A new user's trial: "dataset tar-a873c5b6d9ab2d86: ..." named a dataset the user never named.
     assert line.startswith(f"datacache: error: {origin}/*.tar: "), line
+    assert result.returncode == 2
+    # A relative path (quoted, so the shell leaves the glob alone) was "unknown dataset", with no hint.
+    relative = run_cli(["warm", "no-such-dir/*.tar"], env)
+    assert relative.returncode == 2
+    assert one_error_line(relative).startswith("datacache: error: no-such-dir/*.tar: a glob"), relative.stderr
     assert_nothing_written(tmp_path)
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "check_scheme",
     "check_scheme_case",
     "device_free",
+    "glob_hint",
     "known_schemes",
     "open_origin",
     "redact_url",
@@ -126,7 +127,19 @@ def check_scheme(url: str) -> None:
     hint = f"did you mean {close}://? " if close else ""
     raise UnsupportedURLError(
         f"unsupported URL scheme {scheme!r} in {redact_url(url)!r} "
-        f"({hint}supported: {', '.join(s + '://' for s in known_schemes())}, or a local path)"
+        f"({hint}supported: {', '.join(s + '://' for s in known_schemes())}, another protocol fsspec has, "
+        "or a local path)"
+    )
+
+
+def glob_hint(url: str) -> str | None:
+    """What to write instead of a glob (``*.tar``), which names nothing here; None for other URLs."""
+    parent, _, last = url.rstrip("/").rpartition("/")
+    if not any(char in last for char in "*?["):
+        return None
+    return (
+        f"{redact_url(url)}: a glob ('*', '?', '[') is not a pattern here; give the directory "
+        f"({redact_url(parent)}/) or a brace pattern naming the shards (shard-{{0000..0099}}.tar)"
     )
 
 

@@ -21,6 +21,7 @@ from datacache.tiers import (
     ListingTooLargeError,
     ObjectInfo,
     Tier,
+    glob_hint,
     redact_url,
     split_scheme,
     validate_key,
@@ -125,18 +126,6 @@ def _named(dataset: DatasetConfig) -> str:
     return f"dataset {dataset.name}: " if dataset.name != dataset.id else ""
 
 
-def _glob_hint(url: str) -> str | None:
-    """What to write instead of a glob (``*.tar``), which names nothing here; None for other URLs."""
-    parent, _, last = url.rstrip("/").rpartition("/")
-    if not any(char in last for char in "*?["):
-        return None
-    shown = redact_url(url)
-    return (
-        f"{shown}: a glob ('*', '?', '[') is not a pattern here; give the directory ({redact_url(parent)}/) "
-        "or a brace pattern naming the shards (shard-{0000..0099}.tar)"
-    )
-
-
 def _what_is_left_out(dataset: DatasetConfig, url: str, fmt: SampleFormat, infos: list[ObjectInfo]) -> list[str]:
     """What to say when a prefix holds the files of other formats too and only the detected one's are read.
 
@@ -188,7 +177,7 @@ def missing_local_path(url: str) -> ShardNotFoundError | None:
 
 def _nothing_listed(dataset: DatasetConfig, origin: Tier) -> ShardNotFoundError:
     """The error for an origin that lists no object, with a hint when the URL is a glob."""
-    glob = _glob_hint(dataset.url)
+    glob = glob_hint(dataset.url)
     if glob is not None:
         return GlobURLError(f"{_named(dataset)}{glob}")
     missing = missing_local_path(dataset.url)
@@ -283,7 +272,7 @@ async def _take_manifest(dataset: DatasetConfig, origin: Tier, parent: Tier | No
     try:
         infos = [info async for info in origin.list()]
     except (OriginError, ShardNotFoundError):
-        glob = _glob_hint(dataset.url)
+        glob = glob_hint(dataset.url)
         if glob is None:
             raise
         # A glob names nothing here whatever the origin says: a trial was told "no credentials
