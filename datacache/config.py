@@ -478,11 +478,9 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
     else:
         scheme, _ = split_scheme(spec)
         looks_like_path = "://" in spec or spec.startswith(("/", ".", "~")) or os.path.exists(spec)
-        glob = glob_hint(spec)
-        if glob is not None and not looks_like_path:
-            # A trial's `warm 'dir/*.tar'` of a relative path was told "unknown dataset", not what to write.
-            raise GlobURLError(glob)
         if not looks_like_path:
+            if glob_hint(spec):  # a trial's relative 'dir/*.tar' was told "unknown dataset", not what to write
+                raise GlobURLError(glob_hint(spec))
             known = ", ".join(sorted(settings.datasets)) or "none configured"
             raise ConfigError(
                 f"unknown dataset {spec!r}: not a URL, not an existing path, "
@@ -494,10 +492,7 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
             url = str(Path(os.path.expanduser(spec)).absolute())
         options = dict(settings.storage_options.get(scheme, {}))
         dataset = DatasetConfig(
-            name=dataset_id_for(url, options),
-            url=url,
-            storage_options=options,
-            policy=settings.default_policy,
+            name=dataset_id_for(url, options), url=url, storage_options=options, policy=settings.default_policy
         )
     if policy is not None:
         dataset = replace(dataset, policy=_policy(policy, "--policy"))

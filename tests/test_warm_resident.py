@@ -8,6 +8,8 @@ or cut short behind the catalog's back is still found and staged again.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from _helpers import fill_dir, with_stager
@@ -68,3 +70,26 @@ def test_a_resident_file_removed_or_cut_short_behind_the_catalog_is_staged_again
     data = next((tmp_path / "local" / "data").iterdir())
     assert (data / "000007.bin").read_bytes() == (7).to_bytes(8, "big")
     assert (data / "000031.bin").read_bytes() == (31).to_bytes(8, "big")
+
+
+_FOLDERS = r"""
+import resource, sys
+from pathlib import Path
+from datacache.tiers import LocalTier
+root = Path(sys.argv[1])
+keys = [f"part-{index:04d}/shard.bin" for index in range(600)]
+for index, key in enumerate(keys):
+    (root / "data" / key).parent.mkdir(parents=True)
+    (root / "data" / key).write_bytes(b"x" * (index + 1))
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+sizes = LocalTier(root).file_sizes([*keys, "part-0000/absent.bin"])
+print(sizes == [*range(1, 601), -1])
+"""
+
+
+def test_resident_sizes_of_a_dataset_laid_out_a_folder_a_shard_stay_within_the_open_file_limit(tmp_path: Path) -> None:
+    """The look-up kept each folder it walked open to its end: 600 folders under a limit of 256 failed (EMFILE)."""
+    argv = [sys.executable, "-c", _FOLDERS, str(tmp_path / "tier")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"

@@ -117,25 +117,31 @@ class LocalTier(DirectoryTier):
         keys, without following a link, and each file is looked at from it; no `Place` nor path is
         made a key (they were ~2 s of a warm of 1e5 resident shards).
         """
-        found: list[int] = []
-        parents: dict[str, int | None] = {}
+        found = [-1] * len(keys)
+        # One folder open at a time, the keys taken folder by folder: a dataset laid out a folder a
+        # shard would otherwise hold one descriptor per folder open at once, past the open-file limit.
+        order = sorted(range(len(keys)), key=lambda index: keys[index].rpartition("/")[0])
+        folder: str | None = None
+        parent: int | None = None
         try:
-            for key in keys:
+            for index in order:
+                key = keys[index]
                 validate_key(key)
-                folder, _, name = key.rpartition("/")
-                if folder not in parents:
-                    parents[folder] = None  # closed in the end even if the walk fails
+                here, _, name = key.rpartition("/")
+                if here != folder:
+                    if parent is not None:
+                        os.close(parent)
+                    folder, parent = here, None
                     try:
-                        parents[folder] = self._data_place(key).open_parent()
+                        parent = self._data_place(key).open_parent()
                     except (FileNotFoundError, NotADirectoryError):
                         pass
                     except UnsafeFileError as exc:
                         raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
-                found.append(size_in(parents[folder], name))
+                found[index] = size_in(parent, name)
         finally:
-            for fd in parents.values():
-                if fd is not None:
-                    os.close(fd)
+            if parent is not None:
+                os.close(parent)
         return found
 
     async def land(self, key: str, size: int) -> Landing | None:
