@@ -31,7 +31,7 @@ from datacache.tiers._dirfd import (
     map_open_file,
     read_bounded_stat,
     server_now,
-    size_in,
+    sizes_by_folder,
 )
 from datacache.tiers._files import (
     PARTIAL_NAME,
@@ -160,32 +160,21 @@ class DirectoryTier(Tier):
         return self._contained(self._data, key)
 
     def sizes(self, keys: Sequence[str]) -> list[tuple[Path, int]]:
-        """Each key's path (as `path` says it) and its file's size, -1 if no regular file is there.
+        """Each key's path (as `path` says it) and its file's size, -1 if no regular file is there (blocking)."""
+        sizes, paths = self._sized(keys, paths=True)
+        return list(zip(paths, sizes, strict=True))
 
-        Blocking. Each directory on the way is walked once for all its keys, without following
-        a link, and each file is looked at from it: `path` then ``lstat`` walked it per key
-        (~0.1 ms each, most of a warm of 1e5 resident shards).
-        """
-        found: list[tuple[Path, int]] = []
-        parents: dict[tuple[str, ...], tuple[int | None, Path]] = {}
+    def file_sizes(self, keys: Sequence[str]) -> list[int]:
+        """`sizes` without the paths: what a warm of resident shards asks (a path a key was ~2 s of 1e5)."""
+        return self._sized(keys, paths=False)[0]
+
+    def _sized(self, keys: Sequence[str], *, paths: bool) -> tuple[list[int], list[Path]]:
+        for key in keys:
+            validate_key(key)
         try:
-            for key in keys:
-                place = self._data_place(key)
-                if place.parts not in parents:
-                    try:
-                        fd: int | None = place.open_parent()
-                    except (FileNotFoundError, NotADirectoryError):
-                        fd = None
-                    except UnsafeFileError as exc:
-                        raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
-                    parents[place.parts] = fd, place.path.parent  # `Place.path` once a directory, not per key
-                parent, folder = parents[place.parts]
-                found.append((folder / place.name, size_in(parent, place.name)))
-        finally:
-            for opened, _ in parents.values():
-                if opened is not None:
-                    os.close(opened)
-        return found
+            return sizes_by_folder(keys, self._data_place, self._root, paths=paths)
+        except UnsafeFileError as exc:
+            raise InvalidKeyError(f"invalid key: {exc}") from None
 
     def _meta_path(self, key: str) -> Path:
         return self._contained(self._meta, key, ".json")

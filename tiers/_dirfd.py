@@ -26,7 +26,7 @@ import stat as stat_module
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -50,6 +50,7 @@ __all__ = [
     "read_bounded_stat_at",
     "server_now",
     "size_in",
+    "sizes_by_folder",
 ]
 
 T = TypeVar("T")
@@ -411,3 +412,36 @@ def size_in(parent: int | None, name: str) -> int:
     except (FileNotFoundError, NotADirectoryError):
         return -1
     return info.st_size if stat_module.S_ISREG(info.st_mode) else -1
+
+
+def sizes_by_folder(
+    keys: Sequence[str], place_of: Callable[[str], Place], root: Path, *, paths: bool
+) -> tuple[list[int], list[Path]]:
+    """Each key's file size, -1 if no regular file is there (and its path, if ``paths``), blocking.
+
+    The keys are taken folder by folder: each directory on the way is walked once for its keys,
+    without following a link (`Place.open_parent`), and each file is looked at from it (a path and
+    an ``lstat`` a key were ~0.1 ms each). One folder is open at a time: a dataset laid out a folder
+    a shard held them all open, past the open-file limit.
+    """
+    sizes, where = [-1] * len(keys), [root] * len(keys) if paths else []
+    folder: str | None = None
+    parent: int | None = None
+    base = root
+    try:
+        for index in sorted(range(len(keys)), key=lambda index: keys[index].rpartition("/")[0]):
+            here, _, name = keys[index].rpartition("/")
+            if here != folder:
+                if parent is not None:
+                    os.close(parent)
+                folder, parent, place = here, None, place_of(keys[index])
+                base = place.path.parent if paths else base  # `Place.path` once a directory, not per key
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    parent = place.open_parent()
+            sizes[index] = size_in(parent, name)
+            if paths:
+                where[index] = base / name
+    finally:
+        if parent is not None:
+            os.close(parent)
+    return sizes, where

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from datacache.tiers._directory import DirectoryTier
-from datacache.tiers._dirfd import UnsafeFileError, size_in
+from datacache.tiers._dirfd import UnsafeFileError
 from datacache.tiers._landing import Landing, open_landing
-from datacache.tiers.base import ObjectInfo, validate_key
+from datacache.tiers.base import ObjectInfo
 
 from datacache.errors import InvalidKeyError
 
@@ -109,40 +109,6 @@ class LocalTier(DirectoryTier):
         self.file_mode = modes.file
         # The daemon's group reads its files: only those of datasets declared shared with it.
         self.private_file_mode = PRIVATE.file if modes.file != PRIVATE.file else None
-
-    def file_sizes(self, keys: Sequence[str]) -> list[int]:
-        """Each key's file size, -1 if no regular file is there: `sizes` without the paths (blocking).
-
-        What a warm of resident shards asks. Each directory on the way is walked once for all its
-        keys, without following a link, and each file is looked at from it; no `Place` nor path is
-        made a key (they were ~2 s of a warm of 1e5 resident shards).
-        """
-        found = [-1] * len(keys)
-        # One folder open at a time, the keys taken folder by folder: a dataset laid out a folder a
-        # shard would otherwise hold one descriptor per folder open at once, past the open-file limit.
-        order = sorted(range(len(keys)), key=lambda index: keys[index].rpartition("/")[0])
-        folder: str | None = None
-        parent: int | None = None
-        try:
-            for index in order:
-                key = keys[index]
-                validate_key(key)
-                here, _, name = key.rpartition("/")
-                if here != folder:
-                    if parent is not None:
-                        os.close(parent)
-                    folder, parent = here, None
-                    try:
-                        parent = self._data_place(key).open_parent()
-                    except (FileNotFoundError, NotADirectoryError):
-                        pass
-                    except UnsafeFileError as exc:
-                        raise InvalidKeyError(f"invalid key {key!r}: {exc}") from None
-                found[index] = size_in(parent, name)
-        finally:
-            if parent is not None:
-                os.close(parent)
-        return found
 
     async def land(self, key: str, size: int) -> Landing | None:
         """``key``'s temporary file of ``size`` bytes, allocated and mapped for writing (see `Landing`)."""
