@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from datacache.tiers.base import Tier
 from datacache.tiers.testing import TierTests, keys_of, put
 
@@ -23,7 +24,8 @@ class LandingTests(TierTests):
 
         async def body() -> None:
             landing = await tier.land("ds/landed.tar", len(data))
-            assert landing is not None, f"{type(tier).__name__} lands objects"
+            if landing is None:
+                pytest.fail(f"{type(tier).__name__} lands objects, yet land() gave None")
             landing.buffer[: len(data)] = data
             assert await tier.stat("ds/landed.tar") is None, "nothing is visible before it is put"
             info = await tier.put_landed("ds/landed.tar", landing, metadata={"checksum": "xxh3_64:2"})
