@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -39,6 +41,19 @@ def _plan(manifest: Manifest, settings: Settings) -> UnitPlan:
     return asyncio.run(get_format("parquet").plan(context, wait=True))
 
 
+T = TypeVar("T")
+
+
+def _traced(make: Callable[[], T]) -> tuple[T, int]:
+    """What ``make`` returns, and the peak of memory traced while it ran."""
+    tracemalloc.start()
+    try:
+        made = make()
+        return made, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def _write(path: Path, plan: UnitPlan) -> None:
     path.write_bytes(b"".join(encode_plan(plan)))
 
@@ -46,12 +61,7 @@ def _write(path: Path, plan: UnitPlan) -> None:
 def test_a_plan_of_shards_with_known_counts_makes_no_unit_per_shard(settings: Settings) -> None:
     manifest = _manifest(SHARDS)
     manifest.table.samples  # noqa: B018 (the manifest's own columns, not the plan's)
-    tracemalloc.start()
-    try:
-        plan = _plan(manifest, settings)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    plan, peak = _traced(lambda: _plan(manifest, settings))
     assert complete(plan) and plan.total == SHARDS * 1000 and len(plan.units) == SHARDS
     assert plan.units[7] == Unit(("part-0000007.parquet",), 1000, "part-0000007.parquet")
     assert plan.units[-1].keys == ("part-0199999.parquet",)
@@ -65,12 +75,7 @@ def test_a_saved_plan_is_read_back_mapped_and_equal(tmp_path: Path, settings: Se
     path = tmp_path / "plan.json"
     _write(path, plan)
     assert path.stat().st_size < 8 * SHARDS + 200, "the counts, a header and a digest: no keys"
-    tracemalloc.start()
-    try:
-        again = read_plan(path, manifest)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    again, peak = _traced(lambda: read_plan(path, manifest))
     assert again is not None and peak < 2 * SHARDS, f"{peak / SHARDS:.1f} bytes a shard: mapped, not copied"
     assert np.array_equal(again.counts, plan.counts) and again.units[12345] == plan.units[12345]
     assert list(again.units[:3]) == list(plan.units[:3]) and again.unreadable == {}
