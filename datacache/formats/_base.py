@@ -128,6 +128,12 @@ class UnitPlan:
             return int(self.units.counts.sum())
         return sum(unit.count for unit in self.units)
 
+    def with_counts(self, counts: Sequence[int] | npt.NDArray[np.int64]) -> tuple[Unit, ...] | ShardUnits:
+        """These units with ``counts`` as their sample counts, in the same form (columns stay columns)."""
+        if isinstance(self.units, ShardUnits):
+            return ShardUnits(self.units.shards, np.asarray(counts, dtype=np.int64))
+        return tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self.units, counts, strict=True))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "units": [[list(u.keys), u.count, u.label] for u in self.units],

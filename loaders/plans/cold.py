@@ -21,7 +21,6 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,7 +35,7 @@ from datacache.loaders.order.cold import (
 from datacache.loaders.order.layout import Layout, worker_count, worker_spots
 from datacache.loaders.plans.counts import complete, read_plan
 from datacache.loaders.plans.indexed import Segmented
-from datacache.loaders.shardfiles import ShardUnits, Unit, UnitPlan
+from datacache.loaders.shardfiles import UnitPlan
 
 from datacache._sync import LoopThread
 from datacache.access import ShardAccess
@@ -209,11 +208,7 @@ class CountBook:
 
     def completed_plan(self) -> UnitPlan:
         counts = self.wait_complete()
-        units: Sequence[Unit]
-        if isinstance(self._plan.units, ShardUnits):
-            units = ShardUnits(self._plan.units.shards, counts)
-        else:
-            units = tuple(Unit(u.keys, int(n), u.label) for u, n in zip(self._plan.units, counts, strict=True))
+        units = self._plan.with_counts(counts)
         return UnitPlan(units, self._plan.extra, {**self._plan.unreadable, **self.unreadable})
 
 

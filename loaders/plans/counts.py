@@ -58,9 +58,8 @@ async def _build(access: ShardAccess, handle: DatasetHandle, settings: Settings,
 
 def complete(plan: UnitPlan) -> bool:
     """Whether every unit's sample count is known (a cold epoch starts without some)."""
-    if isinstance(plan.units, ShardUnits):
-        return not len(plan.units) or int(plan.units.counts.min()) >= 0
-    return all(unit.count >= 0 for unit in plan.units)
+    counts = plan.counts
+    return not len(counts) or int(counts.min()) >= 0
 
 
 def _digest(header: bytes, counts: bytes | memoryview) -> bytes:
