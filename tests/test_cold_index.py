@@ -387,3 +387,41 @@ def test_a_shard_evicted_between_its_location_and_its_count_is_counted_from_the_
             return await book._count_staged(handle.manifest.shard("train-0001.tar"), "here")
 
     assert asyncio.run(count()) == 10
+
+
+def test_the_cluster_indexs_counts_are_matched_to_the_manifest_in_one_pass_not_a_search_a_key(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second node takes every count from the cluster index: 2e4 binary searches there were 2 s of its start."""
+    from datacache.manifest.columns import ShardTable
+
+    origin = tmp_path / "origin"
+    write_wds(origin, samples=300, per_shard=1)
+    truth = counts_on_disk(origin)
+    write_wids(origin, truth)
+    build_counts(settings, str(origin))  # the first node: the wids index's counts kept in the cluster index
+    (origin / "train.json").unlink()  # so the second can only take them from there
+
+    searches = 0
+    search = ShardTable.position
+
+    def counted(self: ShardTable, key: str) -> int | None:
+        nonlocal searches
+        searches += 1
+        return search(self, key)
+
+    monkeypatch.setattr(ShardTable, "position", counted)
+    found, report = build_counts(settings, str(origin))
+    assert report.scanned == 0
+    assert {key: count.samples for key, count in found.items()} == truth
+    assert searches < len(truth) // 4, f"{searches} binary searches for {len(truth)} counts"
+
+
+def test_positions_of_many_keys_or_few_agree_with_one_search_each() -> None:
+    from datacache.manifest import Shard
+    from datacache.manifest.columns import ShardTable
+
+    table = ShardTable.from_shards(Shard(f"k/{i:04d}.tar", i + 1) for i in range(0, 2000, 2))
+    for keys in (["k/0004.tar", "nope", "k/0001.tar", "k/1998.tar"], [f"k/{i:04d}.tar" for i in range(2001)]):
+        expected = [-1 if (at := table.position(key)) is None else at for key in keys]
+        assert table.positions(keys).tolist() == expected

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from datacache.config import Settings
 from datacache.counting.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
 from datacache.counting.sidecars import KnownCount, read_sidecar_counts, wids_index
@@ -168,20 +170,26 @@ class ClusterIndex:
             except (OSError, ShardReadError, UnsafeFileError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            found.update(self._backed(counts, path))
+            found.update(self._backed(counts, path)[0])
         return found
 
-    def _backed(self, counts: Mapping[str, KnownCount], path: Path) -> dict[str, KnownCount]:
-        """The counts of this snapshot's shards that their bytes can back (the manifest's rule, `max_samples`).
+    def _backed(self, counts: Mapping[str, KnownCount], path: Path) -> tuple[dict[str, KnownCount], int]:
+        """The counts of this snapshot's shards that their bytes can back (the manifest's rule, `max_samples`),
+        and how many of ``counts`` are this snapshot's shards.
 
         A count above it (3,000,000 samples in a 40 KB tar) is dropped with a warning: the
         shard is counted again rather than planned for samples it cannot hold.
         """
+        keys = list(counts)
+        table = self.manifest.table
+        positions = table.positions(keys)
+        ours = positions >= 0
+        sizes = np.where(ours, table.sizes[np.where(ours, positions, 0)], 0).tolist()
         backed: dict[str, KnownCount] = {}
-        for key, count in counts.items():
-            if key not in self.manifest:
+        for key, mine, size in zip(keys, ours.tolist(), sizes, strict=True):
+            if not mine:
                 continue
-            size = self.manifest.shard(key).size
+            count = counts[key]
             bound = max_samples(self.manifest.format, size)
             if bound is not None and count.samples > bound:
                 logger.warning(
@@ -194,7 +202,7 @@ class ClusterIndex:
                 )
                 continue
             backed[key] = count
-        return backed
+        return backed, int(ours.sum())
 
     async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
         encoded = encode_batch(counts)
@@ -389,8 +397,8 @@ class ClusterIndex:
         except (OSError, ShardReadError, UnsafeFileError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        backed = self._backed(counts, path)
-        if len(backed) < sum(1 for key in counts if key in self.manifest):
+        backed, ours = self._backed(counts, path)
+        if len(backed) < ours:
             return None  # a count its bytes cannot back: the batch is counted again
         return backed
 

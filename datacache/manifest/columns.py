@@ -144,6 +144,19 @@ class ShardTable(Sequence[Shard]):
             return int(order[found])
         return None
 
+    def positions(self, keys: Sequence[str]) -> npt.NDArray[np.int64]:
+        """The index of each shard of ``keys``, -1 for a key not in the table.
+
+        Many keys (a cluster index's batch of counts: every shard) cost one decode of the key
+        column, not a binary search each (~50 us a key: 2e4 keys were a second node's 2 s).
+        """
+        if len(keys) * 16 < self._count:
+            return np.fromiter(
+                (-1 if (at := self.position(key)) is None else at for key in keys), dtype=np.int64, count=len(keys)
+            )
+        index = dict(zip(self.keys(), range(self._count), strict=True))
+        return np.fromiter((index.get(key, -1) for key in keys), dtype=np.int64, count=len(keys))
+
     def _key_bytes(self, index: Any) -> bytes:
         at = self._columns["key_at"]
         return self._columns["key_bytes"][int(at[index]) : int(at[index + 1])].tobytes()
