@@ -425,3 +425,34 @@ def test_each_sources_node_future_is_every_readers_units_of_it(
             assert set(SourcePlan(now, offset, units).unit_sequence) <= set(sequence[: future.split])
             assert set(SourcePlan(following, offset, units).unit_sequence) <= set(sequence[future.split :])
             assert all(0 <= unit < units for unit in sequence)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_samples_url_names_its_own_sources_shard(
+    three: dict[str, list[str]], tmp_path: Path, settings: Settings, shuffle: bool
+) -> None:
+    """The three sources' shards have the same names (shard-0000.tar, ...): only the source tells them apart."""
+    seen = Counter()
+    for sample in mix(tmp_path, settings, shuffle=shuffle):
+        source = sample["__key__"][0]
+        assert sample["__url__"].startswith(f"{tmp_path / source}/shard-"), (sample["__key__"], sample["__url__"])
+        seen[source] += 1
+    assert set(seen) == set("abc")
+
+
+def test_a_mix_of_parquet_sources_reads_each_sources_rows(tmp_path: Path, settings: Settings) -> None:
+    """A Parquet plan is columnar (no lasting `Unit` objects): a mix once looked its units up by their ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        for part in range(3):
+            values = [f"{name}{part}-{i}" for i in range(50)]
+            pq.write_table(pa.table({"x": values}), tmp_path / name / f"part-{part}.parquet")
+            rows.update(dict.fromkeys(values, name))
+    sources = [f"{tmp_path / name}/" for name in "ab"]
+    got = [s["x"] for s in CachedIterableDataset(sources, config=settings, seed=5, shuffle=True, weights=[0.5, 0.5])]
+    assert len(got) == len(set(got)) == len(rows)
+    assert Counter(rows[x] for x in got) == {"a": 150, "b": 150}

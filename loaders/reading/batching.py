@@ -168,7 +168,7 @@ class BatchBuilder:
                     raise
                 return False
             nbytes = sample_bytes(read) if tally is not None else 0
-            sample = self.decode(read, reader)
+            sample = self.decode(read, reader, position)
             if sample is SKIPPED:
                 return False
             decoded.append(sample)
@@ -208,12 +208,12 @@ class BatchBuilder:
             return record_batch, record_batch.nbytes, len(decoded)
         return torch.utils.data.default_collate(decoded), sum(map(_payload_bytes, decoded)), len(decoded)
 
-    def decode(self, sample: dict[str, Any], reader: UnitReader) -> Any:
-        """Apply the dataset's decoder and transform to one sample read from ``reader``.
+    def decode(self, sample: dict[str, Any], reader: UnitReader, position: int) -> Any:
+        """Apply the dataset's decoder and transform to one sample read from ``reader`` at ``position``.
 
         Returns `SKIPPED` for a sample either failed on when bad samples are skipped.
         """
-        name_sample(sample, reader, self._units.url_of(reader))
+        name_sample(sample, reader, self._units.url_at(position))
         if self.raw:
             return sample
         started = time.perf_counter()

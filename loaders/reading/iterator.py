@@ -279,7 +279,7 @@ class EpochIterator:
                 continue
             nbytes = sample_bytes(sample)
             self._units.release_after(position, None)
-            decoded = self._builder.decode(sample, reader)
+            decoded = self._builder.decode(sample, reader, position)
             if decoded is SKIPPED:
                 self._row[Counter.SKIPPED_SAMPLES] += 1
                 continue

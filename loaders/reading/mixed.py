@@ -104,12 +104,10 @@ class MixedUnitReaders:
         self._offsets = mix.unit_offsets
         self._tallied: dict[int, int] = {}
         self.parts: list[UnitReaders] = []
-        self._url_of_unit: dict[int, str] = {}
         for source, part in enumerate(mix.parts):
             view = SourcePlan(epoch, int(self._offsets[source]), len(part.units.units))
             readers = UnitReaders(part, view, opening, futures[source] if futures is not None else None)
             self.parts.append(readers)
-            self._url_of_unit.update((id(unit), readers.url) for unit in part.units.units)
 
     @property
     def skipped_why(self) -> dict[int, str]:
@@ -178,5 +176,7 @@ class MixedUnitReaders:
         source = int(np.searchsorted(self._offsets, unit, side="right") - 1)
         return self.parts[source].skip_damaged(unit - int(self._offsets[source]), error)
 
-    def url_of(self, reader: UnitReader) -> str:
-        return self._url_of_unit[id(reader.unit)]
+    def url_at(self, position: int) -> str:
+        # By the source the position reads, not by the reader's `Unit`: a columnar plan makes a
+        # `Unit` each time one is asked for, so no object of it lasts to be looked up by.
+        return self.parts[int(self.source_at[position])].url

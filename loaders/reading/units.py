@@ -195,8 +195,8 @@ class UnitReaders:
     def _plan_keys(self) -> list[tuple[str, ...]]:
         return [self._plan.units[u].keys for u in self._epoch.unit_sequence]
 
-    def url_of(self, reader: UnitReader) -> str:
-        """The URL (credentials redacted) ``reader``'s shard keys are relative to."""
+    def url_at(self, position: int) -> str:
+        """The URL (credentials redacted) the keys of the unit ``position`` reads are relative to."""
         return self.url
 
     def note_retries(self) -> None:
