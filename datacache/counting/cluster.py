@@ -214,8 +214,11 @@ class ClusterIndex:
 
     async def known(self) -> dict[str, KnownCount]:
         """Counts known without scanning: manifest, cluster index, then sidecars (read once per cluster)."""
-        found = {s.key: KnownCount(s.samples, "manifest") for s in self.manifest.shards if s.samples is not None}
-        if len(found) == len(self.manifest.shards):
+        table = self.manifest.table
+        known = np.nonzero(table.samples >= 0)[0]
+        counts = (KnownCount(n, "manifest") for n in table.samples[known].tolist())
+        found = dict(zip(table.keys_at(known), counts, strict=True))
+        if len(found) == len(table):
             return found
         for key, count in (await asyncio.to_thread(self._read_done)).items():
             found.setdefault(key, count)
@@ -260,8 +263,9 @@ class ClusterIndex:
         report.from_cluster = sum(1 for c in found.values() if c.source.startswith("cluster index"))
         report.from_sidecars = len(found) - report.from_manifest - report.from_cluster
         wanted = set(only) if only is not None else None
-        shards = [s for s in self.manifest.shards if wanted is None or s.key in wanted]
-        missing = [s for s in shards if s.key not in found]
+        table = self.manifest.table
+        keys = table.keys()  # the key column: a `Shard` made only for a shard still to count
+        missing = [table[i] for i, key in enumerate(keys) if key not in found and (wanted is None or key in wanted)]
         if missing and self.engine is not None:
             found.update(await self._scan_on_engine(missing, found, report))
         elif missing:

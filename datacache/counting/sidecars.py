@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import posixpath
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ def _relative_path(path: str, base: str, *, absolute: bool) -> str | None:
 
 
 def parse_wids_index(
-    raw: bytes, *, index_key: str, shards: Mapping[str, Shard], where: str
+    raw: bytes, *, index_key: str, shards: Collection[str], where: str
 ) -> dict[str, tuple[int, int | None]]:
     """Counts from a wids shard index: shard key -> (nsamples, filesize or None).
 
@@ -119,9 +119,7 @@ def parse_wids_index(
     base_path = document.get("base_path")
     if isinstance(base_path, str) and base_path and "://" not in base_path and not base_path.startswith("/"):
         folder = posixpath.normpath(posixpath.join(folder, base_path)) if folder else base_path
-    by_basename: dict[str, list[str]] = {}
-    for key in shards:
-        by_basename.setdefault(posixpath.basename(key), []).append(key)
+    by_basename: dict[str, list[str]] | None = None  # made at the first URL that is no key as it stands
     counts: dict[str, tuple[int, int | None]] = {}
     named: set[str] = set()
     for entry in entries:
@@ -133,6 +131,10 @@ def parse_wids_index(
         size = _count(entry.get("filesize"))
         found = _relative(entry["url"], folder)
         if found not in shards:
+            if by_basename is None:
+                by_basename = {}
+                for key in shards:
+                    by_basename.setdefault(posixpath.basename(key), []).append(key)
             candidates = by_basename.get(posixpath.basename(entry["url"]), [])
             found = candidates[0] if len(candidates) == 1 else None
         if found is not None:
@@ -239,25 +241,29 @@ def _dali_key(key: str) -> str:
 class _Votes:
     """Counts per shard from every source; agreement keeps one, disagreement drops the shard."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        self._shards = {shard.key: shard for shard in manifest.shards}
+    def __init__(self, positions: Mapping[str, int], sizes: Sequence[int]) -> None:
+        # The manifest's key -> position and its size column, no `Shard` a shard (1e5 of them were
+        # made three times over before a first sample).
+        self._positions = positions
+        self._sizes = sizes
         self._votes: dict[str, list[KnownCount]] = {}
 
     def add(self, key: str, samples: int, source: str, *, filesize: int | None = None) -> None:
-        shard = self._shards.get(key)
-        if shard is None:
+        position = self._positions.get(key)
+        if position is None:
             return
-        if samples == 0 and shard.size > 0:
+        size = self._sizes[position]
+        if samples == 0 and size > 0:
             # Taken on its word, a 0 would drop the shard from every epoch without a word: an
             # index is any writer's file. An empty shard is cheap to count; so it is counted.
-            logger.warning("%s: shard %r of %d bytes is listed with 0 samples; counting it", source, key, shard.size)
+            logger.warning("%s: shard %r of %d bytes is listed with 0 samples; counting it", source, key, size)
             return
-        if filesize is not None and filesize != shard.size:
+        if filesize is not None and filesize != size:
             logger.warning(
                 "%s: shard %r is %d bytes, the index recorded %d: the index is stale; ignoring its count",
                 source,
                 key,
-                shard.size,
+                size,
                 filesize,
             )
             return
@@ -266,6 +272,9 @@ class _Votes:
     def result(self, *, warn: bool = True) -> dict[str, KnownCount]:
         chosen: dict[str, KnownCount] = {}
         for key, votes in self._votes.items():
+            if len(votes) == 1:
+                chosen[key] = votes[0]
+                continue
             if len({vote.samples for vote in votes}) > 1:
                 if not warn:
                     continue
@@ -286,9 +295,10 @@ async def read_sidecar_counts(
     unknown. A sidecar that cannot be read or parsed is logged and skipped: the
     shards it would have counted are scanned instead.
     """
-    shards = {shard.key: shard for shard in manifest.shards}
+    table = manifest.table
+    shards = dict(zip(table.keys(), range(len(table)), strict=True))  # key -> position
     present = {info.key: info for info in listing}
-    votes = _Votes(manifest)
+    votes = _Votes(shards, table.sizes.tolist())
     gate = asyncio.Semaphore(concurrency)
 
     async def fetch(key: str) -> bytes | None:
@@ -307,12 +317,12 @@ async def read_sidecar_counts(
     # Only shards with a per-shard index beside them in the listing: one coroutine per shard of a
     # 1e5-shard dataset without any (the usual case) took seconds before the first sample.
     missing = [key for key in shards if key not in known and any(name in present for name in _per_shard_names(key))]
-    await asyncio.gather(*(_read_per_shard(origin.url, shards[key], present, votes, fetch) for key in missing))
+    await asyncio.gather(*(_read_per_shard(origin.url, table[shards[key]], present, votes, fetch) for key in missing))
     return votes.result()
 
 
 async def _read_whole_dataset_indexes(
-    url: str, present: Mapping[str, ObjectInfo], shards: Mapping[str, Shard], votes: _Votes, fetch: Any
+    url: str, present: Mapping[str, ObjectInfo], shards: Mapping[str, int], votes: _Votes, fetch: Any
 ) -> None:
     json_keys = [
         key

@@ -126,10 +126,11 @@ class TarFormat(SampleFormat):
                 report.seconds,
             )
         uncounted = "its samples could not be counted"
+        keys = manifest.table.keys()
         uncountable = {
-            s.key: report.unreadable.get(s.key, f"{context.where}: shard {s.key!r}: {uncounted}")
-            for s in manifest.shards
-            if s.key not in found
+            key: report.unreadable.get(key, f"{context.where}: shard {key!r}: {uncounted}")
+            for key in keys
+            if key not in found
         }
         return UnitPlan(ShardUnits(manifest.table, _counts_of(manifest, found, 0)), _sources(found), uncountable)
 
