@@ -30,6 +30,12 @@ __all__ = ["Grants"]
 
 CHALLENGE_SECONDS = 120.0
 MAX_CHALLENGES = 4096
+PENDING_PER_READER = 16
+"""Challenges a uid may have open on one dataset at once: a job's workers each ask for their own."""
+WRONG_PROOFS = 5
+WRONG_SECONDS = 600.0
+"""After `WRONG_PROOFS` wrong proofs within `WRONG_SECONDS`, a uid's proofs of a dataset are refused
+until the oldest of them is that old: guessing a shard's few unknown bytes is slowed to a crawl."""
 
 
 class Grants:
@@ -40,7 +46,9 @@ class Grants:
         self.shared: set[str] = {dataset for dataset, readers in declared.items() if readers}
         """Datasets whose copies may be the group's (declared readers, or an allowed prefix)."""
         self._proven: set[tuple[int, str, str]] = set()
-        self._challenges: dict[tuple[int, str], tuple[Challenge, float]] = {}
+        self._challenges: dict[tuple[int, str], dict[str, tuple[Challenge, float]]] = {}
+        """(uid, dataset) -> nonce -> the open challenge and when it lapses, oldest first."""
+        self._wrong: dict[tuple[int, str], list[float]] = {}
 
     def readers(self, config: DatasetConfig) -> Readers:
         return config.readers or self.declared.get(config.id, Readers())
@@ -67,13 +75,30 @@ class Grants:
         return (peer.uid, handle.id, handle.manifest.snapshot) in self._proven
 
     def challenge(self, peer: Peer, handle: DatasetHandle) -> Challenge:
-        """A new challenge for ``peer`` on ``handle``'s snapshot (the previous one is forgotten)."""
+        """A new challenge for ``peer`` on ``handle``'s snapshot, beside its others (the oldest past
+        `PENDING_PER_READER` is forgotten): several workers of one job prove at once."""
         now = time.monotonic()
+        self._refuse_after_wrong(peer, handle, now)
         if len(self._challenges) >= MAX_CHALLENGES:
-            self._challenges = {k: v for k, v in self._challenges.items() if v[1] > now}
+            self._challenges = {
+                k: kept for k, v in self._challenges.items() if (kept := {n: c for n, c in v.items() if c[1] > now})
+            }
         made = Challenge.new(handle.manifest)
-        self._challenges[(peer.uid, handle.id)] = (made, now + CHALLENGE_SECONDS)
+        pending = self._challenges.setdefault((peer.uid, handle.id), {})
+        pending[made.nonce] = (made, now + CHALLENGE_SECONDS)
+        while len(pending) > PENDING_PER_READER:
+            del pending[next(iter(pending))]
         return made
+
+    def _refuse_after_wrong(self, peer: Peer, handle: DatasetHandle, now: float) -> None:
+        wrong = [at for at in self._wrong.get((peer.uid, handle.id), ()) if at > now - WRONG_SECONDS]
+        self._wrong[(peer.uid, handle.id)] = wrong
+        if len(wrong) >= WRONG_PROOFS:
+            wait = wrong[-WRONG_PROOFS] + WRONG_SECONDS - now
+            raise Forbidden(
+                f"dataset {handle.config.name}: uid {peer.uid} gave {len(wrong)} wrong access proofs in "
+                f"{WRONG_SECONDS / 60:.0f} minutes; its proofs are refused for {wait:.0f} s more"
+            )
 
     async def verify(
         self,
@@ -83,14 +108,16 @@ class Grants:
         read: Callable[[str, int, int], Awaitable[bytes]],
     ) -> None:
         """Record ``peer``'s proof for ``handle`` or raise `ProofRequiredError` (one try per challenge)."""
-        pending = self._challenges.pop((peer.uid, handle.id), None)
+        now = time.monotonic()
+        self._refuse_after_wrong(peer, handle, now)
         what = f"dataset {handle.config.name} is not declared shared; uid {peer.uid}"
-        if pending is None or pending[1] < time.monotonic():
+        nonce = proof.get("nonce") if isinstance(proof, Mapping) else None
+        pending = self._challenges.get((peer.uid, handle.id), {}).pop(nonce, None) if isinstance(nonce, str) else None
+        if pending is None or pending[1] < now:
             raise ProofRequiredError(f"{what} must show the origin answers it (ask for a challenge first)")
         challenge = pending[0]
-        if not isinstance(proof, Mapping) or proof.get("nonce") != challenge.nonce:
-            raise ProofRequiredError(f"{what}: the proof answers another challenge")
         expected = proof_digest(challenge.nonce, await read(challenge.key, challenge.start, challenge.end))
         if proof.get("digest") != expected:
+            self._wrong.setdefault((peer.uid, handle.id), []).append(now)
             raise Forbidden(f"{what}: the origin does not give it the dataset's bytes (its proof is wrong)")
         self._proven.add((peer.uid, handle.id, handle.manifest.snapshot))
