@@ -105,13 +105,16 @@ asyncio.run(main(sys.argv[1]))
 
 
 @pytest.fixture
-def small_filesystem() -> Iterator[Path]:
-    """A 1 MiB tmpfs, mounted for the test (root only)."""
+def small_filesystem(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A 1 MiB tmpfs (or the size the test's ``filesystem_size`` mark gives), mounted for the test (root only)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small filesystem")
+    marked = request.node.get_closest_marker("filesystem_size")
+    size = marked.args[0] if marked is not None else "1m"
     mountpoint = Path(tempfile.mkdtemp(prefix="datacache-full-"))
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True, text=True, check=False
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        capture_output=True, text=True, check=False,
     )
     if mounted.returncode != 0:
         mountpoint.rmdir()
@@ -131,3 +134,44 @@ def test_a_full_disk_refuses_a_landing_before_its_first_byte_not_with_sigbus(sma
     assert done.returncode == 0, f"the landing process died with {done.returncode}: {done.stderr}"
     assert done.stdout.split() == ["refused", "ENOSPC"], done.stdout + done.stderr
     assert not [p for p in (small_filesystem / "local").rglob("*") if p.is_file()], "no temporary file is left"
+
+
+_READ_EPOCH = r"""
+import json, sys
+from datacache.config import load_settings
+from datacache.loaders import CachedIterableDataset
+
+origin, local, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dataset = CachedIterableDataset(origin, config=load_settings(overrides={"local_dir": local}), shuffle=True, seed=1)
+dataset.set_epoch(epoch)
+print(json.dumps([s["__key__"] for s in dataset]))
+"""
+
+
+@pytest.mark.filesystem_size("16m")
+def test_a_reader_reads_on_when_another_process_filled_its_disk(small_filesystem: Path, tmp_path: Path) -> None:
+    """A trial's training died in the reader's progress note (TierFullError) once a `dd` filled the disk."""
+    import errno
+    import json
+
+    from test_loader import write_wds
+
+    expected = sorted(write_wds(tmp_path / "origin", samples=200, per_shard=20))
+
+    def epoch(number: int) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", _READ_EPOCH, str(tmp_path / "origin"), str(small_filesystem / "local"), str(number)],
+            capture_output=True, text=True, timeout=300, check=False, cwd=REPO,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        keys: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+        return keys
+
+    assert sorted(epoch(0)) == expected
+    with open(small_filesystem / "fill", "wb") as out, pytest.raises(OSError) as full:
+        while True:  # another process's file takes the rest of the disk
+            out.write(bytes(1 << 16))
+            out.flush()
+    assert full.value.errno == errno.ENOSPC
+    assert sorted(epoch(1)) == expected
+

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import sqlite3
 import stat as stat_module
@@ -28,9 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from datacache.catalog.rows import SQLITE_FULL, initialise
+from datacache.catalog.rows import SQLITE_FULL, SQLITE_IOERR, initialise
 from datacache.errors import TierFullError
 from datacache.tiers.local import make_local_file
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CatalogDatabase", "private_database"]
 
@@ -81,6 +84,47 @@ def private_database(path: Path) -> None:
             st = os.stat(f"{path}{side}", follow_symlinks=False)
             if stat_module.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
                 os.chmod(f"{path}{side}", 0o600)  # a regular file of this user's, just checked
+
+ROOM_BYTES = 1 << 20
+"""Held allocated beside the catalog (``<catalog>.room``) while the disk has room, and given back
+when it has none: another process that fills the disk leaves the catalog no page for its
+write-ahead log, nor for the ``-shm`` index a new connection makes, and every reader of the node
+failed on its next write or open (a trial: training died of a progress note). 1 MiB holds the
+index (32 KiB) and the log up to its checkpoint (`wal_autocheckpoint`, 64 pages) a few times over."""
+
+
+def _keep_room(path: Path) -> None:
+    """Allocate `ROOM_BYTES` at ``path`` if it is not and the disk has plenty (a stat when it is)."""
+    with contextlib.suppress(OSError):
+        found = os.statvfs(path.parent)
+        if found.f_bavail * found.f_frsize < 8 * ROOM_BYTES:  # a disk nearly full already: not now
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and stat_module.S_ISREG(st.st_mode) and st.st_size < ROOM_BYTES:
+                os.posix_fallocate(fd, 0, ROOM_BYTES)
+        finally:
+            os.close(fd)
+
+
+def _give_room(path: Path) -> bool:
+    """Free the room kept at ``path``; whether there was any (this user's regular file, not empty)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat_module.S_ISREG(st.st_mode) or not st.st_blocks:
+            return False
+        os.ftruncate(fd, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
 
 class CatalogDatabase:
     """Where a catalog's queries run: this process's connection, on its own thread."""
@@ -140,10 +184,19 @@ class CatalogDatabase:
             make_local_file(self._path)  # private (with its -wal and -shm), whatever the umask
             private_database(self._path)  # side files an older version left looser: tightened
             connection = sqlite3.connect(self._path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            connection.execute("PRAGMA busy_timeout=60000")
-            initialise(connection)
+            try:
+                connection.execute("PRAGMA busy_timeout=60000")
+                initialise(connection)
+            except BaseException:
+                connection.close()
+                raise
             self._connection = connection
+            _keep_room(self._room)
         return self._connection
+
+    @property
+    def _room(self) -> Path:
+        return self._path.with_name(self._path.name + ".room")
 
     async def _write(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """`_run` for a write, counted and timed (its wait for the database's write lock included)."""
@@ -173,13 +226,28 @@ class CatalogDatabase:
             self._pid = os.getpid()
         self._runs += 1
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor, self._call, function)
-        except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
-                # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk.
+        for attempt in range(2):
+            try:
+                return await loop.run_in_executor(self._executor, self._call, function)
+            except sqlite3.OperationalError as exc:
+                code = getattr(exc, "sqlite_errorcode", None)
+                # Reservations leave the catalog room (`CATALOG_ROOM`); something else filled the disk. A
+                # write-ahead log or its index that cannot grow says "disk I/O error" (SQLITE_IOERR_*).
+                io_error = code is not None and code & 0xFF == SQLITE_IOERR
+                if code != SQLITE_FULL and not (io_error and self._device_full()):
+                    raise
+                if attempt == 0 and await asyncio.to_thread(_give_room, self._room):
+                    logger.warning("the disk of the catalog %s is full: it takes the room kept for it", self._path)
+                    continue
                 raise TierFullError(f"the catalog {self._path} cannot grow: no space left on its device") from exc
-            raise
+        raise AssertionError("unreachable")
+
+    def _device_full(self) -> bool:
+        try:
+            found = os.statvfs(self._path.parent)
+        except OSError:
+            return False
+        return found.f_bavail * found.f_frsize < 1 << 20
 
     def run_sync(self, function: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``function`` with a connection, outside any event loop (CLI reports)."""

@@ -19,6 +19,7 @@ __all__ = [
     "CATALOG_ROOM",
     "COLUMNS",
     "SQLITE_FULL",
+    "SQLITE_IOERR",
     "CatalogEntry",
     "DatasetRecord",
     "ReaderRow",
@@ -35,6 +36,8 @@ __all__ = [
 CATALOG_ROOM = 512 << 10
 """Bytes every reservation leaves free on the local device for the catalog, its WAL and small files."""
 SQLITE_FULL = 13
+SQLITE_IOERR = 10
+"""sqlite3's primary code of a failed read or write (its extended codes add a reason above the low byte)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS datasets (

@@ -27,6 +27,7 @@ from datacache.catalog.rows import (
     resident_versions_of,
     write_reads,
 )
+from datacache.errors import TierFullError
 from datacache.eviction import Candidate
 
 __all__ = ["Catalog", "CatalogWrites"]
@@ -75,6 +76,7 @@ class Catalog(CatalogDatabase):
         # Accesses not yet written (last_access by shard), oldest first; and how many were written.
         self._touches: dict[tuple[str, str], float] = {}
         self._touched = 0
+        self._said_full = False
 
     def writes(self) -> CatalogWrites:
         """Write transactions this process made so far, the longest one's duration, and the shard reads it saw."""
@@ -90,7 +92,7 @@ class Catalog(CatalogDatabase):
                     with contextlib.suppress(sqlite3.OperationalError), self._transaction(self._connection):
                         write_reads(self._connection, self._touches)
                     self._touches = {}
-            except sqlite3.OperationalError as exc:
+            except (sqlite3.OperationalError, TierFullError) as exc:
                 logger.debug("catalog %s: %d reads not recorded: %s", self._path, len(self._touches), exc)
             if self._writes:
                 logger.debug(
@@ -217,9 +219,9 @@ class Catalog(CatalogDatabase):
         if len(self._touches) >= TOUCH_BATCH or now - oldest >= TOUCH_SECONDS:
             try:
                 await self.flush_touches()
-            except sqlite3.OperationalError as exc:
-                # Busy for the whole busy timeout: the reads stay pending for the next flush; a
-                # reader never fails for its bookkeeping.
+            except (sqlite3.OperationalError, TierFullError) as exc:
+                # Busy for the whole busy timeout, or its disk full: the reads stay pending for the
+                # next flush; a reader never fails for its bookkeeping.
                 logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
 
     async def touch_many(self, dataset: str, keys: Sequence[str]) -> None:
@@ -233,7 +235,7 @@ class Catalog(CatalogDatabase):
             self._touches[(dataset, key)] = now
         try:
             await self.flush_touches()
-        except sqlite3.OperationalError as exc:
+        except (sqlite3.OperationalError, TierFullError) as exc:
             logger.debug("catalog %s: reads not recorded yet: %s", self._path, exc)
 
     async def flush_touches(self) -> None:
@@ -424,7 +426,12 @@ class Catalog(CatalogDatabase):
     async def note_reader(
         self, dataset: str, reader: str, *, owner: str, epoch: int, position: int, holding: Sequence[str]
     ) -> None:
-        """Record where ``reader`` is, and replace the shards it holds (leases) with ``holding``."""
+        """Record where ``reader`` is, and replace the shards it holds (leases) with ``holding``.
+
+        On a full disk (another process filled it) nothing is recorded and the reader reads on: an
+        eviction may then take a shard it is about to open, which it finds gone and locates again
+        (`UnitReaders._open`); one mapped stays whole. A trial's training died of this note.
+        """
 
         def write(c: sqlite3.Connection) -> None:
             with self._transaction(c):
@@ -441,7 +448,12 @@ class Catalog(CatalogDatabase):
                     [(dataset, key, reader, owner) for key in holding],
                 )
 
-        await self._write(write)
+        try:
+            await self._write(write)
+        except TierFullError as exc:
+            if not self._said_full:
+                logger.warning("%s; this node's readers' places and leases are not recorded until it has room", exc)
+                self._said_full = True
 
     async def readers(self, dataset: str) -> list[ReaderRow]:
         """Every reader of the dataset this node has seen, with its last epoch and position.
