@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -175,3 +176,23 @@ def test_a_reader_reads_on_when_another_process_filled_its_disk(small_filesystem
     assert full.value.errno == errno.ENOSPC
     assert sorted(epoch(1)) == expected
 
+
+@pytest.mark.filesystem_size("16m")
+def test_a_warm_that_the_disk_stops_says_so_not_that_the_capacity_did(
+    small_filesystem: Path, tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    """A trial's 200 MB tier on a disk with 5.7 MB free was told "dataset 305 MB > local capacity 200 MB"."""
+    from _helpers import fill_dir, make_shards, run_cli
+
+    origin = fill_dir(tmp_path / "origin", make_shards(12, 1_000_000))
+    with open(small_filesystem / "fill", "wb") as out:  # another process's file: 6 MB left
+        out.write(bytes(10 << 20))
+    env = {**cache_env, "DATACACHE_LOCAL_DIR": str(small_filesystem / "local")}
+    result = run_cli(["warm", str(origin), "--local-capacity", "200MB"], env)
+    assert result.returncode == 1, result.stderr
+    first = result.stderr.splitlines()[0]
+    assert re.fullmatch(
+        r"datacache: dataset 12\.00 MB does not fit: the local device is nearly full \([^)]+ free; datacache leaves "
+        r"[^)]+ free for the catalog and the system\): \d+ of 12 shards kept \(-v lists the others\)",
+        first,
+    ), result.stderr

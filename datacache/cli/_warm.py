@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -327,10 +328,17 @@ def _print_warm_report(report: WarmReport, url: str, args: argparse.Namespace, c
         )
 
 
+_DEVICE_FULL = re.compile(r"the \w+ device is nearly full \([^)]*\)")
+"""How a shard's reason names a full disk (`catalog.room`), whatever the capacity says."""
+
+
 def _no_room_line(report: WarmReport, capacity: int | None, *, whole: bool) -> str:
     """``dataset 122.00 MB > local capacity 40.00 MB: 13 of 40 shards kept (-v lists the others)``."""
     what = f"{'dataset' if whole else 'the requested shards'} {format_bytes(report.bytes_requested)}"
-    if capacity is not None and report.bytes_requested > capacity:
+    device = next((found for _, why in report.failures if (found := _DEVICE_FULL.search(why))), None)
+    if device is not None:  # the disk ran out before the capacity did (a trial's 200 MB tier on 5.7 MB free)
+        what += f" {'does' if whole else 'do'} not fit: {device.group(0)}"
+    elif capacity is not None and report.bytes_requested > capacity:
         what += f" > {report.tier} capacity {format_bytes(capacity)}"
     else:  # the tier's room, not its capacity, ran out: other data, or a full device
         evict = "datacache evict DATASET" + (" --tier shared" if report.tier == SHARED else "")
