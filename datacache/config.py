@@ -482,6 +482,12 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
             if glob_hint(spec):  # a trial's relative 'dir/*.tar' was told "unknown dataset", not what to write
                 raise GlobURLError(glob_hint(spec))
             known = ", ".join(sorted(settings.datasets)) or "none configured"
+            slashes = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)", spec)
+            if slashes is not None:  # a trial's 's3:/shards/wds/' got no word of the missing slash
+                raise ConfigError(
+                    f"unknown dataset {spec!r}: a URL needs '://' after its scheme "
+                    f"({slashes.group(1)}://{slashes.group(2)})"
+                )
             raise ConfigError(
                 f"unknown dataset {spec!r}: not a URL, not an existing path, "
                 f"and not a name in the config (known: {known})"

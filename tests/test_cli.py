@@ -461,6 +461,16 @@ def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str],
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("spec", ["s3:/shards/wds/", "s3:shards/wds/"])
+def test_a_url_missing_a_slash_is_told_what_to_write(env: dict[str, str], tmp_path: Path, spec: str) -> None:
+    """A trial's ``s3:/shards/wds/`` was "not a URL, not an existing path", with no word of the slash."""
+    result = run_cli(["warm", spec], env)
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result)
+    assert line.endswith("a URL needs '://' after its scheme (s3://shards/wds/)"), line
+    assert_nothing_written(tmp_path)
+
+
 def test_index_then_warm_refresh_is_the_snapshot_a_later_run_loads(env: dict[str, str], tmp_path: Path) -> None:
     """The index `datacache index` writes beside the shards makes a refresh a new snapshot (issue 24 item 11)."""
     shards = {f"shard-{s}.tar": tar_of({f"s{s}_{i}.cls": b"%d" % s for i in range(4)}) for s in range(3)}
