@@ -539,6 +539,30 @@ def test_an_unreachable_target_widens_prefetch_and_names_the_origin(
     assert len(warnings) == 1, "one warning, not a flood"
 
 
+def test_a_target_missed_because_the_training_loop_is_slow_names_the_loop_not_the_reader(
+    tmp_path: Path, cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trial's loop slept 0.1 s a batch, and the warning sent it after "the reader's own per-sample work (CPU)"."""
+    import time
+
+    from datacache.loaders.reading import prefetch
+
+    from datacache.config import load_settings
+
+    monkeypatch.setattr(prefetch, "_INTERVAL", 0.1)
+    origin = tmp_path / "ds"
+    write_wds(origin, samples=60, per_shard=4, with_counts=True)
+    settings = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local")})
+    dataset = CachedIterableDataset(str(origin), config=settings, target_bandwidth="1GB/s", shuffle=False)
+    assert sum(1 for _ in dataset) == 60  # staged: the epoch below reads local copies
+    with caplog.at_level("WARNING", logger="datacache.loaders.reading.prefetch"):
+        for _ in dataset:
+            time.sleep(0.02)  # the step's own work, not a wait for anything
+    said = [r.getMessage() for r in caplog.records if "limiting stage" in r.getMessage()]
+    assert said and all("the training loop" in line for line in said), said
+    assert dataset.stats().limiting_stage == prefetch.TRAINING_LOOP
+
+
 def test_tar_indexes_are_scanned_once_per_node(
     wds_dataset: tuple[Path, dict[str, dict[str, bytes]]], settings: Settings
 ) -> None:

@@ -19,7 +19,7 @@ from datacache.loaders.plans.indexed import IndexedPositions
 from datacache.loaders.plans.interface import Opening, Plan
 from datacache.loaders.reading.batching import SKIPPED, BatchBuilder, ReadAhead, sample_bytes
 from datacache.loaders.reading.mixed import MixedUnitReaders
-from datacache.loaders.reading.prefetch import PrefetchController, initial_prefetch
+from datacache.loaders.reading.prefetch import TRAINING_LOOP, PrefetchController, initial_prefetch
 from datacache.loaders.reading.rows import CHUNK_BATCHES, CHUNK_ROWS, RowsAhead, chunk_rows, ready_rows
 from datacache.loaders.reading.units import UnitReaders
 from datacache.loaders.runtime import Runtime, Units
@@ -410,6 +410,8 @@ class EpochIterator:
                 "shared tier": float(row[Counter.WAIT_SHARED]),
                 "local disk": float(row[Counter.READ]),
                 "decode": float(row[Counter.DECODE]),
+                # Time between the loop's requests: a slow step was blamed on the reader's CPU (a trial).
+                TRAINING_LOOP: float(row[Counter.CONSUMER_TIME]),
                 "total": float(row[Counter.UPDATED] - row[Counter.STARTED]),
             },
         )

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from datacache.loaders.plans.positions import Positions
     from datacache.loaders.runtime import NodeFuture, Runtime
 
-__all__ = ["NextEpochStaging", "Prefetch", "PrefetchController", "initial_prefetch"]
+__all__ = ["TRAINING_LOOP", "NextEpochStaging", "Prefetch", "PrefetchController", "initial_prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,10 @@ class PrefetchController:
                     self._depth,
                     self.limiting_stage,
                 )
+
+
+TRAINING_LOOP = "the training loop (its work between batches: datacache waits for it)"
+"""The stage named when the time between the consumer's requests is the largest."""
 
 
 def _limiting(breakdown: dict[str, float]) -> str:
