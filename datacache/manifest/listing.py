@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import pwd
 import stat
 import time
 from collections.abc import Iterable
@@ -151,6 +152,16 @@ def listing_notices(manifest: Manifest) -> list[str]:
     return [str(notice) for notice in notices] if isinstance(notices, list) else []
 
 
+def _this_user() -> str:
+    """``uid 1003 (datacache, this process's user)``: a daemon's refusal reaches its client, whose uid is another."""
+    uid = os.geteuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid} (this process's user)"
+    return f"uid {uid} ({name}, this process's user)"
+
+
 def missing_local_path(url: str) -> ShardNotFoundError | None:
     """The error for a local path (or ``file://`` URL) that does not exist; None for any other URL.
 
@@ -161,7 +172,7 @@ def missing_local_path(url: str) -> ShardNotFoundError | None:
     if scheme != "file":
         return None
     path = os.path.expanduser(rest)
-    denied = ShardNotFoundError(f"{redact_url(url)}: permission denied to uid {os.geteuid()} (this process's user)")
+    denied = ShardNotFoundError(f"{redact_url(url)}: permission denied to {_this_user()}")
     try:
         found = os.stat(path)
     except PermissionError:  # a trial's daemon said "no such file" of a user's 0700 home it may not enter
