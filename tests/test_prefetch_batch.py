@@ -4,7 +4,8 @@ A worker that takes a prefetch of a small shard onto the local tier takes the pr
 dataset queued behind it too and stages them as one batch (`staging.batch.stage_batch`: one
 reservation, one write round, one commit). These tests count the reservations, and hold the batch to
 the one-shard way's guarantees: each shard staged once however many ask, every byte the origin's, a
-tier smaller than the window never overfilled, a shard too large for a batch staged the one-shard way.
+tier smaller than the window never overfilled, a shard too large for a batch staged the one-shard way,
+and no batch under a bandwidth limit (a batch lands whole: a reader joining it would wait for all of it).
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _helpers import fill_dir, with_stager
 from test_warm_batch import TINY, assert_agree, files, rows, tiny_shards
 
 from datacache.catalog import Claim, Reservation, Room
 from datacache.config import Settings, load_settings
 from datacache.staging import LOCAL, Location, Stager
+
+
+@pytest.fixture
+def settings(tmp_path: Path, cache_env: dict[str, str]) -> Settings:
+    """A local tier alone: through a shared tier (or from object storage) a shard is one request each,
+    and a batch would make a reader that comes to wait for one of them wait for all."""
+    return load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local")})
 
 
 def count_reservations(stager: Stager) -> list[int]:
@@ -91,5 +100,20 @@ def test_a_shard_too_large_for_a_batch_is_prefetched_the_one_shard_way(tmp_path:
 
     assert sorted(made) == [1, 6]  # the large one alone (streamed to its file), the small ones together
     assert stats.shards_staged == 7
+    for location in located:
+        assert location.path is not None and location.path.read_bytes() == shards[location.shard.key]
+
+
+def test_under_a_bandwidth_limit_each_prefetched_shard_is_staged_alone(
+    tmp_path: Path, cache_env: dict[str, str]
+) -> None:
+    shards = tiny_shards(8)
+    origin = fill_dir(tmp_path / "origin", shards)
+    paced = load_settings(cache_env, overrides={"local_dir": str(tmp_path / "local"), "bandwidth_limit": "100MB/s"})
+
+    made, located, stats = with_stager(paced, prefetch_then_read(origin, list(shards)))
+
+    assert made == [1] * 8  # each arrives as its share of the rate allows, not with the last of a batch
+    assert stats.shards_staged == 8
     for location in located:
         assert location.path is not None and location.path.read_bytes() == shards[location.shard.key]

@@ -46,7 +46,7 @@ from datacache.staging.types import (
     Location,
     StagerStats,
 )
-from datacache.tiers import LocalTier, SharedTier, redact_url
+from datacache.tiers import LocalTier, ObjectTier, SharedTier, redact_url
 from datacache.tiers.local import PRIVATE, LocalModes
 
 __all__ = ["StagerRuntime"]
@@ -269,13 +269,22 @@ class StagerRuntime:
         return Location(SHARED, path, job.shard, checksum)
 
     def _batchable(self, job: Job) -> bool:
-        """Whether ``job`` may be staged in a batch (`JobQueue`): a prefetch of a small shard onto the local tier.
+        """Whether ``job`` may be staged in a batch (`JobQueue`): a prefetch of a small shard onto the local tier,
+        read from an origin on this machine's filesystem, with no bandwidth limit.
 
-        Not a job a reader waits for (the one-shard way hands it the bytes before they are durable), nor
-        a warm's (its turn orders its reservations), nor a shard larger than the local tier (refused).
+        A batch lands whole: a reader that comes to wait for one of its shards waits for all of them.
+        So not a job a reader waits for already (the one-shard way hands it the bytes before they are
+        durable), nor shards read one request each (from object storage, or through the shared tier),
+        nor under a bandwidth limit (the batch takes its whole share of the rate first); nor a warm's
+        (its turn orders its reservations), nor a shard larger than the local tier (refused).
         """
         parts = self._parts
         if parts is None or job.tier != LOCAL or job.after is not None or job.priority <= PRIORITY_URGENT:
+            return False
+        origin = job.handle.origin
+        if self.settings.bandwidth_limit or parts.local.through_shared:
+            return False
+        if not isinstance(origin, ObjectTier) or not origin.has_local_paths:
             return False
         capacity = parts.local.tier.capacity
         small = min(parts.local.transfer.keep_limit, SMALL)
