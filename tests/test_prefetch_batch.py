@@ -104,6 +104,38 @@ def test_a_shard_too_large_for_a_batch_is_prefetched_the_one_shard_way(tmp_path:
         assert location.path is not None and location.path.read_bytes() == shards[location.shard.key]
 
 
+def test_a_prefetch_asked_again_while_its_shards_are_on_their_way_looks_none_of_them_up(
+    tmp_path: Path, settings: Settings
+) -> None:
+    shards = tiny_shards(30)
+    origin = fill_dir(tmp_path / "origin", shards)
+    keys = list(shards)
+
+    async def body(stager: Stager) -> tuple[list[int], list[Location]]:
+        handle = await stager.open(str(origin))
+        local = (await stager._ready()).local
+        looked: list[int] = []
+        hits = local.hits
+
+        async def counted(handle: Any, shards: Sequence[Any]) -> Any:
+            looked.append(len(shards))
+            return await hits(handle, shards)
+
+        local.hits = counted  # type: ignore[method-assign]
+        await stager.prefetch(handle, keys)
+        # Asked again at once (a reader closing a unit asks again for those ahead): all still on their way.
+        await stager.prefetch(handle, keys[5:])
+        return looked, [await stager.ensure(handle, key) for key in keys]
+
+    looked, located = with_stager(settings, body)
+
+    # The first ask's look-up, then the batch's own (`stage_batch`); the second ask looked its 25 up again
+    # before (a catalog read and a stat each).
+    assert looked[0] == 30 and 25 not in looked
+    for location in located:
+        assert location.path is not None and location.path.read_bytes() == shards[location.shard.key]
+
+
 def test_under_a_bandwidth_limit_each_prefetched_shard_is_staged_alone(
     tmp_path: Path, cache_env: dict[str, str]
 ) -> None:

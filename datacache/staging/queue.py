@@ -110,6 +110,11 @@ class JobQueue:
         """Jobs a worker is running."""
         return sum(1 for job in self._jobs.values() if job.started)
 
+    def pending(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
+        """Whether a job for this shard and tier is queued or running (not settled yet)."""
+        job = self._jobs.get((handle.id, shard.key, tier))
+        return job is not None and not job.future.done()
+
     def refused(self, handle: DatasetHandle, shard: Shard, tier: str) -> bool:
         """Whether the last job for this shard and tier failed with a refusal of the origin."""
         return (handle.id, shard.key, tier) in self._refused

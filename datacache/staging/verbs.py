@@ -140,8 +140,13 @@ class StagerVerbs(StagerRuntime):
         parts = await self._ready()
         shards = [handle.manifest.shard(key) for key in keys]
         # Those resident already in one catalog read (none counted as a hit: nothing is read): each
-        # was a staging job that took a node lock and read the catalog only to find it there.
-        resident = await parts.local.hits(handle, shards) if shards else {}
+        # was a staging job that took a node lock and read the catalog only to find it there. Not
+        # those with a job queued or running: a reader asks again for the units ahead of it each time
+        # it closes one (most of them still on their way), and the look-up (a catalog read and a
+        # stat each) was most of what a prefetch cost; submitted again, they only move up the queue.
+        queue = parts.queue
+        look = [shard for shard in shards if not queue.pending(handle, shard, LOCAL)]
+        resident = await parts.local.hits(handle, look) if look else {}
         for position, shard in enumerate(shards):
             if shard.key in resident:
                 continue
