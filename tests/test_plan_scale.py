@@ -191,9 +191,10 @@ def test_the_order_depends_only_on_seed_and_epoch() -> None:
     seed=st.integers(0, 2**32),
     shuffle=st.booleans(),
     window=st.integers(1, 700),
+    run=st.integers(1, 400),
 )
 def test_a_positions_unit_and_row_come_from_the_order_as_its_id_says(
-    counts: list[int], seed: int, shuffle: bool, window: int
+    counts: list[int], seed: int, shuffle: bool, window: int, run: int
 ) -> None:
     """`WindowedOrder.places` (what a reader's plan reads) is `ids` located among the units' starts."""
     order = WindowedOrder(np.asarray(counts, dtype=np.int64), seed, 1, shuffle, window)
@@ -204,6 +205,9 @@ def test_a_positions_unit_and_row_come_from_the_order_as_its_id_says(
     assert np.array_equal(unit, np.searchsorted(starts, ids, side="right") - 1)
     assert np.array_equal(starts[unit] + local, ids)
     assert np.all((local >= 0) & (local < np.asarray(counts)[unit]))
+    for begin in range(0, order.total, run):  # runs as a reader asks for them: many inside one unit
+        some, rows = order.places(positions[begin : begin + run])
+        assert np.array_equal(some, unit[begin : begin + run]) and np.array_equal(rows, local[begin : begin + run])
 
 
 @pytest.mark.parametrize("world", [1, 8])

@@ -209,6 +209,12 @@ class WindowedOrder:
             base = window * self.window
             size = np.minimum(self.window, self.total - base)
             pre = base + permute_windows(positions - base, window, size, self._key)
+        if len(pre):
+            # A reader's run of positions lies mostly inside one unit (a window of a large file): two
+            # searches for its ends, not one for each position.
+            low, high = np.searchsorted(laid, [pre.min(), pre.max()], side="right") - 1
+            if low == high:
+                return np.full(len(pre), perm[low], dtype=np.int64), pre - laid[low]
         slot = np.searchsorted(laid, pre, side="right") - 1
         return perm[slot].astype(np.int64, copy=False), pre - laid[slot]
 
