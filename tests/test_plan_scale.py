@@ -185,6 +185,31 @@ def test_the_order_depends_only_on_seed_and_epoch() -> None:
     assert np.array_equal(WindowedOrder(counts, 9, 2, False, 4).ids(np.arange(26)), np.arange(26))
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    seed=st.integers(0, 2**32),
+    shuffle=st.booleans(),
+    window=st.integers(1, 700),
+    run=st.integers(1, 400),
+)
+def test_a_positions_unit_and_row_come_from_the_order_as_its_id_says(
+    counts: list[int], seed: int, shuffle: bool, window: int, run: int
+) -> None:
+    """`WindowedOrder.places` (what a reader's plan reads) is `ids` located among the units' starts."""
+    order = WindowedOrder(np.asarray(counts, dtype=np.int64), seed, 1, shuffle, window)
+    positions = np.arange(order.total, dtype=np.int64)
+    ids = order.ids(positions)
+    starts = exclusive_sum(np.asarray(counts, dtype=np.int64))
+    unit, local = order.places(positions)
+    assert np.array_equal(unit, np.searchsorted(starts, ids, side="right") - 1)
+    assert np.array_equal(starts[unit] + local, ids)
+    assert np.all((local >= 0) & (local < np.asarray(counts)[unit]))
+    for begin in range(0, order.total, run):  # runs as a reader asks for them: many inside one unit
+        some, rows = order.places(positions[begin : begin + run])
+        assert np.array_equal(some, unit[begin : begin + run]) and np.array_equal(rows, local[begin : begin + run])
+
+
 @pytest.mark.parametrize("world", [1, 8])
 def test_a_plan_of_ten_billion_samples_costs_what_its_shards_cost(world: int) -> None:
     counts = np.full(10_000, 1_000_000, dtype=np.int64)  # 1e10 samples in 1e4 shards

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -26,6 +27,7 @@ from datacache.errors import (
 from datacache.manifest import ManifestStore, object_url, reading_url, take_manifest
 from datacache.ownership import check_not_writable_by_others, operator_writes
 from datacache.staging import recovery
+from datacache.staging.batch import SMALL, stage_batch
 from datacache.staging.events import Events, Listener
 from datacache.staging.local import LocalStager
 from datacache.staging.origins import Origins, close_quietly
@@ -44,7 +46,7 @@ from datacache.staging.types import (
     Location,
     StagerStats,
 )
-from datacache.tiers import LocalTier, SharedTier, redact_url
+from datacache.tiers import LocalTier, ObjectTier, SharedTier, redact_url
 from datacache.tiers.local import PRIVATE, LocalModes
 
 __all__ = ["StagerRuntime"]
@@ -244,7 +246,9 @@ class StagerRuntime:
             events=events,
             lock_waiters=lock_waiters,
         )
-        queue = JobQueue(self._run_job, events, settings.concurrency)
+        queue = JobQueue(
+            self._run_job, events, settings.concurrency, run_batch=self._run_batch, batchable=self._batchable
+        )
         return _Parts(loop, queue, local, shared, lock_waiters)
 
     async def _run_job(self, job: Job) -> Location:
@@ -263,6 +267,34 @@ class StagerRuntime:
             raise ConfigError("no shared tier is configured")
         path, checksum = await parts.shared.ensure(job.handle, job.shard)
         return Location(SHARED, path, job.shard, checksum)
+
+    def _batchable(self, job: Job) -> bool:
+        """Whether ``job`` may be staged in a batch (`JobQueue`): a prefetch of a small shard onto the local tier,
+        read from an origin on this machine's filesystem, with no bandwidth limit.
+
+        A batch lands whole: a reader that comes to wait for one of its shards waits for all of them.
+        So not a job a reader waits for already (the one-shard way hands it the bytes before they are
+        durable), nor shards read one request each (from object storage, or through the shared tier),
+        nor under a bandwidth limit (the batch takes its whole share of the rate first); nor a warm's
+        (its turn orders its reservations), nor a shard larger than the local tier (refused).
+        """
+        parts = self._parts
+        if parts is None or job.tier != LOCAL or job.after is not None or job.priority <= PRIORITY_URGENT:
+            return False
+        origin = job.handle.origin
+        if self.settings.bandwidth_limit or parts.local.through_shared:
+            return False
+        if not isinstance(origin, ObjectTier) or not origin.has_local_paths:
+            return False
+        capacity = parts.local.tier.capacity
+        small = min(parts.local.transfer.keep_limit, SMALL)
+        return job.shard.size <= small and (capacity is None or job.shard.size <= capacity)
+
+    async def _run_batch(self, jobs: Sequence[Job]) -> list[Location | BaseException]:
+        parts = self._parts
+        if parts is None:
+            raise StagerClosedError("the stager is not running")
+        return await stage_batch(parts.local, jobs[0].handle, [job.shard for job in jobs])
 
     async def close(self, *, durable_wait: float = DURABLE_WAIT) -> None:
         """Stop the workers (abandoning queued transfers) and release clients.

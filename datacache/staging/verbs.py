@@ -78,12 +78,26 @@ class StagerVerbs(StagerRuntime):
     async def locate_many(self, handle: DatasetHandle, keys: Sequence[str]) -> list[Location]:
         """`locate` of each of ``keys``, the local copies found in one catalog read (and one touch).
 
-        A window of tiny shards asked one by one paid a catalog read, a stat and a touch each.
+        A window of tiny shards asked one by one paid a catalog read, a stat and a touch each. Those
+        not local, with no shared tier to look at, are the origin's, with the checksums this node
+        learned in one more read: `locate` of each read the catalog twice (its local row again, then
+        the checksum), a reader's every note of a cold window. A resident row whose file vanished is
+        not dropped here: `ensure` (the one-shard look) drops it when the reader asks for the shard.
         """
         if not keys:
             return []
-        local = await (await self._ready()).local.hits(handle, [handle.manifest.shard(key) for key in keys])
-        return [local[key] if key in local else await self.locate(handle, key) for key in keys]
+        shards = [handle.manifest.shard(key) for key in keys]
+        local = await (await self._ready()).local.hits(handle, shards)
+        if self.shared is not None:
+            return [local[key] if key in local else await self.locate(handle, key) for key in keys]
+        rest = [shard for shard in shards if shard.key not in local]
+        unknown = [shard.key for shard in rest if shard.checksum is None]
+        learned = await self.catalog.get_many(handle.id, unknown) if unknown else {}
+        for shard in rest:
+            entry = learned.get(shard.key)
+            checksum = entry.checksum if entry is not None and entry.version == shard.version else None
+            local[shard.key] = Location(ORIGIN, None, shard, shard.checksum or checksum)
+        return [local[key] for key in keys]
 
     # -- the public verbs -----------------------------------------------------------------
 
@@ -140,8 +154,13 @@ class StagerVerbs(StagerRuntime):
         parts = await self._ready()
         shards = [handle.manifest.shard(key) for key in keys]
         # Those resident already in one catalog read (none counted as a hit: nothing is read): each
-        # was a staging job that took a node lock and read the catalog only to find it there.
-        resident = await parts.local.hits(handle, shards) if shards else {}
+        # was a staging job that took a node lock and read the catalog only to find it there. Not
+        # those with a job queued or running: a reader asks again for the units ahead of it each time
+        # it closes one (most of them still on their way), and the look-up (a catalog read and a
+        # stat each) was most of what a prefetch cost; submitted again, they only move up the queue.
+        queue = parts.queue
+        look = [shard for shard in shards if not queue.pending(handle, shard, LOCAL)]
+        resident = await parts.local.hits(handle, look) if look else {}
         for position, shard in enumerate(shards):
             if shard.key in resident:
                 continue

@@ -183,21 +183,40 @@ class WindowedOrder:
 
     def ids(self, positions: IntArray) -> IntArray:
         positions = np.asarray(positions, dtype=np.int64)
-        laid: IntArray = self._laid  # type: ignore[attr-defined]
-        perm: IntArray = self._perm  # type: ignore[attr-defined]
-        starts: IntArray = self._starts  # type: ignore[attr-defined]
         if not self.shuffle:
             return positions.copy()
+        unit, local = self.places(positions)
+        starts: IntArray = self._starts  # type: ignore[attr-defined]
+        result: IntArray = starts[unit] + local
+        return result
+
+    def places(self, positions: IntArray) -> tuple[IntArray, IntArray]:
+        """``(unit, index in unit)`` of the sample at each of ``positions``: what `ids` numbers, before numbering.
+
+        A reader's plan wants these, not ids: from the shuffled layout they come with one search over
+        the units' places; from ids, a second search over the units' starts, ~15% of batch mode's time.
+        """
+        positions = np.asarray(positions, dtype=np.int64)
+        starts: IntArray = self._starts  # type: ignore[attr-defined]
+        if not self.shuffle:
+            unit = np.searchsorted(starts, positions, side="right") - 1
+            return unit, positions - starts[unit]
+        laid: IntArray = self._laid  # type: ignore[attr-defined]
+        perm: IntArray = self._perm  # type: ignore[attr-defined]
         pre = positions
         if self._permuted:
             window = positions // self.window
             base = window * self.window
             size = np.minimum(self.window, self.total - base)
             pre = base + permute_windows(positions - base, window, size, self._key)
+        if len(pre):
+            # A reader's run of positions lies mostly inside one unit (a window of a large file): two
+            # searches for its ends, not one for each position.
+            low, high = np.searchsorted(laid, [pre.min(), pre.max()], side="right") - 1
+            if low == high:
+                return np.full(len(pre), perm[low], dtype=np.int64), pre - laid[low]
         slot = np.searchsorted(laid, pre, side="right") - 1
-        unit = perm[slot]
-        result: IntArray = starts[unit] + (pre - laid[slot])
-        return result
+        return perm[slot].astype(np.int64, copy=False), pre - laid[slot]
 
     def _key(self, window: IntArray) -> npt.NDArray[np.uint64]:
         return mix_key(self.seed, self.epoch, window)

@@ -183,6 +183,8 @@ class IndexedPositions(Segmented):
     def __init__(self, order: Order, counts: IntArray, *, block: int, layout: Layout, drop_last: bool) -> None:
         self._order = order
         self._bounds = unit_starts(np.asarray(counts, dtype=np.int64))
+        # An order over these very units says where a position is without numbering it first (`columns`).
+        self._same_units = isinstance(order, WindowedOrder) and np.array_equal(order.counts, counts)
         self._layout = layout
         self._deal = Deal(order.total, layout.world_size, block)
         rank_length = self._deal.length(drop_last=drop_last)
@@ -262,7 +264,10 @@ class IndexedPositions(Segmented):
     def columns(self, positions: IntArray) -> tuple[IntArray, IntArray]:
         """``(unit, index in unit)`` of each of this reader's ``positions``."""
         spots = worker_spots(self._layout, positions)
-        ids = self._order.ids(self._deal.positions(self._layout.rank, spots))
+        dealt = self._deal.positions(self._layout.rank, spots)
+        if isinstance(self._order, WindowedOrder) and self._same_units:
+            return self._order.places(dealt)
+        ids = self._order.ids(dealt)
         unit = np.searchsorted(self._bounds, ids, side="right") - 1
         return unit, ids - self._bounds[unit]
 
