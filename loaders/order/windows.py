@@ -25,6 +25,7 @@ Every order also says, conservatively, which shards a range of its positions may
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -81,14 +82,22 @@ def unit_starts(counts: IntArray) -> IntArray:
         if held is not None and held[0]() is counts:
             return held[1]
     sums = _read_only(exclusive_sum(counts))
+    key = id(counts)
+    ref = weakref.ref(counts, functools.partial(_forget, key))
     with _SHARED_LOCK:
-        key = id(counts)
-        _SHARED_STARTS[key] = (weakref.ref(counts, lambda _: _forget(key)), sums)
+        _SHARED_STARTS[key] = (ref, sums)
     return sums
 
 
-def _forget(key: int) -> None:
-    with _SHARED_LOCK:
+def _forget(key: int, ref: weakref.ref[IntArray]) -> None:
+    """Drop the sum of a ``counts`` array that died (``ref``'s), not a newer one's under its reused id.
+
+    No lock: a weakref's callback runs wherever the collector runs, inside `unit_starts`'s own ``with
+    _SHARED_LOCK`` too, and took the lock its own thread held (a test process hung there for 20 minutes).
+    The dictionary's single operations are atomic; a newer entry dropped by a race costs one sum again.
+    """
+    held = _SHARED_STARTS.get(key)
+    if held is not None and held[0] is ref:
         _SHARED_STARTS.pop(key, None)
 
 
