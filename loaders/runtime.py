@@ -356,29 +356,18 @@ class NodeFuture:
         return np.zeros(0, dtype=np.int64) if found is None else found
 
     def order(self, plan: UnitPlan) -> FutureOrder:
-        """The same future in shard keys, as the stager takes it (a rank's workers share one tuple, as one array)."""
+        """The same future as the stager takes it: for a plan of one unit per shard, the units arrays
+        themselves, indices into the manifest's key column (no key decoded, no array copied: 1e6 shards'
+        keys as tuples of strings, and the stager's dict of them, were ~600 MB at rank 3 of 8)."""
+        if isinstance(plan.units, ShardUnits):
+            return FutureOrder.of_indices(self.epoch, plan.units.shards, self.units)
         made: dict[int, tuple[str, ...]] = {}
         keys: dict[str, tuple[str, ...]] = {}
-        named = self._shard_keys(plan)
         for name, units in self.units.items():
             if id(units) not in made:
-                if named is not None:
-                    unique, keys_of = named
-                    made[id(units)] = tuple(map(keys_of.__getitem__, np.searchsorted(unique, units).tolist()))
-                else:
-                    made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
+                made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
             keys[name] = made[id(units)]
         return FutureOrder(self.epoch, keys)
-
-    def _shard_keys(self, plan: UnitPlan) -> tuple[npt.NDArray[np.int64], list[str]] | None:
-        """The units read (sorted) and their keys, for a plan of one unit per shard: each key decoded once
-        from the manifest's column and shared by every reader and both epochs (a key made per read of a
-        unit, 2e6 strings at 1e6 shards, was most of a 1e6-shard dataset's time to its first sample)."""
-        if not isinstance(plan.units, ShardUnits):
-            return None
-        present = [units for units in {id(u): u for u in self.units.values()}.values() if len(units)]
-        unique = np.unique(np.concatenate(present)) if present else np.zeros(0, dtype=np.int64)
-        return unique, plan.units.shards.keys_at(unique)
 
     def after(self, units_this_epoch: int) -> tuple[int, ...]:
         """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
