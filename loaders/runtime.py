@@ -374,19 +374,39 @@ class NodeFuture:
         mine = self._of(self.units, self.reader)
         return tuple(mine[units_this_epoch if self.split is None else self.split :].tolist())
 
-    def key_positions(self, plan: UnitPlan) -> dict[int, int]:
+    def key_positions(self, plan: UnitPlan) -> KeyPositions:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
-        found: dict[int, int] = {}
-        position = 0
-        mine = self._of(self.units, self.reader).tolist()
+        mine = self._of(self.units, self.reader)
         if isinstance(plan.units, ShardUnits):  # one key a unit: its position is its index
-            for position, unit in enumerate(mine):
-                found.setdefault(unit, position)
-            return found
-        for unit in mine:
-            found.setdefault(unit, position)
-            position += len(plan.units[unit].keys)
-        return found
+            starts = np.arange(len(mine), dtype=np.int64)
+        else:
+            lengths = np.fromiter((len(plan.units[u].keys) for u in mine.tolist()), dtype=np.int64, count=len(mine))
+            starts = np.cumsum(lengths) - lengths
+        units, first = np.unique(mine, return_index=True)
+        return KeyPositions(units, starts[first])
+
+
+class KeyPositions(Mapping[int, int]):
+    """Unit -> the position of its first key in a reader's sequence, as two sorted arrays.
+
+    A dict of this reader's units (2.5e5 at 1e6 shards, rank 3 of 8) was ~24 MB of Python ints and
+    entries in each reader; looked up once per unit opened.
+    """
+
+    def __init__(self, units: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
+        self._units, self._positions = units, positions
+
+    def __getitem__(self, unit: int) -> int:
+        at = int(np.searchsorted(self._units, unit))
+        if at < len(self._units) and int(self._units[at]) == unit:
+            return int(self._positions[at])
+        raise KeyError(unit)
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._units.tolist())
 
 
 class Units(Protocol):

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
+from datacache.loaders.runtime import NodeFuture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,6 +124,7 @@ def test_the_json_form_names_each_key_once_and_round_trips() -> None:
     sent = order.to_json()
     assert sorted(sent["keys"]) == ["a", "b", "c"] and len(sent["reads"]["0.0"]) == 3
     assert FutureOrder.from_json(sent) == order
+    assert FutureOrder.from_json(sent).begins(FutureOrder.from_json(sent))  # two clients' equal columns
     # The form of key lists (a client of an earlier version) is still read.
     assert FutureOrder.from_json({"epoch": 3, "readers": {k: list(v) for k, v in order.readers.items()}}) == order
 
@@ -149,15 +151,12 @@ def test_a_future_order_from_a_client_is_checked(data: object, error: str) -> No
         FutureOrder.from_json(data)
 
 
-def test_the_node_future_at_rank_3_of_8_costs_the_stager_at_most_20_bytes_a_shard() -> None:
-    # Handed over in process as the units arrays and the manifest's key column, indexed as one int64
-    # a read (8 ranks' sequences of this epoch and the next: two reads a shard): 16 bytes a shard,
-    # 18 at the peak. As key tuples and a dict of key -> positions per reader it held 387 (main, 294359f).
+def _rank_3_of_8(shards: int) -> tuple[Manifest, UnitPlan, NodeFuture]:
+    """A manifest of ``shards`` of 1,000 samples, its plan of one unit a shard, and rank 3 of 8's node future."""
     from datacache.loaders.epochs.dataset import indexed_plan
     from datacache.loaders.order.layout import Dealing, Layout
     from datacache.loaders.plans.positions import auto_window
 
-    shards = 200_000
     manifest = Manifest(
         "synthetic",
         "s3://bucket/synthetic/",
@@ -165,17 +164,19 @@ def test_the_node_future_at_rank_3_of_8_costs_the_stager_at_most_20_bytes_a_shar
         tuple(Shard(f"part-{i:07d}.parquet", 4096, f"v{i}", None, 1000) for i in range(shards)),
     )
     counts = np.full(shards, 1000, dtype=np.int64)
-    units = UnitPlan(ShardUnits(manifest.table, counts), {})
-    plan = indexed_plan(
-        counts,
-        Layout(8, 3, 1, 0, 64),
-        Dealing(3, True, False),
-        epoch=0,
-        cursors=(),
-        window=auto_window(shards * 1000, shards),
-    )
+    window = auto_window(shards * 1000, shards)
+    plan = indexed_plan(counts, Layout(8, 3, 1, 0, 64), Dealing(3, True, False), epoch=0, cursors=(), window=window)
     future = plan.future()
     assert future is not None and len(future.units) == 8
+    return manifest, UnitPlan(ShardUnits(manifest.table, counts), {}), future
+
+
+def test_the_node_future_at_rank_3_of_8_costs_the_stager_at_most_20_bytes_a_shard() -> None:
+    # Handed over in process as the units arrays and the manifest's key column, indexed as one int64
+    # a read (8 ranks' sequences of this epoch and the next: two reads a shard): 16 bytes a shard,
+    # 18 at the peak. As key tuples and a dict of key -> positions per reader it held 387 (main, 294359f).
+    shards = 200_000
+    manifest, units, future = _rank_3_of_8(shards)
     residency = Residency()
     tracemalloc.start()
     try:
@@ -187,3 +188,21 @@ def test_the_node_future_at_rank_3_of_8_costs_the_stager_at_most_20_bytes_a_shar
     assert peak <= 32 * shards, f"peak {peak / shards:.0f} bytes a shard"
     first = manifest.table.key(int(future.units[future.reader][0]))
     assert residency._orders["synthetic"].next_uses({future.reader: 0}, [first]) == {first: 0}
+
+
+def test_a_readers_first_key_positions_at_rank_3_of_8_hold_at_most_6_bytes_a_shard() -> None:
+    # Two sorted arrays of this reader's units (~47,000 of 200,000 shards, two epochs'): ~4 bytes a
+    # shard. As a dict of Python ints it held 27 (main, 294359f).
+    shards = 200_000
+    _, units, future = _rank_3_of_8(shards)
+    tracemalloc.start()
+    try:
+        positions = future.key_positions(units)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= 6 * shards, f"{held / shards:.1f} bytes a shard held"
+    first: dict[int, int] = {}
+    for position, unit in enumerate(future.units[future.reader].tolist()):
+        first.setdefault(unit, position)
+    assert dict(positions.items()) == first and positions.get(shards + 1, -1) == -1
