@@ -356,48 +356,57 @@ class NodeFuture:
         return np.zeros(0, dtype=np.int64) if found is None else found
 
     def order(self, plan: UnitPlan) -> FutureOrder:
-        """The same future in shard keys, as the stager takes it (a rank's workers share one tuple, as one array)."""
+        """The same future as the stager takes it: for a plan of one unit per shard, the units arrays
+        themselves, indices into the manifest's key column (no key decoded, no array copied: 1e6 shards'
+        keys as tuples of strings, and the stager's dict of them, were ~600 MB at rank 3 of 8)."""
+        if isinstance(plan.units, ShardUnits):
+            return FutureOrder.of_indices(self.epoch, plan.units.shards, self.units)
         made: dict[int, tuple[str, ...]] = {}
         keys: dict[str, tuple[str, ...]] = {}
-        named = self._shard_keys(plan)
         for name, units in self.units.items():
             if id(units) not in made:
-                if named is not None:
-                    unique, keys_of = named
-                    made[id(units)] = tuple(map(keys_of.__getitem__, np.searchsorted(unique, units).tolist()))
-                else:
-                    made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
+                made[id(units)] = tuple(key for u in units.tolist() for key in plan.units[u].keys)
             keys[name] = made[id(units)]
         return FutureOrder(self.epoch, keys)
-
-    def _shard_keys(self, plan: UnitPlan) -> tuple[npt.NDArray[np.int64], list[str]] | None:
-        """The units read (sorted) and their keys, for a plan of one unit per shard: each key decoded once
-        from the manifest's column and shared by every reader and both epochs (a key made per read of a
-        unit, 2e6 strings at 1e6 shards, was most of a 1e6-shard dataset's time to its first sample)."""
-        if not isinstance(plan.units, ShardUnits):
-            return None
-        present = [units for units in {id(u): u for u in self.units.values()}.values() if len(units)]
-        unique = np.unique(np.concatenate(present)) if present else np.zeros(0, dtype=np.int64)
-        return unique, plan.units.shards.keys_at(unique)
 
     def after(self, units_this_epoch: int) -> tuple[int, ...]:
         """This reader's units of the next epoch: its sequence past the ``units_this_epoch`` of this one."""
         mine = self._of(self.units, self.reader)
         return tuple(mine[units_this_epoch if self.split is None else self.split :].tolist())
 
-    def key_positions(self, plan: UnitPlan) -> dict[int, int]:
+    def key_positions(self, plan: UnitPlan) -> KeyPositions:
         """Unit -> the position of its first key in this reader's sequence (this epoch's part)."""
-        found: dict[int, int] = {}
-        position = 0
-        mine = self._of(self.units, self.reader).tolist()
+        mine = self._of(self.units, self.reader)
         if isinstance(plan.units, ShardUnits):  # one key a unit: its position is its index
-            for position, unit in enumerate(mine):
-                found.setdefault(unit, position)
-            return found
-        for unit in mine:
-            found.setdefault(unit, position)
-            position += len(plan.units[unit].keys)
-        return found
+            starts = np.arange(len(mine), dtype=np.int64)
+        else:
+            lengths = np.fromiter((len(plan.units[u].keys) for u in mine.tolist()), dtype=np.int64, count=len(mine))
+            starts = np.cumsum(lengths) - lengths
+        units, first = np.unique(mine, return_index=True)
+        return KeyPositions(units, starts[first])
+
+
+class KeyPositions(Mapping[int, int]):
+    """Unit -> the position of its first key in a reader's sequence, as two sorted arrays.
+
+    A dict of this reader's units (2.5e5 at 1e6 shards, rank 3 of 8) was ~24 MB of Python ints and
+    entries in each reader; looked up once per unit opened.
+    """
+
+    def __init__(self, units: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
+        self._units, self._positions = units, positions
+
+    def __getitem__(self, unit: int) -> int:
+        at = int(np.searchsorted(self._units, unit))
+        if at < len(self._units) and int(self._units[at]) == unit:
+            return int(self._positions[at])
+        raise KeyError(unit)
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._units.tolist())
 
 
 class Units(Protocol):

@@ -119,11 +119,10 @@ class ReadVerbs(DaemonBase):
             order = FutureOrder.from_json(data["order"])
         except ValueError as exc:
             raise http.BadRequest(str(exc)) from None
-        for sequence in order.readers.values():
-            for key in set(sequence):
-                validate_key(key)
+        for key in order.used_keys():
+            validate_key(key)
         await self._stager().set_future_order(handle, order)
-        return web.json_response({"readers": len(order.readers)})
+        return web.json_response({"readers": len(order.reads)})
 
     async def _progress(self, request: web.Request) -> web.Response:
         """A client's reader moved on: its position feeds the node's one order, its held shards are leased."""

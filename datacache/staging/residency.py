@@ -14,6 +14,10 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from datacache.catalog import ReaderRow
 from datacache.eviction import Candidate, choose_victims
@@ -32,36 +36,112 @@ _ANONYMOUS = ""
 
 
 class _Uses:
-    """One `FutureOrder`, indexed: reader -> shard key -> the positions that read it, ascending."""
+    """One `FutureOrder`, indexed: per distinct sequence, its (key index, position) pairs, sorted.
+
+    Each pair is one int64, ``key * length + position``, so one `np.searchsorted` finds the next
+    read of a key at or after a position: 8 bytes a read, where a dict of key -> positions per
+    reader was ~280 bytes a shard at 1e6 shards. Readers that read equal sequences (a rank's
+    workers) share one, and are rank-mates to `_waited_for`.
+    """
 
     def __init__(self, order: FutureOrder) -> None:
         self.order = order
         self.epoch = order.epoch
-        self.positions: dict[str, dict[str, list[int]]] = {}
-        for reader, keys in order.readers.items():
-            index: dict[str, list[int]] = {}
-            for position, key in enumerate(keys):
-                index.setdefault(key, []).append(position)
-            self.positions[reader] = index
-        sequences: dict[tuple[str, ...], int] = {}
-        self.sequence = {reader: sequences.setdefault(keys, len(sequences)) for reader, keys in order.readers.items()}
+        self.readers = order.reads.keys()
+        self.sequence: dict[str, int] = {}
         """Reader -> which sequence it reads: the workers of one rank share their rank's."""
-        self._last: tuple[tuple[tuple[str, int], ...], dict[str, int]] | None = None
+        self._reads: list[npt.NDArray[np.integer[Any]]] = []
+        """Each distinct sequence, as the order holds it (no copy)."""
+        self._pairs: list[npt.NDArray[np.int64]] = []
+        self._lengths: list[int] = []
+        by_id: dict[int, int] = {}
+        for reader, reads in order.reads.items():
+            if id(reads) not in by_id:
+                by_id[id(reads)] = self._sequence_of(reads)
+            self.sequence[reader] = by_id[id(reads)]
+        self._index: dict[str, int] = {}
+        """Key -> its index in the order's key column (-1: not in it), for the keys asked about."""
+        self._last: tuple[tuple[tuple[str, int], ...], dict[str, int | None]] | None = None
 
-    def next_uses(self, where: Mapping[str, int]) -> dict[str, int]:
-        """`next_uses` from the readers' positions ``where``, kept while those positions stay.
+    def _sequence_of(self, reads: npt.NDArray[np.integer[Any]]) -> int:
+        for at, known in enumerate(self._reads):
+            if len(known) == len(reads) and np.array_equal(known, reads):
+                return at
+        length = len(reads)
+        pairs = reads.astype(np.int64)
+        pairs *= length
+        pairs += np.arange(length, dtype=np.int64)
+        pairs.sort()
+        self._reads.append(reads)
+        self._pairs.append(pairs)
+        self._lengths.append(length)
+        return len(self._pairs) - 1
 
-        It walks every reader's whole future: one stager asks once per shard it stages, and
-        between two reports the positions are the same (a burst of tiny shards staged, each
-        paid O(future) again: 1e4 two-sample shards, most of the stager's time). Read-only.
+    def positions_of(self, keys: Iterable[str]) -> npt.NDArray[np.int64]:
+        """Each key's index in the order's key column, -1 for one not in it (looked up once each)."""
+        index = self._index
+        found = []
+        for key in keys:
+            at = index.get(key)
+            if at is None:
+                position = self.order.keys.position(key)
+                at = index[key] = -1 if position is None else position
+            found.append(at)
+        return np.asarray(found, dtype=np.int64)
+
+    def after(
+        self, reader: str, keys: npt.NDArray[np.int64], position: int, *, strictly: bool = False
+    ) -> npt.NDArray[np.int64]:
+        """Where ``reader`` next reads each of ``keys`` (column indices) at or after ``position``
+        (after it, if ``strictly``); `_NEVER` where it reads it no more or the key is not in the order."""
+        never = np.full(len(keys), _NEVER, dtype=np.int64)
+        sequence = self.sequence.get(reader)
+        if sequence is None:
+            return never
+        pairs, length = self._pairs[sequence], self._lengths[sequence]
+        if not length or position >= length or (strictly and position >= length - 1):
+            return never
+        start = max(position, 0)
+        known = keys >= 0
+        targets = keys[known] * length + start
+        at = np.searchsorted(pairs, targets, side="right" if strictly and position >= 0 else "left")
+        inside = at < len(pairs)
+        hit = np.full(len(targets), -1, dtype=np.int64)
+        hit[inside] = pairs[at[inside]]
+        same = inside & (hit // length == keys[known])
+        found = np.where(same, hit % length, _NEVER)
+        never[known] = found
+        return never
+
+    def next_uses(self, where: Mapping[str, int], keys: Iterable[str]) -> dict[str, int]:
+        """`next_uses` of ``keys`` from the readers' positions ``where``, each kept while those positions stay.
+
+        Only the keys asked about (the residents and the incoming shard), never the whole future:
+        one stager asks once per shard it stages, and between two reports the positions are the
+        same (a burst of tiny shards staged). Read-only.
         """
+        asked = list(dict.fromkeys(keys))
         known = tuple(sorted(where.items()))
-        last = self._last
-        if last is not None and last[0] == known:
-            return last[1]
-        found = next_uses(self.positions, where)
-        self._last = (known, found)
-        return found
+        if self._last is None or self._last[0] != known:
+            if len(self._index) > max(_KEYS_KEPT, 4 * len(asked)):
+                self._index = {}  # the residents of long ago: looked up again if asked again
+            self._last = (known, {})
+        found = self._last[1]
+        missing = [key for key in asked if key not in found]
+        if missing:
+            indices = self.positions_of(missing)
+            best = np.full(len(missing), _NEVER, dtype=np.int64)
+            for reader, position in where.items():
+                then = self.after(reader, indices, position)
+                np.minimum(best, np.where(then == _NEVER, _NEVER, then - position), out=best)
+            for key, steps in zip(missing, best.tolist(), strict=True):
+                found[key] = None if steps == _NEVER else steps
+        return {key: value for key in asked if (value := found[key]) is not None}
+
+
+_NEVER = np.iinfo(np.int64).max
+_KEYS_KEPT = 4096
+"""Keys whose column index `_Uses` remembers, at least: beyond that, at most four times those asked about."""
 
 
 def next_uses(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[str, int]) -> dict[str, int]:
@@ -82,10 +162,8 @@ def next_uses(uses: Mapping[str, Mapping[str, Sequence[int]]], where: Mapping[st
 
 
 def _extends(known: FutureOrder, order: FutureOrder) -> bool:
-    """Whether ``known`` is ``order`` with more reads after it (the next epoch's), reader by reader."""
-    if known.epoch != order.epoch or known == order:
-        return False
-    return all(known.readers.get(name, ())[: len(keys)] == keys for name, keys in order.readers.items())
+    """Whether ``known`` is ``order``, or ``order`` with more reads after it (the next epoch's), reader by reader."""
+    return known.begins(order)
 
 
 class Residency:
@@ -99,7 +177,9 @@ class Residency:
         order = keys if isinstance(keys, FutureOrder) else FutureOrder(0, {_ANONYMOUS: tuple(keys)})
         known = self._orders.get(dataset_id)
         if known is not None and _extends(known.order, order):
-            return  # a reader that does not know the next epoch yet (a cold one's counts): keep the longer
+            # A reader that does not know the next epoch yet (a cold one's counts): keep the longer.
+            # The same order again (each reader hands it over): kept, not indexed again.
+            return
         self._orders[dataset_id] = _Uses(order)
 
     def knows(self, dataset_id: str) -> bool:
@@ -126,16 +206,17 @@ class Residency:
             where = {
                 row.reader: row.position if row.epoch == uses.epoch else 0
                 for row in readers
-                if row.reader in uses.positions
+                if row.reader in uses.readers
             }
             if not where:
-                where = dict.fromkeys(uses.positions, 0)
+                where = dict.fromkeys(uses.readers, 0)
 
         def choose(incoming: Candidate, residents: list[Candidate], need: int) -> list[Candidate] | None:
             if handle.config.pinned:
                 incoming = Candidate(incoming.dataset, incoming.key, incoming.size, incoming.last_access, True)
             # Only when room must be made: a reservation that fits asks nothing of the future.
-            next_use = uses.next_uses(where) if uses is not None else None
+            asked = (incoming.key, *(c.key for c in residents))
+            next_use = uses.next_uses(where, asked) if uses is not None else None
             uses_now = next_use
             if wanted_now and uses is not None and next_use is not None and next_use.get(incoming.key) == 0:
                 # Not for a prefetch at a reader's position: a reader past its epoch's end
@@ -172,28 +253,23 @@ def _waited_for(uses: _Uses, where: Mapping[str, int], next_use: Mapping[str, in
       window's shards at its start (the per-window plan before issue 35); with each shard opened
       at its first read it cost 0.03-0.04 below LRU (20 samples per shard, 4 ranks of 2 workers).
     """
-    waiting = {r: p for r, p in where.items() if _reads_at(uses.positions[r].get(key, ()), p)}
+    at = uses.positions_of((key,))
+    waiting = {r: p for r, p in where.items() if int(uses.after(r, at, p)[0]) == p}
     lead: dict[int, int] = {}
     for reader, position in waiting.items():
         lead[uses.sequence[reader]] = max(position, lead.get(uses.sequence[reader], position))
     later: int | None = None
     for reader, position in where.items():
-        positions = uses.positions[reader].get(key, ())
         # A waiting reader's read at its position is the one under way; a rank-mate counts from the lead.
-        at = (bisect.bisect_right if reader in waiting else bisect.bisect_left)(positions, position)
-        if at < len(positions):
-            steps = max(0, positions[at] - max(position, lead.get(uses.sequence[reader], position)))
+        found = int(uses.after(reader, at, position, strictly=reader in waiting)[0])
+        if found != _NEVER:
+            steps = max(0, found - max(position, lead.get(uses.sequence[reader], position)))
             later = steps if later is None else min(later, steps)
-    found = dict(next_use)
+    found_uses = dict(next_use)
     if later is None:
-        return _without(found, key)
-    found[key] = later
-    return found
-
-
-def _reads_at(positions: Sequence[int], position: int) -> bool:
-    at = bisect.bisect_left(positions, position)
-    return at < len(positions) and positions[at] == position
+        return _without(found_uses, key)
+    found_uses[key] = later
+    return found_uses
 
 
 def _without(uses: Mapping[str, int], key: str) -> dict[str, int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datacache.catalog import process_owner
+from datacache.staging._future import FutureOrder
 
 if TYPE_CHECKING:
     from datacache.staging.batch import Turn
@@ -40,7 +41,6 @@ PRIORITY_URGENT = 0.0
 """A reader is blocked on this shard."""
 PRIORITY_PREFETCH = 1.0
 """Prefetches start here; later positions in the read order get larger numbers."""
-
 
 
 def _never() -> bool:
@@ -179,37 +179,6 @@ class Job:
     """Set once the shard's bytes are verified in memory, before its copy is durable (local tier only)."""
     after: Turn | None = None
     """Its warm's place (`staging.batch.Turn`): room is reserved after the warm's shard before it reserved."""
-
-
-@dataclass(frozen=True)
-class FutureOrder:
-    """The whole node's future reads of one dataset: each reader's shard keys in its own order.
-
-    Every reader computes the same value from ``(seed, epoch)`` and the job's
-    layout (all ranks, all workers), so whoever hands it over last changes
-    nothing. Positions in `ReaderProgress` index these sequences.
-    """
-
-    epoch: int
-    readers: Mapping[str, tuple[str, ...]]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "readers": {name: list(keys) for name, keys in self.readers.items()}}
-
-    @classmethod
-    def from_json(cls, data: object) -> FutureOrder:
-        """Parse `to_json`'s form; raise ValueError naming what is wrong."""
-        if not isinstance(data, dict) or not isinstance(data.get("readers"), dict):
-            raise ValueError("a future order needs an object of readers")
-        epoch = data.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError("a future order's epoch must be a non-negative integer")
-        readers: dict[str, tuple[str, ...]] = {}
-        for name, keys in data["readers"].items():
-            if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
-                raise ValueError(f"reader {name!r} of a future order needs a list of shard keys")
-            readers[str(name)] = tuple(keys)
-        return cls(epoch, readers)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ class UnitReaders:
         self._opening: set[int] = set()
         """Units being located and mapped now (by any thread): leased with the open ones."""
         self._note_lock = threading.Lock()
-        self._positions = future.key_positions(runtime.units) if future is not None else {}
+        self._positions: Mapping[int, int] = future.key_positions(runtime.units) if future is not None else {}
         self._epoch = epoch
         self._plan = runtime.units
         self._kind = runtime.kind
