@@ -28,6 +28,10 @@ class KeyColumn(Protocol):
 
     def position(self, key: str) -> int | None: ...
 
+    def positions(self, keys: Sequence[str]) -> npt.NDArray[np.int64]:
+        """The index of each of ``keys``, -1 for one not in the column."""
+        ...
+
 
 class KeyList(Sequence[str]):
     """A key column of plain strings, each once: what a future given as key sequences is indexed by."""
@@ -59,6 +63,10 @@ class KeyList(Sequence[str]):
 
     def position(self, key: str) -> int | None:
         return self._index.get(key)
+
+    def positions(self, keys: Sequence[str]) -> npt.NDArray[np.int64]:
+        index = self._index
+        return np.fromiter((index.get(key, -1) for key in keys), dtype=np.int64, count=len(keys))
 
 
 def _frozen(reads: npt.NDArray[Any], size: int, name: str) -> npt.NDArray[np.integer[Any]]:
