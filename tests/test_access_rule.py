@@ -307,6 +307,52 @@ def test_several_workers_of_one_job_prove_access_at_once(
         daemon.kill()
 
 
+def test_readers_declared_or_taken_away_after_copies_were_made_get_copies_of_the_new_mode(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """A trial: copies staged private cut the readers declared later off (PermissionError in every
+    loader), and copies staged shared stayed readable by the group after the readers were taken away."""
+    alice, bob = users["alice"], users["bob"]
+    origin, shards = _origin(world_dir, "a-wds", alice)  # alice's alone: she proves access
+    expected = {key: data.hex() for key, data in shards.items()}
+
+    def serve_with(readers: str) -> DaemonProcess:
+        config = _config(world_dir, f"""
+            [datasets.a-wds]
+            url = "file://{origin}/"
+            {readers}
+        """)
+        return _serve(users, world_dir, base_env, "--config", str(config))
+
+    team = grp.getgrgid(alice.groups[0]).gr_name
+    daemon = serve_with(f'readers = ["@{team}"]')  # the team's: alice and bob
+    try:
+        env_a = _client_env(alice, world_dir, world_dir / "datacache.toml")
+        warmed = cli_as(alice, "warm", "a-wds", env=env_a)
+        assert warmed.returncode == 0, warmed.stderr
+        (copies,) = (world_dir / "cache" / "data").iterdir()  # the one dataset's copies
+        assert all(_can_read_as(bob, copy) for copy in copies.iterdir())  # staged shared: the group's (0640)
+    finally:
+        daemon.kill()
+    daemon = serve_with("")  # the readers taken away: alice's alone again
+    try:
+        warmed = cli_as(alice, "warm", "a-wds", env=env_a)  # her copies now: the daemon's own (0600)
+        assert warmed.returncode == 0, warmed.stderr
+        readable = [copy.name for copy in copies.iterdir() if _can_read_as(bob, copy)]
+        assert not readable, f"bob still reads {readable} of a dataset no longer shared with him"
+        assert read_through_daemon(alice, "a-wds", env_a).get("shards") == expected
+    finally:
+        daemon.kill()
+    daemon = serve_with(f'readers = ["{alice.name}", "{bob.name}"]')  # and declared again: bob reads
+    try:
+        env_b = _client_env(bob, world_dir, world_dir / "datacache.toml")
+        warmed = cli_as(bob, "warm", "a-wds", env=env_b)
+        assert warmed.returncode == 0, warmed.stderr
+        assert read_through_daemon(bob, "a-wds", env_b).get("shards") == expected
+    finally:
+        daemon.kill()
+
+
 # -- items 4 and 5: credentials and the query are part of what an http origin returns --------------
 
 

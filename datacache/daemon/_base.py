@@ -66,6 +66,8 @@ class DaemonBase:
         )
         self.registry = DatasetRegistry(settings, policy, self.lifecycle.snapshot_dir)
         self.grants = Grants({dataset.id: dataset.readers for dataset in settings.datasets.values()})
+        self._modes_checked: set[str] = set()
+        """Datasets whose copies' modes were checked against their readers in this daemon's life."""
         self.leases = LeaseBook(lease_limit(settings.local_dir, settings.local_capacity))
         self.lease_lock = asyncio.Lock()
         """Held while leases are admitted or cut and written: the catalog gets them in the book's order."""
@@ -131,6 +133,10 @@ class DaemonBase:
         for tier in (stager.local, stager.shared):
             if tier is not None:
                 tier.shared_datasets |= self.grants.shared
+        if config.id not in self._modes_checked:
+            # Readers declared or taken away since its copies were written (a restart with a new config).
+            self._modes_checked.add(config.id)
+            await stager.drop_misfit_copies(config.id)
         if prove:
             handle = await self.lifecycle.tracked(stager.open(config))
             if not self.grants.proven(peer, handle):

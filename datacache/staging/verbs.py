@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,6 +18,7 @@ from datacache.errors import (
     DatacacheError,
     InvalidKeyError,
 )
+from datacache.posix_acl import ACL_XATTR
 from datacache.staging.batch import Turn
 from datacache.staging.queue import first_answer
 from datacache.staging.reading import read_verified
@@ -221,6 +224,40 @@ class StagerVerbs(StagerRuntime):
                 return Location(SHARED, self.shared.path(handle.tier_key(key)), shard, info.metadata.get("checksum"))
         return Location(ORIGIN, None, shard, shard.checksum or await known_checksum(self.catalog, handle, shard))
 
+    async def drop_misfit_copies(self, dataset_id: str) -> int:
+        """Drop the dataset's copies whose file mode is not the one its readers now need; how many.
+
+        A copy's mode is set when it is written (0640 for a dataset declared shared, 0600 for one
+        that is not). The operator may declare or undeclare readers later: a copy staged private
+        then cut the new readers off (a raw ``PermissionError`` in every loader), and one staged
+        shared stayed open to the group after its readers were taken away (a trial read it). Such a
+        copy is removed and staged again, with the right mode, on its next read.
+        """
+        await self._ready()
+        dropped = 0
+        for tier in (self.local, self.shared):
+            if tier is None:
+                continue
+            if tier is self.local:
+                keys = [entry.key for entry in await self.catalog.entries(dataset_id) if entry.state == "resident"]
+            else:
+                keys = [info.key.split("/", 1)[1] async for info in tier.list(f"{dataset_id}/")]
+            misfits = await asyncio.to_thread(_misfits, tier, dataset_id, keys)
+            for key in misfits:
+                if tier is self.local:
+                    await self.catalog.remove(dataset_id, key)
+                await tier.delete(f"{dataset_id}/{key}")
+            if misfits:
+                logger.warning(
+                    "dataset %s: %d copies on the %s tier had the file mode of another sharing; "
+                    "dropped, staged again when read",
+                    dataset_id,
+                    len(misfits),
+                    tier.kind,
+                )
+            dropped += len(misfits)
+        return dropped
+
     async def report_corrupt(self, handle: DatasetHandle, location: Location) -> None:
         """A reader found ``location``'s bytes wrong: drop that copy so the next ensure re-stages it."""
         key = location.shard.key
@@ -236,3 +273,27 @@ class StagerVerbs(StagerRuntime):
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _misfits(tier: Tier, dataset_id: str, keys: Sequence[str]) -> list[str]:
+    """Those of ``keys`` whose file's permission bits are not the ones `mode_for` gives now (blocking)."""
+    mode_for = getattr(tier, "mode_for", None)
+    if mode_for is None:
+        return []
+    found = []
+    for key in keys:
+        wanted = mode_for(f"{dataset_id}/{key}")
+        try:
+            st = os.lstat(tier.path(f"{dataset_id}/{key}"))
+        except (OSError, ValueError):
+            continue
+        if wanted is None or not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            acl: bytes | None = os.getxattr(tier.path(f"{dataset_id}/{key}"), ACL_XATTR, follow_symlinks=False)
+        except OSError:
+            acl = None  # none set, or a filesystem without ACLs
+        # The readers are named by the bits, or by an ACL (`tiers._acl.readers_mode`): either may have changed.
+        if stat.S_IMODE(st.st_mode) & 0o077 != wanted & 0o077 or acl != getattr(wanted, "acl", None):
+            found.append(key)
+    return found
