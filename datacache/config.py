@@ -484,10 +484,8 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
             known = ", ".join(sorted(settings.datasets)) or "none configured"
             slashes = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)", spec)
             if slashes is not None:  # a trial's 's3:/shards/wds/' got no word of the missing slash
-                raise ConfigError(
-                    f"unknown dataset {spec!r}: a URL needs '://' after its scheme "
-                    f"({slashes.group(1)}://{slashes.group(2)})"
-                )
+                meant = f"{slashes.group(1)}://{'/' if slashes.group(1).lower() == 'file' else ''}{slashes.group(2)}"
+                raise ConfigError(f"unknown dataset {spec!r}: a URL needs '://' after its scheme ({meant})")
             raise ConfigError(
                 f"unknown dataset {spec!r}: not a URL, not an existing path, "
                 f"and not a name in the config (known: {known})"

@@ -461,13 +461,18 @@ def test_a_glob_is_named_as_such_with_what_to_write_instead(env: dict[str, str],
     assert_nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize("spec", ["s3:/shards/wds/", "s3:shards/wds/"])
-def test_a_url_missing_a_slash_is_told_what_to_write(env: dict[str, str], tmp_path: Path, spec: str) -> None:
+@pytest.mark.parametrize(
+    ("spec", "meant"),
+    [("s3:/shards/wds/", "s3://shards/wds/"), ("s3:shards/wds/", "s3://shards/wds/"), ("file:/data/wds", "file:///data/wds")],
+)
+def test_a_url_missing_a_slash_is_told_what_to_write(
+    env: dict[str, str], tmp_path: Path, spec: str, meant: str
+) -> None:
     """A trial's ``s3:/shards/wds/`` was "not a URL, not an existing path", with no word of the slash."""
     result = run_cli(["warm", spec], env)
     assert result.returncode == 2, result.stderr
     line = one_error_line(result)
-    assert line.endswith("a URL needs '://' after its scheme (s3://shards/wds/)"), line
+    assert line.endswith(f"a URL needs '://' after its scheme ({meant})"), line
     assert_nothing_written(tmp_path)
 
 
