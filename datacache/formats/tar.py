@@ -13,9 +13,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from datacache.counting.cluster import ClusterIndex
 from datacache.counting.sidecars import KnownCount
 from datacache.counting.spantable import SpanTable
@@ -28,12 +25,11 @@ from datacache.formats._base import (
     Fields,
     PlanContext,
     SampleFormat,
-    ShardUnits,
     Unit,
     UnitPlan,
     UnitReader,
 )
-from datacache.manifest import SIDECAR_CANDIDATES, TAR_BLOCK, Manifest
+from datacache.manifest import SIDECAR_CANDIDATES, TAR_BLOCK
 from datacache.tiers import ObjectInfo
 
 __all__ = ["FORMAT", "TarFormat", "TarReader"]
@@ -114,7 +110,10 @@ class TarFormat(SampleFormat):
             found = await index.known()
             if len(found) < len(manifest.shards):
                 # A cold epoch starts now; the counts are completed in the background (`coldplan`).
-                return UnitPlan(ShardUnits(manifest.table, _counts_of(manifest, found, -1)), _sources(found))
+                units = tuple(
+                    Unit((s.key,), found[s.key].samples if s.key in found else -1, s.key) for s in manifest.shards
+                )
+                return UnitPlan(units, _sources(found))
         found, report = await index.build()
         if report.scanned:
             logger.info(
@@ -132,22 +131,13 @@ class TarFormat(SampleFormat):
             for key in keys
             if key not in found
         }
-        return UnitPlan(ShardUnits(manifest.table, _counts_of(manifest, found, 0)), _sources(found), uncountable)
+        units = tuple(Unit((s.key,), found[s.key].samples if s.key in found else 0, s.key) for s in manifest.shards)
+        return UnitPlan(units, _sources(found), uncountable)
 
     def open_reader(
         self, unit: Unit, where: str, buffers: Mapping[str, Buffer], extra: Mapping[str, Any], *, index: Any = None
     ) -> UnitReader:
         return TarReader(unit, where, buffers[unit.keys[0]], index, tuple(extra.get(COUNT_SOURCES, ())))
-
-
-def _counts_of(manifest: Manifest, found: Mapping[str, KnownCount], missing: int) -> npt.NDArray[np.int64]:
-    """Each shard's count from ``found``, in manifest order, ``missing`` where none: a column, no `Unit` a shard."""
-    keys = manifest.table.keys()  # the key column, one string at a time (iterating the table makes `Shard`s)
-    return np.fromiter(
-        ((count.samples if (count := found.get(key)) is not None else missing) for key in keys),
-        dtype=np.int64,
-        count=len(manifest.table),
-    )
 
 
 def _sources(found: Mapping[str, KnownCount]) -> dict[str, Any]:
