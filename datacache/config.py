@@ -26,7 +26,7 @@ from datacache.format_registry import format_names
 from datacache.identity import canonical_origin, check_origin_form, dataset_id_for
 from datacache.ownership import Readers, check_not_writable_by_others, parse_readers
 from datacache.sizes import parse_bandwidth, parse_size, unit_hint
-from datacache.tiers import RetryPolicy, glob_hint, redact_url, split_scheme
+from datacache.tiers import RetryPolicy, glob_hint, redact_url, slash_hint, split_scheme
 
 __all__ = [
     "POLICIES",
@@ -482,14 +482,10 @@ def resolve_dataset(spec: str, settings: Settings, *, policy: str | None = None)
             if glob_hint(spec):  # a trial's relative 'dir/*.tar' was told "unknown dataset", not what to write
                 raise GlobURLError(glob_hint(spec))
             known = ", ".join(sorted(settings.datasets)) or "none configured"
-            slashes = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)", spec)
-            if slashes is not None:  # a trial's 's3:/shards/wds/' got no word of the missing slash
-                meant = f"{slashes.group(1)}://{'/' if slashes.group(1).lower() == 'file' else ''}{slashes.group(2)}"
-                raise ConfigError(f"unknown dataset {spec!r}: a URL needs '://' after its scheme ({meant})")
-            raise ConfigError(
-                f"unknown dataset {spec!r}: not a URL, not an existing path, "
-                f"and not a name in the config (known: {known})"
-            )
+            if slash_hint(spec):  # a trial's 's3:/shards/wds/' got no word of the missing slash
+                raise ConfigError(f"unknown dataset {spec!r}: {slash_hint(spec)}")
+            what = f"not a URL, not an existing path, and not a name in the config (known: {known})"
+            raise ConfigError(f"unknown dataset {spec!r}: {what}")
         url = spec
         check_origin_form(url)
         if scheme == "file" and "://" not in spec:

@@ -9,6 +9,7 @@ without touching this table. Anything fsspec itself knows is accepted too.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -59,6 +60,7 @@ __all__ = [
     "known_schemes",
     "open_origin",
     "redact_url",
+    "slash_hint",
     "split_scheme",
     "split_userinfo",
     "translate_error",
@@ -130,6 +132,15 @@ def check_scheme(url: str) -> None:
         f"({hint}supported: {', '.join(s + '://' for s in known_schemes())}, another protocol fsspec has, "
         "or a local path)"
     )
+
+
+def slash_hint(spec: str) -> str | None:
+    """``a URL needs '://' after its scheme (s3://b/x)`` for ``s3:/b/x`` or ``s3:b/x``; None for anything else."""
+    found = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)", spec)
+    if found is None:
+        return None
+    scheme, rest = found.groups()
+    return f"a URL needs '://' after its scheme ({scheme}://{'/' if scheme.lower() == 'file' else ''}{rest})"
 
 
 def glob_hint(url: str) -> str | None:

@@ -11,18 +11,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from datacache.catalog.database import CatalogDatabase
+from datacache.catalog.readers import ReaderRows
 from datacache.catalog.room import Claim, Room, reserve_in, trim_in
 from datacache.catalog.rows import (
     COLUMNS,
     CatalogEntry,
     DatasetRecord,
-    ReaderRow,
     Reservation,
     ShardState,
     entries_of,
     entry_from_row,
-    leased_shards,
     owner_alive,
     resident_versions_of,
     write_reads,
@@ -65,7 +63,7 @@ class CatalogWrites:
     runs: int = 0
 
 
-class Catalog(CatalogDatabase):
+class Catalog(ReaderRows):
     """The SQLite catalog of one local tier: its transactions, run where `CatalogDatabase` runs them.
 
     The object holds only its path when pickled.
@@ -420,69 +418,6 @@ class Catalog(CatalogDatabase):
                 return [entry_from_row(r) for r in rows]
 
         return await self._write(write)
-
-    # -- readers: progress and leases (eviction never takes a shard a live reader holds) -----
-
-    async def note_reader(
-        self, dataset: str, reader: str, *, owner: str, epoch: int, position: int, holding: Sequence[str]
-    ) -> None:
-        """Record where ``reader`` is, and replace the shards it holds (leases) with ``holding``.
-
-        On a full disk (another process filled it) nothing is recorded and the reader reads on: an
-        eviction may then take a shard it is about to open, which it finds gone and locates again
-        (`UnitReaders._open`); one mapped stays whole. A trial's training died of this note.
-        """
-
-        def write(c: sqlite3.Connection) -> None:
-            with self._transaction(c):
-                c.execute(
-                    "INSERT INTO readers (dataset, reader, owner, epoch, position, updated) VALUES (?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(dataset, reader) DO UPDATE SET owner=excluded.owner, epoch=excluded.epoch,"
-                    " position=excluded.position, updated=excluded.updated",
-                    (dataset, reader, owner, epoch, position, time.time()),
-                )
-                # Only this owner's: a reader name another process (another uid's) also uses ends nothing of its.
-                c.execute("DELETE FROM leases WHERE dataset=? AND reader=? AND owner=?", (dataset, reader, owner))
-                c.executemany(
-                    "INSERT OR IGNORE INTO leases (dataset, key, reader, owner) VALUES (?, ?, ?, ?)",
-                    [(dataset, key, reader, owner) for key in holding],
-                )
-
-        try:
-            await self._write(write)
-        except TierFullError as exc:
-            if not self._said_full:
-                logger.warning("%s; this node's readers' places and leases are not recorded until it has room", exc)
-                self._said_full = True
-
-    async def readers(self, dataset: str) -> list[ReaderRow]:
-        """Every reader of the dataset this node has seen, with its last epoch and position.
-
-        Rows outlive their processes on purpose: a reader of the last epoch is a reader
-        of this node in the next one too, before it has said so.
-        """
-
-        def read(c: sqlite3.Connection) -> list[ReaderRow]:
-            rows = c.execute("SELECT reader, epoch, position FROM readers WHERE dataset=?", (dataset,))
-            return [ReaderRow(r[0], r[1], r[2]) for r in rows.fetchall()]
-
-        return await self._run(read)
-
-    async def drop_dead_leases(self) -> int:
-        """Remove the leases of processes that no longer exist; return how many."""
-
-        def write(c: sqlite3.Connection) -> int:
-            with self._transaction(c):
-                owners = {row[0] for row in c.execute("SELECT DISTINCT owner FROM leases")}
-                dead = [(owner,) for owner in owners if not owner_alive(owner)]
-                c.executemany("DELETE FROM leases WHERE owner=?", dead)
-                return len(dead)
-
-        return await self._run(write)
-
-    async def leased(self) -> set[tuple[str, str]]:
-        """(dataset, key) of every shard a live reader holds."""
-        return await self._run(leased_shards)
 
     async def usage(self) -> tuple[int, int]:
         """Bytes and shards held or reserved on the local tier."""

@@ -169,7 +169,8 @@ def read_manifest_file(path: Path, snapshot: str) -> Manifest:
         raise DatacacheError(
             f"cannot read the manifest {path} the daemon wrote: permission denied to uid {os.geteuid()}, "
             f"not in its group {_group_of(path)}; run the daemon with its clients' group as its primary group "
-            "(systemd Group=, runuser -g GROUP; docs/SECURITY.md, 'Setting it up'), then empty its local tier"
+            "(systemd Group=, or setpriv --regid=GROUP --init-groups; docs/SECURITY.md, 'Setting it up'), "
+            "then empty its local tier"
         ) from None
     except OSError as exc:
         raise DatacacheError(

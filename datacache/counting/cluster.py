@@ -41,13 +41,21 @@ from typing import Any
 import numpy as np
 
 from datacache.config import Settings
-from datacache.counting.indexfiles import IndexFiles, decide_cold, encode_batch, index_dir, node_plan_path, parse_batch
+from datacache.counting.indexfiles import (
+    IndexFiles,
+    backed_counts,
+    decide_cold,
+    encode_batch,
+    index_dir,
+    node_plan_path,
+    parse_batch,
+)
 from datacache.counting.sidecars import KnownCount, read_sidecar_counts, wids_index
 from datacache.counting.tarscan import count_batch_sync, count_tar_samples
 from datacache.dask_ray import map_dask, map_ray
 from datacache.errors import DatacacheError, ShardReadError
 from datacache.locks import LeaseLock
-from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard, max_samples
+from datacache.manifest import SIDECAR_CANDIDATES, Manifest, Shard
 from datacache.tiers import ObjectInfo, Tier
 from datacache.tiers.files import UnsafeFileError, atomic_write
 
@@ -170,39 +178,8 @@ class ClusterIndex:
             except (OSError, ShardReadError, UnsafeFileError) as exc:
                 logger.warning("ignoring a damaged cluster index file: %s", exc)
                 continue
-            found.update(self._backed(counts, path)[0])
+            found.update(backed_counts(self.manifest, counts, path)[0])
         return found
-
-    def _backed(self, counts: Mapping[str, KnownCount], path: Path) -> tuple[dict[str, KnownCount], int]:
-        """The counts of this snapshot's shards that their bytes can back (the manifest's rule, `max_samples`),
-        and how many of ``counts`` are this snapshot's shards.
-
-        A count above it (3,000,000 samples in a 40 KB tar) is dropped with a warning: the
-        shard is counted again rather than planned for samples it cannot hold.
-        """
-        keys = list(counts)
-        table = self.manifest.table
-        positions = table.positions(keys)
-        ours = positions >= 0
-        sizes = np.where(ours, table.sizes[np.where(ours, positions, 0)], 0).tolist()
-        backed: dict[str, KnownCount] = {}
-        for key, mine, size in zip(keys, ours.tolist(), sizes, strict=True):
-            if not mine:
-                continue
-            count = counts[key]
-            bound = max_samples(self.manifest.format, size)
-            if bound is not None and count.samples > bound:
-                logger.warning(
-                    "%s: shard %r counted %d samples in %d bytes (at most %d); counting it again",
-                    path,
-                    key,
-                    count.samples,
-                    size,
-                    bound,
-                )
-                continue
-            backed[key] = count
-        return backed, int(ours.sum())
 
     async def _write(self, path: Path, counts: Mapping[str, KnownCount]) -> None:
         encoded = encode_batch(counts)
@@ -401,7 +378,7 @@ class ClusterIndex:
         except (OSError, ShardReadError, UnsafeFileError) as exc:
             logger.warning("counting again: %s", exc)
             return None
-        backed, ours = self._backed(counts, path)
+        backed, ours = backed_counts(self.manifest, counts, path)
         if len(backed) < ours:
             return None  # a count its bytes cannot back: the batch is counted again
         return backed

@@ -20,10 +20,12 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
+
 from datacache.config import Settings, default_cache_dir
 from datacache.counting.sidecars import KnownCount
 from datacache.errors import ShardReadError
-from datacache.manifest import Manifest
+from datacache.manifest import Manifest, max_samples
 from datacache.ownership import operator_writes, shared_metadata_mode
 from datacache.tiers.files import (
     Place,
@@ -34,7 +36,7 @@ from datacache.tiers.files import (
     server_now,
 )
 
-__all__ = ["IndexFiles", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
+__all__ = ["IndexFiles", "backed_counts", "decide_cold", "encode_batch", "index_dir", "node_plan_path", "parse_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -317,3 +319,37 @@ def decide_cold(settings: Settings, manifest: Manifest, *, seed: int, epoch: int
     files.link_once(name, json.dumps({"cold": cold}).encode())  # fails quietly if another decided first
     decided = recorded()
     return cold if decided is None else decided
+
+
+def backed_counts(
+    manifest: Manifest, counts: Mapping[str, KnownCount], path: Path
+) -> tuple[dict[str, KnownCount], int]:
+    """The counts of ``manifest``'s shards that their bytes can back (the manifest's rule, `max_samples`),
+    and how many of ``counts`` are this snapshot's shards.
+
+    A count above it (3,000,000 samples in a 40 KB tar) is dropped with a warning: the
+    shard is counted again rather than planned for samples it cannot hold.
+    """
+    keys = list(counts)
+    table = manifest.table
+    positions = table.positions(keys)
+    ours = positions >= 0
+    sizes = np.where(ours, table.sizes[np.where(ours, positions, 0)], 0).tolist()
+    backed: dict[str, KnownCount] = {}
+    for key, mine, size in zip(keys, ours.tolist(), sizes, strict=True):
+        if not mine:
+            continue
+        count = counts[key]
+        bound = max_samples(manifest.format, size)
+        if bound is not None and count.samples > bound:
+            logger.warning(
+                "%s: shard %r counted %d samples in %d bytes (at most %d); counting it again",
+                path,
+                key,
+                count.samples,
+                size,
+                bound,
+            )
+            continue
+        backed[key] = count
+    return backed, int(ours.sum())

@@ -194,8 +194,8 @@ class Lifecycle:
             return
         logger.warning(
             "%s is group %s, the socket's is %s: the daemon's clients cannot read the manifests and shards "
-            "it writes; run it with its clients' group as its primary group (systemd Group=, runuser -g "
-            "GROUP) and empty %s",
+            "it writes; run it with its clients' group as its primary group (systemd Group=, or setpriv "
+            "--regid=GROUP --init-groups) and empty %s",
             made,
             group_name(group),
             group_name(self.socket_group),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hashlib
 import hmac
@@ -28,7 +29,7 @@ from datacache._protocol import UnknownDatasetError, config_from_wire
 from datacache.config import DatasetConfig, Settings, resolve_dataset
 from datacache.daemon._http import BadRequest, Peer, string
 from datacache.daemon._policy import OriginPolicy, canonical_url, check_form
-from datacache.errors import ConfigError, DatacacheError
+from datacache.errors import ConfigError, DaemonUnavailableError, DatacacheError
 from datacache.manifest import Manifest, Shard
 from datacache.staging import DatasetHandle, Stager
 from datacache.tiers import CONFINE_REDIRECTS, redact_url, validate_key
@@ -333,12 +334,23 @@ class DatasetRegistry:
         path = self.snapshot_path(manifest.dataset, manifest.snapshot)
         if not path.exists():
             temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                # The clients of the daemon's group read it; a declared dataset's, only its readers.
-                apply_mode(fd, self._snapshot_mode(manifest.dataset))
-                out.write(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
-            temporary.replace(path)
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    # The clients of the daemon's group read it; a declared dataset's, only its readers.
+                    apply_mode(fd, self._snapshot_mode(manifest.dataset))
+                    out.write(json.dumps(manifest.to_json(), separators=(",", ":")).encode())
+                temporary.replace(path)
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # Its clients read the manifest from this file: with none, they read through their own
+                # stagers, as when the daemon is down (a trial's jobs died of the raw errno instead).
+                logger.warning("cannot keep the manifest of %s for clients: %s is full", manifest.dataset, path.parent)
+                raise DaemonUnavailableError(
+                    f"the daemon cannot keep the manifest of {manifest.dataset}: its disk ({path.parent}) is full"
+                ) from exc
         prefix = f"{manifest.dataset}@"  # ids hold no '@': no other dataset's file matches
         files = [p for p in self.snapshot_dir.iterdir() if p.name.startswith(prefix) and p.suffix == ".json"]
         files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
