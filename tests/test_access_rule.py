@@ -353,6 +353,35 @@ def test_readers_declared_or_taken_away_after_copies_were_made_get_copies_of_the
         daemon.kill()
 
 
+def test_a_private_datasets_owner_refreshes_it_after_its_objects_changed(
+    users: dict[str, User], world_dir: Path, base_env: dict[str, str]
+) -> None:
+    """A trial: the proof's challenge named an object of the old snapshot, which the origin no longer
+    had, so the owner's `warm --refresh` failed every time with "take a new snapshot with --refresh"."""
+    alice = users["alice"]
+    origin, _ = _origin(world_dir, "a-wds", alice)
+    config = _config(world_dir, f"""
+        [datasets.a-wds]
+        url = "file://{origin}/"
+    """)
+    daemon = _serve(users, world_dir, base_env, "--config", str(config))
+    try:
+        env = _client_env(alice, world_dir, config)
+        first = cli_as(alice, "warm", "a-wds", env=env)
+        assert first.returncode == 0, first.stderr
+        daemon.kill()  # a new daemon: alice must prove access again, on the snapshot it knows
+        daemon = _serve(users, world_dir, base_env, "--config", str(config))
+        for shard in sorted(origin.iterdir()):  # every object rewritten: no old one to answer with
+            data = shard.read_bytes()
+            shard.write_bytes(data[::-1])
+            os.utime(shard, (1e9, 1e9))
+        refreshed = cli_as(alice, "warm", "a-wds", "--refresh", env=env)
+        assert refreshed.returncode == 0, refreshed.stderr
+        assert "3/3 shards resident" in refreshed.stdout, refreshed.stdout
+    finally:
+        daemon.kill()
+
+
 # -- items 4 and 5: credentials and the query are part of what an http origin returns --------------
 
 

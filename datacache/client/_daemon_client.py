@@ -39,7 +39,7 @@ from datacache.client._http import (
     streamed_events,
 )
 from datacache.config import DatasetConfig, Settings, resolve_dataset
-from datacache.errors import DaemonUnavailableError, DatacacheError, ProofRequiredError
+from datacache.errors import DaemonUnavailableError, DatacacheError, OriginChangedError, ProofRequiredError
 from datacache.manifest import Manifest, listing_notices, reading_url
 from datacache.staging import PRIORITY_PREFETCH, PRIORITY_URGENT, DatasetHandle, FutureOrder, Location, ReaderProgress
 from datacache.staging.reading import read_verified
@@ -228,7 +228,14 @@ class DaemonClient:
     async def _prove(self, config: DatasetConfig, wire: dict[str, Any]) -> dict[str, str]:
         """Show the daemon that the origin answers this user, with this process's own credentials."""
         reply = await self._call("POST", f"{API}/challenge", {"dataset": wire}, within=self.request_timeout)
-        return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
+        try:
+            return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
+        except OriginChangedError:
+            # The daemon's snapshot names an object the origin no longer has: a challenge on a new one
+            # (an owner's `warm --refresh` failed every time, told to refresh).
+            body = {"dataset": wire, "refresh": True}
+            reply = await self._call("POST", f"{API}/challenge", body, within=self.request_timeout)
+            return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
 
     async def _wire(self, config: DatasetConfig) -> dict[str, Any]:
         """``config`` as sent: with credentials only to a daemon running as this very user."""

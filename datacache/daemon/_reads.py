@@ -58,7 +58,13 @@ class ReadVerbs(DaemonBase):
         config, configured = await asyncio.to_thread(self.registry.admit, data, peer)
         if not self.grants.needs_proof(config, peer, configured=configured):
             raise http.BadRequest(f"dataset {config.name}: uid {peer.uid} needs no access proof for it")
-        handle = await self.lifecycle.tracked(self._stager().open(config))
+        # Its objects changed at the origin: a challenge on a new snapshot (not `registry.open`: a uid
+        # that opened a dataset may change it, and this one has proved nothing yet).
+        if data.get("refresh") is True:
+            with self.open_gate.hold(peer.uid, config.id):  # a listing, bounded as an open's
+                handle = await self.lifecycle.tracked(self._stager().open(config, refresh=True), with_caller=True)
+        else:
+            handle = await self.lifecycle.tracked(self._stager().open(config))
         return web.json_response(self.grants.challenge(peer, handle).to_wire())
 
     async def _ensure(self, request: web.Request) -> web.Response:
