@@ -90,6 +90,18 @@ class Grants:
             del pending[next(iter(pending))]
         return made
 
+    def count_refresh(self, peer: Peer, dataset_id: str) -> None:
+        """Count a challenge asked with a refresh as a wrong proof: each lists the origin for a uid that
+        proved nothing yet, so a uid gets `WRONG_PROOFS` of them (or wrong proofs) in `WRONG_SECONDS`."""
+        now = time.monotonic()
+        wrong = [at for at in self._wrong.get((peer.uid, dataset_id), ()) if at > now - WRONG_SECONDS]
+        if len(wrong) >= WRONG_PROOFS:
+            raise Forbidden(
+                f"uid {peer.uid} asked {len(wrong)} refreshed challenges or gave wrong proofs of this dataset in "
+                f"{WRONG_SECONDS / 60:.0f} minutes; ask again later"
+            )
+        self._wrong[(peer.uid, dataset_id)] = [*wrong, now]
+
     def _refuse_after_wrong(self, peer: Peer, handle: DatasetHandle, now: float) -> None:
         wrong = [at for at in self._wrong.get((peer.uid, handle.id), ()) if at > now - WRONG_SECONDS]
         self._wrong[(peer.uid, handle.id)] = wrong

@@ -61,6 +61,7 @@ class ReadVerbs(DaemonBase):
         # Its objects changed at the origin: a challenge on a new snapshot (not `registry.open`: a uid
         # that opened a dataset may change it, and this one has proved nothing yet).
         if data.get("refresh") is True:
+            self.grants.count_refresh(peer, config.id)
             with self.open_gate.hold(peer.uid, config.id):  # a listing, bounded as an open's
                 handle = await self.lifecycle.tracked(self._stager().open(config, refresh=True), with_caller=True)
         else:
