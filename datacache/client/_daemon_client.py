@@ -227,14 +227,13 @@ class DaemonClient:
 
     async def _prove(self, config: DatasetConfig, wire: dict[str, Any]) -> dict[str, str]:
         """Show the daemon that the origin answers this user, with this process's own credentials."""
-        reply = await self._call("POST", f"{API}/challenge", {"dataset": wire}, within=self.request_timeout)
+        body = {"dataset": wire}
+        reply = await self._call("POST", f"{API}/challenge", body, within=self.request_timeout)
         try:
             return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
         except OriginChangedError:
-            # The daemon's snapshot names an object the origin no longer has: a challenge on a new one
-            # (an owner's `warm --refresh` failed every time, told to refresh).
-            body = {"dataset": wire, "refresh": True}
-            reply = await self._call("POST", f"{API}/challenge", body, within=self.request_timeout)
+            # Its object changed since the daemon's snapshot (an owner's `warm --refresh` failed every time).
+            reply = await self._call("POST", f"{API}/challenge", {**body, "refresh": True}, within=self.request_timeout)
             return await answer_challenge(config, Challenge.from_wire(reply), self.settings.retry)
 
     async def _wire(self, config: DatasetConfig) -> dict[str, Any]:
