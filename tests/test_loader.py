@@ -557,7 +557,7 @@ def test_a_target_missed_because_the_training_loop_is_slow_names_the_loop_not_th
     assert sum(1 for _ in dataset) == 60  # staged: the epoch below reads local copies
     with caplog.at_level("WARNING", logger="datacache.loaders.reading.prefetch"):
         for _ in dataset:
-            time.sleep(0.02)  # the step's own work, not a wait for anything
+            time.sleep(0.02)  # sleep-ok: the training step's own work, not a wait for anything
     said = [r.getMessage() for r in caplog.records if "limiting stage" in r.getMessage()]
     assert said and all("the training loop" in line for line in said), said
     assert dataset.stats().limiting_stage == prefetch.TRAINING_LOOP
