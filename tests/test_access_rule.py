@@ -155,6 +155,17 @@ def _serve(users: dict[str, User], world_dir: Path, env: dict[str, str], *args: 
     )
 
 
+def _serve_private(
+    users: dict[str, User], world_dir: Path, env: dict[str, str], name: str, origin: Path
+) -> tuple[Path, DaemonProcess]:
+    """The config naming ``origin`` as dataset ``name`` without readers (its owner's alone), and a daemon serving it."""
+    config = _config(world_dir, f"""
+        [datasets.{name}]
+        url = "file://{origin}/"
+    """)
+    return config, _serve(users, world_dir, env, "--config", str(config))
+
+
 def _client_env(user: User, world_dir: Path, config: Path | None = None) -> dict[str, str]:
     extra = {"DATACACHE_SOCKET": str(world_dir / "run" / "daemon.sock")}
     if config is not None:
@@ -272,11 +283,7 @@ def test_an_access_proof_cannot_be_answered_from_bytes_every_tar_holds_nor_guess
     for path in [bobs, *bobs.iterdir()]:
         os.chown(path, bob.uid, bob.gid)
         path.chmod(0o700 if path.is_dir() else 0o600)
-    config = _config(world_dir, f"""
-        [datasets.b-wds]
-        url = "file://{bobs}/"
-    """)
-    daemon = _serve(users, world_dir, base_env, "--config", str(config))
+    config, daemon = _serve_private(users, world_dir, base_env, "b-wds", bobs)
     try:
         tries = _prove_as(alice, daemon, _client_env(alice, world_dir, config), "b-wds", "zeros", 12)
         assert "granted" not in [reply for _, reply in tries], tries
@@ -295,11 +302,7 @@ def test_several_workers_of_one_job_prove_access_at_once(
     """A fresh daemon kept one challenge per uid and dataset: a job's workers overwrote each other's."""
     bob = users["bob"]
     bobs, _ = _origin(world_dir, "b-wds", bob)
-    config = _config(world_dir, f"""
-        [datasets.b-wds]
-        url = "file://{bobs}/"
-    """)
-    daemon = _serve(users, world_dir, base_env, "--config", str(config))
+    config, daemon = _serve_private(users, world_dir, base_env, "b-wds", bobs)
     try:
         proofs = _prove_as(bob, daemon, _client_env(bob, world_dir, config), "b-wds", "origin", 3)
         assert proofs == [[200, "granted"]] * 3, proofs
@@ -360,11 +363,7 @@ def test_a_private_datasets_owner_refreshes_it_after_its_objects_changed(
     had, so the owner's `warm --refresh` failed every time with "take a new snapshot with --refresh"."""
     alice = users["alice"]
     origin, _ = _origin(world_dir, "a-wds", alice)
-    config = _config(world_dir, f"""
-        [datasets.a-wds]
-        url = "file://{origin}/"
-    """)
-    daemon = _serve(users, world_dir, base_env, "--config", str(config))
+    config, daemon = _serve_private(users, world_dir, base_env, "a-wds", origin)
     try:
         env = _client_env(alice, world_dir, config)
         first = cli_as(alice, "warm", "a-wds", env=env)
